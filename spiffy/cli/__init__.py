@@ -1,0 +1,1 @@
+"""The ``spiffy`` command line."""

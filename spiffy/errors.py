@@ -1,0 +1,65 @@
+"""Typed errors raised by spiffy.
+
+Every error names the problem and, where one exists, the fix. Catch :class:`SpiffyError` to handle
+all of them; the subclasses also inherit from the matching built-in (``ValueError``, ``FileNotFoundError``,
+...) so code written against the built-ins keeps working.
+"""
+
+from __future__ import annotations
+
+
+class SpiffyError(Exception):
+    """Base class of every error spiffy raises on purpose."""
+
+
+class ConfigError(SpiffyError, ValueError):
+    """A decoding or model configuration value is invalid (e.g. ``gen_length % block_length != 0``)."""
+
+
+class UnknownModelTypeError(ConfigError):
+    """A checkpoint's ``config.json`` names a ``model_type`` spiffy does not implement."""
+
+
+class MissingTokenError(ConfigError):
+    """A required special token (mask, EOS, ...) is absent from the config and the tokenizer."""
+
+
+class PromptTooLongError(ConfigError):
+    """Prompt plus requested generation exceeds the model's context window."""
+
+
+class CheckpointError(SpiffyError, OSError):
+    """A checkpoint directory is missing, unreadable, or its tensors do not match the model."""
+
+
+class CheckpointKeyError(CheckpointError):
+    """Strict key matching failed: names the missing and unexpected parameter keys."""
+
+    def __init__(self, path: str, missing: list[str], unexpected: list[str], shape_mismatch: list[str] | None = None):
+        self.path = path
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.shape_mismatch = list(shape_mismatch or [])
+        parts = [f"checkpoint at {path!r} does not match the model"]
+        if self.missing:
+            parts.append(f"missing keys ({len(self.missing)}): {', '.join(self.missing[:8])}" + (" ..." if len(self.missing) > 8 else ""))
+        if self.unexpected:
+            parts.append(
+                f"unexpected keys ({len(self.unexpected)}): {', '.join(self.unexpected[:8])}" + (" ..." if len(self.unexpected) > 8 else "")
+            )
+        if self.shape_mismatch:
+            parts.append(f"shape mismatches: {', '.join(self.shape_mismatch[:8])}")
+        parts.append("fix: point at a checkpoint of the family named by its config.json, or rebuild it with `spiffy tiny`")
+        super().__init__("; ".join(parts))
+
+
+class GraphError(SpiffyError, ValueError):
+    """A draft-graph file or object is malformed (schema, levels, subsets, parent closure, cycles)."""
+
+
+class GraphMismatchError(GraphError):
+    """A draft graph was calibrated for a model or decoding configuration incompatible with the runtime one."""
+
+
+class DrafterMismatchError(ConfigError):
+    """A DFlash drafter does not fit its target (hidden size, vocabulary, target layer ids)."""

@@ -1,0 +1,108 @@
+"""A minimal per-layer key/value cache shared by spiffy's own diffusion-LM implementations.
+
+Tensors are stored per layer as ``[B, H_kv, C, D]`` (batch, key/value heads, cached positions, head dim).
+The cache is *policy driven*: a forward either appends what it computes (``"append"``, SDAR's
+``store_kv=True``) or only reads the cache (``"read"``, SDAR's ``store_kv=False``). A cache whose batch is 1
+is broadcast against a larger query batch, so several speculative drafts can share one committed prefix.
+
+A transformers ``DynamicCache`` may be passed to the models instead (users' SDAR scripts do); the models
+wrap it with :func:`as_kv_cache`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+CachePolicy = Literal["append", "read"]
+CACHE_POLICIES: tuple[str, ...] = ("append", "read")
+
+
+class KVCache:
+    """Per-layer K/V store. ``keys[i]`` / ``values[i]`` are ``[B, H_kv, C, D]`` or ``None`` before first use."""
+
+    def __init__(self, num_layers: int) -> None:
+        if num_layers <= 0:
+            raise ValueError(f"KVCache needs num_layers > 0, got {num_layers}")
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Number of cached positions C (0 when empty)."""
+        k = self.keys[layer_idx]
+        return 0 if k is None else int(k.shape[-2])
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The cached ``(keys, values)`` of one layer, each ``[B, H_kv, C, D]``, or ``(None, None)``."""
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``k``/``v`` (``[B, H_kv, L, D]``) after the cached positions of ``layer_idx``."""
+        if self.keys[layer_idx] is None:
+            self.keys[layer_idx], self.values[layer_idx] = k, v
+        else:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], k], dim=-2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], v], dim=-2)
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` cached positions (``length >= 0``); drop the rest."""
+        if length < 0:
+            raise ValueError(f"crop length must be >= 0, got {length}")
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i] = k[..., :length, :]
+                self.values[i] = self.values[i][..., :length, :]  # type: ignore[index]
+
+    def select(self, index: torch.Tensor) -> "KVCache":
+        """A new cache holding only cached positions ``index`` (``[C']`` long), in that order."""
+        out = KVCache(self.num_layers)
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                out.keys[i] = k.index_select(-2, index.to(k.device))
+                out.values[i] = v.index_select(-2, index.to(v.device))  # type: ignore[union-attr]
+        return out
+
+    def clone(self) -> "KVCache":
+        out = KVCache(self.num_layers)
+        out.keys = [None if k is None else k.clone() for k in self.keys]
+        out.values = [None if v is None else v.clone() for v in self.values]
+        return out
+
+
+class DynamicCacheView:
+    """Adapts a transformers ``DynamicCache`` to the :class:`KVCache` interface (read/append/length)."""
+
+    def __init__(self, cache) -> None:  # noqa: ANN001 - transformers type, imported lazily
+        self.cache = cache
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.cache.get_seq_length(layer_idx))
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        layers = getattr(self.cache, "layers", None)
+        if layers is None or layer_idx >= len(layers):
+            return None, None
+        lay = layers[layer_idx]
+        keys = getattr(lay, "keys", None)
+        if keys is None or (isinstance(keys, torch.Tensor) and keys.numel() == 0):
+            return None, None
+        return keys, lay.values
+
+    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.update(k, v, layer_idx)
+
+
+def as_kv_cache(cache) -> KVCache | DynamicCacheView | None:  # noqa: ANN001
+    """Return ``cache`` as an object with ``layer/append/get_seq_length`` (``None`` stays ``None``)."""
+    if cache is None or isinstance(cache, (KVCache, DynamicCacheView)):
+        return cache
+    if hasattr(cache, "update") and hasattr(cache, "get_seq_length"):
+        return DynamicCacheView(cache)
+    raise TypeError(
+        f"past_key_values must be a spiffy KVCache or a transformers DynamicCache, got {type(cache).__name__}"
+    )

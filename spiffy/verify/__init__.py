@@ -1,0 +1,19 @@
+"""The shared verification backend (SPEC §8): compile draft structures into one forward, then walk them."""
+
+from spiffy.verify.backend import (
+    CompiledDraft,
+    DraftStructure,
+    compile_batched,
+    compile_packed,
+    follow,
+    tree_ancestor_mask,
+)
+
+__all__ = [
+    "CompiledDraft",
+    "DraftStructure",
+    "compile_batched",
+    "compile_packed",
+    "follow",
+    "tree_ancestor_mask",
+]

@@ -1,0 +1,255 @@
+"""Compile a set of draft nodes with parent links into model inputs, and walk the result.
+
+Both speculative modes use this module:
+
+* **DDTree** (AR): every node is one token; a node sees the committed context, its ancestors and itself
+  (``visibility="ancestors"``). Position of a node = root position + depth.
+* **Spiffy** (dLLM): every node is a *span* of rows (a block, a block + suffix copy, or a whole sequence) that
+  replaces real rows; it sees the committed context and its own rows only (``visibility="self"``). Position
+  ids are those of the rows it replaces. Drafts never see each other; real rows never see drafts.
+
+Two layouts are offered:
+
+* :func:`compile_packed` puts every node's rows in one sequence ``[1, R]`` with a 4-D additive mask
+  ``[1, 1, R, C + R]`` (``C`` = cached context length). Needed for trees.
+* :func:`compile_batched` stacks equal-length spans in the batch dimension ``[N, S]`` (each row of the batch
+  is one node); with ``visibility="self"`` this is the same computation with a cheaper attention.
+
+The walk, :func:`follow`, is generic: it starts at a root, asks the target's own decoding rule for the next
+state, and moves to the child that matches it until none does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Literal, Sequence, TypeVar
+
+import torch
+
+Visibility = Literal["ancestors", "self"]
+
+NodeT = TypeVar("NodeT", bound=Hashable)
+StateT = TypeVar("StateT")
+
+
+@dataclass
+class DraftStructure:
+    """Draft nodes to verify in one forward.
+
+    Attributes:
+        tokens: per node, ``[S_n]`` long token ids of the node's rows.
+        positions: per node, ``[S_n]`` long position ids of those rows.
+        parents: per node, the indices of its parent nodes (``()`` or ``(-1,)`` = child of the root/real state).
+            Parents must precede children. Used for ``"ancestors"`` visibility and by walks.
+        visibility: ``"ancestors"`` (tree nodes see ancestors + self) or ``"self"`` (spans see only themselves).
+    """
+
+    tokens: list[torch.Tensor]
+    positions: list[torch.Tensor]
+    parents: list[tuple[int, ...]] = field(default_factory=list)
+    visibility: Visibility = "self"
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.positions):
+            raise ValueError(f"tokens ({len(self.tokens)}) and positions ({len(self.positions)}) differ in node count")
+        if not self.parents:
+            self.parents = [()] * len(self.tokens)
+        if len(self.parents) != len(self.tokens):
+            raise ValueError(f"parents ({len(self.parents)}) and tokens ({len(self.tokens)}) differ in node count")
+        for i, (t, p, par) in enumerate(zip(self.tokens, self.positions, self.parents)):
+            if t.dim() != 1 or p.dim() != 1 or t.shape != p.shape:
+                raise ValueError(f"node {i}: tokens {tuple(t.shape)} and positions {tuple(p.shape)} must be equal 1-D")
+            for q in par:
+                if q >= i:
+                    raise ValueError(f"node {i}: parent {q} does not precede it (parents must come first)")
+        if self.visibility not in ("ancestors", "self"):
+            raise ValueError(f"visibility must be 'ancestors' or 'self', got {self.visibility!r}")
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+    def row_offsets(self) -> list[int]:
+        """Start row of every node in the packed layout, plus the total row count at the end."""
+        offs = [0]
+        for t in self.tokens:
+            offs.append(offs[-1] + int(t.numel()))
+        return offs
+
+
+@dataclass
+class CompiledDraft:
+    """Model inputs for one verification forward.
+
+    Attributes:
+        input_ids: ``[1, R]`` (packed) or ``[N, S]`` (batched) long.
+        position_ids: same shape as ``input_ids``.
+        attention_mask: 4-D additive float mask, ``[1, 1, R, C + R]`` (packed) or ``[N, 1, S, C + S]``
+            (batched); ``0`` = visible, ``dtype`` min = hidden.
+        row_offsets: packed layout: start row of each node plus total; batched: ``None``.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    row_offsets: list[int] | None
+
+    def node_rows(self, node: int) -> slice | int:
+        """Where node ``node``'s outputs live: a row slice (packed) or a batch index (batched)."""
+        if self.row_offsets is None:
+            return node
+        return slice(self.row_offsets[node], self.row_offsets[node + 1])
+
+
+def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """Ancestor-or-self visibility of a tree.
+
+    Args:
+        parents: ``[N]`` long, parent index of each node, ``-1`` for children of the root; parents precede children.
+    Returns:
+        ``[N, N]`` bool, ``out[i, j]`` = node ``j`` is ``i`` or an ancestor of ``i``.
+    """
+    n = int(parents.numel())
+    vis = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
+    if n == 0:
+        return vis
+    rows = torch.arange(n, device=parents.device)
+    cur = rows.clone()
+    alive = torch.ones(n, dtype=torch.bool, device=parents.device)
+    for _ in range(n):  # at most depth iterations; exits early
+        vis[rows[alive], cur[alive]] = True
+        nxt = torch.where(alive, parents[cur.clamp(min=0)], torch.full_like(cur, -1))
+        alive = nxt >= 0
+        cur = nxt
+        if not bool(alive.any()):
+            break
+    return vis
+
+
+def _node_visibility(structure: DraftStructure, device: torch.device) -> torch.Tensor:
+    """``[N, N]`` bool node-level visibility."""
+    n = structure.num_nodes
+    if structure.visibility == "self":
+        return torch.eye(n, dtype=torch.bool, device=device)
+    for i, par in enumerate(structure.parents):
+        if len([q for q in par if q >= 0]) > 1:
+            raise ValueError(f"node {i} has {len(par)} parents: 'ancestors' visibility needs a tree")
+    parents = torch.tensor([next((q for q in par if q >= 0), -1) for par in structure.parents], dtype=torch.long, device=device)
+    return tree_ancestor_mask(parents)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+    return torch.where(visible, zero, neg)
+
+
+def compile_packed(
+    structure: DraftStructure,
+    context_len: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    context_visible: torch.Tensor | None = None,
+    prefix_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> CompiledDraft:
+    """Pack every node's rows into one sequence with a 4-D additive visibility mask.
+
+    Args:
+        structure: the draft nodes.
+        context_len: ``C``, number of cached (committed) positions every row may see.
+        dtype: mask dtype (use the model's compute dtype).
+        device: target device (default: the device of the first node's tokens).
+        context_visible: optional ``[R, C]`` bool; which cached positions each row sees (default: all).
+        prefix_rows: optional ``(tokens [P], positions [P])`` of *real* rows placed before the nodes (e.g. the
+            DDTree root / the real Spiffy state). Real rows see the context and each other (bidirectionally for a
+            span, i.e. as one ``"self"`` node) and never see draft rows; with ``"ancestors"`` visibility every
+            node additionally sees all prefix rows (they are its ancestors).
+    Returns:
+        :class:`CompiledDraft` with ``input_ids [1, R]``, ``position_ids [1, R]``, ``attention_mask [1, 1, R, C+R]``;
+        ``row_offsets`` count prefix rows as node ``0`` when ``prefix_rows`` is given.
+    """
+    dev = torch.device(device) if device is not None else (structure.tokens[0].device if structure.tokens else torch.device("cpu"))
+    tok = [t.to(dev) for t in structure.tokens]
+    pos = [p.to(dev) for p in structure.positions]
+    sizes = [int(t.numel()) for t in tok]
+    node_vis = _node_visibility(structure, dev)
+    # Expand node-level visibility to rows: row r of node a sees row s of node b iff node_vis[a, b].
+    owner = torch.repeat_interleave(torch.arange(len(sizes), device=dev), torch.tensor(sizes, device=dev)) if sizes else torch.zeros(0, dtype=torch.long, device=dev)
+    draft_vis = node_vis[owner][:, owner] if owner.numel() else torch.zeros(0, 0, dtype=torch.bool, device=dev)
+    n_pre = 0 if prefix_rows is None else int(prefix_rows[0].numel())
+    r_draft = int(owner.numel())
+    r = n_pre + r_draft
+    vis = torch.zeros(r, r, dtype=torch.bool, device=dev)
+    vis[n_pre:, n_pre:] = draft_vis
+    if n_pre:
+        vis[:n_pre, :n_pre] = True
+        if structure.visibility == "ancestors":
+            vis[n_pre:, :n_pre] = True
+        tok = [prefix_rows[0].to(dev)] + tok  # type: ignore[index]
+        pos = [prefix_rows[1].to(dev)] + pos  # type: ignore[index]
+    ctx = torch.ones(r, context_len, dtype=torch.bool, device=dev)
+    if context_visible is not None:
+        if tuple(context_visible.shape) != (r, context_len):
+            raise ValueError(f"context_visible must be [{r}, {context_len}], got {tuple(context_visible.shape)}")
+        ctx = context_visible.to(dev, torch.bool)
+    full = torch.cat([ctx, vis], dim=1)
+    input_ids = torch.cat(tok).view(1, r) if tok else torch.zeros(1, 0, dtype=torch.long, device=dev)
+    position_ids = torch.cat(pos).view(1, r) if pos else torch.zeros(1, 0, dtype=torch.long, device=dev)
+    offsets = [0] + ([n_pre] if n_pre else [])
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    return CompiledDraft(input_ids, position_ids, _additive(full, dtype).view(1, 1, r, context_len + r), offsets)
+
+
+def compile_batched(
+    structure: DraftStructure,
+    context_len: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> CompiledDraft:
+    """Stack equal-length ``"self"``-visibility spans in the batch dimension.
+
+    Each batch row is one node seeing the ``C`` cached positions and its own ``S`` rows (a cache of batch 1 is
+    broadcast by the models). Returns ``input_ids [N, S]``, ``position_ids [N, S]``, ``attention_mask
+    [N, 1, S, C + S]`` (all zeros: everything in reach is visible).
+    """
+    if structure.visibility != "self":
+        raise ValueError("compile_batched only supports 'self' visibility; use compile_packed for trees")
+    if not structure.tokens:
+        raise ValueError("compile_batched needs at least one node")
+    sizes = {int(t.numel()) for t in structure.tokens}
+    if len(sizes) != 1:
+        raise ValueError(f"compile_batched needs equal-length spans, got lengths {sorted(sizes)}")
+    dev = torch.device(device) if device is not None else structure.tokens[0].device
+    ids = torch.stack([t.to(dev) for t in structure.tokens])
+    pos = torch.stack([p.to(dev) for p in structure.positions])
+    n, s = ids.shape
+    mask = torch.zeros(n, 1, s, context_len + s, dtype=dtype, device=dev)
+    return CompiledDraft(ids, pos, mask, None)
+
+
+def follow(
+    root: NodeT,
+    next_state: Callable[[NodeT], StateT],
+    child_matching: Callable[[NodeT, StateT], NodeT | None],
+) -> tuple[list[NodeT], StateT]:
+    """Walk a verified draft structure from ``root`` by the target's own decoding rule.
+
+    Args:
+        root: the node holding the real state.
+        next_state: ``node -> state``: apply the target's decoding rule at ``node`` (e.g. the target's token at a
+            tree node, or the baseline transition applied to a draft's distribution).
+        child_matching: ``(node, state) -> child or None``: the child of ``node`` equal to ``state``.
+    Returns:
+        ``(accepted, final_state)``: the accepted nodes in order (root excluded) and the first state that matched
+        no child (the DDTree bonus token / the Spiffy state after the last accepted draft).
+    """
+    accepted: list[NodeT] = []
+    node = root
+    while True:
+        state = next_state(node)
+        child = child_matching(node, state)
+        if child is None:
+            return accepted, state
+        accepted.append(child)
+        node = child
