@@ -1,0 +1,175 @@
+"""The decoding-session contract shared by every dLLM baseline decoder and by Spiffy.
+
+A diffusion LM decodes a state ``x`` (``[B, T]`` token ids: prompt + ``gen_length`` positions, masked ones
+holding the mask id) block by block. Each *step* computes the model's distributions on the state, ``F(x)``, and
+applies the baseline *transition* ``R(x, F(x))`` which unmasks some positions (consuming the session's random
+generator in a fixed order). Spiffy needs exactly these two pieces, separately:
+
+* :meth:`DecodeSession.forward_states` evaluates ``F`` for ``N`` candidate states in **one** model call, each
+  exactly as the baseline would compute it if it were in that state (same cache mode, same rows, same positions).
+* :meth:`DecodeSession.transition` is the baseline rule, pure apart from the generator.
+
+:func:`run_baseline` is the plain decoder written on top of the contract; Spiffy's loop uses the same calls, so
+both paths share kernels, caches, RNG use and NFE accounting.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Where a transition happens.
+
+    Attributes:
+        block: block index (0-based).
+        block_start: absolute row index of the block's first position in ``x``.
+        block_end: absolute row index one past the block's last position.
+        step: step index inside the block (0-based; the schedule of static decoding is indexed by it).
+        window_start: absolute row index of the first row covered by the logits given to the transition
+            (logits index ``i`` predicts the token at row ``window_start + i``).
+    """
+
+    block: int
+    block_start: int
+    block_end: int
+    step: int
+    window_start: int
+
+
+@dataclass
+class StepRecord:
+    """What an observer sees at every transition (used by calibration).
+
+    ``x_before``/``x_after``: ``[B, T]``; ``logits``: ``[B, W, V]`` aligned window logits that drove the step.
+    """
+
+    info: StepInfo
+    x_before: torch.Tensor
+    logits: torch.Tensor
+    x_after: torch.Tensor
+
+
+StepObserver = Callable[[StepRecord], None]
+
+
+class DecodeSession(ABC):
+    """One generation of one dLLM family under one decoding configuration.
+
+    Attributes (set by subclasses):
+        x: ``[B, T]`` current state; ``T = prompt_len + gen_length`` (plus left padding if any).
+        prompt_len: number of prompt rows (the generation area starts here).
+        block_length, num_blocks: block layout of the generation area.
+        mask_id: the family's mask token id (from config/tokenizer).
+        nfe: model forward calls made so far (every call counts once, whatever its batch).
+        generator: the ``torch.Generator`` every random draw of the baseline rule consumes.
+    """
+
+    x: torch.Tensor
+    prompt_len: int
+    block_length: int
+    num_blocks: int
+    mask_id: int
+    nfe: int
+    generator: torch.Generator | None
+
+    def block_bounds(self, block: int) -> tuple[int, int]:
+        """``(start, end)`` absolute rows of ``block``."""
+        start = self.prompt_len + block * self.block_length
+        return start, start + self.block_length
+
+    @abstractmethod
+    def begin_block(self, block: int) -> torch.Tensor | None:
+        """Block-start work (e.g. the refreshing full forward of ``prefix``/``dual`` cache modes, SDAR's commit of
+        the previous block). Counts its NFE. Returns the ``[B, W, V]`` aligned window logits that drive the block's
+        first step when the mode computes them here, else ``None``."""
+
+    @abstractmethod
+    def window_start(self, block: int) -> int:
+        """First absolute row of the window that :meth:`forward_states` returns logits for, inside ``block``."""
+
+    @abstractmethod
+    def forward_states(self, states: torch.Tensor) -> torch.Tensor:
+        """``F`` for ``N`` candidate states in one model call.
+
+        Args:
+            states: ``[N, T]`` full states (only valid for batch size 1 sessions when ``N > 1``).
+        Returns:
+            ``[N, W, V]`` aligned logits of the current window (index ``i`` predicts row ``window_start + i``),
+            each row computed exactly as the baseline computes ``F`` on that state. Counts one NFE.
+        """
+
+    @abstractmethod
+    def transition(self, x: torch.Tensor, logits: torch.Tensor, info: StepInfo) -> torch.Tensor:
+        """``R(x, F(x))``: the baseline unmasking rule.
+
+        Args:
+            x: ``[B, T]`` state.
+            logits: ``[B, W, V]`` aligned window logits computed on ``x``.
+            info: where the step happens.
+        Returns:
+            ``[B, T]`` next state (a new tensor). Consumes :attr:`generator` exactly as the baseline does.
+        """
+
+    @abstractmethod
+    def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
+        """Whether ``block`` needs no further step after ``step`` steps have been taken on state ``x``
+        (static schedules: ``step == steps_per_block``; dynamic: no mask left in the block)."""
+
+    def end_block(self, block: int) -> None:
+        """Block-end work (counted in :attr:`nfe` if it calls the model). Default: nothing."""
+
+    def finish(self) -> None:
+        """Generation-end work. Default: nothing."""
+
+    def step_info(self, block: int, step: int) -> StepInfo:
+        start, end = self.block_bounds(block)
+        return StepInfo(block=block, block_start=start, block_end=end, step=step, window_start=self.window_start(block))
+
+
+@dataclass
+class BaselineStats:
+    """Counters of one baseline run, returned beside the tokens."""
+
+    nfe: int = 0
+    steps: int = 0
+    steps_per_block: list[int] = field(default_factory=list)
+
+
+def run_baseline(session: DecodeSession, observer: StepObserver | None = None, progress: Callable[[int], None] | None = None) -> BaselineStats:
+    """Decode every block of ``session`` with the plain baseline loop (one forward per step).
+
+    Args:
+        session: a prepared session; ``session.x`` holds the final state afterwards.
+        observer: called with a :class:`StepRecord` after every transition (calibration records trajectories).
+        progress: called with the number of steps just taken (for progress bars).
+    Returns:
+        :class:`BaselineStats` (``nfe`` equals ``session.nfe`` at the end).
+    """
+    stats = BaselineStats()
+    for block in range(session.num_blocks):
+        logits = session.begin_block(block)
+        step = 0
+        while not session.block_finished(block, step, session.x):
+            if logits is None:
+                logits = session.forward_states(session.x)
+            info = session.step_info(block, step)
+            x_next = session.transition(session.x, logits, info)
+            if observer is not None:
+                observer(StepRecord(info=info, x_before=session.x, logits=logits, x_after=x_next))
+            session.x = x_next
+            logits = None
+            step += 1
+            if progress is not None:
+                progress(1)
+        session.end_block(block)
+        stats.steps_per_block.append(step)
+        stats.steps += step
+    session.finish()
+    stats.nfe = session.nfe
+    return stats
