@@ -1,0 +1,69 @@
+"""Model families (LLaDA, Dream, SDAR; Qwen3 targets; DFlash drafters), loaders, tokenizers, tiny checkpoints.
+
+Uniform forward contract of spiffy's own diffusion models (``LLaDAModelLM``, ``DreamModel``,
+``SDARForCausalLM``)::
+
+    out = model(input_ids [B, L], attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=None, store_kv=None, cache_policy=None, output_hidden_states=False)
+    out.logits            # [B, L, V], raw and unshifted (Dream's shift is the decoder's business)
+    out.past_key_values   # the cache passed in, or a new KVCache when use_cache=True and none was passed
+    out.hidden_states     # when output_hidden_states=True
+
+``past_key_values`` is a :class:`~spiffy.models.cache.KVCache` or a transformers ``DynamicCache``; a cache of
+batch 1 broadcasts against a query batch B. Queries see ``[cached ; new]`` keys. ``cache_policy="append"``
+stores the new K/V, ``"read"`` only reads (SDAR's ``store_kv=True/False`` is the same switch; otherwise
+``use_cache`` decides). ``position_ids`` default to ``cache_len + arange(L)``. Masks: None, 2-D key padding,
+4-D bool / 0-1 float / additive float (see :func:`spiffy.models.layers.normalize_attention_mask`).
+"""
+
+from __future__ import annotations
+
+from spiffy.models.cache import KVCache, as_kv_cache
+from spiffy.models.loading import (
+    SpecialTokenIds,
+    family_of,
+    load_config,
+    load_model,
+    load_state_dict,
+    load_tokenizer,
+    mask_token_id,
+    read_config_dict,
+    resolve_dtype,
+    save_checkpoint,
+    special_token_ids,
+)
+from spiffy.models.registry import FAMILIES, FamilySpec, family_spec, register_with_transformers
+
+__all__ = [
+    "FAMILIES",
+    "FamilySpec",
+    "KVCache",
+    "SpecialTokenIds",
+    "as_kv_cache",
+    "build_tokenizer",
+    "family_of",
+    "family_spec",
+    "load_config",
+    "load_model",
+    "load_state_dict",
+    "load_tokenizer",
+    "make_tiny",
+    "mask_token_id",
+    "read_config_dict",
+    "register_with_transformers",
+    "resolve_dtype",
+    "save_checkpoint",
+    "special_token_ids",
+]
+
+
+def __getattr__(name: str):  # noqa: ANN202 - lazy re-exports
+    if name == "make_tiny":
+        from spiffy.models.tiny import make_tiny
+
+        return make_tiny
+    if name == "build_tokenizer":
+        from spiffy.models.tokenizer import build_tokenizer
+
+        return build_tokenizer
+    raise AttributeError(f"module 'spiffy.models' has no attribute {name!r}")

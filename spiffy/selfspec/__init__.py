@@ -1,0 +1,48 @@
+"""Spiffy self-speculation for diffusion LLMs: (i, j) formulas, calibrated draft graphs, pruning, the runtime.
+
+Modules:
+
+* :mod:`spiffy.selfspec.formulas`: ranking of the latest distribution and instantiation of formulas (shared by
+  calibration and runtime).
+* :mod:`spiffy.selfspec.pruning`: per-step node scores (``gm`` default) and parent-closed top-``budget`` selection.
+* :mod:`spiffy.selfspec.runtime`: :func:`speculative_generate`, the exact one-forward verification loop.
+* :mod:`spiffy.selfspec.oracle`: oracle / random graphs for tests and benchmarks.
+* :mod:`spiffy.selfspec.graph`, :mod:`spiffy.selfspec.calibrate`: draft-graph objects/files and calibration
+  (import ``calibrate`` from its module).
+
+Names are imported lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY: dict[str, str] = {
+    "Ranking": "spiffy.selfspec.formulas",
+    "rank_state": "spiffy.selfspec.formulas",
+    "instantiate": "spiffy.selfspec.formulas",
+    "instantiate_many": "spiffy.selfspec.formulas",
+    "pair_probs": "spiffy.selfspec.formulas",
+    "prune": "spiffy.selfspec.pruning",
+    "node_scores": "spiffy.selfspec.pruning",
+    "SCORES": "spiffy.selfspec.pruning",
+    "speculative_generate": "spiffy.selfspec.runtime",
+    "SpeculativeStats": "spiffy.selfspec.runtime",
+    "oracle_graph": "spiffy.selfspec.oracle",
+    "random_graph": "spiffy.selfspec.oracle",
+    "DraftGraph": "spiffy.selfspec.graph",
+    "DraftNode": "spiffy.selfspec.graph",
+    "load_graph": "spiffy.selfspec.graph",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spiffy.selfspec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,215 @@
+"""``spiffy generate``: decode one prompt with a diffusion LM (baseline or Spiffy), or an AR target (DDTree).
+
+dLLM mode: ``spiffy generate --model DIR --prompt TEXT [decoding flags] [--graph FILE --budget D] [--json]``.
+AR mode: ``spiffy generate --target DIR [--drafter DIR --method ar|dflash|ddtree --max-new-tokens N] ...``
+(delegated to :func:`spiffy.ar.cli.run_generate`). Flags shared by both modes are defined here once:
+``--prompt --chat --json --dtype --device --budget --temperature --top-p --top-k --seed``.
+
+:func:`add_decoding_arguments` / :func:`config_from_args` are reusable by other subcommands (``spiffy calibrate``)
+that take the same decoding flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from spiffy.errors import ConfigError
+
+#: flags defined here and shared with AR mode (the AR engineer's add_ar_arguments skips them)
+SHARED_FLAGS: tuple[str, ...] = (
+    "--prompt", "--chat", "--json", "--dtype", "--device", "--budget", "--temperature", "--top-p", "--top-k", "--seed",
+)
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser, *, sampling: bool = True) -> argparse.ArgumentParser:
+    """Add the dLLM decoding flags (one per :class:`~spiffy.decoding.DecodeConfig` field).
+
+    With ``sampling=False`` the flags shared with AR mode (``--temperature --top-p --top-k --seed``) are left out
+    (a caller that defines them itself).
+    """
+    g = parser.add_argument_group("decoding (diffusion LMs)")
+    g.add_argument("--gen-length", type=int, default=128, metavar="N", help="number of generated positions (default 128)")
+    g.add_argument("--block-length", type=int, default=None, metavar="B",
+                   help="positions per block; must divide --gen-length (default: one block = gen length; SDAR: 4)")
+    g.add_argument("--steps", type=int, default=None, metavar="S",
+                   help="total denoising steps, split evenly over blocks (default: gen length = one token per step)")
+    g.add_argument("--threshold", type=float, default=None, metavar="TAU",
+                   help="dynamic unmasking: every masked position with confidence >= TAU per step (0 < TAU <= 1)")
+    g.add_argument("--remasking", default="low_confidence", choices=("low_confidence", "random"),
+                   help="which positions to unmask (LLaDA): most confident or random (default low_confidence)")
+    g.add_argument("--cache", default="none", choices=("none", "prefix", "dual"),
+                   help="K/V cache mode (Fast-dLLM): none, prefix or dual (default none; SDAR always caches)")
+    g.add_argument("--cfg-scale", type=float, default=0.0, metavar="W", help="classifier-free guidance scale (LLaDA; 0 = off)")
+    g.add_argument("--logits-eos-inf", action="store_true", help="LLaDA: forbid EOS proposals (EOS logit = -inf)")
+    g.add_argument("--confidence-eos-eot-inf", action="store_true",
+                   help="LLaDA: lower the confidence of EOS/EoT proposals (official semantics)")
+    g.add_argument("--alg", default=None, choices=("origin", "maskgit_plus", "topk_margin", "entropy"),
+                   help="Dream unmasking rule (default: maskgit_plus, or origin with --remasking random)")
+    g.add_argument("--alg-temp", type=float, default=None, metavar="T", help="Dream: sample positions with softmax(confidence / T)")
+    g.add_argument("--eps", type=float, default=1e-3, help="Dream: final timestep of linspace(1, eps, steps + 1) (default 1e-3)")
+    g.add_argument("--strategy", default=None,
+                   choices=("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded"),
+                   help="SDAR remasking strategy (default: dynamic with --threshold, else static)")
+    if sampling:
+        add_sampling_arguments(parser)
+    return parser
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--temperature --top-p --top-k --seed`` (shared with AR mode)."""
+    g = parser.add_argument_group("sampling (both modes)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (0 = greedy, default)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass in (0, 1] (default off)")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="top-k sampling (default off; 0 = off)")
+    g.add_argument("--seed", type=int, default=0, metavar="K", help="seed of every random draw (default 0)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """``(DecodeConfig, extra overrides)`` from parsed decoding flags; extras are family-specific (``strategy``)."""
+    from spiffy.decoding import DecodeConfig
+
+    top_p = getattr(args, "top_p", None)
+    top_k = getattr(args, "top_k", None)
+    cfg = DecodeConfig(
+        gen_length=args.gen_length,
+        block_length=args.block_length,
+        steps=args.steps,
+        threshold=args.threshold,
+        remasking=args.remasking,
+        temperature=float(getattr(args, "temperature", 0.0) or 0.0),
+        cfg_scale=args.cfg_scale,
+        logits_eos_inf=bool(args.logits_eos_inf),
+        confidence_eos_eot_inf=bool(args.confidence_eos_eot_inf),
+        cache=args.cache,
+        seed=getattr(args, "seed", 0),
+        alg=args.alg,
+        alg_temp=args.alg_temp,
+        eps=args.eps,
+        top_p=None if top_p is None or float(top_p) >= 1.0 else float(top_p),
+        top_k=None if not top_k else int(top_k),
+    )
+    extra: dict[str, Any] = {}
+    if getattr(args, "strategy", None) is not None:
+        extra["strategy"] = args.strategy
+    return cfg, extra
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Create the ``generate`` subparser."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text with a diffusion LM (baseline or Spiffy) or an AR target (DDTree)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, metavar="DIR", help="diffusion LM checkpoint directory (LLaDA, Dream or SDAR)")
+    parser.add_argument("--prompt", default="", help="prompt text, tokenized as is (see --chat)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (tokens, text, nfe, seconds, steps, config) instead of the text")
+    parser.add_argument("--dtype", default=None,
+                        help="model dtype: float32 (CPU default), float64, bfloat16, float16 or auto (config)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--graph", default=None, metavar="FILE",
+                        help="calibrated draft graph (JSON): Spiffy speculative decoding, same tokens, fewer forwards")
+    parser.add_argument("--budget", type=int, default=None, metavar="D",
+                        help="draft nodes kept per step with --graph (default 3); AR mode: DDTree node budget")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_decoding_arguments(parser)
+    try:
+        from spiffy.ar.cli import add_ar_arguments
+    except ImportError:  # AR mode not part of this build
+        pass
+    else:
+        add_ar_arguments(parser)
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def _encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("--chat needs a tokenizer with a chat template; fix: drop --chat or use an instruct checkpoint")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    else:
+        text = prompt
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not ids:
+        for tid in (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+            if tid is not None:
+                return [int(tid)]
+        raise ConfigError("the prompt is empty and the tokenizer has no BOS/EOS token; fix: pass --prompt TEXT")
+    return ids
+
+
+def _load_graph(path: str) -> Any:
+    try:
+        from spiffy.selfspec.graph import load_graph
+    except ImportError as exc:
+        raise ConfigError(f"--graph needs spiffy.selfspec.graph, which is unavailable ({exc}); fix: install the full package") from exc
+    return load_graph(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``spiffy generate``; returns the exit status."""
+    if getattr(args, "target", None):
+        from spiffy.ar.cli import run_generate
+
+        return int(run_generate(args) or 0)
+    if not args.model:
+        raise ConfigError(
+            "no model given; fix: pass --model DIR (a LLaDA/Dream/SDAR checkpoint, e.g. one written by "
+            "`spiffy tiny llada DIR`) or --target DIR for AR mode"
+        )
+    import torch
+
+    from spiffy.decoding import generate
+    from spiffy.models import load_model, load_tokenizer
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(args.model, dtype=args.dtype, device=device)
+    tokenizer = load_tokenizer(args.model)
+    ids = _encode_prompt(tokenizer, args.prompt, args.chat)
+    cfg, extra = config_from_args(args)
+    graph = _load_graph(args.graph) if args.graph else None
+    if graph is None and args.budget is not None:
+        print("spiffy generate: note: --budget has no effect without --graph", file=sys.stderr)
+    res = generate(
+        model,
+        torch.tensor([ids], dtype=torch.long),
+        cfg,
+        tokenizer=tokenizer,
+        graph=graph,
+        budget=args.budget,
+        progress=not args.no_progress,
+        **extra,
+    )
+    text = res.text[0] if res.text else ""
+    if args.json:
+        payload = {
+            "tokens": res.tokens[0],
+            "text": text,
+            "nfe": res.nfe,
+            "seconds": res.seconds,
+            "steps": res.steps,
+            "family": res.family,
+            "prompt_tokens": len(ids),
+            "model": str(args.model),
+            "graph": args.graph,
+            "budget": args.budget,
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "device": str(device),
+            "config": res.config.to_dict() if res.config is not None else None,
+            "stats": res.to_dict()["stats"],
+        }
+        print(json.dumps(payload))
+    else:
+        print(text)
+        mode = "spiffy" if graph is not None else "baseline"
+        print(f"[{res.family} {mode}] {len(res.tokens[0])} positions, {res.steps} steps, {res.nfe} NFE, "
+              f"{res.seconds:.2f}s", file=sys.stderr)
+    return 0

@@ -1,0 +1,287 @@
+"""Shared machinery of the bidirectional dLLM sessions (LLaDA, Dream): state layout, model calls, cache modes.
+
+Cache modes (Fast-dLLM semantics) and the logits *window* each mode returns (index ``i`` of the window predicts row
+``window_start + i``):
+
+========  ======================================================  ==========================
+mode      one step's forward                                      window
+========  ======================================================  ==========================
+none      full sequences (batch dim), no cache                    ``[prompt_len, T)``
+prefix    rows ``x[block_start:]`` against the frozen prefix K/V   ``[block_start, T)``
+dual      rows ``x[block_start:block_end]`` against prefix+suffix  ``[block_start, block_end)``
+========  ======================================================  ==========================
+
+With a cache, :meth:`BidirectionalSession.begin_block` runs one full forward that refreshes the cache and whose
+logits (sliced to the window) drive the block's first step. Cached K/V are read-only during the block
+(``cache_policy="read"``); a batch-1 cache is broadcast to every candidate state, so :meth:`forward_states`
+computes each of ``N`` states exactly as the baseline would in one call (Spiffy's exact verification rule).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spiffy.decoding.config import DecodeConfig
+from spiffy.decoding.session import DecodeSession, StepInfo
+from spiffy.errors import ConfigError
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Device of the model's first parameter (CPU for a parameterless module)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class BidirectionalSession(DecodeSession):
+    """Base class of :class:`~spiffy.decoding.llada.LLaDASession` and :class:`~spiffy.decoding.dream.DreamSession`.
+
+    Args:
+        model: a LLaDA/Dream model following the forward contract (``model(input_ids, attention_mask=...,
+            position_ids=..., past_key_values=..., use_cache=..., cache_policy=...) -> .logits``).
+        input_ids: ``[B, P]`` prompt ids (left padded when ``B > 1`` with ragged prompts).
+        config: the decoding configuration (validated).
+        mask_id: the family's mask token id.
+        attention_mask: optional ``[B, P]`` 0/1 prompt mask (0 = left padding).
+        generator: the generator every random draw consumes (default: a new one on the model's device seeded
+            with ``config.resolved_seed``; pass ``torch.default_generator`` to follow ``torch.manual_seed``).
+    Attributes:
+        x: ``[B, P + gen_length]`` state; ``prompt_len = P``.
+        attention_mask: ``[B, T]`` key-padding mask or ``None`` (no padding).
+        position_ids: ``[B|1, T]`` absolute positions used for cached calls (and full calls when the family
+            derives them from the mask).
+    """
+
+    #: Dream reads token i from logits i-1.
+    shifted_logits: bool = False
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        config: DecodeConfig,
+        *,
+        mask_id: int,
+        attention_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if input_ids.dim() != 2:
+            raise ConfigError(f"input_ids must be [B, P], got shape {tuple(input_ids.shape)}; fix: add a batch dim")
+        if input_ids.shape[1] < 1:
+            raise ConfigError("the prompt is empty; fix: pass at least one prompt token (e.g. a BOS token)")
+        self.model = model
+        self.config = config
+        self.mask_id = int(mask_id)
+        device = model_device(model)
+        input_ids = input_ids.to(device=device, dtype=torch.long)
+        b, p = input_ids.shape
+        gen = config.gen_length
+        self.prompt_len = p
+        self.block_length = config.resolved_block_length
+        self.num_blocks = config.num_blocks
+        self.steps_per_block = config.steps_per_block
+        self.cache_mode = config.cache
+        self.x = torch.full((b, p + gen), self.mask_id, dtype=torch.long, device=device)
+        self.x[:, :p] = input_ids
+        # the reference's prompt_index (rows that were not masks at the start; CFG masks them)
+        self.prompt_index = self.x != self.mask_id
+        self.attention_mask = self._extend_mask(attention_mask, b, p, gen, device)
+        self.position_ids = self._positions(device)
+        self.nfe = 0
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(config.resolved_seed)
+        self.generator = generator
+        self._cache: Any = None
+        self._cache_block = -1
+        if self.cache_mode != "none" and config.cfg_scale > 0:
+            raise ConfigError(
+                f"cfg_scale={config.cfg_scale} is not supported with cache={self.cache_mode!r}; "
+                "fix: use cache='none' with classifier-free guidance, or cfg_scale=0"
+            )
+
+    # ------------------------------------------------------------------ setup helpers
+    @staticmethod
+    def _extend_mask(attention_mask: torch.Tensor | None, b: int, p: int, gen: int, device: torch.device) -> torch.Tensor | None:
+        if attention_mask is None:
+            return None
+        am = attention_mask.to(device)
+        if am.dim() != 2 or tuple(am.shape) != (b, p):
+            raise ConfigError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, expected [{b}, {p}] like input_ids; "
+                "fix: pass the tokenizer's 2-D attention mask"
+            )
+        am = torch.cat([am.to(torch.long), torch.ones((b, gen), dtype=torch.long, device=device)], dim=-1)
+        if bool((am == 0).any()):
+            if bool((am[:, -1 - gen] == 0).any()):
+                raise ConfigError(
+                    "the prompt's last position is padding; fix: pad prompts on the left (tokenizer.padding_side='left')"
+                )
+            return am
+        return None  # nothing hidden: same as no mask
+
+    def _positions(self, device: torch.device) -> torch.Tensor:
+        """Absolute positions ``[1, T]`` (families that derive positions from the mask override this)."""
+        return torch.arange(self.x.shape[1], device=device)[None]
+
+    def full_position_ids(self) -> torch.Tensor | None:
+        """Position ids passed to full-sequence forwards (``None`` = the model's default ``arange``)."""
+        return None
+
+    # ------------------------------------------------------------------ model calls
+    def _model(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return self.model(input_ids, **kwargs)
+
+    def _mask_rows(self, n: int, cols: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The ``[B|N, K]`` key mask (``cols`` = key order), broadcast-compatible with ``n`` query rows."""
+        if self.attention_mask is None:
+            return None
+        am = self.attention_mask if cols is None else self.attention_mask[:, cols]
+        return am
+
+    def _check_states(self, states: torch.Tensor) -> torch.Tensor:
+        if states.dim() != 2 or states.shape[1] != self.x.shape[1]:
+            raise ConfigError(f"states must be [N, {self.x.shape[1]}], got {tuple(states.shape)}")
+        b = self.x.shape[0]
+        if states.shape[0] != b and b != 1:
+            raise ConfigError(
+                f"forward_states got {states.shape[0]} states for a batch-{b} session; several candidate states "
+                "per call need a batch-1 session"
+            )
+        return states.to(self.x.device)
+
+    def full_logits(self, states: torch.Tensor, use_cache: bool = False) -> tuple[torch.Tensor, Any]:
+        """Raw logits ``[N, T, V]`` of full sequences (CFG combined), and the K/V cache when ``use_cache``."""
+        n = states.shape[0]
+        am = self._mask_rows(n)
+        pos = self.full_position_ids()
+        cfg = self.config.cfg_scale
+        if cfg > 0:
+            un = torch.where(self.prompt_index, torch.full_like(states, self.mask_id), states)
+            both = torch.cat([states, un], dim=0)
+            am2 = None if am is None else (am if am.shape[0] == 1 else torch.cat([am, am], dim=0))
+            pos2 = None if pos is None else (pos if pos.shape[0] == 1 else torch.cat([pos, pos], dim=0))
+            out = self._model(both, attention_mask=am2, position_ids=pos2)
+            cond, uncond = torch.chunk(out.logits, 2, dim=0)
+            return uncond + (cfg + 1) * (cond - uncond), None
+        if use_cache:
+            out = self._model(states, attention_mask=am, position_ids=pos, use_cache=True, cache_policy="append")
+            cache = getattr(out, "past_key_values", None)
+            if cache is None:
+                raise ConfigError(
+                    f"{type(self.model).__name__} returned no past_key_values with use_cache=True; "
+                    "fix: use cache='none' with this model"
+                )
+            return out.logits, cache
+        out = self._model(states, attention_mask=am, position_ids=pos)
+        return out.logits, None
+
+    # ------------------------------------------------------------------ windows
+    def window_start(self, block: int) -> int:
+        if self.cache_mode == "none":
+            return self.prompt_len
+        return self.block_bounds(block)[0]
+
+    def window_end(self, block: int) -> int:
+        if self.cache_mode == "dual":
+            return self.block_bounds(block)[1]
+        return self.x.shape[1]
+
+    def _slice_full(self, logits: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Aligned window ``[lo, hi)`` of full-sequence raw logits (Dream: shifted by one row)."""
+        if self.shifted_logits:
+            return logits[:, lo - 1 : hi - 1]
+        return logits[:, lo:hi]
+
+    def _align_partial(self, logits: torch.Tensor) -> torch.Tensor:
+        """Aligned logits of a cached call on rows ``[lo, hi)``: Dream shifts inside the window and gives the first
+        row its own logits (Fast-dLLM; the first block row is decoded at block start, so they are never used)."""
+        if self.shifted_logits:
+            return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits
+
+    # ------------------------------------------------------------------ DecodeSession contract
+    def begin_block(self, block: int) -> torch.Tensor | None:
+        self.on_block_start(block)
+        if self.cache_mode == "none":
+            return None
+        start, end = self.block_bounds(block)
+        logits, cache = self.full_logits(self.x, use_cache=True)
+        self.nfe += 1
+        t = self.x.shape[1]
+        if self.cache_mode == "prefix":
+            cache.crop(start)
+        else:
+            keep = torch.cat(
+                [torch.arange(0, start, device=self.x.device), torch.arange(end, t, device=self.x.device)]
+            )
+            cache = cache.select(keep)
+        self._cache = cache
+        self._cache_block = block
+        return self._slice_full(logits, start, self.window_end(block))
+
+    def forward_states(self, states: torch.Tensor) -> torch.Tensor:
+        """``[N, T]`` states -> ``[N, W, V]`` aligned window logits of the current block (one NFE)."""
+        states = self._check_states(states)
+        if self.cache_mode == "none":
+            logits, _ = self.full_logits(states)
+            self.nfe += 1
+            return self._slice_full(logits, self.prompt_len, self.x.shape[1])
+        if self._cache is None:
+            raise ConfigError("forward_states called before begin_block; fix: call session.begin_block(block) first")
+        block = self._cache_block
+        start, end = self.block_bounds(block)
+        t = self.x.shape[1]
+        dev = self.x.device
+        if self.cache_mode == "prefix":
+            rows = torch.arange(start, t, device=dev)
+            key_cols = torch.arange(0, t, device=dev)
+        else:
+            rows = torch.arange(start, end, device=dev)
+            key_cols = torch.cat(
+                [torch.arange(0, start, device=dev), torch.arange(end, t, device=dev), rows]
+            )
+        am = self._mask_rows(states.shape[0], key_cols)
+        out = self._model(
+            states[:, rows],
+            attention_mask=am,
+            position_ids=self.position_ids[:, rows],
+            past_key_values=self._cache,
+            cache_policy="read",
+        )
+        self.nfe += 1
+        return self._align_partial(out.logits)
+
+    def end_block(self, block: int) -> None:
+        self._cache = None
+
+    def finish(self) -> None:
+        self._cache = None
+
+    # ------------------------------------------------------------------ helpers for transitions
+    def on_block_start(self, block: int) -> None:
+        """Hook: per-block schedule set-up (called by :meth:`begin_block` before any forward)."""
+
+    def frame(self, info: StepInfo, width: int) -> tuple[int, int]:
+        """Rows ``[lo, hi)`` over which the reference ranks confidences (and draws per-row noise): the whole
+        sequence without cache (official generators), the window with a cache (Fast-dLLM)."""
+        if self.cache_mode == "none":
+            return 0, self.x.shape[1]
+        return info.window_start, info.window_start + width
+
+    def block_mask_in_window(self, x: torch.Tensor, info: StepInfo, width: int) -> torch.Tensor:
+        """``[B, W]`` bool: rows of the window that are masked and inside the current block."""
+        ws = info.window_start
+        rows = torch.arange(ws, ws + width, device=x.device)
+        in_block = (rows >= info.block_start) & (rows < info.block_end)
+        return (x[:, ws : ws + width] == self.mask_id) & in_block[None, :]
+
+    def block_has_mask(self, block: int, x: torch.Tensor) -> bool:
+        start, end = self.block_bounds(block)
+        return bool((x[:, start:end] == self.mask_id).any())
+
+
+__all__ = ["BidirectionalSession", "model_device"]

@@ -1,0 +1,177 @@
+"""Dream baseline decoding (HKUNLP/Dream ``diffusion_generate`` semantics, plus Fast-dLLM's blockwise variant).
+
+Logits are shifted: the token at row ``i`` is read from the logits of row ``i - 1``.
+
+Static schedule (per block; the original is one block covering the whole response): timesteps
+``linspace(1, eps, steps_per_block + 1)``; step ``i`` unmasks ``int(n_masked * (1 - s / t))`` positions
+(``t, s`` = timesteps ``i, i + 1``; all remaining ones at the last step), where ``n_masked`` is the
+batch-averaged masked count of the block. Rules (``alg``):
+
+* ``origin``: every masked position is revealed with probability ``1 - s / t`` (uniform draws), its token sampled.
+* ``maskgit_plus`` / ``topk_margin`` / ``entropy``: confidence = probability of the proposed token / top-1 minus
+  top-2 probability / negative entropy; the most confident positions are revealed (``alg_temp > 0``: positions
+  drawn by ``multinomial(softmax(confidence / alg_temp))`` instead).
+
+Proposals: logits / temperature, top-p, top-k, softmax; ``T = 0`` = argmax, else one categorical draw per row.
+Threshold (Fast-dLLM ``confidence_threshold``): every masked in-block position with confidence ``>= tau`` (and at
+least the most confident) per step, until the block has no mask.
+
+Cache modes (Fast-dLLM ``generation_utils_block``): the block-start full forward decodes only the block's first row
+(its correctly shifted logits are available only there); later steps run on the cached window, whose first row
+takes its own logits (never used: that row is already decoded). Steps ``1 .. steps_per_block - 1`` then follow the
+schedule above, stopping early when the block has no mask. Deviations from Fast-dLLM, documented: the configured
+``alg`` is used (Fast-dLLM hard-codes ``entropy`` there) and with ``steps_per_block == 1`` the single step unmasks
+the whole block (Fast-dLLM would leave it masked).
+
+Seeds: every draw comes from the session's generator (the reference uses the global RNG; draw shapes and order
+follow the reference, so the streams agree after ``torch.manual_seed(K)`` on CPU, but this is not promised).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from spiffy.decoding.base import BidirectionalSession
+from spiffy.decoding.config import DecodeConfig
+from spiffy.decoding.sampling import sample_tokens
+from spiffy.decoding.schedules import dream_num_transfer, dream_timesteps, threshold_transfer
+from spiffy.decoding.session import StepInfo
+
+
+class DreamSession(BidirectionalSession):
+    """One Dream generation (see the module docstring for the rule).
+
+    Position ids follow Dream: under left padding ``cumsum(attention_mask) - 1`` (padding rows get 1), else
+    ``arange``.
+    """
+
+    shifted_logits = True
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        config: DecodeConfig,
+        *,
+        mask_id: int,
+        attention_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__(model, input_ids, config, mask_id=mask_id, attention_mask=attention_mask, generator=generator)
+        self.alg = config.resolved_alg
+        self.timesteps = dream_timesteps(self.steps_per_block, config.eps, device=self.x.device)
+
+    def _positions(self, device: torch.device) -> torch.Tensor:
+        if self.attention_mask is None:
+            return torch.arange(self.x.shape[1], device=device)[None]
+        tok_idx = self.attention_mask.long().cumsum(-1) - 1
+        return tok_idx.masked_fill(self.attention_mask == 0, 1)
+
+    def full_position_ids(self) -> torch.Tensor | None:
+        return None if self.attention_mask is None else self.position_ids
+
+    # ------------------------------------------------------------------ schedule
+    def _first_row_step(self, step: int) -> bool:
+        """Fast-dLLM's block-start step under a cache: decode only the block's first row."""
+        if self.cache_mode == "none" or step != 0:
+            return False
+        return self.config.threshold is not None or self.steps_per_block > 1
+
+    def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
+        if self.config.threshold is not None:
+            return not self.block_has_mask(block, x)
+        if step >= self.steps_per_block:
+            return True
+        if self.cache_mode != "none" and step > 0:
+            return not self.block_has_mask(block, x)
+        return False
+
+    # ------------------------------------------------------------------ transition
+    def _confidence_kind(self) -> dict[str, bool]:
+        return {"margin_confidence": self.alg == "topk_margin", "neg_entropy": self.alg == "entropy"}
+
+    def transition(self, x: torch.Tensor, logits: torch.Tensor, info: StepInfo) -> torch.Tensor:
+        """One Dream step on ``x [B, T]`` from aligned window logits ``[B, W, V]``; returns the next state."""
+        cfg = self.config
+        b, t = x.shape
+        w = logits.shape[1]
+        ws = info.window_start
+        gen = self.generator
+        temp = float(cfg.temperature)
+        out = x.clone()
+        if self._first_row_step(info.step):
+            row = info.block_start - ws
+            _, x0 = sample_tokens(logits[:, row], temp, cfg.top_p, cfg.top_k, gen)
+            cur = x[:, info.block_start]
+            out[:, info.block_start] = torch.where(cur == self.mask_id, x0, cur)
+            return out
+        lo, hi = self.frame(info, w)
+        off = ws - lo
+        mask_w = self.block_mask_in_window(x, info, w)  # [B, W]
+        mask_logits = logits[mask_w]  # [n, V] (row-major over batch, as the reference)
+        if cfg.threshold is not None:
+            conf, x0 = sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
+            return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, threshold=float(cfg.threshold))
+        step, steps = info.step, self.steps_per_block
+        if self.alg == "origin":
+            t_ = self.timesteps[step]
+            s_ = self.timesteps[step + 1]
+            p_transfer = 1 - s_ / t_ if step < steps - 1 else 1
+            n = int(mask_logits.shape[0])
+            x0 = torch.full((n,), self.mask_id, dtype=torch.long, device=x.device)
+            reveal = torch.rand((n,), generator=gen, device=x.device) < p_transfer
+            if bool(reveal.any()):
+                _, x0[reveal] = sample_tokens(mask_logits[reveal], temp, cfg.top_p, cfg.top_k, gen)
+            win = out[:, ws : ws + w]
+            win[mask_w] = x0
+            out[:, ws : ws + w] = win
+            return out
+        conf, x0 = sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
+        num_mask = mask_w.sum() / b
+        k = dream_num_transfer(num_mask, self.timesteps, step, steps)
+        return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, k=k)
+
+    def _apply(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        mask_w: torch.Tensor,
+        conf: torch.Tensor,
+        x0: torch.Tensor,
+        lo: int,
+        hi: int,
+        off: int,
+        w: int,
+        *,
+        k: int | None = None,
+        threshold: float | None = None,
+    ) -> torch.Tensor:
+        """Scatter proposals ``x0 [n]`` / confidences ``conf [n]`` of the masked window rows into the frame and
+        reveal ``k`` positions (top-k, or multinomial with ``alg_temp``) or the threshold set."""
+        b = x.shape[0]
+        dev = x.device
+        full_conf = torch.full((b, hi - lo), -torch.inf, dtype=conf.dtype, device=dev)
+        frame_mask = torch.zeros((b, hi - lo), dtype=torch.bool, device=dev)
+        frame_mask[:, off : off + w] = mask_w
+        full_conf[frame_mask] = conf
+        proposal = torch.full((b, hi - lo), self.mask_id, dtype=torch.long, device=dev)
+        proposal[frame_mask] = x0
+        if threshold is not None:
+            transfer = threshold_transfer(full_conf, mask_w.sum(dim=1), threshold)
+        else:
+            transfer = torch.zeros((b, hi - lo), dtype=torch.bool, device=dev)
+            if k is not None and k > 0:
+                alg_temp = self.config.alg_temp
+                if alg_temp is None or alg_temp == 0:
+                    _, idx = torch.topk(full_conf, k)
+                else:
+                    probs = F.softmax(full_conf / alg_temp, dim=-1)
+                    idx = torch.multinomial(probs, num_samples=k, generator=self.generator)
+                transfer.scatter_(1, idx, True)
+            transfer &= frame_mask  # never overwrite a decoded row (the reference would only with ragged counts)
+        out[:, lo:hi] = torch.where(transfer, proposal, x[:, lo:hi])
+        return out
+
+
+__all__ = ["DreamSession"]

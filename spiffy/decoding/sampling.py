@@ -1,0 +1,114 @@
+"""Token proposal rules of the dLLM baselines, with every random draw taken from an explicit generator.
+
+* :func:`add_gumbel_noise` - LLaDA's float64 "Gumbel" perturbation ``exp(logits) / (-log u) ** T`` (``T = 0``:
+  logits returned unchanged, nothing drawn).
+* :func:`sample_tokens` - Dream's proposal: temperature, top-p, top-k, then the argmax (``T = 0``) or one
+  categorical draw per row; confidence = the chosen token's probability, or the top-1/top-2 margin, or the negative
+  entropy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.rand(shape)`` from ``generator`` (``dtype=None``: the default float dtype, as ``torch.rand``)."""
+    return torch.rand(shape, generator=generator, device=device, dtype=dtype)
+
+
+def add_gumbel_noise(
+    logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LLaDA's sampling perturbation (argmax of the result samples ``softmax(logits / T)``).
+
+    Args:
+        logits: ``[..., V]``.
+        temperature: ``T >= 0``; ``T == 0`` returns ``logits`` itself (same object, nothing drawn).
+        generator: source of the uniform draws (``noise`` not given).
+        noise: optional pre-drawn float64 uniforms shaped like ``logits`` (used to slice a draw made over a
+            larger shape so the generator is consumed exactly as the reference consumes the global RNG).
+    Returns:
+        float64 ``exp(logits) / (-log u) ** T`` shaped like ``logits``.
+    """
+    if temperature == 0:
+        return logits
+    logits64 = logits.to(torch.float64)
+    if noise is None:
+        noise = torch.rand(logits64.shape, generator=generator, device=logits64.device, dtype=torch.float64)
+    gumbel_noise = (-torch.log(noise)) ** temperature
+    return logits64.exp() / gumbel_noise
+
+
+def top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filter on ``[n, V]``: tokens outside the smallest prefix of mass ``> top_p`` (the first token always
+    kept) get the dtype's minimum."""
+    sorted_logits, sorted_indices = torch.sort(logits, descending=True)
+    cumulative = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+    remove = cumulative > top_p
+    remove[..., 1:] = remove[..., :-1].clone()
+    remove[..., 0] = False
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_indices, remove)
+    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
+
+
+def top_k_logits(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Top-k filter on ``[n, V]``: logits below the k-th largest get the dtype's minimum."""
+    top_k = min(int(top_k), logits.size(-1))
+    kth = torch.topk(logits, top_k)[0][..., -1, None]
+    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    margin_confidence: bool = False,
+    neg_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dream's ``sample_tokens``.
+
+    Args:
+        logits: ``[n, V]`` (rows = masked positions).
+        temperature: ``0`` = argmax; otherwise logits are divided by it and one token per row is drawn with
+            ``torch.multinomial`` from ``generator`` (as ``Categorical(probs).sample()`` does).
+        top_p, top_k: optional filters (top-p applied when ``< 1``).
+        margin_confidence: confidence = top-1 minus top-2 probability.
+        neg_entropy: confidence = ``sum p log(p + 1e-10)`` (negative entropy).
+    Returns:
+        ``(confidence [n], x0 [n])``.
+    """
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None and top_p < 1:
+        logits = top_p_logits(logits, top_p)
+    if top_k is not None:
+        logits = top_k_logits(logits, top_k)
+    probs = torch.softmax(logits, dim=-1)
+    if temperature > 0 and probs.shape[0] > 0:
+        try:
+            normed = probs / probs.sum(-1, keepdim=True)
+            x0 = torch.multinomial(normed, 1, True, generator=generator).squeeze(-1)
+            confidence = torch.gather(probs, -1, x0.unsqueeze(-1)).squeeze(-1)
+        except RuntimeError:  # invalid distribution (inf/nan): the reference falls back to the argmax
+            confidence, x0 = probs.max(dim=-1)
+    else:
+        confidence, x0 = probs.max(dim=-1)
+    if margin_confidence:
+        sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)
+        if sorted_probs.shape[-1] > 1:
+            confidence = sorted_probs[:, 0] - sorted_probs[:, 1]
+        else:
+            confidence = sorted_probs[:, 0]
+    if neg_entropy:
+        confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+    return confidence, x0
+
+
+__all__ = ["add_gumbel_noise", "sample_tokens", "top_p_logits", "top_k_logits", "uniform"]

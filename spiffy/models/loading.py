@@ -1,0 +1,547 @@
+"""Load and save checkpoints of every supported family; special-token lookup.
+
+* :func:`load_model` - dispatch on config.json ``model_type`` (``"llada"``, ``"Dream"``, ``"sdar"`` -> spiffy's
+  own modules; ``"qwen3"`` -> transformers' ``Qwen3ForCausalLM``; a config with ``dflash_config`` or
+  architectures ``["DFlashDraftModel"]`` -> :func:`spiffy.ar.drafter.load_drafter`). Reads ``model.safetensors``
+  or a sharded ``model.safetensors.index.json``, with strict key matching.
+* :func:`save_checkpoint` - config.json (with the official ``auto_map``), sharded safetensors + index, optional
+  tokenizer and generation config, written to a temporary directory and renamed into place.
+* :func:`load_tokenizer`, :func:`family_of`, :func:`mask_token_id`, :func:`special_token_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from spiffy.errors import CheckpointError, CheckpointKeyError, ConfigError, MissingTokenError, UnknownModelTypeError
+from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# config / family
+# --------------------------------------------------------------------------------------------------------------
+
+
+def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``config.json`` of checkpoint directory ``path`` (CheckpointError if missing or invalid)."""
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist; fix the path or create one with `spiffy tiny`")
+    if not root.is_dir():
+        raise CheckpointError(f"{str(root)!r} is not a directory; point at a checkpoint directory holding config.json")
+    cfg = root / CONFIG_FILE
+    if not cfg.is_file():
+        raise CheckpointError(f"no config.json in {str(root)!r}; a checkpoint directory needs config.json + safetensors")
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {str(cfg)!r}: {exc}; fix or regenerate the file") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{str(cfg)!r} does not hold a JSON object; fix or regenerate the file")
+    return data
+
+
+def _config_as_dict(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if isinstance(obj, (str, os.PathLike)):
+        return read_config_dict(obj)
+    config = getattr(obj, "config", obj)
+    if hasattr(config, "to_dict"):
+        data = config.to_dict()
+        # to_dict() may drop class attributes such as model_type on some versions
+        data.setdefault("model_type", getattr(config, "model_type", None))
+        return data
+    raise ConfigError(f"cannot read a model config from {type(obj).__name__}; pass a path, config, dict or model")
+
+
+def _is_dflash(cfg: Mapping[str, Any]) -> bool:
+    return "dflash_config" in cfg or "DFlashDraftModel" in (cfg.get("architectures") or [])
+
+
+def family_of(path_or_config: Any) -> str:
+    """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"dflash"``) of a checkpoint path,
+    config object, config dict or model. UnknownModelTypeError for an unsupported ``model_type``."""
+    model = path_or_config
+    if hasattr(model, "config") and not isinstance(model, (str, os.PathLike, Mapping)):
+        for name, spec in FAMILIES.items():
+            if name in ("qwen3",):
+                continue
+            try:
+                if type(model).__name__ == spec.model_class_path.rsplit(".", 1)[1]:
+                    return name
+            except IndexError:  # pragma: no cover
+                pass
+    cfg = _config_as_dict(path_or_config)
+    if _is_dflash(cfg):
+        return "dflash"
+    model_type = cfg.get("model_type")
+    family = MODEL_TYPE_TO_FAMILY.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        supported = ", ".join(repr(t) for t in MODEL_TYPE_TO_FAMILY)
+        raise UnknownModelTypeError(
+            f"model_type {model_type!r} is not supported; supported model types: {supported} (plus DFlash drafters: "
+            "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or Qwen3 checkpoint"
+        )
+    return family
+
+
+def resolve_dtype(dtype: Any, config: Mapping[str, Any] | None = None, device: Any = None) -> torch.dtype:
+    """A ``torch.dtype`` from a dtype, a name (``"float64"``, ``"bf16"``, ...), ``"auto"`` (the config's
+    ``torch_dtype``/``dtype``, float32 if absent) or ``None`` (float32 on CPU, ``"auto"`` elsewhere)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        dtype = "float32" if dev.type == "cpu" else "auto"
+    if isinstance(dtype, str):
+        key = dtype.lower().replace("torch.", "")
+        if key == "auto":
+            stored = (config or {}).get("torch_dtype") or (config or {}).get("dtype")
+            if isinstance(stored, str) and stored.replace("torch.", "") in _DTYPE_NAMES:
+                return _DTYPE_NAMES[stored.replace("torch.", "")]
+            return torch.float32
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+    raise ConfigError(f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(_DTYPE_NAMES)} or 'auto'")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tensors
+# --------------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint and, for a sharded one, its ``weight_map`` (key -> file name)."""
+    root = Path(path)
+    index = root / INDEX_FILE
+    single = root / SINGLE_FILE
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+            weight_map = dict(data["weight_map"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"cannot read {str(index)!r}: {exc}; fix or regenerate the index") from exc
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"shard files listed in {INDEX_FILE} are missing in {str(root)!r}: {', '.join(missing)}; "
+                "re-download or regenerate the checkpoint"
+            )
+        return [root / n for n in names], weight_map
+    if single.is_file():
+        return [single], None
+    raise CheckpointError(
+        f"no {SINGLE_FILE} or {INDEX_FILE} in {str(root)!r}; spiffy reads safetensors checkpoints only "
+        "(convert .bin weights with transformers' save_pretrained(safe_serialization=True))"
+    )
+
+
+def load_state_dict(path: str | os.PathLike, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of a (single-file or sharded) safetensors checkpoint, keyed by parameter name."""
+    from safetensors.torch import load_file
+
+    files, weight_map = checkpoint_files(path)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            part = load_file(str(f), device=str(device) if device is not None else "cpu")
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"cannot read {str(f)!r}: {exc}; the file is corrupt or not safetensors") from exc
+        for key, tensor in part.items():
+            if weight_map is not None and weight_map.get(key) != f.name:
+                if key not in weight_map:
+                    state[key] = tensor  # reported as unexpected by the strict check
+                continue
+            state[key] = tensor
+    if weight_map is not None:
+        absent = sorted(k for k in weight_map if k not in state)
+        if absent:
+            raise CheckpointError(
+                f"{INDEX_FILE} in {str(path)!r} lists keys absent from their shard files: {', '.join(absent[:8])}; "
+                "regenerate the checkpoint"
+            )
+    return state
+
+
+def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
+    """State-dict names grouped by shared tensor (tied weights): groups of size > 1 only."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def check_keys(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: str | os.PathLike
+) -> None:
+    """Strict key matching: raise CheckpointKeyError naming missing, unexpected and shape-mismatched keys.
+
+    Tied parameters (several names, one tensor) need only one of their names in the checkpoint.
+    """
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    optional: set[str] = set()
+    for group in _alias_groups(model):
+        present = [n for n in group if n in state]
+        optional.update(group if present else group[1:])
+    missing = sorted(k for k in expected if k not in state and k not in optional)
+    unexpected = sorted(k for k in state if k not in expected)
+    mismatch = sorted(
+        f"{k} (checkpoint {tuple(state[k].shape)} vs model {expected[k]})"
+        for k in expected
+        if k in state and tuple(state[k].shape) != expected[k]
+    )
+    if missing or unexpected or mismatch:
+        raise CheckpointKeyError(str(path), missing, unexpected, mismatch)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# load
+# --------------------------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | os.PathLike, family: str | None = None) -> Any:
+    """The transformers config object of a checkpoint (spiffy's class for LLaDA/Dream/SDAR)."""
+    data = read_config_dict(path)
+    family = family or family_of(data)
+    spec = family_spec(family)
+    cls = spec.config_class
+    try:
+        return cls.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"config.json in {str(path)!r} is invalid for {family}: {exc}; fix the config") from exc
+
+
+def load_model(
+    path: str | os.PathLike,
+    dtype: Any = None,
+    device: Any = None,
+    attn_implementation: str = "sdpa",
+) -> torch.nn.Module:
+    """Load a checkpoint directory into its model class, in eval mode.
+
+    Args:
+        path: directory with config.json and ``model.safetensors`` or ``model.safetensors.index.json`` + shards.
+        dtype: ``torch.dtype``, a name (``"float64"``, ``"bf16"``, ...), ``"auto"`` (config ``torch_dtype``) or
+            ``None`` (float32 on CPU, ``"auto"`` on accelerators).
+        device: where the weights go (default CPU).
+        attn_implementation: ``"sdpa"`` (default) or ``"eager"``; never flash-attn (custom masks are needed).
+
+    Raises:
+        CheckpointError: directory / config / weights missing or unreadable.
+        CheckpointKeyError: strict key matching failed (names the keys).
+        UnknownModelTypeError: unsupported ``model_type``.
+    """
+    data = read_config_dict(path)
+    family = family_of(data)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    torch_dtype = resolve_dtype(dtype, data, device)
+    if family == "dflash":
+        from spiffy.ar.drafter import load_drafter  # written by the AR engineer; imported lazily
+
+        return load_drafter(path, dtype=torch_dtype, device=device)
+    config = load_config(path, family)
+    config._attn_implementation = attn_implementation if attn_implementation in ("sdpa", "eager") else "sdpa"
+    spec = family_spec(family)
+    cls = spec.model_class
+    state = load_state_dict(path)
+    with torch.device("meta"):
+        model = cls(config)
+    check_keys(model, state, path)
+    if family == "qwen3":
+        # transformers' own class: build for real (non-persistent RoPE buffers) and copy the checked tensors in
+        model = _build_native(cls, config, torch_dtype)
+        model.load_state_dict(state, strict=False)
+        model.tie_weights()
+        model = model.to(device=device, dtype=torch_dtype)
+    else:
+        converted = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
+        model.load_state_dict(converted, strict=True, assign=True)
+    model.eval()
+    model.name_or_path = str(path)
+    return model
+
+
+def _build_native(cls: type, config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """Instantiate a transformers model quickly (no random init cost worth mentioning for small models)."""
+    previous = torch.get_default_dtype()
+    try:
+        if dtype in (torch.float32, torch.float64):
+            torch.set_default_dtype(dtype)
+        return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_tokenizer(path: str | os.PathLike):  # noqa: ANN201
+    """The ``PreTrainedTokenizerFast`` saved in checkpoint directory ``path`` (``tokenizer.json``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    root = Path(path)
+    if not (root / "tokenizer.json").is_file():
+        raise CheckpointError(
+            f"no tokenizer.json in {str(root)!r}; save a fast tokenizer there (tokenizer.save_pretrained) or "
+            "rebuild the checkpoint with `spiffy tiny`"
+        )
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(root), local_files_only=True)
+    except Exception as exc:  # transformers raises several types here
+        raise CheckpointError(f"cannot load the tokenizer in {str(root)!r}: {exc}; fix or regenerate it") from exc
+
+
+# --------------------------------------------------------------------------------------------------------------
+# special tokens
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _token_id(tokenizer: Any, token: str | None) -> int | None:
+    if tokenizer is None or not token:
+        return None
+    vocab = tokenizer.get_vocab()
+    return int(vocab[token]) if token in vocab else None
+
+
+def _maybe_tokenizer(obj: Any, tokenizer: Any) -> Any:
+    if tokenizer is not None:
+        return tokenizer
+    if isinstance(obj, (str, os.PathLike)) and (Path(obj) / "tokenizer.json").is_file():
+        return load_tokenizer(obj)
+    return None
+
+
+def mask_token_id(model_or_config: Any, tokenizer: Any = None) -> int:
+    """The mask token id of a diffusion model: the config's (``mask_token_id``; DFlash:
+    ``dflash_config.mask_token_id``) or else the tokenizer's family mask token. MissingTokenError if neither."""
+    family = family_of(model_or_config)
+    spec = family_spec(family)
+    cfg: Any = _config_as_dict(model_or_config)
+    value = spec.mask_id_from_config(cfg)
+    if value is not None:
+        return value
+    tok = _maybe_tokenizer(model_or_config, tokenizer)
+    value = _token_id(tok, spec.mask_token)
+    if value is None and tok is not None and getattr(tok, "mask_token", None):
+        value = _token_id(tok, tok.mask_token)
+    if value is None:
+        where = f"config key {spec.mask_config_key!r}" if spec.mask_config_key else "the config"
+        raise MissingTokenError(
+            f"no mask token for family {family!r}: {where} is absent"
+            + (f" and the tokenizer has no {spec.mask_token!r}" if spec.mask_token else "")
+            + "; fix: set mask_token_id in config.json or pass the model's tokenizer"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class SpecialTokenIds:
+    """Special token ids of a model (``None`` = absent). ``ids.require("eos")`` raises MissingTokenError."""
+
+    eos: int | None
+    eot: int | None
+    pad: int | None
+    mask: int | None
+    bos: int | None = None
+    family: str = ""
+
+    def __getitem__(self, name: str) -> int | None:
+        return getattr(self, name)
+
+    def require(self, name: str) -> int:
+        value = getattr(self, name)
+        if value is None:
+            raise MissingTokenError(
+                f"the {self.family or 'model'} checkpoint defines no {name} token; fix: set it in config.json "
+                "or pass the model's tokenizer"
+            )
+        return int(value)
+
+    def stop_ids(self) -> list[int]:
+        """Distinct ids that end a response (eos and end-of-turn)."""
+        return sorted({i for i in (self.eos, self.eot) if i is not None})
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+def special_token_ids(model_or_config: Any, tokenizer: Any = None) -> SpecialTokenIds:
+    """``eos``, ``eot`` (end of turn: LLaDA ``<|eot_id|>``, others ``<|im_end|>``), ``pad``, ``mask``, ``bos`` ids
+    from the config, else the tokenizer. Never hard-coded."""
+    from spiffy.models.tokenizer import EOT_TOKENS
+
+    family = family_of(model_or_config)
+    cfg = _config_as_dict(model_or_config)
+    tok = _maybe_tokenizer(model_or_config, tokenizer)
+    eos = _first_id(cfg.get("eos_token_id"))
+    if eos is None and tok is not None:
+        eos = _first_id(tok.eos_token_id)
+    pad = _first_id(cfg.get("pad_token_id"))
+    if pad is None and tok is not None:
+        pad = _first_id(tok.pad_token_id)
+    bos = _first_id(cfg.get("bos_token_id"))
+    if bos is None and tok is not None:
+        bos = _first_id(tok.bos_token_id)
+    eot = _token_id(tok, EOT_TOKENS.get(family))
+    try:
+        mask = mask_token_id(model_or_config, tok) if family_spec(family).mask_token else None
+    except MissingTokenError:
+        mask = None
+    return SpecialTokenIds(eos=eos, eot=eot, pad=pad, mask=mask, bos=bos, family=family)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# save
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _dedupe_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop all but the first name of every tied parameter group (as transformers saves them)."""
+    for group in _alias_groups(model):
+        for name in group[1:]:
+            state.pop(name, None)
+    return state
+
+
+def _shard(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(state):
+        t = state[key]
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    return shards
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    min_shards: int = 1,
+    tokenizer: Any = None,
+    generation_config: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, str] | None = None,
+) -> Path:
+    """Write ``model`` as a checkpoint directory, atomically (temporary directory, then rename).
+
+    Writes config.json (with the family's official ``auto_map`` and ``architectures``), safetensors weights -
+    ``model.safetensors`` when one shard suffices, else ``model-0000i-of-0000n.safetensors`` + index - sharded at
+    ``max_shard_bytes`` and into at least ``min_shards`` files, plus the tokenizer, ``generation_config.json`` and
+    ``extra_files`` (name -> text) when given. An existing ``out_dir`` is replaced as a whole.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    try:
+        family: str | None = family_of(model)
+    except (UnknownModelTypeError, ConfigError):
+        family = None
+    if family in ("llada", "dream", "sdar"):
+        config.auto_map = dict(FAMILIES[family].auto_map)
+    config.architectures = [type(model).__name__]
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = _dedupe_tied(model, state)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    limit = max(1, int(max_shard_bytes))
+    if min_shards > 1:
+        limit = min(limit, max(1, math.ceil(total / min_shards)))
+    shards = _shard(state, limit)
+    if min_shards > 1 and len(shards) < min(min_shards, len(state)):
+        # one tensor larger than the rest: split the sorted keys evenly instead
+        keys = sorted(state)
+        n = min(min_shards, len(keys))
+        shards = [{k: state[k] for k in keys[i::n]} for i in range(n)]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=str(out.parent)))
+    try:
+        config.save_pretrained(str(tmp))
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+        else:
+            weight_map: dict[str, str] = {}
+            n = len(shards)
+            for i, shard in enumerate(shards, start=1):
+                name = f"model-{i:05d}-of-{n:05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update({k: name for k in shard})
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if generation_config is not None:
+            gen = dict(generation_config)
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move directory ``src`` to ``dst``, replacing ``dst`` if it exists (old copy removed after the swap)."""
+    if dst.exists() or dst.is_symlink():
+        backup = dst.parent / f".{dst.name}.old-{os.getpid()}-{id(src)}"
+        os.replace(dst, backup)
+        try:
+            os.replace(src, dst)
+        except BaseException:
+            os.replace(backup, dst)
+            raise
+        if backup.is_dir() and not backup.is_symlink():
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            backup.unlink(missing_ok=True)
+    else:
+        os.replace(src, dst)
+
+
+def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:
+    """Parameter names stored in a checkpoint (without loading tensors)."""
+    from safetensors import safe_open
+
+    files, weight_map = checkpoint_files(path)
+    if weight_map is not None:
+        return sorted(weight_map)
+    keys: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            keys.extend(handle.keys())
+    return sorted(keys)

@@ -1,0 +1,288 @@
+"""SDAR (JetAstra/SDAR, ``model_type="sdar"``): block diffusion in the Qwen3 layout.
+
+Own implementation keeping the official config keys and parameter names (Qwen3 layout: ``model.embed_tokens``,
+``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``model.layers.{i}.self_attn.{q_norm,k_norm}.weight``,
+``model.layers.{i}.mlp.{gate,up,down}_proj.weight``, ``model.layers.{i}.{input_layernorm,
+post_attention_layernorm}.weight``, ``model.norm.weight``, ``lm_head.weight``).
+
+Attention is block-causal (bidirectional inside a block, causal across blocks). As in the reference
+``generate.py`` the **caller passes the block-causal mask** (see :func:`block_causal_mask`); the reference
+calling convention ``model(x, attention_mask=m, position_ids=p, past_key_values=DynamicCache, use_cache=True,
+store_kv=True|False)`` is accepted: ``store_kv=True`` appends the new K/V to the cache, ``False`` only reads it.
+The reference passes the mask as a float 0/1 tensor and reads it as boolean; spiffy does the same for a float
+mask made of 0s and 1s (any other float mask is additive). **When ``attention_mask`` is None, plain causal
+attention over ``[cache ; new]`` is used** (query at absolute position ``C + i`` sees keys ``0..C + i``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from spiffy.errors import ConfigError
+from spiffy.models.layers import (
+    ForwardContext,
+    QwenStyleDecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    prepare_forward,
+    run_decoder_stack,
+)
+
+SDAR_AUTO_MAP: dict[str, str] = {
+    "AutoConfig": "configuration_sdar.SDARConfig",
+    "AutoModel": "modeling_sdar.SDARModel",
+    "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
+}
+
+
+class SDARConfig(PretrainedConfig):
+    """Qwen3-style SDAR config; defaults are those of SDAR-8B (Qwen3-8B: hidden 4096, 36 layers, 32/8 heads,
+    head_dim 128, vocab 151936, rope_theta 1e6, RMSNorm eps 1e-6, untied head). Official SDAR configs carry no
+    ``mask_token_id``: the mask id (``<|MASK|>``, 151669) comes from the tokenizer unless set here."""
+
+    model_type = "sdar"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        hidden_size: int = 4096,
+        intermediate_size: int = 12288,
+        num_hidden_layers: int = 36,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int | None = 8,
+        head_dim: int | None = 128,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 32768,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-6,
+        use_cache: bool = False,
+        tie_word_embeddings: bool = False,
+        rope_theta: float = 1000000.0,
+        rope_scaling: dict | None = None,
+        attention_bias: bool = False,
+        use_sliding_window: bool = False,
+        sliding_window: int | None = None,
+        max_window_layers: int = 36,
+        attention_dropout: float = 0.0,
+        bos_token_id: int | None = 151643,
+        eos_token_id: int | None = 151643,
+        pad_token_id: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads if num_key_value_heads is not None else num_attention_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.use_cache = use_cache
+        self.rope_theta = rope_theta
+        if rope_scaling is not None:  # setting None triggers a transformers 5 deprecation warning
+            self.rope_scaling = rope_scaling
+        self.attention_bias = attention_bias
+        self.use_sliding_window = use_sliding_window
+        self.sliding_window = sliding_window
+        self.max_window_layers = max_window_layers
+        self.attention_dropout = attention_dropout
+        super().__init__(
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+
+def block_causal_mask(
+    length: int,
+    block_length: int,
+    start: int = 0,
+    total: int | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.bool,
+) -> torch.Tensor:
+    """The SDAR block-causal visibility mask ``[1, 1, L, start + L]`` (``L = length``).
+
+    Absolute position ``p`` lies in block ``p // block_length``; query ``start + i`` sees key ``j`` iff
+    ``j // block_length <= (start + i) // block_length`` (bidirectional within a block, causal across blocks).
+    ``start`` is the number of cached positions (keys ``0..start-1`` come from the cache). ``total`` (default
+    ``start + length``) is the key count. ``dtype=torch.bool`` gives True = visible; a floating dtype gives an
+    additive mask (0 visible, dtype min hidden).
+    """
+    if block_length <= 0:
+        raise ConfigError(f"block_length must be > 0, got {block_length}")
+    total = start + length if total is None else total
+    q_block = (torch.arange(length, device=device) + start) // block_length
+    k_block = torch.arange(total, device=device) // block_length
+    visible = (k_block[None, :] <= q_block[:, None])[None, None]
+    if dtype == torch.bool:
+        return visible
+    out = torch.zeros(visible.shape, dtype=dtype, device=device)
+    return out.masked_fill(~visible, torch.finfo(dtype).min)
+
+
+class SDARPreTrainedModel(PreTrainedModel):
+    config_class = SDARConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["QwenStyleDecoderLayer"]
+    _supports_sdpa = True
+    supports_gradient_checkpointing = False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def _context(self, input_ids: torch.Tensor, dtype: torch.dtype, **kw: Any) -> ForwardContext:
+        return prepare_forward(
+            input_ids,
+            self.config.num_hidden_layers,
+            dtype,
+            causal_default=True,
+            attn_implementation=getattr(self.config, "_attn_implementation", None) or "sdpa",
+            **kw,
+        )
+
+
+class SDARModel(SDARPreTrainedModel):
+    """SDAR backbone (``embed_tokens``, ``layers``, ``norm``): ``forward -> BaseModelOutputWithPast``."""
+
+    def __init__(self, config: SDARConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            QwenStyleDecoderLayer(
+                c.hidden_size,
+                c.intermediate_size,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                i,
+                c.rms_norm_eps,
+                qkv_bias=bool(c.attention_bias),
+                qk_norm=True,
+            )
+            for i in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed_tokens = value
+
+    def run(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool = False
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """``input_ids [B, L]`` -> ``(final normed hidden [B, L, H], hidden states or None)``."""
+        return run_decoder_stack(
+            self.embed_tokens, self.layers, self.norm, self.rotary_emb, input_ids, ctx, output_hidden_states
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = None,
+        store_kv: bool | None = None,
+        cache_policy: str | None = None,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        """Backbone forward with the same contract as :meth:`SDARForCausalLM.forward` (no logits)."""
+        ctx = self._context(
+            input_ids,
+            self.embed_tokens.weight.dtype,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            store_kv=store_kv,
+            cache_policy=cache_policy,
+        )
+        h, hiddens = self.run(input_ids, ctx, output_hidden_states)
+        out = BaseModelOutputWithPast(last_hidden_state=h, past_key_values=ctx.cache_out, hidden_states=hiddens)
+        return out if return_dict else out.to_tuple()
+
+
+class SDARForCausalLM(SDARPreTrainedModel):
+    """SDAR block-diffusion LM (``model`` + ``lm_head``). See :meth:`forward`."""
+
+    def __init__(self, config: SDARConfig) -> None:
+        super().__init__(config)
+        self.model = SDARModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return getattr(self, "lm_head", None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = None,
+        store_kv: bool | None = None,
+        cache_policy: str | None = None,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Block-causal forward. ``input_ids [B, L]`` -> ``logits [B, L, V]`` (position i predicts token i).
+
+        ``attention_mask``: the caller's block-causal mask ``[B|1, 1, L, C+L]`` (bool, float 0/1 as in the
+        reference, or additive), a 2-D key-padding mask (combined with causal), or None = plain causal over
+        ``[cache ; new]``. ``store_kv=True`` appends the new K/V to ``past_key_values`` (KVCache or DynamicCache),
+        ``False`` reads only; ``cache_policy`` is the spiffy spelling of the same.
+        """
+        ctx = self._context(
+            input_ids,
+            self.model.embed_tokens.weight.dtype,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            store_kv=store_kv,
+            cache_policy=cache_policy,
+        )
+        h, hiddens = self.model.run(input_ids, ctx, output_hidden_states)
+        if self.config.tie_word_embeddings:
+            logits = F.linear(h, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(h)
+        out = CausalLMOutputWithPast(logits=logits, past_key_values=ctx.cache_out, hidden_states=hiddens)
+        return out if return_dict else out.to_tuple()

@@ -1,0 +1,203 @@
+"""Small offline byte-level BPE tokenizers with each family's special tokens and chat template.
+
+:func:`build_tokenizer` trains a byte-level BPE (``tokenizers``) on a small built-in corpus - a fixed list of
+Python standard-library source files read from disk - or on a corpus you pass, adds the family's special tokens
+and a chat template in the family's style, and returns a ``PreTrainedTokenizerFast``. Nothing is downloaded.
+The result is deterministic for a given corpus and vocabulary size.
+
+Special tokens (placed after the learned vocabulary, so their ids are the highest; code must read them from the tokenizer or config):
+
+* LLaDA: ``<|endoftext|>`` (eos/pad), ``<|mdm_mask|>`` (mask), ``<|eot_id|>`` (end of turn),
+  ``<|start_header_id|>``, ``<|end_header_id|>``, ``<|startoftext|>`` (bos); Llama-3 style chat template.
+* Dream: ``<|endoftext|>`` (eos/pad), ``<|mask|>`` (mask), ``<|im_start|>``, ``<|im_end|>`` (end of turn);
+  ChatML template with Dream's default system prompt.
+* SDAR / Qwen3 / DFlash: ``<|endoftext|>`` (eos/pad), ``<|im_start|>``, ``<|im_end|>`` (end of turn),
+  ``<|MASK|>`` (SDAR's / DFlash's mask); ChatML template.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+
+from spiffy.errors import ConfigError
+
+#: family -> (special tokens in id order, bos, eos, pad, mask, end-of-turn)
+_SPECIALS: dict[str, dict[str, object]] = {
+    "llada": {
+        "tokens": (
+            "<|endoftext|>",
+            "<|startoftext|>",
+            "<|mdm_mask|>",
+            "<|eot_id|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+        ),
+        "bos": "<|startoftext|>",
+        "eos": "<|endoftext|>",
+        "pad": "<|endoftext|>",
+        "mask": "<|mdm_mask|>",
+        "eot": "<|eot_id|>",
+    },
+    "dream": {
+        "tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"),
+        "bos": None,
+        "eos": "<|endoftext|>",
+        "pad": "<|endoftext|>",
+        "mask": "<|mask|>",
+        "eot": "<|im_end|>",
+    },
+    "sdar": {
+        "tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
+        "bos": None,
+        "eos": "<|endoftext|>",
+        "pad": "<|endoftext|>",
+        "mask": "<|MASK|>",
+        "eot": "<|im_end|>",
+    },
+}
+_SPECIALS["qwen3"] = dict(_SPECIALS["sdar"], mask=None)
+_SPECIALS["dflash"] = _SPECIALS["sdar"]
+
+#: family -> end-of-turn token (read by spiffy.models.loading.special_token_ids)
+EOT_TOKENS: dict[str, str] = {f: str(v["eot"]) for f, v in _SPECIALS.items()}
+#: family -> mask token string (None: no mask token)
+MASK_TOKENS: dict[str, str | None] = {f: v["mask"] for f, v in _SPECIALS.items()}  # type: ignore[misc]
+
+LLADA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+DREAM_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}" + CHATML_TEMPLATE
+)
+
+CHAT_TEMPLATES: dict[str, str] = {
+    "llada": LLADA_CHAT_TEMPLATE,
+    "dream": DREAM_CHAT_TEMPLATE,
+    "sdar": CHATML_TEMPLATE,
+    "qwen3": CHATML_TEMPLATE,
+    "dflash": CHATML_TEMPLATE,
+}
+
+#: standard-library modules (relative to the stdlib dir) forming the default training corpus, in this order
+DEFAULT_CORPUS_FILES: tuple[str, ...] = (
+    "textwrap.py",
+    "string.py",
+    "functools.py",
+    "heapq.py",
+    "bisect.py",
+    "fractions.py",
+    "json/__init__.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "collections/__init__.py",
+    "random.py",
+    "dataclasses.py",
+    "shlex.py",
+    "glob.py",
+)
+
+
+def _stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_corpus(max_chars: int = 200_000) -> list[str]:
+    """The built-in training corpus: :data:`DEFAULT_CORPUS_FILES` read from this Python's stdlib (at most
+    ``max_chars`` characters in total). Falls back to spiffy's own sources if the stdlib is not on disk."""
+    texts: list[str] = []
+    total = 0
+    roots = [_stdlib_dir() / name for name in DEFAULT_CORPUS_FILES]
+    files = [p for p in roots if p.is_file()]
+    if not files:  # pragma: no cover - frozen / zipped interpreters
+        files = sorted(Path(__file__).resolve().parent.parent.rglob("*.py"))
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text[: max(0, max_chars - total)])
+        total += len(texts[-1])
+        if total >= max_chars:
+            break
+    return texts
+
+
+def _family(family: str) -> str:
+    fam = family.lower() if isinstance(family, str) else family
+    if fam not in _SPECIALS:
+        raise ConfigError(f"unknown tokenizer family {family!r}; supported: {', '.join(_SPECIALS)}")
+    return fam
+
+
+def build_tokenizer(family: str, vocab_size: int = 512, corpus: Iterable[str] | None = None):  # noqa: ANN201
+    """Train a byte-level BPE tokenizer for ``family`` and return it as a ``PreTrainedTokenizerFast``.
+
+    Args:
+        family: ``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"`` or ``"dflash"``.
+        vocab_size: total vocabulary size including the 256 byte symbols and the special tokens (>= 256 + the
+            number of special tokens). The result may be smaller if the corpus has too few merges.
+        corpus: texts to train on (default: :func:`default_corpus`).
+
+    The tokenizer has ``bos/eos/pad/mask`` set per family, ``chat_template`` in the family's style, and
+    ``padding_side="left"``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    fam = _family(family)
+    spec = _SPECIALS[fam]
+    specials = list(spec["tokens"])  # type: ignore[arg-type]
+    minimum = 256 + len(specials)
+    if vocab_size < minimum:
+        raise ConfigError(f"vocab_size must be >= {minimum} (256 bytes + {len(specials)} special tokens), got {vocab_size}")
+    texts = list(corpus) if corpus is not None else default_corpus()
+    if not texts:
+        raise ConfigError("build_tokenizer got an empty corpus; pass at least one text or use the default corpus")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(specials),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # tokenizers trains in parallel; one thread keeps merges (ties) independent of scheduling
+    previous = os.environ.get("RAYON_NUM_THREADS")
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    try:
+        tok.train_from_iterator(texts, trainer=trainer)
+    finally:
+        if previous is None:
+            os.environ.pop("RAYON_NUM_THREADS", None)
+        else:
+            os.environ["RAYON_NUM_THREADS"] = previous
+    # special tokens go after the learned vocabulary (high ids, as in the real checkpoints)
+    tok.add_special_tokens(specials)
+    kwargs: dict[str, object] = {"tokenizer_object": tok, "padding_side": "left", "clean_up_tokenization_spaces": False}
+    for role in ("bos", "eos", "pad", "mask"):
+        if spec.get(role):
+            kwargs[f"{role}_token"] = spec[role]
+    fast = PreTrainedTokenizerFast(**kwargs)
+    fast.chat_template = CHAT_TEMPLATES[fam]
+    return fast
+
+
+def python_version_tag() -> str:
+    """``"3.11"``-style tag of the running interpreter (the default corpus depends on its stdlib)."""
+    return f"{sys.version_info.major}.{sys.version_info.minor}"

@@ -1,0 +1,252 @@
+"""Offline calibration of a Spiffy draft graph (SPEC section 6).
+
+Run the baseline decoder on a prompt set, record at every step which ``(i, j)`` formulas the actual future
+followed (:mod:`spiffy.selfspec.chains`), select ``D`` nodes forming a parent-closed graph that maximises the saved
+forwards (:mod:`spiffy.selfspec.select`), and return the :class:`~spiffy.selfspec.graph.DraftGraph` with what it
+was calibrated for, how, and its projected NFE reduction (the ceiling with every node kept).
+
+Deterministic for a seed: prompt ``k`` decodes with ``seed + k`` (only matters at temperature > 0), selection
+ties are broken by fixed rules, and the file differs between two runs only in ``calibration.date``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from spiffy._version import __version__
+from spiffy.decoding import DecodeConfig, make_session, run_baseline
+from spiffy.errors import ConfigError, PromptTooLongError
+from spiffy.selfspec.chains import ChainRecorder, Trajectory, all_chains, describe
+from spiffy.selfspec.graph import DraftGraph, model_config_fingerprint
+from spiffy.selfspec.prompts import load_prompts, prompt_token_ids
+from spiffy.selfspec.select import OBJECTIVES, build_graph
+
+DEFAULT_NODES = 10
+DEFAULT_J_MAX = 4
+
+
+def runtime_signature(model: Any, session: Any) -> dict[str, Any]:
+    """The ``calibrated_for`` values of ``model`` + ``session`` (same function the runtime check uses).
+
+    Delegates to :func:`spiffy.decoding.runtime_signature` and makes sure ``config_fingerprint`` is present.
+    """
+    from spiffy.decoding import runtime_signature as _sig
+
+    sig = dict(_sig(model, session))
+    sig.setdefault("config_fingerprint", model_config_fingerprint(model))
+    return sig
+
+
+def _model_name(model: Any) -> str | None:
+    cfg = getattr(model, "config", None)
+    for v in (getattr(cfg, "_name_or_path", None), getattr(model, "name_or_path", None)):
+        if isinstance(v, str) and v:
+            return v
+    return None
+
+
+def _device(model: Any) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def _dtype(model: Any) -> str:
+    try:
+        return str(next(model.parameters()).dtype).replace("torch.", "")
+    except (StopIteration, AttributeError):
+        return "unknown"
+
+
+@torch.no_grad()
+def calibrate(
+    model: Any,
+    tokenizer: Any,
+    prompts: str | os.PathLike[str] | Sequence[str | Sequence[int]],
+    config: DecodeConfig | None = None,
+    *,
+    nodes: int = DEFAULT_NODES,
+    max_level: int | None = None,
+    i_max: int | None = None,
+    j_max: int = DEFAULT_J_MAX,
+    objective: str = "greedy",
+    max_prompts: int | None = None,
+    seed: int = 0,
+    chat: bool = True,
+    progress: bool = True,
+    dataset: str | None = None,
+    model_name: str | None = None,
+    command: str | None = None,
+    skip_long: bool = True,
+) -> DraftGraph:
+    """Calibrate a draft graph for ``model`` under the decoding configuration ``config``.
+
+    Args:
+        model: a loaded LLaDA / Dream / SDAR model.
+        tokenizer: its tokenizer (needed for text prompts and the chat template; may be ``None`` for id prompts).
+        prompts: a named set (``"default"``), a JSONL path (field ``"prompt"``), or a list of texts / token-id lists.
+        config: the decoding configuration the graph is for (default :class:`DecodeConfig`).
+        nodes: ``D``, graph nodes to select.
+        max_level: deepest lookahead recorded (``None`` = to the block end).
+        i_max: position-rank cap (``None`` = the block length: every position).
+        j_max: token-rank cap.
+        objective: ``"greedy"`` (default), ``"cumfreq"``, ``"degree1"`` or ``"exact"``.
+        max_prompts: use only the first ``max_prompts`` prompts.
+        seed: prompt ``k`` decodes with seed ``seed + k``.
+        chat: apply the tokenizer's chat template (when it has one).
+        progress: tqdm progress bar on stderr.
+        dataset: label stored in the file (default: the prompt set's name/path, or ``"custom"``).
+        model_name: model name/path stored in the file (default: the config's ``_name_or_path``).
+        command: the command line stored in the file (the CLI passes its own).
+        skip_long: skip (with a warning) prompts that do not fit the model's context instead of failing.
+    Returns:
+        The calibrated :class:`DraftGraph` (``meta``: ``calibrated_for`` / ``calibration``; ``projected``).
+    Raises:
+        ConfigError: bad arguments or prompts; PromptTooLongError: a prompt does not fit (``skip_long=False``)
+        or none does.
+    """
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"unknown calibration objective {objective!r}; fix: use one of {', '.join(OBJECTIVES)}")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
+        raise ConfigError(f"nodes={nodes!r} must be an integer >= 0; fix: pass e.g. nodes=10")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed={seed!r} must be an integer")
+    cfg = config if config is not None else DecodeConfig()
+    if i_max is None:
+        i_max = int(getattr(cfg, "resolved_block_length", None) or cfg.gen_length)
+    if isinstance(prompts, (str, os.PathLike)):
+        label = dataset or str(prompts)
+        texts: list[Any] = list(load_prompts(prompts))
+    else:
+        label = dataset or "custom"
+        texts = list(prompts)
+    if not texts:
+        raise ConfigError("no calibration prompts given; fix: pass --prompts default or a JSONL file with prompts")
+    if max_prompts is not None:
+        if isinstance(max_prompts, bool) or not isinstance(max_prompts, int) or max_prompts < 1:
+            raise ConfigError(f"max_prompts={max_prompts!r} must be None or an integer >= 1")
+        texts = texts[:max_prompts]
+
+    device = _device(model)
+    encoded: list[list[int]] = []
+    for k, t in enumerate(texts):
+        if isinstance(t, str):
+            if tokenizer is None:
+                raise ConfigError("text prompts need a tokenizer; fix: pass the model's tokenizer (or token-id lists)")
+            encoded.append(prompt_token_ids(tokenizer, t, chat=chat))
+        else:
+            encoded.append([int(v) for v in t])
+        if not encoded[-1]:
+            raise ConfigError(f"prompt {k} encodes to no tokens; fix: remove empty prompts")
+
+    total_steps = None
+    if getattr(cfg, "tokens_per_step", None) != "dynamic":
+        total_steps = len(encoded) * int(cfg.resolved_steps)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_steps, desc="calibrating", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    trajectories: list[Trajectory] = []
+    signature: dict[str, Any] | None = None
+    decode_config: dict[str, Any] | None = None
+    skipped: list[int] = []
+    try:
+        for k, ids in enumerate(encoded):
+            if bar is not None:
+                bar.set_postfix_str(f"prompt {k + 1}/{len(encoded)}")
+            input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+            try:
+                session = make_session(model, input_ids, cfg, tokenizer=tokenizer, seed=seed + k)
+            except PromptTooLongError as exc:
+                if not skip_long:
+                    raise
+                skipped.append(k)
+                warnings.warn(f"calibration prompt {k} skipped: {exc}", stacklevel=2)
+                if bar is not None and total_steps is not None:
+                    bar.total = max(0, (bar.total or 0) - int(cfg.resolved_steps))
+                    bar.refresh()
+                continue
+            if signature is None:
+                signature = runtime_signature(model, session)
+                scfg = getattr(session, "config", cfg)
+                decode_config = {kk: v for kk, v in scfg.to_dict().items() if kk != "seed"} if hasattr(scfg, "to_dict") else None
+            rec = ChainRecorder(int(session.mask_id), i_max, j_max, max_level, prompt=k)
+            rec.attach(session)
+            stats = run_baseline(session, observer=rec, progress=(lambda n: bar.update(n)) if bar is not None else None)
+            trajectories.append(rec.finish(stats.nfe))
+    finally:
+        if bar is not None:
+            bar.close()
+    if not trajectories:
+        raise PromptTooLongError(
+            f"none of the {len(encoded)} calibration prompts fits the model's context with gen_length={cfg.gen_length}; "
+            "fix: lower --gen-length or use shorter prompts"
+        )
+    assert signature is not None
+    calibrated_for: dict[str, Any] = {"family": signature.get("family"), "model": model_name or _model_name(model)}
+    for key, v in signature.items():
+        if key not in calibrated_for:
+            calibrated_for[key] = v
+    calibration = {
+        "dataset": label,
+        "num_prompts": len(trajectories),
+        "skipped_prompts": skipped,
+        "seed": seed,
+        "chat": bool(chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)),
+        "i_max": i_max,
+        "j_max": j_max,
+        "max_level": max_level,
+        "nodes": nodes,
+        "objective": objective,
+        "gen_length": int(cfg.gen_length),
+        "decode_config": decode_config,
+        "dtype": _dtype(model),
+        "device": device.type,
+        "library_version": __version__,
+        "torch_version": torch.__version__.split("+")[0],
+        "transformers_version": _transformers_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "command": command or _api_command(label, nodes, objective, max_prompts, seed, i_max, j_max, max_level),
+    }
+    tps = calibrated_for.get("tokens_per_step")
+    tps_int = tps if isinstance(tps, int) and not isinstance(tps, bool) else None
+    chains = all_chains(trajectories)
+    graph = build_graph(
+        chains,
+        nodes,
+        objective,
+        meta={"calibrated_for": calibrated_for, "calibration": calibration},
+        tokens_per_step=tps_int,
+        trajectories=trajectories,
+    )
+    graph.projected.update({f"calibration_{k}": v for k, v in describe(trajectories).items()})
+    return graph
+
+
+def _transformers_version() -> str | None:
+    try:
+        import transformers
+
+        return str(transformers.__version__)
+    except ImportError:  # pragma: no cover
+        return None
+
+
+def _api_command(label: str, nodes: int, objective: str, max_prompts: int | None, seed: int, i_max: int, j_max: int, max_level: int | None) -> str:
+    return (
+        f"spiffy.selfspec.calibrate.calibrate(prompts={label!r}, nodes={nodes}, objective={objective!r}, "
+        f"max_prompts={max_prompts}, seed={seed}, i_max={i_max}, j_max={j_max}, max_level={max_level})"
+    )
+
+
+__all__ = ["calibrate", "runtime_signature", "DEFAULT_NODES", "DEFAULT_J_MAX"]

@@ -1,0 +1,248 @@
+"""(i, j) draft formulas: ranking the latest distribution ``P`` and instantiating formulas into states.
+
+This module is the single source of truth for how Spiffy ranks positions and tokens; calibration
+(:mod:`spiffy.selfspec.chains`) and the speculative runtime (:mod:`spiffy.selfspec.runtime`) both call
+:func:`rank_state`, so a formula recorded offline means the same thing at run time.
+
+Ranking (SPEC section 5):
+
+* **Positions.** The positions still masked in the current block of ``x`` are ranked by their top-1 probability
+  under ``P``, descending; ties go to the lower row. Position rank ``i`` is 1-based (1 = most confident).
+* **Tokens.** Each ranked position's vocabulary is ranked by probability under ``P``, descending; ties go to the
+  lower token id. Token rank ``j`` is 1-based (1 = argmax).
+
+A formula is a tuple of pairs ``(i, j)``; instantiating it writes token ``c_ij`` at the row of rank ``i`` into a
+copy of ``x``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from spiffy.errors import ConfigError
+
+Pair = tuple[int, int]
+
+
+@dataclass
+class Ranking:
+    """Ranks of one state under one distribution ``P``.
+
+    Attributes:
+        rows: ``[I]`` long, absolute rows of ``x`` in position-rank order (``rows[i - 1]`` has rank ``i``).
+        token_ids: ``[I, J]`` long, ``token_ids[i - 1, j - 1]`` = ``c_ij``.
+        token_probs: ``[I, J]`` float, probability of ``c_ij`` under ``P`` (``token_probs[:, 0]`` is the top-1
+            probability the positions are ranked by).
+        num_masked: number of masked positions in the block (``I = min(i_max, num_masked)``).
+        block_start, block_end: absolute rows of the ranked block.
+    """
+
+    rows: torch.Tensor
+    token_ids: torch.Tensor
+    token_probs: torch.Tensor
+    num_masked: int
+    block_start: int
+    block_end: int
+    _probs_list: list[list[float]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_positions(self) -> int:
+        """``I``: how many position ranks are available (``1..I``)."""
+        return int(self.rows.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """``J``: how many token ranks are available per position (``1..J``)."""
+        return int(self.token_ids.shape[1]) if self.token_ids.dim() == 2 else 0
+
+    def available(self, pair: Pair) -> bool:
+        """Whether ``pair`` has a rank in this ranking (``1 <= i <= I`` and ``1 <= j <= J``)."""
+        i, j = pair
+        return 1 <= i <= self.num_positions and 1 <= j <= self.num_tokens
+
+    def probs_list(self) -> list[list[float]]:
+        """``token_probs`` as nested Python floats (computed once; one device sync)."""
+        if self._probs_list is None:
+            self._probs_list = self.token_probs.detach().to("cpu", torch.float64).tolist()
+        return self._probs_list
+
+
+def window_covers(window_start: int, window_len: int, block_start: int, block_end: int) -> bool:
+    """Whether a logits window ``[window_start, window_start + window_len)`` contains ``[block_start, block_end)``."""
+    return window_start <= block_start and block_end <= window_start + window_len
+
+
+def _topj_lower_id_ties(probs: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``j`` entries of every row of ``probs`` (``[I, V]``), ordered by value descending then id ascending.
+
+    ``torch.topk`` leaves the order of equal values unspecified; when any tie touches the selected entries
+    (checked on the top ``j + 1`` values), the affected rows are re-ranked with a stable full sort.
+    """
+    n, v = probs.shape
+    k = min(j + 1, v)
+    vals, ids = torch.topk(probs, k, dim=-1, largest=True, sorted=True)
+    if k > 1:
+        tied = (vals[:, 1:] == vals[:, :-1]).any(dim=-1)  # [I]
+        if bool(tied.any()):
+            rows = tied.nonzero().squeeze(1)
+            s_vals, s_ids = torch.sort(probs[rows], dim=-1, descending=True, stable=True)
+            vals = vals.clone()
+            ids = ids.clone()
+            vals[rows] = s_vals[:, :k]
+            ids[rows] = s_ids[:, :k]
+    return ids[:, :j], vals[:, :j]
+
+
+def rank_state(
+    P_window: torch.Tensor,
+    x: torch.Tensor,
+    block_start: int,
+    block_end: int,
+    window_start: int,
+    i_max: int,
+    j_max: int,
+    *,
+    mask_id: int,
+) -> Ranking:
+    """Rank the masked positions of a block and their tokens under ``P``.
+
+    Args:
+        P_window: ``[W, V]`` (or ``[1, W, V]``) aligned window logits; index ``w`` predicts row ``window_start + w``.
+        x: ``[T]`` (or ``[1, T]``) state whose masked block positions are ranked.
+        block_start, block_end: absolute rows of the current block.
+        window_start: absolute row of ``P_window[0]``.
+        i_max: at most this many position ranks are kept (``>= 1``).
+        j_max: at most this many token ranks per position are kept (``>= 1``).
+        mask_id: the family's mask token id.
+    Returns:
+        :class:`Ranking` with ``I = min(i_max, masked count)`` positions and ``J = min(j_max, V)`` tokens each.
+        Probabilities are a softmax of the logits in float64 (float64 logits) or float32 (any other dtype).
+    Raises:
+        ConfigError: bad caps, or the window does not cover the block.
+    """
+    if i_max < 1 or j_max < 1:
+        raise ConfigError(f"i_max={i_max} and j_max={j_max} must both be >= 1; fix: pass positive rank caps")
+    logits = P_window[0] if P_window.dim() == 3 else P_window
+    if logits.dim() != 2:
+        raise ConfigError(f"P_window must be [W, V] or [1, W, V], got shape {tuple(P_window.shape)}")
+    state = x[0] if x.dim() == 2 else x
+    w, v = logits.shape
+    if not window_covers(window_start, w, block_start, block_end):
+        raise ConfigError(
+            f"logits window [{window_start}, {window_start + w}) does not cover block [{block_start}, {block_end}); "
+            "fix: rank only from a distribution whose window contains the current block"
+        )
+    masked = (state[block_start:block_end] == mask_id).nonzero().squeeze(1) + block_start  # [M] ascending rows
+    m = int(masked.shape[0])
+    j = min(j_max, v)
+    dev = logits.device
+    if m == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=dev)
+        return Ranking(
+            rows=empty,
+            token_ids=torch.zeros(0, j, dtype=torch.long, device=dev),
+            token_probs=torch.zeros(0, j, dtype=torch.float64, device=dev),
+            num_masked=0,
+            block_start=block_start,
+            block_end=block_end,
+        )
+    cdtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    probs = torch.softmax(logits.index_select(0, masked - window_start).to(cdtype), dim=-1)  # [M, V]
+    top1 = probs.max(dim=-1).values
+    order = torch.sort(top1, descending=True, stable=True).indices[: min(i_max, m)]  # ties -> lower row
+    probs = probs.index_select(0, order)
+    ids, vals = _topj_lower_id_ties(probs, j)
+    return Ranking(
+        rows=masked.index_select(0, order),
+        token_ids=ids,
+        token_probs=vals,
+        num_masked=m,
+        block_start=block_start,
+        block_end=block_end,
+    )
+
+
+def pairs_available(pairs: Iterable[Pair], ranking: Ranking) -> bool:
+    """Whether every pair of a formula has a rank in ``ranking``."""
+    return all(ranking.available(p) for p in pairs)
+
+
+def pair_probs(pairs: Sequence[Pair], ranking: Ranking) -> list[float] | None:
+    """Probabilities ``p_ij`` of a formula's pairs under ``P`` (Python floats), or ``None`` if a rank is unavailable."""
+    if not pairs_available(pairs, ranking):
+        return None
+    table = ranking.probs_list()
+    return [table[i - 1][j - 1] for i, j in pairs]
+
+
+def instantiate(x: torch.Tensor, pairs: Sequence[Pair], ranking: Ranking) -> torch.Tensor | None:
+    """``x ∪ {c_ij}``: a copy of ``x`` with token ``c_ij`` written at the row of rank ``i`` for every pair.
+
+    Args:
+        x: ``[T]`` or ``[B=1, T]`` state.
+        pairs: the formula.
+        ranking: ranks of ``x`` under ``P``.
+    Returns:
+        A new tensor shaped like ``x``, or ``None`` when a rank is unavailable.
+    """
+    out = instantiate_many(x, [pairs], ranking)
+    if out is None or out[1][0] < 0:
+        return None
+    state = out[0][0]
+    return state.view_as(x)
+
+
+def instantiate_many(
+    x: torch.Tensor, formulas: Sequence[Sequence[Pair]], ranking: Ranking
+) -> tuple[torch.Tensor, list[int]] | None:
+    """Instantiate several formulas in one scatter.
+
+    Args:
+        x: ``[T]`` or ``[1, T]`` state.
+        formulas: the formulas to instantiate.
+        ranking: ranks of ``x`` under ``P``.
+    Returns:
+        ``(states [K, T], index)`` where ``states`` holds the instantiable formulas in order and ``index[f]`` is the
+        row of formula ``f`` in ``states`` or ``-1`` when a rank is unavailable; ``None`` when ``formulas`` is empty.
+    """
+    if not formulas:
+        return None
+    base = x[0] if x.dim() == 2 else x
+    index: list[int] = []
+    node_idx: list[int] = []
+    i_idx: list[int] = []
+    j_idx: list[int] = []
+    k = 0
+    for pairs in formulas:
+        if not pairs_available(pairs, ranking):
+            index.append(-1)
+            continue
+        index.append(k)
+        for i, j in pairs:
+            node_idx.append(k)
+            i_idx.append(i - 1)
+            j_idx.append(j - 1)
+        k += 1
+    states = base.unsqueeze(0).repeat(k, 1)
+    if node_idx:
+        dev = base.device
+        ii = torch.tensor(i_idx, dtype=torch.long, device=dev)
+        jj = torch.tensor(j_idx, dtype=torch.long, device=dev)
+        nn_ = torch.tensor(node_idx, dtype=torch.long, device=dev)
+        states[nn_, ranking.rows.index_select(0, ii)] = ranking.token_ids[ii, jj].to(states.dtype)
+    return states, index
+
+
+__all__ = [
+    "Pair",
+    "Ranking",
+    "rank_state",
+    "instantiate",
+    "instantiate_many",
+    "pair_probs",
+    "pairs_available",
+    "window_covers",
+]

@@ -1,0 +1,135 @@
+"""Calibration prompt sets: named sets shipped with spiffy, or any JSONL file with a ``prompt`` field.
+
+Named sets (files in ``spiffy/data/calibration/``, provenance in ``calibration/README.md``):
+
+* ``default``: the paper's set, 25 MATH-500 + 25 MBPP prompts (interleaved math/code).
+* ``default-math`` / ``default-code``: its MATH-500 / MBPP halves.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+from spiffy.errors import ConfigError
+
+# name -> (file in spiffy/data/calibration, source filter or None)
+NAMED_SETS: dict[str, tuple[str, str | None]] = {
+    "default": ("default.jsonl", None),
+    "default-math": ("default.jsonl", "math500"),
+    "default-code": ("default.jsonl", "mbpp"),
+}
+
+
+def _data_file(name: str) -> Any:
+    return resources.files("spiffy").joinpath("data", "calibration", name)
+
+
+def load_prompt_records(name_or_path: str | Path) -> list[dict[str, Any]]:
+    """The prompt set as dicts (``prompt`` plus whatever else each line holds, e.g. ``source``/``id``).
+
+    Args:
+        name_or_path: a JSONL file (one JSON object with a string ``prompt`` per line; blank lines skipped) or a
+            name among :data:`NAMED_SETS`.
+    Raises:
+        ConfigError: unknown name, missing file, bad JSON, missing/empty ``prompt``, or no prompts at all.
+    """
+    spec = str(name_or_path)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        text = _read(path)
+        rows = _parse(text, str(path))
+    elif spec in NAMED_SETS:
+        fname, source = NAMED_SETS[spec]
+        res = _data_file(fname)
+        if not res.is_file():
+            raise ConfigError(
+                f"the named prompt set {spec!r} is missing from this installation ({fname}); fix: reinstall spiffy, "
+                "or pass a JSONL file with a 'prompt' field per line"
+            )
+        rows = _parse(res.read_text(encoding="utf-8"), f"spiffy/data/calibration/{fname}")
+        if source is not None:
+            rows = [r for r in rows if r.get("source") == source]
+    else:
+        if path.exists():
+            raise ConfigError(f"prompt set {spec!r} is not a file; fix: pass a JSONL file or one of {', '.join(NAMED_SETS)}")
+        looks_like_path = any(ch in spec for ch in "/\\") or spec.endswith((".jsonl", ".json", ".txt"))
+        what = f"prompt file {spec!r} does not exist" if looks_like_path else f"unknown prompt set {spec!r}"
+        raise ConfigError(
+            f"{what}; fix: pass a JSONL file with a 'prompt' field per line, or a named set: {', '.join(NAMED_SETS)}"
+        )
+    if not rows:
+        raise ConfigError(f"prompt set {spec!r} holds no prompts; fix: add lines like {{\"prompt\": \"...\"}}")
+    return rows
+
+
+def load_prompts(name_or_path: str | Path) -> list[str]:
+    """The prompt texts of a named set or a JSONL file (see :func:`load_prompt_records`)."""
+    return [r["prompt"] for r in load_prompt_records(name_or_path)]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"prompt file {str(path)!r} is not UTF-8 text ({exc}); fix: save it as UTF-8 JSONL") from None
+    except OSError as exc:
+        raise ConfigError(f"prompt file {str(path)!r} cannot be read ({exc}); fix: check the path and its permissions") from None
+
+
+def _parse(text: str, where: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{where}, line {lineno}: not valid JSON ({exc.msg}); fix: one JSON object per line, e.g. "
+                '{"prompt": "..."}'
+            ) from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where}, line {lineno}: expected a JSON object with a 'prompt' field, got {type(obj).__name__}")
+        if "prompt" not in obj:
+            raise ConfigError(f"{where}, line {lineno}: missing field 'prompt'; fix: give every line a \"prompt\" string")
+        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+            raise ConfigError(f"{where}, line {lineno}: field 'prompt' must be a non-empty string")
+        rows.append(obj)
+    return rows
+
+
+def prompt_token_ids(tokenizer: Any, text: str, *, chat: bool = True) -> list[int]:
+    """Token ids of one prompt, with the tokenizer's chat template applied when it has one and ``chat`` is set.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        text: the user message.
+        chat: wrap ``text`` as a user turn of the chat template (with the generation prompt) when available.
+    Returns:
+        ``[L]`` token ids as a list.
+    """
+    if chat and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+    if ids and isinstance(ids[0], list):  # batched output
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+def select_prompts(prompts: Sequence[str], max_prompts: int | None) -> list[str]:
+    """The first ``max_prompts`` prompts (all when ``None``); the named sets are ordered so prefixes mix tasks."""
+    if max_prompts is None:
+        return list(prompts)
+    if isinstance(max_prompts, bool) or not isinstance(max_prompts, int) or max_prompts < 1:
+        raise ConfigError(f"max_prompts={max_prompts!r} must be None or an integer >= 1")
+    return list(prompts)[:max_prompts]
+
+
+__all__ = ["NAMED_SETS", "load_prompts", "load_prompt_records", "prompt_token_ids", "select_prompts"]

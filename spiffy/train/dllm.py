@@ -1,0 +1,293 @@
+"""Train the tiny LLaDA-architecture masked-diffusion LM (``spiffy.models.llada.LLaDAModelLM``) on the stdlib corpus.
+
+Objective (LLaDA pretraining, re-implemented): for a clean window ``x0 [B, L]`` draw ``t ~ U(0, 1)`` per row, mask
+each token independently with probability ``p = (1 - eps) * t + eps`` (mask id from the tokenizer), and minimise
+the cross entropy of the model's prediction at every *masked* position (position ``i`` predicts token ``i``), each
+term weighted ``1 / p``, summed and divided by ``B * L``. A fraction ``--prompt-frac`` of rows are
+prompt-conditioned (SFT style): a random prefix of the window stays clean and only the rest can be masked, with the
+row's loss divided by its response length, so completing a given code prefix works.
+
+Resumable (``--resume``), time-boxed (``--max-minutes``); writes the checkpoint with
+:func:`spiffy.models.loading.save_checkpoint` (config with ``auto_map``, safetensors, tokenizer) into
+``OUT/model`` plus ``metrics.json`` and ``MODEL_CARD.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from spiffy.errors import MissingTokenError
+from spiffy.train import common
+from spiffy.train.ar import prepare_data, write_card
+
+
+def build_config(tok: Any, hidden: int = 256, layers: int = 4, heads: int = 4, mlp: int = 768, context: int = 512,
+                 tie: bool = True, rope_theta: float = 10000.0):
+    """A small ``LLaDAConfig`` whose special ids come from ``tok``."""
+    from spiffy.models.llada import LLaDAConfig
+
+    mask = tok.convert_tokens_to_ids("<|mdm_mask|>")
+    if mask is None or mask == tok.unk_token_id:
+        raise MissingTokenError("tokenizer has no <|mdm_mask|>; fix: build it with tokenizer_train --family llada")
+    v = len(tok)
+    return LLaDAConfig(
+        d_model=hidden, n_heads=heads, n_kv_heads=heads, n_layers=layers, mlp_ratio=max(1, mlp // hidden),
+        mlp_hidden_size=mlp, vocab_size=v, embedding_size=v, max_sequence_length=context, rope_theta=rope_theta,
+        rms_norm_eps=1e-5, weight_tying=tie, include_bias=False, mask_token_id=int(mask),
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        init_device=None, precision=None, init_std=0.02,
+    )
+
+
+def noise_batch(x0: torch.Tensor, mask_id: int, gen: torch.Generator, eps: float = 1e-3,
+                prompt_frac: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward-noise a batch.
+
+    Args: ``x0 [B, L]`` clean ids.
+    Returns: ``xt [B, L]`` (masked ids), ``masked [B, L]`` bool, ``weight [B, L]`` per-token loss weight
+    (``1 / (p * L)`` for pretraining rows, ``1 / (p * response_len)`` for prompt-conditioned rows, 0 if unmasked).
+    """
+    b, length = x0.shape
+    t = torch.rand(b, generator=gen)
+    p = (1 - eps) * t + eps
+    u = torch.rand(b, length, generator=gen)
+    masked = u < p[:, None]
+    is_prompt_row = torch.rand(b, generator=gen) < prompt_frac
+    plen = torch.randint(1, max(2, length // 2), (b,), generator=gen)
+    plen = torch.where(is_prompt_row, plen, torch.zeros_like(plen))
+    in_prompt = torch.arange(length)[None, :] < plen[:, None]
+    masked &= ~in_prompt
+    denom = (length - plen).clamp(min=1).float()
+    weight = masked.float() / (p[:, None] * denom[:, None])
+    xt = torch.where(masked, torch.full_like(x0, mask_id), x0)
+    return xt, masked, weight
+
+
+def diffusion_loss(model: torch.nn.Module, x0: torch.Tensor, mask_id: int, gen: torch.Generator, eps: float,
+                   prompt_frac: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LLaDA loss on ``x0 [B, L]``: returns (loss, #correct masked predictions, #masked)."""
+    xt, masked, weight = noise_batch(x0, mask_id, gen, eps, prompt_frac)
+    logits = model(input_ids=xt).logits.float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), x0.reshape(-1), reduction="none").view_as(weight)
+    loss = (ce * weight).sum() / x0.shape[0]
+    with torch.no_grad():
+        correct = ((logits.argmax(-1) == x0) & masked).sum()
+    return loss, correct, masked.sum()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, windows: torch.Tensor, mask_id: int, ratios: tuple[float, ...] = (0.15, 0.5, 0.9),
+             batch: int = 8, seed: int = 1234) -> dict[str, Any]:
+    """Held-out masked-token accuracy and CE at fixed mask ratios (fixed seed): ``{ratio: {acc, ce}}``."""
+    model.eval()
+    out: dict[str, Any] = {}
+    for r in ratios:
+        g = torch.Generator().manual_seed(seed)
+        ok, n, ce_sum = 0, 0, 0.0
+        for i in range(0, windows.size(0), batch):
+            x0 = windows[i:i + batch]
+            m = torch.rand(x0.shape, generator=g) < r
+            xt = torch.where(m, torch.full_like(x0, mask_id), x0)
+            logits = model(input_ids=xt).logits.float()
+            ce = F.cross_entropy(logits[m], x0[m], reduction="sum")
+            ok += int((logits.argmax(-1)[m] == x0[m]).sum())
+            n += int(m.sum())
+            ce_sum += float(ce)
+        out[f"mask_{r}"] = {"accuracy": round(ok / max(1, n), 4), "ce": round(ce_sum / max(1, n), 4), "tokens": n}
+    model.train()
+    return out
+
+
+@torch.no_grad()
+def sample_completion(model: torch.nn.Module, tok: Any, prompt: str, gen_length: int = 48, block: int = 16) -> str:
+    """Greedy semi-autoregressive LLaDA decoding (one token per step, low-confidence remasking) of ``prompt``."""
+    model.eval()
+    mask_id = int(model.config.mask_token_id)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    x = torch.tensor([ids + [mask_id] * gen_length])
+    p = len(ids)
+    for start in range(p, p + gen_length, block):
+        for _ in range(block):
+            logits = model(input_ids=x).logits[0].float()
+            conf, pred = torch.softmax(logits, -1).max(-1)
+            region = torch.zeros_like(conf, dtype=torch.bool)
+            region[start:start + block] = x[0, start:start + block] == mask_id
+            if not region.any():
+                break
+            conf = torch.where(region, conf, torch.full_like(conf, -1.0))
+            j = int(conf.argmax())
+            x[0, j] = pred[j]
+    model.train()
+    new = x[0, p:].tolist()
+    eos = tok.eos_token_id
+    if eos in new:
+        new = new[:new.index(eos)]
+    return tok.decode(new)
+
+
+SAMPLE_PROMPTS = ["def ", "import os\n\n\ndef get_", "class Foo:\n    def __init__(self", "    for i in range("]
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Run masked-diffusion training as configured by ``args``; returns the metrics dict."""
+    from tqdm import tqdm
+
+    from spiffy.models.llada import LLaDAModelLM
+    from spiffy.models.loading import load_model, save_checkpoint
+
+    common.set_threads(args.threads)
+    common.seed_everything(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok, train_s, held_s, info = prepare_data(args.corpus, out, args.vocab_size, "llada", args.max_files,
+                                              heldout_percent=args.heldout_percent)
+    cfg = build_config(tok, args.hidden, args.layers, args.heads, args.mlp, max(args.context, args.max_positions),
+                       not args.untied)
+    torch.manual_seed(args.seed)
+    model = LLaDAModelLM(cfg)
+    model.train()
+    mask_id = int(cfg.mask_token_id)
+    decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    step, extra = 0, {"wall_s": 0.0, "tokens": 0}
+    if args.resume and common.has_train_state(out):
+        step, extra = common.load_train_state(out, model, opt)
+        print(f"resumed from step {step}", flush=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    held_w = common.eval_windows(held_s, args.context, args.eval_windows)
+    timer = common.Timer(args.max_minutes)
+    bar = tqdm(total=args.steps, initial=step, desc="llada", dynamic_ncols=True, mininterval=5.0)
+    log = open(out / "train_log.jsonl", "a")
+    ema = None
+    t_last = time.time()
+    budget_s = args.max_minutes * 60.0
+    while step < args.steps and not timer.expired():
+        if args.schedule == "time":
+            # time-boxed: the cosine follows the fraction of the total budget used (across resumes)
+            if float(extra.get("wall_s", 0.0)) >= budget_s:
+                break
+            lr = common.cosine_lr_progress(step, float(extra.get("wall_s", 0.0)) / budget_s, args.lr, args.warmup)
+        else:
+            lr = common.cosine_lr(step, args.steps, args.lr, args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        gen = common.step_generator(args.seed, step)
+        x0 = common.sample_windows(train_s, args.batch_size, args.context, gen)
+        loss, correct, n = diffusion_loss(model, x0, mask_id, gen, args.eps, args.prompt_frac)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        now = time.time()
+        extra["wall_s"] = float(extra.get("wall_s", 0.0)) + (now - t_last)
+        t_last = now
+        extra["tokens"] = int(extra.get("tokens", 0)) + x0.numel()
+        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.2e}", refresh=False)
+        if step % args.log_every == 0 or args.schedule == "time":
+            log.write(json.dumps({"step": step, "loss": float(loss), "ema_loss": ema, "lr": lr,
+                                  "masked_acc": int(correct) / max(1, int(n)), "wall_s": extra["wall_s"]}) + "\n")
+            log.flush()
+        if step % args.ckpt_every == 0 or step == args.steps:
+            common.save_train_state(out, model, opt, step, extra)
+        if args.eval_every and step % args.eval_every == 0:
+            ev = evaluate(model, held_w, mask_id)
+            log.write(json.dumps({"step": step, "heldout": ev}) + "\n")
+            log.flush()
+            print(f"\nstep {step} heldout {ev}", flush=True)
+    bar.close()
+    common.save_train_state(out, model, opt, step, extra)
+    ev = evaluate(model, held_w, mask_id)
+    samples = {p: sample_completion(model, tok, p, args.sample_tokens) for p in SAMPLE_PROMPTS}
+    metrics = {
+        "model": "tiny-llada", "steps": step, "planned_steps": args.steps, "finished": step >= args.steps or (args.schedule == "time" and float(extra["wall_s"]) >= budget_s),
+        "wall_s_total": round(float(extra["wall_s"]), 1), "train_tokens_seen": int(extra["tokens"]),
+        "heldout_masked": ev, "params": n_params,
+        "config": {"d_model": args.hidden, "n_layers": args.layers, "n_heads": args.heads, "mlp": args.mlp,
+                   "context": args.context, "vocab": len(tok), "weight_tying": not args.untied},
+        "train": {"batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup, "seed": args.seed,
+                  "schedule": args.schedule, "max_minutes": args.max_minutes,
+                  "eps": args.eps, "prompt_frac": args.prompt_frac, "weight_decay": args.weight_decay},
+        "corpus": {"python": info.python_version, "files_train": info.n_files_train,
+                   "files_heldout": info.n_files_heldout, "train_tokens": len(train_s), "heldout_tokens": len(held_s)},
+        "save_dtype": args.save_dtype, "samples_greedy": samples, "torch": torch.__version__,
+    }
+    body = (f"LLaDA-architecture masked-diffusion LM (spiffy.models.llada.LLaDAModelLM, bidirectional), "
+            f"{n_params/1e6:.2f}M parameters, trained from scratch with the LLaDA objective (+{args.prompt_frac:.0%} "
+            f"prompt-conditioned rows) for {step} steps ({metrics['wall_s_total']/60:.1f} min, 1 CPU thread) on the "
+            f"Python {info.python_version} standard library's .py sources, byte-level BPE vocab {len(tok)}. "
+            f"Weights stored in {args.save_dtype}. Reproduce with `scripts/train_tiny_llada.sh`.")
+    final = out / "model"
+    export = LLaDAModelLM(cfg)
+    export.load_state_dict(model.state_dict())
+    export = export.to(getattr(torch, args.save_dtype)).eval()
+    export.config.torch_dtype = args.save_dtype
+    gen_cfg = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
+               "mask_token_id": mask_id}
+    save_checkpoint(export, final, tokenizer=tok, generation_config=gen_cfg)
+    load_model(final, dtype="float32")  # check it loads through the library loader
+    metrics["size_mb"] = round(common.file_size_mb(final), 2)
+    write_card(final, "tiny-llada (spiffy demo dLLM)", metrics, body)
+    write_card(out, "tiny-llada (spiffy demo dLLM)", metrics, body)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "samples_greedy"}, indent=2))
+    for p, s in samples.items():
+        print(f"--- {p!r} ->\n{p}{s}")
+    return metrics
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train spiffy's tiny LLaDA-architecture dLLM on the stdlib corpus.")
+    p.add_argument("--out", required=True, help="run dir (train_state.pt, logs; final model in OUT/model)")
+    p.add_argument("--corpus", default=None, help="corpus dir (built if missing; default ~/.cache/spiffy/corpus)")
+    p.add_argument("--max-files", type=int, default=None, help="use only the first N corpus files (tests)")
+    p.add_argument("--heldout-percent", type=int, default=5, help="percent of corpus files held out (path hash)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
+    p.add_argument("--hidden", type=int, default=256, help="d_model")
+    p.add_argument("--layers", type=int, default=4, help="n_layers")
+    p.add_argument("--heads", type=int, default=4, help="n_heads (= n_kv_heads)")
+    p.add_argument("--mlp", type=int, default=768, help="mlp_hidden_size")
+    p.add_argument("--untied", action="store_true", help="separate output head (ff_out) instead of weight tying")
+    p.add_argument("--context", type=int, default=256, help="training window length (tokens)")
+    p.add_argument("--max-positions", type=int, default=512, help="config max_sequence_length")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per step")
+    p.add_argument("--steps", type=int, default=600, help="total optimizer steps (cosine schedule length)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=50, help="warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
+    p.add_argument("--eps", type=float, default=1e-3, help="minimum mask probability")
+    p.add_argument("--prompt-frac", type=float, default=0.3, help="fraction of prompt-conditioned (SFT-like) rows")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--max-minutes", type=float, default=40.0, help="wall-clock budget of this invocation")
+    p.add_argument("--schedule", choices=["steps", "time"], default="steps",
+                   help="cosine over --steps (deterministic) or over the --max-minutes budget (always ends annealed; "
+                        "the budget then counts total training time across resumes)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
+    p.add_argument("--ckpt-every", type=int, default=50, help="save the training state every N steps")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (0: only at the end)")
+    p.add_argument("--eval-windows", type=int, default=32, help="held-out windows evaluated")
+    p.add_argument("--log-every", type=int, default=10, help="log a line every N steps")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the exported weights")
+    p.add_argument("--sample-tokens", type=int, default=48, help="tokens per sample completion in the report")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    train(build_parser().parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

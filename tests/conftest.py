@@ -1,0 +1,64 @@
+"""Shared pytest fixtures: tiny random checkpoints of every family, built once per test session.
+
+Fixtures (session-scoped, each a ``pathlib.Path`` of a checkpoint directory in the real layout: config.json with
+the official auto_map, >= 2 safetensors shards + index, tokenizer files, generation_config.json):
+
+* ``tiny_llada``, ``tiny_dream``, ``tiny_sdar``, ``tiny_qwen3`` (seed 0, hidden 64, 2 layers, vocab 512).
+
+Helper: :func:`load_f64` loads a checkpoint in float64 (``from conftest import load_f64``), the precision every
+equality test uses. Loaded models are cached per path, so tests must not modify their weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import spiffy  # noqa: F401  (registers the families with transformers)
+from spiffy.models.loading import load_model
+from spiffy.models.tiny import make_tiny
+
+_F64_CACHE: dict[str, torch.nn.Module] = {}
+
+
+def load_f64(path: str | Path, cached: bool = False) -> torch.nn.Module:
+    """Load the checkpoint at ``path`` in float64 on CPU (eval mode). ``cached=True`` reuses one instance per
+    path for the session (do not modify it)."""
+    key = str(Path(path).resolve())
+    if cached and key in _F64_CACHE:
+        return _F64_CACHE[key]
+    model = load_model(path, dtype=torch.float64)
+    if cached:
+        _F64_CACHE[key] = model
+    return model
+
+
+def _tiny(tmp_path_factory: pytest.TempPathFactory, family: str) -> Path:
+    base = tmp_path_factory.mktemp(f"tiny_{family}")
+    return make_tiny(family, base / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llada(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random LLaDA checkpoint directory (seed 0)."""
+    return _tiny(tmp_path_factory, "llada")
+
+
+@pytest.fixture(scope="session")
+def tiny_dream(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Dream checkpoint directory (seed 0)."""
+    return _tiny(tmp_path_factory, "dream")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdar(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random SDAR checkpoint directory (seed 0)."""
+    return _tiny(tmp_path_factory, "sdar")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Qwen3 (transformers-native) checkpoint directory (seed 0)."""
+    return _tiny(tmp_path_factory, "qwen3")

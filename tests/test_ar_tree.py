@@ -1,0 +1,176 @@
+"""DDTree construction and tree compilation: brute-force optimality, structure, mask (property-based)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spiffy.ar.tree import build_chain, build_ddtree
+from spiffy.errors import ConfigError
+from spiffy.verify import DraftStructure, compile_packed
+
+
+def _logprobs(draw_vals: list[float], depth: int, vocab: int) -> torch.Tensor:
+    logits = torch.tensor(draw_vals, dtype=torch.float64).view(depth, vocab)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _brute_force(lp: torch.Tensor) -> list[tuple[float, tuple[int, ...]]]:
+    """Every prefix of length 1..L with its score, summed left to right like the builder does."""
+    depth, vocab = lp.shape
+    vals = lp.tolist()
+    out = []
+    for length in range(1, depth + 1):
+        for seq in itertools.product(range(vocab), repeat=length):
+            s = vals[0][seq[0]]
+            for d in range(1, length):
+                s = s + vals[d][seq[d]]
+            out.append((s, seq))
+    return out
+
+
+def _sequences(tree) -> list[tuple[int, ...]]:
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    seqs: list[tuple[int, ...]] = []
+    for t, p in zip(toks, pars):
+        seqs.append((seqs[p] if p >= 0 else ()) + (t,))
+    return seqs
+
+
+tree_case = st.integers(1, 3).flatmap(
+    lambda depth: st.integers(2, 4).flatmap(
+        lambda vocab: st.tuples(
+            st.just(depth),
+            st.just(vocab),
+            st.lists(
+                st.one_of(st.floats(-4, 4, allow_nan=False), st.sampled_from([0.0, 1.0, -1.0])),
+                min_size=depth * vocab,
+                max_size=depth * vocab,
+            ),
+            st.integers(0, sum(vocab**d for d in range(1, depth + 1)) + 3),
+        )
+    )
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tree_case)
+def test_tree_equals_brute_force_top_prefixes(case):
+    depth, vocab, vals, budget = case
+    lp = _logprobs(vals, depth, vocab)
+    tree = build_ddtree(lp, budget)
+    everything = _brute_force(lp)
+    n_expected = min(budget, len(everything))
+    assert tree.num_nodes == n_expected
+    seqs = _sequences(tree)
+    # the chosen scores are exactly the top-B scores of all prefixes
+    best = sorted((s for s, _ in everything), reverse=True)[:n_expected]
+    assert sorted(tree.scores.tolist(), reverse=True) == best
+    # each node's score is the product probability (log-sum) of its prefix
+    for seq, score in zip(seqs, tree.scores.tolist()):
+        assert score == next(s for s, q in everything if q == seq)
+    # when scores are all distinct the optimal set is unique: it must be exactly the brute-force one
+    scores = [s for s, _ in everything]
+    if len(set(scores)) == len(scores):
+        top = {q for _, q in sorted(everything, key=lambda x: -x[0])[:n_expected]}
+        assert set(seqs) == top
+
+
+@settings(max_examples=100, deadline=None)
+@given(tree_case)
+def test_tree_structure_parents_first_and_pop_order(case):
+    depth, vocab, vals, budget = case
+    lp = _logprobs(vals, depth, vocab)
+    tree = build_ddtree(lp, budget)
+    seqs = _sequences(tree)
+    assert len(set(seqs)) == len(seqs), "a prefix appears twice"
+    for i, (p, d) in enumerate(zip(tree.parents.tolist(), tree.depths.tolist())):
+        assert p < i, "parents must precede children"
+        assert d == (1 if p < 0 else tree.depths[p].item() + 1)
+        assert d <= depth
+    s = tree.scores.tolist()
+    assert all(a >= b for a, b in zip(s, s[1:])), "nodes must come out best-first"
+    # siblings carry distinct tokens, so the walk's child lookup is unambiguous
+    assert len(tree.children_lookup()) == tree.num_nodes
+
+
+def test_budget_edge_cases():
+    lp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]], dtype=torch.float64), dim=-1)
+    assert build_ddtree(lp, 0).num_nodes == 0
+    one = build_ddtree(lp, 1)
+    assert one.tokens.tolist() == [0] and one.parents.tolist() == [-1] and one.depths.tolist() == [1]
+    every = build_ddtree(lp, 3 * 2 + 9 + 100)  # budget > V * L and > the number of prefixes
+    assert every.num_nodes == 3 + 9
+    assert sorted(_sequences(every)) == sorted(
+        [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)]
+    )
+    with pytest.raises(ConfigError, match="budget"):
+        build_ddtree(lp, -1)
+    assert build_ddtree(lp[:0], 5).num_nodes == 0
+
+
+def test_tree_deterministic_and_large_vocab():
+    g = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(15, 5000, generator=g), dim=-1)
+    a, b = build_ddtree(lp, 300), build_ddtree(lp, 300)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    assert a.num_nodes == 300
+    # probability-1 tokens (log-prob exactly 0) tie with their parent: parents still come first
+    peaked = torch.full((4, 7), float("-inf"), dtype=torch.float64)
+    peaked[:, 3] = 0.0
+    t = build_ddtree(peaked, 10)
+    assert t.tokens.tolist()[:4] == [3, 3, 3, 3] and t.parents.tolist()[:4] == [-1, 0, 1, 2]
+
+
+def test_chain_is_argmax_path():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
+    chain = build_chain(logits)
+    assert chain.tokens.tolist() == [1, 0, 2]
+    assert chain.parents.tolist() == [-1, 0, 1]
+    assert chain.depths.tolist() == [1, 2, 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(tree_case, st.integers(0, 6), st.integers(0, 50))
+def test_compiled_mask_is_ancestor_visibility(case, ctx_len, root_pos):
+    depth, vocab, vals, budget = case
+    tree = build_ddtree(_logprobs(vals, depth, vocab), budget)
+    n = tree.num_nodes
+    structure = DraftStructure(
+        tokens=[tree.tokens[i : i + 1] for i in range(n)],
+        positions=[tree.depths[i : i + 1] + root_pos for i in range(n)],
+        parents=[(p,) if p >= 0 else () for p in tree.parents.tolist()],
+        visibility="ancestors",
+    )
+    comp = compile_packed(
+        structure, context_len=ctx_len, dtype=torch.float64,
+        prefix_rows=(torch.tensor([7]), torch.tensor([root_pos])),
+    )
+    r = n + 1
+    assert comp.input_ids.tolist() == [[7] + tree.tokens.tolist()]
+    assert comp.position_ids.tolist() == [[root_pos] + (tree.depths + root_pos).tolist()]
+    mask = comp.attention_mask[0, 0]
+    assert mask.shape == (r, ctx_len + r)
+    visible = mask == 0
+    assert bool(visible[:, :ctx_len].all()), "the committed context is visible to every row"
+    pars = tree.parents.tolist()
+
+    def ancestors_or_self(i: int) -> set[int]:
+        out = {i}
+        while pars[i] >= 0:
+            i = pars[i]
+            out.add(i)
+        return out
+
+    expected = torch.zeros(r, r, dtype=torch.bool)
+    expected[:, 0] = True  # the root (bonus) is everyone's ancestor
+    for i in range(n):
+        for j in ancestors_or_self(i):
+            expected[i + 1, j + 1] = True
+    assert torch.equal(visible[:, ctx_len:], expected)
+    hidden = mask[~visible]
+    assert bool((hidden == torch.finfo(torch.float64).min).all())

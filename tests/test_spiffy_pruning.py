@@ -1,0 +1,127 @@
+"""Dynamic pruning of draft graphs (spiffy.selfspec.pruning)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spiffy.errors import ConfigError
+from spiffy.selfspec.formulas import rank_state
+from spiffy.selfspec.graph import DraftGraph
+from spiffy.selfspec.oracle import random_formulas
+from spiffy.selfspec.pruning import SCORES, is_parent_closed, node_scores, prune
+
+MASK = 50
+
+
+def _ranking_from_probs(probs: list[list[float]]):
+    """A ranking whose (i, j) probabilities are exactly ``probs`` (rows already in rank order, tokens sorted)."""
+    logits = torch.tensor(probs, dtype=torch.float64).log()
+    x = torch.full((len(probs),), MASK)
+    r = rank_state(logits, x, 0, len(probs), 0, len(probs), len(probs[0]), mask_id=MASK)
+    assert r.rows.tolist() == list(range(len(probs)))  # the construction keeps the given order
+    return r
+
+
+# p[i-1][j-1]: position 1 most confident, token ranks descending
+PROBS = [[0.8, 0.15, 0.05], [0.5, 0.3, 0.2], [0.4, 0.35, 0.25]]
+A, B, C, D, E = ((1, 1),), ((2, 1),), ((1, 1), (2, 1)), ((1, 1), (3, 2)), ((1, 1), (2, 1), (3, 1))
+
+
+def _hand_graph() -> DraftGraph:
+    return DraftGraph.from_formulas([(1, A), (1, B), (2, C), (2, D), (3, E)])
+
+
+def _ids(graph: DraftGraph) -> dict[tuple, int]:
+    return {n.pairs: n.id for n in graph.nodes}
+
+
+def test_gm_score_hand_computed() -> None:
+    g = _hand_graph()
+    ids = _ids(g)
+    r = _ranking_from_probs(PROBS)
+    s = node_scores(g, r, "gm")
+    p11, p21, p32, p31 = 0.8, 0.5, 0.35, 0.4
+    e = (p11 * p21 * p31) ** (1 / 3)  # leaf: local only
+    c = math.sqrt(math.sqrt(p11 * p21) * e)  # GM(local, mean of children = E)
+    d = math.sqrt(p11 * p32)  # leaf
+    a = math.sqrt(p11 * ((c + d) / 2))  # children C and D
+    b = math.sqrt(p21 * c)  # child C
+    for pairs, want in ((A, a), (B, b), (C, c), (D, d), (E, e)):
+        assert s[ids[pairs]] == pytest.approx(want, rel=1e-12)
+    assert prune(g, r, 1) == [ids[A]]
+    # A (0.668) first; then C (0.586) over B (0.541) and D (0.529); then E (0.543, now eligible) over B
+    assert a > c > e > b > d
+    assert prune(g, r, 3) == [ids[A], ids[C], ids[E]]
+    assert prune(g, r, 5) == [ids[A], ids[C], ids[E], ids[B], ids[D]]
+
+
+def test_product_local_count_scores() -> None:
+    g = DraftGraph.from_formulas([(1, A), (1, B), (2, C), (2, D), (3, E)], counts=[1, 9, 3, 2, 7])
+    ids = _ids(g)
+    r = _ranking_from_probs(PROBS)
+    prod = node_scores(g, r, "product")
+    assert prod[ids[D]] == pytest.approx(0.8 * 0.35)
+    loc = node_scores(g, r, "local")
+    assert loc[ids[E]] == pytest.approx((0.8 * 0.5 * 0.4) ** (1 / 3))
+    cnt = node_scores(g, r, "count")
+    assert cnt[ids[B]] == 9.0
+    # count: B (9) first; E (7) is not eligible until C (3) is kept
+    assert prune(g, r, 3, score="count") == [ids[B], ids[C], ids[E]]
+
+
+def test_unavailable_nodes_never_kept() -> None:
+    g = _hand_graph()
+    ids = _ids(g)
+    r = _ranking_from_probs([[0.8, 0.2], [0.6, 0.4]])  # only 2 positions, 2 tokens: D (3,2) and E (3,1) unavailable
+    kept = prune(g, r, 10)
+    assert set(kept) == {ids[A], ids[B], ids[C]}
+    assert ids[D] not in node_scores(g, r)
+
+
+def test_budget_errors_and_zero() -> None:
+    g = _hand_graph()
+    r = _ranking_from_probs(PROBS)
+    assert prune(g, r, 0) == []
+    with pytest.raises(ConfigError, match="budget"):
+        prune(g, r, -1)
+    with pytest.raises(ConfigError, match="score"):
+        prune(g, r, 2, score="nope")
+    assert set(SCORES) >= {"gm", "product", "count"}
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    levels=st.integers(1, 4),
+    nodes=st.integers(1, 25),
+    budget=st.integers(0, 30),
+    score=st.sampled_from(SCORES),
+    n_masked=st.integers(1, 6),
+)
+def test_parent_closure_property(seed: int, levels: int, nodes: int, budget: int, score: str, n_masked: int) -> None:
+    g = DraftGraph.from_formulas(random_formulas(levels, nodes, seed, i_max=6, j_max=3))
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n_masked, 5, generator=gen, dtype=torch.float64)
+    r = rank_state(logits, torch.full((n_masked,), MASK), 0, n_masked, 0, 6, 3, mask_id=MASK)
+    kept = prune(g, r, budget, score=score)
+    assert len(kept) == len(set(kept)) <= budget
+    assert is_parent_closed(g, kept)
+    scores = node_scores(g, r, score)
+    assert all(k in scores for k in kept)  # only instantiable nodes
+    # maximality: if fewer than budget were kept, no eligible scorable node was left out
+    if len(kept) < budget:
+        ks = set(kept)
+        for n in g.nodes:
+            if n.id in scores and n.id not in ks:
+                assert n.level > 1 and not any(p in ks for p in n.parents)
+    # the first pick is the best level-1 node
+    if kept:
+        lvl1 = [n.id for n in g.nodes if n.level == 1 and n.id in scores]
+        best = max(scores[i] for i in lvl1)
+        assert scores[kept[0]] == best
+    assert prune(g, r, budget, score=score) == kept  # deterministic
