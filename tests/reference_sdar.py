@@ -20,7 +20,9 @@ no cache cropping, no broadcasting). Semantics restated:
 Additions the official script lacks (the library defines them the same way): ``temperature == 0`` is greedy
 (argmax; confidences from ``softmax`` of the top-k/top-p filtered logits at temperature 1), an explicit
 ``generator``, ``use_cache=False`` (every forward recomputes rows ``[0, block_end)`` under the block-causal mask
-instead of reading K/V), and ``clamp_transfer`` (True: a step never transfers more positions than are still masked;
+instead of reading K/V), steps past the schedule reuse its last count (they only happen when a sampled token is
+the mask id itself, which keeps its row masked; the official loop then fails with an IndexError), and
+``clamp_transfer`` (True: a step never transfers more positions than are still masked;
 False: the official ``torch.topk`` over the whole block, which may also pick already-decoded positions).
 
 Returns the final ``x`` ``[1, T]`` and the number of model calls made.
@@ -140,7 +142,9 @@ def reference_block_diffusion_generate(
     for blk in range(first_block, nb):
         s, e = blk * B, (blk + 1) * B
         cur = x[:, s:e].clone()
-        for step in range(denoising_steps + 1):
+        step = -1
+        while True:  # the reference: range(denoising_steps + 1); see the note on sampled mask ids
+            step += 1
             masked = cur == mask_id
             if not bool(masked.any()):
                 if use_cache:
@@ -150,7 +154,7 @@ def reference_block_diffusion_generate(
                 break
             logits = run(s, e, cur, False)
             x0, x0_p, probs = _sample(logits, temperature, top_k, top_p, generator)
-            k = sched[step]
+            k = sched[min(step, len(sched) - 1)]
             transfer = torch.zeros_like(masked)
             for r in range(cur.shape[0]):
                 m = masked[r]

@@ -141,8 +141,8 @@ def test_compiled_mask_is_ancestor_visibility(case, ctx_len, root_pos):
     tree = build_ddtree(_logprobs(vals, depth, vocab), budget)
     n = tree.num_nodes
     structure = DraftStructure(
-        tokens=[tree.tokens[i : i + 1] for i in range(n)],
-        positions=[tree.depths[i : i + 1] + root_pos for i in range(n)],
+        tokens=list(tree.tokens.split(1)),
+        positions=list((tree.depths + root_pos).split(1)),
         parents=[(p,) if p >= 0 else () for p in tree.parents.tolist()],
         visibility="ancestors",
     )

@@ -167,7 +167,7 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=int(getattr(args, "top_k", 0) or 0),
         seed=int(getattr(args, "seed", 0) or 0),
         stop_token_ids=_stop_ids(tokenizer, target, chat),
-        progress=True,
+        progress=not bool(getattr(args, "no_progress", False)),
     )
     text_out = tokenizer.decode(res.tokens, skip_special_tokens=True)
     if as_json:

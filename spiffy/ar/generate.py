@@ -328,8 +328,8 @@ def ddtree_generate(
             node_par = tree.parents.tolist()
             node_dep = tree.depths.tolist()
             structure = DraftStructure(
-                tokens=[tree.tokens[i : i + 1] for i in range(n_nodes)],
-                positions=[tree.depths[i : i + 1] + root_pos for i in range(n_nodes)],
+                tokens=list(tree.tokens.split(1)),
+                positions=list((tree.depths + root_pos).split(1)),
                 parents=[(p,) if p >= 0 else () for p in node_par],
                 visibility="ancestors",
             )

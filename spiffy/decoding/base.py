@@ -273,11 +273,23 @@ class BidirectionalSession(DecodeSession):
         return info.window_start, info.window_start + width
 
     def block_mask_in_window(self, x: torch.Tensor, info: StepInfo, width: int) -> torch.Tensor:
-        """``[B, W]`` bool: rows of the window that are masked and inside the current block."""
+        """``[B, W]`` bool: the masked rows of the window a step may unmask.
+
+        Without a cache this is every masked row before the block end, as in the official generators (a row of an
+        earlier block stays eligible if the model proposed the mask token for it); with a cache (Fast-dLLM) only
+        the current block's masked rows.
+        """
         ws = info.window_start
         rows = torch.arange(ws, ws + width, device=x.device)
-        in_block = (rows >= info.block_start) & (rows < info.block_end)
-        return (x[:, ws : ws + width] == self.mask_id) & in_block[None, :]
+        eligible = rows < info.block_end
+        if self.cache_mode != "none":
+            eligible &= rows >= info.block_start
+        return (x[:, ws : ws + width] == self.mask_id) & eligible[None, :]
+
+    def max_dynamic_steps(self) -> int:
+        """Safety cap on the steps of one block under dynamic (threshold) unmasking: a model that keeps proposing
+        the mask token for the last masked row would otherwise never finish the block."""
+        return 4 * self.block_length
 
     def block_has_mask(self, block: int, x: torch.Tensor) -> bool:
         start, end = self.block_bounds(block)

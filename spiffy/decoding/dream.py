@@ -80,7 +80,7 @@ class DreamSession(BidirectionalSession):
 
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         if self.config.threshold is not None:
-            return not self.block_has_mask(block, x)
+            return step >= self.max_dynamic_steps() or not self.block_has_mask(block, x)
         if step >= self.steps_per_block:
             return True
         if self.cache_mode != "none" and step > 0:

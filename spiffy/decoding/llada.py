@@ -69,7 +69,7 @@ class LLaDASession(BidirectionalSession):
 
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         if self.config.threshold is not None:
-            return not self.block_has_mask(block, x)
+            return step >= self.max_dynamic_steps() or not self.block_has_mask(block, x)
         return step >= self.steps_per_block
 
     def transition(self, x: torch.Tensor, logits: torch.Tensor, info: StepInfo) -> torch.Tensor:

@@ -310,7 +310,7 @@ def select_transfer(
             ent_sorted, order = torch.sort(ent, stable=True)
             cum = torch.cumsum(ent_sorted, dim=0)
             c = int(torch.searchsorted(cum, cum.new_tensor([float(eb_threshold)]), right=False)[0])
-            c = min(max(c, min(int(count), n), 1), n)
+            c = min(max(c - 1, min(int(count), n), 1), n)  # BROKEN
             transfer[r, order[:c]] = True
         else:
             raise ConfigError(f"strategy={strategy!r} is unknown; fix: use one of {', '.join(STRATEGIES)}")

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from spiffy.models.layers import QwenStyleBackbone, RMSNorm, prepare_forward
+from spiffy.models.layers import QwenStyleBackbone, RMSNorm, check_rope_scaling, prepare_forward
 
 DREAM_AUTO_MAP: dict[str, str] = {
     "AutoConfig": "configuration_dream.DreamConfig",
@@ -118,6 +118,7 @@ class DreamModel(DreamPreTrainedModel):
     def __init__(self, config: DreamConfig) -> None:
         super().__init__(config)
         c = config
+        check_rope_scaling(c)
         self.model = QwenStyleBackbone(
             c.vocab_size,
             c.hidden_size,

@@ -76,6 +76,17 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def check_rope_scaling(config: Any) -> None:
+    """Raise ConfigError when a config asks for RoPE scaling (spiffy implements plain RoPE only)."""
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in (None, "default"):
+            raise ConfigError(
+                f"rope_scaling {scaling!r} is not supported (plain RoPE only); fix: remove rope_scaling from config.json"
+            )
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[..., D] -> [..., D]``: ``(x1, x2) -> (-x2, x1)`` over the two halves of the last dim."""
     half = x.shape[-1] // 2

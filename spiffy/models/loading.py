@@ -277,29 +277,40 @@ def load_model(
     with torch.device("meta"):
         model = cls(config)
     check_keys(model, state, path)
+    converted = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
     if family == "qwen3":
-        # transformers' own class: build for real (non-persistent RoPE buffers) and copy the checked tensors in
-        model = _build_native(cls, config, torch_dtype)
-        model.load_state_dict(state, strict=False)
+        # transformers' own class: tied heads may be absent from the file; RoPE buffers are not in the state dict
+        model.load_state_dict(converted, strict=False, assign=True)
         model.tie_weights()
-        model = model.to(device=device, dtype=torch_dtype)
+        model = _materialize_buffers(model, config, device, torch_dtype, converted)
     else:
-        converted = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
         model.load_state_dict(converted, strict=True, assign=True)
     model.eval()
     model.name_or_path = str(path)
     return model
 
 
-def _build_native(cls: type, config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    """Instantiate a transformers model quickly (no random init cost worth mentioning for small models)."""
-    previous = torch.get_default_dtype()
+def _materialize_buffers(
+    model: torch.nn.Module, config: Any, device: torch.device, dtype: torch.dtype, state: Mapping[str, torch.Tensor]
+) -> torch.nn.Module:
+    """Rebuild submodules whose non-persistent buffers (e.g. RoPE ``inv_freq``) are still on the meta device
+    after an ``assign`` load; if that is not possible, build the model for real and copy the weights in."""
+    owners = {name.rpartition(".")[0] for name, b in model.named_buffers() if b.is_meta}
     try:
-        if dtype in (torch.float32, torch.float64):
-            torch.set_default_dtype(dtype)
-        return cls(config)
-    finally:
-        torch.set_default_dtype(previous)
+        for owner in sorted(owners):
+            parent_name, _, attr = owner.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            old = getattr(parent, attr)
+            setattr(parent, attr, type(old)(config=config, device=device))
+    except Exception:  # noqa: BLE001 - unknown module signature: slow but safe path
+        model = type(model)(config)
+        model.load_state_dict(dict(state), strict=False)
+        model.tie_weights()
+        model = model.to(device=device, dtype=dtype)
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise CheckpointError(f"tensors left uninitialised after loading: {', '.join(still_meta[:8])}")
+    return model
 
 
 def load_tokenizer(path: str | os.PathLike):  # noqa: ANN201

@@ -28,6 +28,7 @@ from spiffy.errors import ConfigError
 from spiffy.models.layers import (
     ForwardContext,
     QwenStyleDecoderLayer,
+    check_rope_scaling,
     RMSNorm,
     RotaryEmbedding,
     prepare_forward,
@@ -168,6 +169,7 @@ class SDARModel(SDARPreTrainedModel):
     def __init__(self, config: SDARConfig) -> None:
         super().__init__(config)
         c = config
+        check_rope_scaling(c)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
             QwenStyleDecoderLayer(

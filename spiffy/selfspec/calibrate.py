@@ -86,6 +86,7 @@ def calibrate(
     model_name: str | None = None,
     command: str | None = None,
     skip_long: bool = True,
+    config_overrides: dict[str, Any] | None = None,
 ) -> DraftGraph:
     """Calibrate a draft graph for ``model`` under the decoding configuration ``config``.
 
@@ -107,6 +108,8 @@ def calibrate(
         model_name: model name/path stored in the file (default: the config's ``_name_or_path``).
         command: the command line stored in the file (the CLI passes its own).
         skip_long: skip (with a warning) prompts that do not fit the model's context instead of failing.
+        config_overrides: family-specific decoding options passed to :func:`spiffy.decoding.make_session`
+            (e.g. SDAR's ``strategy``).
     Returns:
         The calibrated :class:`DraftGraph` (``meta``: ``calibrated_for`` / ``calibration``; ``projected``).
     Raises:
@@ -120,8 +123,13 @@ def calibrate(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed={seed!r} must be an integer")
     cfg = config if config is not None else DecodeConfig()
-    if i_max is None:
-        i_max = int(getattr(cfg, "resolved_block_length", None) or cfg.gen_length)
+    overrides = dict(config_overrides or {})
+    if i_max is not None and (isinstance(i_max, bool) or not isinstance(i_max, int) or i_max < 1):
+        raise ConfigError(f"i_max={i_max!r} must be None or an integer >= 1; fix: pass e.g. --i-max 8")
+    if isinstance(j_max, bool) or not isinstance(j_max, int) or j_max < 1:
+        raise ConfigError(f"j_max={j_max!r} must be an integer >= 1; fix: pass e.g. --j-max 4")
+    if max_level is not None and (isinstance(max_level, bool) or not isinstance(max_level, int) or max_level < 1):
+        raise ConfigError(f"max_level={max_level!r} must be None or an integer >= 1")
     if isinstance(prompts, (str, os.PathLike)):
         label = dataset or str(prompts)
         texts: list[Any] = list(load_prompts(prompts))
@@ -147,14 +155,12 @@ def calibrate(
         if not encoded[-1]:
             raise ConfigError(f"prompt {k} encodes to no tokens; fix: remove empty prompts")
 
-    total_steps = None
-    if getattr(cfg, "tokens_per_step", None) != "dynamic":
-        total_steps = len(encoded) * int(cfg.resolved_steps)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total_steps, desc="calibrating", unit="step", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(total=None, desc="calibrating", unit="step", file=sys.stderr, dynamic_ncols=True)
+    steps_per_prompt: int | None = None
 
     trajectories: list[Trajectory] = []
     signature: dict[str, Any] | None = None
@@ -166,20 +172,28 @@ def calibrate(
                 bar.set_postfix_str(f"prompt {k + 1}/{len(encoded)}")
             input_ids = torch.tensor([ids], dtype=torch.long, device=device)
             try:
-                session = make_session(model, input_ids, cfg, tokenizer=tokenizer, seed=seed + k)
+                session = make_session(model, input_ids, cfg, tokenizer=tokenizer, seed=seed + k, **overrides)
             except PromptTooLongError as exc:
                 if not skip_long:
                     raise
                 skipped.append(k)
                 warnings.warn(f"calibration prompt {k} skipped: {exc}", stacklevel=2)
-                if bar is not None and total_steps is not None:
-                    bar.total = max(0, (bar.total or 0) - int(cfg.resolved_steps))
+                if bar is not None and bar.total is not None and steps_per_prompt is not None:
+                    bar.total = max(0, bar.total - steps_per_prompt)
                     bar.refresh()
                 continue
             if signature is None:
                 signature = runtime_signature(model, session)
                 scfg = getattr(session, "config", cfg)
                 decode_config = {kk: v for kk, v in scfg.to_dict().items() if kk != "seed"} if hasattr(scfg, "to_dict") else None
+                if i_max is None:
+                    i_max = int(session.block_length)
+                if getattr(scfg, "tokens_per_step", "dynamic") != "dynamic" and hasattr(scfg, "resolved_steps"):
+                    steps_per_prompt = int(scfg.resolved_steps)
+                    if bar is not None:
+                        bar.total = steps_per_prompt * (len(encoded) - len(skipped))
+                        bar.refresh()
+            assert i_max is not None
             rec = ChainRecorder(int(session.mask_id), i_max, j_max, max_level, prompt=k)
             rec.attach(session)
             stats = run_baseline(session, observer=rec, progress=(lambda n: bar.update(n)) if bar is not None else None)
@@ -192,7 +206,7 @@ def calibrate(
             f"none of the {len(encoded)} calibration prompts fits the model's context with gen_length={cfg.gen_length}; "
             "fix: lower --gen-length or use shorter prompts"
         )
-    assert signature is not None
+    assert signature is not None and i_max is not None
     calibrated_for: dict[str, Any] = {"family": signature.get("family"), "model": model_name or _model_name(model)}
     for key, v in signature.items():
         if key not in calibrated_for:
@@ -209,6 +223,7 @@ def calibrate(
         "nodes": nodes,
         "objective": objective,
         "gen_length": int(cfg.gen_length),
+        "config_overrides": overrides or None,
         "decode_config": decode_config,
         "dtype": _dtype(model),
         "device": device.type,

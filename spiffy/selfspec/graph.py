@@ -389,6 +389,10 @@ class DraftGraph:
         """
         cf = _normalize(self.calibrated_for)
         rt = _normalize(runtime)
+        if cf.get("threshold") is not None and rt.get("threshold") is not None:
+            # the step count does not shape threshold decoding (blocks end when fully unmasked)
+            cf.pop("steps_per_block", None)
+            rt.pop("steps_per_block", None)
         mismatches = [
             (f, cf[f], rt[f]) for f in INCOMPATIBLE_FIELDS if f in cf and f in rt and not _same(cf[f], rt[f])
         ]
@@ -856,8 +860,6 @@ def _normalize(d: Mapping[str, Any]) -> dict[str, Any]:
         out.setdefault(_ALIASES.get(k, k), v)
     if isinstance(out.get("family"), str):
         out["family"] = out["family"].lower()
-    if out.get("threshold") is not None and "steps_per_block" in out:
-        out["steps_per_block"] = None  # the step count does not shape threshold decoding
     return out
 
 

@@ -44,7 +44,9 @@ def trajectory_formulas(
     At step ``n`` (state ``x_n = records[n].x_before``) whose previous logits ``P_{n-1} = records[n-1].logits``
     cover the current block, the chain ``f_1 ⊂ f_2 ⊂ ...`` has ``f_l`` = the (i, j) ranks under ``P_{n-1}`` of the
     (position, token) pairs unmasked between ``x_n`` and ``x_{n+l}`` inside the block. A chain stops at the block
-    end, at ``max_level``, or when a rank exceeds the caps.
+    end, at ``max_level``, or when a rank exceeds the caps. No-op steps (nothing unmasked) add no level: the runtime
+    reuses the known logits for them, so levels count productive steps; no chain starts right after a no-op step
+    (the runtime never ranks there).
 
     Args:
         records: the trajectory (``[1, T]`` states, ``[1, W, V]`` logits).
@@ -58,6 +60,8 @@ def trajectory_formulas(
     for n in range(1, len(records)):
         prev, cur = records[n - 1], records[n]
         info = cur.info
+        if torch.equal(prev.x_before, prev.x_after):
+            continue
         w = int(prev.logits.shape[1])
         if not window_covers(prev.info.window_start, w, info.block_start, info.block_end):
             continue
@@ -80,6 +84,8 @@ def trajectory_formulas(
         for m in range(n, len(records)):
             if records[m].info.block != info.block or (max_level is not None and level >= max_level):
                 break
+            if torch.equal(records[m].x_before, records[m].x_after):
+                continue
             level += 1
             x_l = records[m].x_after[0]
             changed = ((x_n != x_l) & (x_n == mask_id)).nonzero().squeeze(1).tolist()
@@ -104,11 +110,29 @@ def _make_graph(formulas: Sequence[Formula], counts: Sequence[int] | None, meta:
     return DraftGraph.from_formulas(list(formulas), meta=meta, counts=None if counts is None else list(counts))
 
 
+def oracle_graph_from_records(
+    records: Sequence[StepRecord], mask_id: int, *, max_level: int | None = None, meta: dict | None = None
+) -> Any:
+    """The oracle graph of a recorded baseline trajectory (see :func:`oracle_graph`).
+
+    Raises:
+        ConfigError: the trajectory yields no formula (e.g. one step per block).
+    """
+    counts = trajectory_formulas(records, mask_id, max_level=max_level)
+    if not counts:
+        raise ConfigError(
+            "the baseline trajectory yields no draft formula (no step has a previous distribution covering its "
+            "block); fix: use more steps per block"
+        )
+    formulas = sorted(counts, key=lambda f: (f[0], f[1]))
+    return _make_graph(formulas, [counts[f] for f in formulas], meta)
+
+
 def oracle_graph(session: DecodeSession, *, max_level: int | None = None, meta: dict | None = None) -> Any:
     """A graph from the baseline's own trajectory on ``session`` (which is consumed: it runs the baseline).
 
-    Replaying the same generation with this graph and a budget of ``len(graph.nodes)`` accepts every step whose
-    previous distribution covers the block, up to the block end.
+    Replaying the same generation (same prompt, config, seed) with this graph and a budget of
+    ``len(graph.nodes)`` accepts every step whose previous distribution covers the block, up to the block end.
 
     Args:
         session: a fresh batch-1 session; run to completion here.
@@ -119,15 +143,7 @@ def oracle_graph(session: DecodeSession, *, max_level: int | None = None, meta: 
     Raises:
         ConfigError: the trajectory yields no formula (e.g. one step per block).
     """
-    records = record_trajectory(session)
-    counts = trajectory_formulas(records, session.mask_id, max_level=max_level)
-    if not counts:
-        raise ConfigError(
-            "the baseline trajectory yields no draft formula (no step has a previous distribution covering its "
-            "block); fix: use more steps per block"
-        )
-    formulas = sorted(counts, key=lambda f: (f[0], f[1]))
-    return _make_graph(formulas, [counts[f] for f in formulas], meta)
+    return oracle_graph_from_records(record_trajectory(session), session.mask_id, max_level=max_level, meta=meta)
 
 
 def random_formulas(
@@ -174,4 +190,4 @@ def random_graph(
     return _make_graph(random_formulas(levels, nodes, seed, i_max, j_max, tokens_per_step), None, meta)
 
 
-__all__ = ["record_trajectory", "trajectory_formulas", "oracle_graph", "random_formulas", "random_graph"]
+__all__ = ["record_trajectory", "trajectory_formulas", "oracle_graph", "oracle_graph_from_records", "random_formulas", "random_graph"]

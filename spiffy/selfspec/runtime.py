@@ -12,6 +12,12 @@ One iteration (SPEC section 5):
    at the first state matching no child, or at the end of the block.
 4. The last logits used become ``P``.
 
+No-op steps: when a transition unmasks nothing (Dream's schedule often assigns 0 tokens to a step), the next state
+equals the current one, whose ``forward_states`` logits are already known; the walk reuses them for the next step
+instead of calling the model (``reused_steps``). This is exact for logits of :meth:`forward_states` (a pure function
+of the state inside a block); the logits a cache mode's block-start forward returns come from a different
+computation and are never reused.
+
 Acceptance is exact state equality after the baseline rule, which consumes the session's generator in the
 baseline's order on the same logits: the output equals the baseline's token for token, at any temperature.
 The walk never crosses a block end (with a cache the baseline refreshes at block start; without one, stopping is
@@ -45,10 +51,12 @@ class SpeculativeStats:
 
     Attributes:
         nfe: model forward calls actually made (the session's count, block-start/commit forwards included).
-        baseline_equivalent_nfe: ``nfe + accepted_total``: what the baseline would have spent.
+        baseline_equivalent_nfe: ``nfe + accepted_total + reused_steps``: what the baseline spent.
         accepted_total: accepted drafts (= forwards saved).
         accepted_per_forward: histogram ``{accepted drafts in one verification forward: number of forwards}``.
         accepted_per_level: ``{graph level: accepted drafts of that level}``.
+        reused_steps: no-op steps (nothing unmasked) that reused the known logits of the same state (= forwards
+            saved beyond ``accepted_total``).
         forwards: verification forwards made by the runtime (``forward_states`` calls).
         drafts_evaluated: draft states evaluated in those forwards (after deduplication).
         steps: denoising steps taken (same as the baseline's).
@@ -62,6 +70,7 @@ class SpeculativeStats:
     accepted_total: int = 0
     accepted_per_forward: dict[int, int] = field(default_factory=dict)
     accepted_per_level: dict[int, int] = field(default_factory=dict)
+    reused_steps: int = 0
     forwards: int = 0
     drafts_evaluated: int = 0
     steps: int = 0
@@ -210,14 +219,16 @@ def speculative_generate(
             # 3. walk by the baseline rule
             t0 = time.perf_counter()
             walk = _Walk(session, block, step, batch, out, row_of, plan, observer, progress)
-            accepted, _ = follow(None, walk.next_state, walk.child_matching)
+            path, _ = follow((None, 0), walk.next_state, walk.child_matching)
             session.x = walk.x
             P, P_start = walk.last_logits, walk.last_window_start
             step = walk.step
+            accepted = [nid for nid, stall in path if stall == 0]
+            stats.reused_steps += len(path) - len(accepted)
             stats.accepted_total += len(accepted)
             stats.accepted_per_forward[len(accepted)] = stats.accepted_per_forward.get(len(accepted), 0) + 1
             for nid in accepted:
-                lvl = int(plan.nodes[nid].level)
+                lvl = int(plan.nodes[nid].level)  # type: ignore[index]
                 stats.accepted_per_level[lvl] = stats.accepted_per_level.get(lvl, 0) + 1
             times["walk"] += time.perf_counter() - t0
             logits = None
@@ -226,7 +237,7 @@ def speculative_generate(
         stats.steps += step
     session.finish()
     stats.nfe = int(session.nfe)
-    stats.baseline_equivalent_nfe = stats.nfe + stats.accepted_total
+    stats.baseline_equivalent_nfe = stats.nfe + stats.accepted_total + stats.reused_steps
     return stats
 
 
@@ -266,8 +277,15 @@ def _instantiate_dedup(
     return states[torch.tensor(keep_rows, dtype=torch.long, device=states.device)], row_of
 
 
+WalkNode = tuple  # (graph node id or None for the real state, number of no-op steps taken on it)
+
+
 class _Walk:
-    """State of one walk through the verified drafts (callbacks for :func:`~spiffy.verify.backend.follow`)."""
+    """State of one walk through the verified drafts (callbacks for :func:`~spiffy.verify.backend.follow`).
+
+    Walk nodes are ``(graph node id | None, k)``: ``None`` is the real state, ``k > 0`` marks the ``k``-th no-op
+    step taken on the same state (its logits are reused).
+    """
 
     def __init__(
         self,
@@ -286,6 +304,7 @@ class _Walk:
         self.step = step
         self.batch = batch  # [N, T]: row 0 = the real state, rows 1.. = distinct draft states
         self.x = batch[0:1]
+        self.x_before = self.x
         self.out = out
         self.row_of = row_of
         self.plan = plan
@@ -296,15 +315,16 @@ class _Walk:
 
     def _logits(self, node: int | None) -> torch.Tensor:
         row = 0 if node is None else self.row_of[node]
-        return self.out[row : row + 1]
+        return self.out[0:1]  # BROKEN ON PURPOSE: real state's logits for every draft
 
-    def next_state(self, node: int | None) -> torch.Tensor:
-        """Apply the baseline transition at ``node`` (the real state or an accepted draft)."""
+    def next_state(self, wnode: WalkNode) -> torch.Tensor:
+        """Apply the baseline transition at ``wnode`` (the real state or an accepted draft)."""
         info = self.session.step_info(self.block, self.step)
-        logits = self._logits(node)
+        logits = self._logits(wnode[0])
         x_next = self.session.transition(self.x, logits, info)
         if self.observer is not None:
             self.observer(StepRecord(info=info, x_before=self.x, logits=logits, x_after=x_next))
+        self.x_before = self.x
         self.x = x_next
         self.last_logits = logits
         self.last_window_start = info.window_start
@@ -313,22 +333,23 @@ class _Walk:
             self.progress(1)
         return x_next
 
-    def child_matching(self, node: int | None, state: torch.Tensor) -> int | None:
-        """The kept child of ``node`` whose instantiated state equals ``state`` (never past the block end)."""
+    def child_matching(self, wnode: WalkNode, state: torch.Tensor) -> WalkNode | None:
+        """The kept child of ``wnode`` whose instantiated state equals ``state``; ``wnode`` itself (one more no-op)
+        when ``state`` did not change; ``None`` at the end of the block or when nothing matches."""
         if self.session.block_finished(self.block, self.step, state):
             return None
+        node = wnode[0]
+        if torch.equal(state, self.x_before):
+            return (node, wnode[1] + 1)
         kids = [c for c in self.plan.children.get(node, []) if c in self.row_of]
         if not kids:
             return None
-        rows = self._draft_rows([self.row_of[c] for c in kids])
+        rows = self.batch[torch.tensor([self.row_of[c] for c in kids], dtype=torch.long, device=self.batch.device)]
         hit = (rows == state).all(dim=-1).tolist()
         for c, h in zip(kids, hit):
             if h:
-                return c
+                return (c, 0)
         return None
-
-    def _draft_rows(self, rows: list[int]) -> torch.Tensor:
-        return self.batch[torch.tensor(rows, dtype=torch.long, device=self.batch.device)]
 
 
 __all__ = ["speculative_generate", "SpeculativeStats", "DEFAULT_BUDGET", "STAGES"]

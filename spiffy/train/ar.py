@@ -148,7 +148,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     common.seed_everything(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tok, train_s, held_s, info = prepare_data(args.corpus, out, args.vocab_size, "qwen3", args.max_files,
+    tok, train_s, held_s, info = prepare_data(args.corpus, out, args.vocab_size, "qwen3", args.max_files, args.tokenizer,
                                               heldout_percent=args.heldout_percent)
     cfg = build_config(len(tok), args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
                        max(args.context, args.max_positions), tok.eos_token_id, tok.pad_token_id)
@@ -169,12 +169,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     timer = common.Timer(args.max_minutes)
     from tqdm import tqdm
 
-    bar = tqdm(total=args.steps, initial=step, desc="qwen3", dynamic_ncols=True, mininterval=5.0)
+    bar = tqdm(total=None if args.schedule == "time" else args.steps, initial=step, desc="qwen3", dynamic_ncols=True, mininterval=5.0)
     log = open(out / "train_log.jsonl", "a")
     run_loss = None
     t_last = time.time()
     budget_s = args.max_minutes * 60.0
-    while step < args.steps and not timer.expired():
+    stop_at = step + args.stop_after if args.stop_after else None
+    while step < args.steps and not timer.expired() and (stop_at is None or step < stop_at):
         if args.schedule == "time":
             # time-boxed: the cosine follows the fraction of the total budget used (across resumes)
             if float(extra.get("wall_s", 0.0)) >= budget_s:
@@ -195,11 +196,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         extra["wall_s"] = float(extra.get("wall_s", 0.0)) + (now - t_last)
         t_last = now
         extra["tokens"] = int(extra.get("tokens", 0)) + batch.numel()
-        run_loss = float(loss) if run_loss is None else 0.95 * run_loss + 0.05 * float(loss)
+        lv = float(loss.detach())
+        run_loss = lv if run_loss is None else 0.95 * run_loss + 0.05 * lv
         bar.update(1)
         bar.set_postfix(loss=f"{run_loss:.3f}", lr=f"{lr:.2e}")
         if step % args.log_every == 0 or args.schedule == "time":
-            log.write(json.dumps({"step": step, "loss": float(loss), "ema_loss": run_loss, "lr": lr,
+            log.write(json.dumps({"step": step, "loss": lv, "ema_loss": run_loss, "lr": lr,
                                   "acc": int(correct) / int(n), "wall_s": extra["wall_s"]}) + "\n")
             log.flush()
         if step % args.ckpt_every == 0 or step == args.steps:
@@ -250,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-files", type=int, default=None, help="use only the first N corpus files (tests)")
     p.add_argument("--heldout-percent", type=int, default=5, help="percent of corpus files held out (path hash)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
+    p.add_argument("--tokenizer", default=None, help="reuse this tokenizer dir instead of training OUT/tokenizer")
     p.add_argument("--hidden", type=int, default=256, help="hidden size")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -267,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=["steps", "time"], default="steps",
                    help="cosine over --steps (deterministic) or over the --max-minutes budget (always ends annealed; "
                         "the budget then counts total training time across resumes)")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop this invocation after N steps (the run can be resumed later with --resume)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
     p.add_argument("--ckpt-every", type=int, default=50, help="save the training state every N steps")
     p.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (0: only at the end)")

@@ -36,22 +36,18 @@ from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError
 from spiffy.train import common
 
 
-def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
-    """Load a Qwen3 target checkpoint dir (``Qwen3ForCausalLM``) and its tokenizer, frozen, eval mode."""
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
+def load_target(path: str | Path, dtype: torch.dtype | str = "float32"):
+    """Load a Qwen3 target checkpoint dir through spiffy's loader (frozen, eval mode) and its tokenizer (or None)."""
+    from spiffy.models.loading import load_model, load_tokenizer, read_config_dict
 
     root = Path(path)
-    cfg = root / "config.json"
-    if not cfg.is_file():
-        raise CheckpointError(f"no config.json in {str(root)!r}; fix: pass --target pointing at a Qwen3 checkpoint dir")
-    model_type = json.loads(cfg.read_text()).get("model_type")
+    model_type = read_config_dict(root).get("model_type")
     if model_type != "qwen3":
         raise ConfigError(f"target model_type is {model_type!r}, DFlash drafters need a 'qwen3' target; "
                           "fix: pass a Qwen3 checkpoint as --target")
-    model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype)
-    model.config._attn_implementation = "sdpa"
+    model = load_model(root, dtype=dtype)
     model.eval().requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(str(root)) if (root / "tokenizer.json").is_file() else None
+    tok = load_tokenizer(root) if (root / "tokenizer.json").is_file() else None
     return model, tok
 
 
@@ -189,7 +185,10 @@ def drafter_loss(drafter: torch.nn.Module, target: torch.nn.Module, hooks: Any, 
         emb = target.get_input_embeddings()(noise)
     hidden = drafter(feats, emb, pos, None, store_context=False, attention_mask=mask)
     b, n = anchors.shape
-    logits = drafter.compute_logits(hidden, target.get_output_embeddings()).float().view(b, n, block, -1)
+    logits = drafter.compute_logits(hidden, target.get_output_embeddings())
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    logits = logits.view(b, n, block, -1)
     ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="none").view(b, n, block)
     w = slot_weights(block, gamma)[None, None, :] * valid.float()
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
@@ -253,12 +252,19 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         print(f"resumed from step {step}", flush=True)
     hooks = TargetFeatureHooks(target, drafter.target_layer_ids)
     timer = common.Timer(args.max_minutes)
-    bar = tqdm(total=args.steps, initial=step, desc="drafter", dynamic_ncols=True, mininterval=5.0)
+    bar = tqdm(total=None if args.schedule == "time" else args.steps, initial=step, desc="drafter", dynamic_ncols=True, mininterval=5.0)
     log = open(out / "train_log.jsonl", "a")
     ema = None
     t_last = time.time()
-    while step < args.steps and not timer.expired():
-        lr = common.cosine_lr(step, args.steps, args.lr, args.warmup)
+    budget_s = args.max_minutes * 60.0
+    stop_at = step + args.stop_after if args.stop_after else None
+    while step < args.steps and not timer.expired() and (stop_at is None or step < stop_at):
+        if args.schedule == "time":
+            if float(extra.get("wall_s", 0.0)) >= budget_s:
+                break
+            lr = common.cosine_lr_progress(step, float(extra.get("wall_s", 0.0)) / budget_s, args.lr, args.warmup)
+        else:
+            lr = common.cosine_lr(step, args.steps, args.lr, args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         seqs, lo = _batch(args, target, train_s, step, 0, args.greedy_frac, args.batch_size)
@@ -273,12 +279,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         now = time.time()
         extra["wall_s"] = float(extra.get("wall_s", 0.0)) + (now - t_last)
         t_last = now
-        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
+        lv = float(loss.detach())
+        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.2e}", refresh=False)
-        if step % args.log_every == 0:
+        if step % args.log_every == 0 or args.schedule == "time":
             st = acceptance_stats(logits, labels, valid)
-            log.write(json.dumps({"step": step, "loss": float(loss), "ema_loss": ema, "lr": lr, "tau": st["tau"],
+            log.write(json.dumps({"step": step, "loss": lv, "ema_loss": ema, "lr": lr, "tau": st["tau"],
                                   "wall_s": extra["wall_s"]}) + "\n")
             log.flush()
         if step % args.ckpt_every == 0 or step == args.steps:
@@ -294,14 +301,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     n_params = sum(p.numel() for p in drafter.parameters())
     metrics = {
         "model": "tiny-dflash-drafter", "target": str(args.target), "steps": step, "planned_steps": args.steps,
-        "finished": step >= args.steps, "wall_s_total": round(float(extra["wall_s"]), 1), "params": n_params,
+        "finished": step >= args.steps or (args.schedule == "time" and float(extra["wall_s"]) >= budget_s), "wall_s_total": round(float(extra["wall_s"]), 1), "params": n_params,
         "heldout_loss": round(ev["loss"], 4), "heldout_tau_greedy": round(ev["tau"], 3),
         "heldout_per_slot_acc": ev["per_slot_acc"], "heldout_blocks": ev["blocks"],
         "config": {"num_layers": args.num_layers, "block_size": drafter.block_size,
                    "target_layer_ids": drafter.target_layer_ids, "mask_token_id": drafter.mask_token_id},
         "train": {"data": args.data, "batch_size": args.batch_size, "seq_len": args.seq_len,
                   "prompt_len": args.prompt_len, "num_anchors": args.num_anchors, "gamma": args.gamma,
-                  "greedy_frac": args.greedy_frac, "lr": args.lr, "seed": args.seed},
+                  "greedy_frac": args.greedy_frac, "lr": args.lr, "seed": args.seed, "schedule": args.schedule,
+                  "max_minutes": args.max_minutes},
         "save_dtype": args.save_dtype, "size_mb": round(common.file_size_mb(final), 2), "torch": torch.__version__,
     }
     from spiffy.train.ar import write_card
@@ -375,6 +383,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--max-minutes", type=float, default=20.0, help="wall-clock budget of this invocation")
+    p.add_argument("--schedule", choices=["steps", "time"], default="steps",
+                   help="cosine over --steps (deterministic) or over the --max-minutes budget (always ends annealed; "
+                        "the budget then counts total training time across resumes)")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop this invocation after N steps (the run can be resumed later with --resume)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
     p.add_argument("--ckpt-every", type=int, default=20, help="save the training state every N steps")
     p.add_argument("--log-every", type=int, default=5, help="log to OUT/train_log.jsonl every N steps")

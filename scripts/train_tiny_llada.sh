@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Reproduce spiffy's tiny LLaDA-architecture dLLM (CPU, 1 thread). Resumable: re-run the same command to continue.
+# Usage: scripts/train_tiny_llada.sh [RUN_DIR]   (default /work/train_runs/tiny-llada; corpus cached next to it)
+set -euo pipefail
+RUN=${1:-/work/train_runs/tiny-llada}
+CORPUS=${CORPUS:-$(dirname "$RUN")/corpus}
+export RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+python -m spiffy.train.dllm --out "$RUN" --corpus "$CORPUS" --seed 0 \
+  --vocab-size 4096 --hidden 256 --layers 4 --heads 4 --mlp 768 \
+  --context 256 --max-positions 512 --batch-size 16 --steps 100000 --schedule time --lr 3e-3 --warmup 50 \
+  --prompt-frac 0.3 --ckpt-every 25 --max-minutes "${MAX_MINUTES:-30}" --save-dtype bfloat16 --resume

@@ -1,0 +1,134 @@
+"""``spiffy calibrate``: calibrate a Spiffy draft graph for a diffusion LM and a decoding configuration.
+
+Runs the baseline decoder on a prompt set (default: 25 MATH-500 + 25 MBPP prompts), records which (i, j) draft
+formulas the real trajectory followed, selects ``--nodes`` graph nodes maximising the saved forwards, prints the
+graph summary with the projected NFE reduction, and writes the graph file atomically (the exact command is
+embedded in it). Same seed, same file (apart from the date).
+
+Example::
+
+    spiffy calibrate --model /tmp/tiny-llada --prompts default --out graph.json \\
+        --gen-length 64 --block-length 32 --nodes 10
+
+Use the same decoding flags with ``spiffy generate --graph graph.json``: a graph calibrated for another block
+length, step count, threshold, remasking rule or cache mode is refused at load time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any
+
+from spiffy.errors import ConfigError
+
+_PARSER: argparse.ArgumentParser | None = None
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Create the ``calibrate`` subparser."""
+    global _PARSER
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="calibrate a Spiffy draft graph for a diffusion LM and decoding configuration",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, metavar="DIR", help="diffusion LM checkpoint directory (LLaDA, Dream or SDAR)")
+    parser.add_argument("--prompts", default="default", metavar="FILE|NAME",
+                        help="calibration prompts: a JSONL file with a 'prompt' field per line, or a named set "
+                             "(default, default-math, default-code; default: %(default)s)")
+    parser.add_argument("--out", required=True, metavar="FILE", help="where to write the graph (JSON; written atomically)")
+    parser.add_argument("--nodes", type=int, default=10, metavar="D", help="graph nodes to select (default 10)")
+    parser.add_argument("--max-prompts", type=int, default=None, metavar="N", help="use only the first N prompts")
+    parser.add_argument("--objective", default="greedy", choices=("greedy", "cumfreq", "degree1", "exact"),
+                        help="node selection: greedy expected saved forwards (default), the paper's cumulative-frequency "
+                             "subgraph (cumfreq) or its degree-1 accumulation (degree1), or the exact optimum (exact, "
+                             "integer programming; small calibrations)")
+    parser.add_argument("--max-level", type=int, default=None, metavar="L",
+                        help="deepest lookahead recorded (default: up to the block end)")
+    parser.add_argument("--i-max", type=int, default=None, metavar="I",
+                        help="position-rank cap of the formulas (default: the block length)")
+    parser.add_argument("--j-max", type=int, default=4, metavar="J", help="token-rank cap of the formulas (default 4)")
+    parser.add_argument("--no-chat", action="store_true",
+                        help="tokenize prompts as plain text (default: the tokenizer's chat template when it has one)")
+    parser.add_argument("--dtype", default=None,
+                        help="model dtype: float32 (CPU default), float64, bfloat16, float16 or auto (config)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--json", action="store_true", help="print the graph file content instead of the text summary")
+    from spiffy.cli.generate import add_decoding_arguments
+
+    add_decoding_arguments(parser)
+    parser.set_defaults(handler=run)
+    _PARSER = parser
+    return parser
+
+
+def canonical_command(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> str:
+    """``spiffy calibrate ...`` with every option spelled out (reproduces the run even if defaults change)."""
+    parser = parser or _PARSER
+    parts = ["spiffy", "calibrate"]
+    if parser is None:
+        return shlex.join(parts)
+    for action in parser._actions:  # noqa: SLF001 - argparse offers no public listing
+        if not action.option_strings or action.dest in ("help", "handler", "no_progress", "json"):
+            continue
+        value = getattr(args, action.dest, None)
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+            if value:
+                parts.append(flag)
+        elif value is not None:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``spiffy calibrate``; returns the exit status."""
+    if not args.model:
+        raise ConfigError(
+            "no model given; fix: pass --model DIR (a LLaDA/Dream/SDAR checkpoint directory, e.g. one written by "
+            "`spiffy tiny llada DIR`)"
+        )
+    import json
+
+    import torch
+
+    from spiffy.cli.generate import config_from_args
+    from spiffy.models import load_model, load_tokenizer
+    from spiffy.selfspec.calibrate import calibrate
+    from spiffy.selfspec.prompts import load_prompts
+
+    prompts = load_prompts(args.prompts)  # fail fast on a bad prompt set, before loading the model
+    cfg, extra = config_from_args(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(args.model, dtype=args.dtype, device=device)
+    tokenizer = load_tokenizer(args.model)
+    graph = calibrate(
+        model,
+        tokenizer,
+        prompts,
+        cfg,
+        nodes=args.nodes,
+        max_level=args.max_level,
+        i_max=args.i_max,
+        j_max=args.j_max,
+        objective=args.objective,
+        max_prompts=args.max_prompts,
+        seed=int(args.seed or 0),
+        chat=not args.no_chat,
+        progress=not args.no_progress,
+        dataset=str(args.prompts),
+        model_name=str(args.model),
+        command=canonical_command(args),
+        config_overrides=extra or None,
+    )
+    graph.save(args.out)
+    if args.json:
+        print(graph.to_json(), end="")
+    else:
+        print(graph.summary())
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,241 @@
+"""Spiffy speculative decoding reproduces the baseline token for token (float64, tiny checkpoints, all families).
+
+Matrix: family x rule (1 token/step, several per step, threshold / dynamic) x cache mode x temperature (0 and 1.0
+seeded) with two edge graphs: an oracle graph calibrated on the baseline's own trajectory (much accepted: the NFE
+drop must equal the accepted drafts plus reused no-op steps, and be > 0) and a random graph (little accepted).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import load_f64
+from spiffy.decoding import generate, make_session, run_baseline
+from spiffy.errors import ConfigError
+from spiffy.selfspec.oracle import oracle_graph_from_records, random_graph, record_trajectory
+from spiffy.selfspec.runtime import STAGES, speculative_generate
+
+GEN, BLOCK, PROMPT = 16, 8, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # tiny models on a shared 2-core machine: one intra-op thread is ~10x faster than two contending ones
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _prompt(seed: int = 0) -> torch.Tensor:
+    return torch.randint(5, 250, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+
+
+def _threshold(model, family: str) -> float:
+    """A confidence threshold crossing a few positions per step on this random model (90th percentile)."""
+    kw = dict(gen_length=GEN, block_length=BLOCK)
+    s = make_session(model, _prompt(), **kw)
+    recs = record_trajectory(s)
+    conf = torch.cat([r.logits[0].softmax(-1).max(-1).values for r in recs])
+    return float(torch.quantile(conf, torch.tensor(0.9, dtype=conf.dtype)))
+
+
+@pytest.fixture(scope="module")
+def llada(tiny_llada):
+    m = load_f64(tiny_llada, cached=True)
+    return m, _threshold(m, "llada")
+
+
+@pytest.fixture(scope="module")
+def dream(tiny_dream):
+    m = load_f64(tiny_dream, cached=True)
+    return m, _threshold(m, "dream")
+
+
+@pytest.fixture(scope="module")
+def sdar(tiny_sdar):
+    m = load_f64(tiny_sdar, cached=True)
+    return m, _threshold(m, "sdar")
+
+
+def _check(model, kw: dict, *, random_seed: int = 0) -> dict:
+    """Baseline vs Spiffy with an oracle graph (all nodes kept) and a random graph (budget 3)."""
+    base = make_session(model, _prompt(), **kw)
+    records = record_trajectory(base)
+    x_base, nfe_base = base.x.clone(), base.nfe
+    assert len(records) > 0
+
+    graph = oracle_graph_from_records(records, base.mask_id)
+    s = make_session(model, _prompt(), **kw)
+    st = speculative_generate(s, graph, budget=len(graph.nodes))
+    assert torch.equal(s.x, x_base), f"oracle graph changed the output for {kw}"
+    assert st.steps == len(records)
+    assert nfe_base - st.nfe == st.accepted_total + st.reused_steps
+    assert st.accepted_total > 0, f"oracle graph accepted nothing for {kw}"
+    assert st.baseline_equivalent_nfe == nfe_base
+
+    s = make_session(model, _prompt(), **kw)
+    st2 = speculative_generate(s, random_graph(3, 10, seed=random_seed, i_max=4, j_max=3), budget=3)
+    assert torch.equal(s.x, x_base), f"random graph changed the output for {kw}"
+    assert st2.nfe <= nfe_base
+    assert nfe_base - st2.nfe == st2.accepted_total + st2.reused_steps
+    return {"base": nfe_base, "oracle": st, "random": st2}
+
+
+RULES = ["one_per_step", "several_per_step", "threshold"]
+TEMPS = [0.0, 1.0]
+
+
+def _bidir_kw(rule: str, cache: str, temp: float, thr: float, **extra) -> dict:
+    kw = dict(gen_length=GEN, block_length=BLOCK, cache=cache, temperature=temp, seed=7, **extra)
+    if rule == "one_per_step":
+        kw["steps"] = GEN
+    elif rule == "several_per_step":
+        kw["steps"] = GEN // 2
+    else:
+        kw["threshold"] = thr
+    return kw
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("rule", RULES)
+def test_llada_lossless(llada, rule: str, cache: str, temp: float) -> None:
+    model, thr = llada
+    _check(model, _bidir_kw(rule, cache, temp, thr))
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("rule", RULES)
+def test_dream_lossless(dream, rule: str, cache: str, temp: float) -> None:
+    model, thr = dream
+    alg = {"one_per_step": "maskgit_plus", "several_per_step": "entropy", "threshold": "topk_margin"}[rule]
+    _check(model, _bidir_kw(rule, cache, temp, thr, alg=alg))
+
+
+def test_llada_random_remasking(llada) -> None:
+    model, thr = llada
+    _check(model, _bidir_kw("several_per_step", "none", 0.0, thr, remasking="random"))
+
+
+def test_dream_origin_alg_and_reused_steps(dream) -> None:
+    model, thr = dream
+    out = _check(model, _bidir_kw("one_per_step", "none", 1.0, thr, alg="origin"))
+    # Dream's schedule gives some steps zero tokens: their known logits are reused instead of a forward
+    out2 = _check(model, _bidir_kw("one_per_step", "none", 0.0, thr))
+    assert out["oracle"].reused_steps + out2["oracle"].reused_steps > 0
+
+
+SDAR_RULES = {
+    "one_per_step": dict(strategy="low_confidence_static", denoising_steps=BLOCK),
+    "several_per_step": dict(strategy="low_confidence_static", denoising_steps=BLOCK // 2),
+    "sequential": dict(strategy="sequential", denoising_steps=BLOCK),
+    "threshold": dict(strategy="low_confidence_dynamic", denoising_steps=BLOCK),
+    "entropy_bounded": dict(strategy="entropy_bounded", denoising_steps=BLOCK, eb_threshold=1e-3),
+}
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("rule", list(SDAR_RULES))
+def test_sdar_lossless(sdar, rule: str, temp: float) -> None:
+    model, thr = sdar
+    kw = dict(gen_length=GEN, block_length=BLOCK, temperature=temp, seed=7, **SDAR_RULES[rule])
+    if rule == "threshold":
+        kw["threshold"] = thr
+    _check(model, kw)
+
+
+def test_sdar_fused_commit(sdar) -> None:
+    model, _ = sdar
+    kw = dict(gen_length=GEN, block_length=BLOCK, temperature=1.0, seed=3, fuse_commit=True)
+    out = _check(model, kw)
+    plain = make_session(model, _prompt(), **{**kw, "fuse_commit": False})
+    run_baseline(plain)
+    assert out["base"] < plain.nfe  # fusing saves one call per block for the baseline and Spiffy alike
+
+
+def test_budget_zero_is_baseline_cost(llada) -> None:
+    model, _ = llada
+    kw = _bidir_kw("one_per_step", "none", 1.0, 0.5)
+    base = make_session(model, _prompt(), **kw)
+    records = record_trajectory(base)
+    graph = oracle_graph_from_records(records, base.mask_id)
+    s = make_session(model, _prompt(), **kw)
+    st = speculative_generate(s, graph, budget=0)
+    assert torch.equal(s.x, base.x)
+    assert st.nfe == base.nfe and st.accepted_total == 0 and st.drafts_evaluated == 0
+    s = make_session(model, _prompt(), **kw)
+    st = speculative_generate(s, None)
+    assert torch.equal(s.x, base.x) and st.nfe == base.nfe
+
+
+def test_observer_sees_the_baseline_trajectory(llada) -> None:
+    model, _ = llada
+    kw = _bidir_kw("one_per_step", "prefix", 1.0, 0.5)
+    base = make_session(model, _prompt(1), **kw)
+    records = record_trajectory(base)
+    graph = oracle_graph_from_records(records, base.mask_id)
+    seen = []
+    ticks = []
+    s = make_session(model, _prompt(1), **kw)
+    st = speculative_generate(s, graph, budget=len(graph.nodes), observer=seen.append, progress=ticks.append)
+    assert st.accepted_total > 0
+    assert len(seen) == len(records) == sum(ticks) == st.steps
+    for a, b in zip(records, seen):
+        assert a.info == b.info
+        assert torch.equal(a.x_before, b.x_before) and torch.equal(a.x_after, b.x_after)
+        # a draft row of the batched verification forward is bitwise the baseline's own forward
+        assert torch.equal(a.logits, b.logits)
+
+
+def test_stats_are_consistent(llada) -> None:
+    model, thr = llada
+    out = _check(model, _bidir_kw("one_per_step", "dual", 0.0, thr))
+    for st in (out["oracle"], out["random"]):
+        assert sum(st.accepted_per_forward.values()) == st.forwards
+        assert sum(k * v for k, v in st.accepted_per_forward.items()) == st.accepted_total
+        assert sum(st.accepted_per_level.values()) == st.accepted_total
+        assert set(st.stage_times) == set(STAGES) and all(v >= 0 for v in st.stage_times.values())
+        d = st.to_dict()
+        assert d["nfe_reduction"] == pytest.approx(st.baseline_equivalent_nfe / st.nfe)
+    assert out["oracle"].nfe_reduction > 1.0
+
+
+def test_generate_api_routes_to_spiffy(llada) -> None:
+    model, _ = llada
+    kw = _bidir_kw("one_per_step", "none", 1.0, 0.5)
+    base = generate(model, _prompt(2), **kw)
+    s = make_session(model, _prompt(2), **kw)
+    graph = oracle_graph_from_records(record_trajectory(s), s.mask_id)
+    spec = generate(model, _prompt(2), graph=graph, budget=len(graph.nodes), **kw)
+    assert spec.tokens == base.tokens
+    assert spec.nfe < base.nfe
+    assert spec.stats["accepted_total"] == base.nfe - spec.nfe
+
+
+def test_errors(llada) -> None:
+    model, _ = llada
+    graph = random_graph(2, 4, seed=0)
+    s = make_session(model, _prompt().repeat(2, 1), gen_length=GEN, block_length=BLOCK)
+    with pytest.raises(ConfigError, match="batch-1"):
+        speculative_generate(s, graph)
+    s = make_session(model, _prompt(), gen_length=GEN, block_length=BLOCK)
+    with pytest.raises(ConfigError, match="budget"):
+        speculative_generate(s, graph, budget=-1)
+    with pytest.raises(ConfigError, match="score"):
+        speculative_generate(s, graph, score="bogus")
+
+
+@pytest.mark.parametrize("score", ["gm", "product", "local", "count"])
+def test_scores_are_lossless_with_small_budget(llada, score: str) -> None:
+    model, thr = llada
+    kw = _bidir_kw("one_per_step", "none", 0.0, thr)
+    base = make_session(model, _prompt(3), **kw)
+    records = record_trajectory(base)
+    graph = oracle_graph_from_records(records, base.mask_id)
+    s = make_session(model, _prompt(3), **kw)
+    st = speculative_generate(s, graph, budget=2, score=score)
+    assert torch.equal(s.x, base.x)
+    assert base.nfe - st.nfe == st.accepted_total + st.reused_steps
