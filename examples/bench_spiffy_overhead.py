@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     graph = _graph(model, prompts[0], cfg, args.nodes)
 
     totals = {s: 0.0 for s in STAGES}
-    forwards = drafts = accepted = nfe_spec = nfe_base = 0
+    forwards = drafts = accepted = reused = nfe_spec = nfe_base = 0
     base_seconds = spec_seconds = 0.0
     identical = 0
     runs = 0
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             nfe_base += base.nfe
             nfe_spec += st.nfe
             accepted += st.accepted_total
+            reused += st.reused_steps
             forwards += st.forwards
             drafts += st.drafts_evaluated
             for s in STAGES:
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "nfe_baseline": nfe_base,
         "nfe_spiffy": nfe_spec,
         "accepted": accepted,
+        "reused_noop_steps": reused,
         "nfe_reduction": nfe_base / nfe_spec if nfe_spec else None,
         "verification_forwards": forwards,
         "drafts_per_forward": drafts / max(forwards, 1),
@@ -209,6 +211,7 @@ def _markdown(r: dict[str, Any]) -> str:
     lines += [
         "",
         f"NFE baseline {r['nfe_baseline']}, Spiffy {r['nfe_spiffy']} (accepted {r['accepted']}, "
+        f"reused no-op steps {r['reused_noop_steps']}, "
         f"reduction {r['nfe_reduction']:.2f}x), {r['drafts_per_forward']:.2f} drafts per forward.",
     ]
     return "\n".join(lines)

@@ -51,8 +51,10 @@ def reference_generate(
     confidence_eos_eot_inf: bool = False,
     eos_id: int | None = None,
     eot_id: int | None = None,
+    trace: list | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """Returns ``(x [B, P + gen_length], number of model calls)``."""
+    """Returns ``(x [B, P + gen_length], number of model calls)``; ``trace`` (a list) receives ``x`` after every
+    step."""
     bsz, plen = prompt.shape
     x = torch.full((bsz, plen + gen_length), mask_id, dtype=torch.long, device=prompt.device)
     x[:, :plen] = prompt
@@ -105,4 +107,6 @@ def reference_generate(
                 _, idx = torch.topk(conf[b], k=int(counts[b, i]))
                 pick[b, idx] = True
             x[pick] = x0[pick]
+            if trace is not None:
+                trace.append(x.clone())
     return x, calls

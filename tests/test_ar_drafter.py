@@ -157,8 +157,9 @@ def test_mismatch_errors(pair, tmp_path):
     assert len(ddtree_generate(target, wrong_vocab, [1, 2, 3], method="ar", max_new_tokens=4).tokens) == 4
 
 
-def _reference_block(m: DFlashDraftModel, feats, emb, pos):
-    """Straightforward reading of SPEC §7: block queries, [ctx ; block] keys/values, RoPE, no mask."""
+def _reference_block(m: DFlashDraftModel, feats, emb, pos, window: int | None = None):
+    """Straightforward reading of SPEC §7: block queries, [ctx ; block] keys/values, RoPE, no mask (or a
+    two-sided sliding window over positions for sliding-attention layers)."""
     ctx = m.hidden_norm(m.fc(feats))
     x = emb
     cos, sin = m.rotary_emb(x, pos)
@@ -181,7 +182,11 @@ def _reference_block(m: DFlashDraftModel, feats, emb, pos):
             kv = hh // (a.num_heads // a.num_kv_heads)
             qh = rope(q[:, hh], cos[0, n:], sin[0, n:])
             kh = rope(k[:, kv], cos[0], sin[0])
-            w = torch.softmax(qh @ kh.T / math.sqrt(a.head_dim), dim=-1)
+            scores = qh @ kh.T / math.sqrt(a.head_dim)
+            if window is not None:
+                dist = (pos[0, n:].view(-1, 1) - pos[0].view(1, -1)).abs()
+                scores = scores.masked_fill(dist >= window, float("-inf"))
+            w = torch.softmax(scores, dim=-1)
             heads.append(w @ v[:, kv])
         x = x + a.o_proj(torch.cat(heads, dim=-1)).unsqueeze(0)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -227,3 +232,26 @@ def test_feature_hooks_equal_hidden_states(pair):
     assert not hooks._handles  # removed on exit
     with pytest.raises(DrafterMismatchError, match="out of range"):
         TargetFeatureHooks(target, [3])
+
+
+def test_sliding_window_drafter_layers(pair):
+    """Drafters whose config declares sliding-attention layers (newer DFlash configs) limit keys to the window."""
+    target_dir, drafter_dir = pair
+    target = load_target(target_dir, torch.float64, "cpu")
+    base = load_drafter(drafter_dir, dtype=torch.float64)
+    cfg = base.config
+    cfg_sw = type(cfg).from_dict({**cfg.to_dict(), "layer_types": ["sliding_attention"] * 2, "sliding_window": 5,
+                                  "use_sliding_window": True})
+    m = DFlashDraftModel(cfg_sw).to(torch.float64)
+    m.load_state_dict(base.state_dict())
+    assert m.sliding_layers == [True, True]
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(1, 9, base.fc.weight.shape[1], generator=g, dtype=torch.float64)
+    emb = target.get_input_embeddings()(torch.tensor([[5] + [m.mask_token_id] * 7]))
+    pos = torch.arange(0, 17).view(1, -1)
+    out = m(feats, emb, pos)
+    assert torch.allclose(out, _reference_block(m, feats, emb, pos, window=5), atol=1e-10)
+    assert not torch.allclose(out, base(feats, emb, pos), atol=1e-6)
+    cache = m.new_cache()
+    m(feats[:, :4], emb[:, :4], torch.arange(0, 8), past_key_values=cache)
+    assert torch.allclose(m(feats[:, 4:], emb, torch.arange(4, 17).view(1, -1), past_key_values=cache), out, atol=1e-10)

@@ -31,15 +31,15 @@ def llada(tiny_llada: Path):
 def llada_eos(llada):
     """A copy of the tiny model whose head makes EOS/EoT frequent proposals (so the EOS options matter)."""
     model, tok, ids = llada
-    res = generate(model, ids, DecodeConfig(gen_length=16, block_length=8, steps=16))
+    res = generate(model, ids, DecodeConfig(gen_length=8, block_length=4, steps=8))
     common = torch.tensor(res.tokens[0]).bincount().argsort(descending=True).tolist()
     eos = model.config.eos_token_id
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
     boosted = copy.deepcopy(model)
     head = boosted.get_output_embeddings().weight
     with torch.no_grad():
-        head[eos] = head[common[0]] * 1.05
-        head[eot] = head[common[1]] * 1.05
+        head[eos] = head[common[0]] * 1.2
+        head[eot] = head[common[1]] * 1.2
     return boosted, tok, ids, eos, eot
 
 
@@ -100,9 +100,12 @@ PARITY_CASES = {
 def test_matches_official_semantics(llada, case):
     model, tok, ids = llada
     kw = PARITY_CASES[case]
-    ref, calls = _reference(model, ids, 11, model.config.mask_token_id, **kw)
-    res = generate(model, ids, DecodeConfig(seed=11, **kw), tokenizer=tok)
+    ref_traj: list = []
+    ref, calls = _reference(model, ids, 11, model.config.mask_token_id, trace=ref_traj, **kw)
+    traj: list = []
+    res = generate(model, ids, DecodeConfig(seed=11, **kw), tokenizer=tok, observer=lambda r: traj.append(r.x_after))
     assert torch.equal(res.sequences, ref)
+    assert all(torch.equal(a, b) for a, b in zip(traj, ref_traj, strict=True))
     assert res.nfe == calls == kw["steps"]
     assert res.tokens[0] == ref[0, ids.shape[1]:].tolist()
 
@@ -114,15 +117,20 @@ def test_eos_options_match_official(llada_eos, temperature, opts):
     logits_eos_inf, conf_inf = opts
     kw = dict(gen_length=8, block_length=4, steps=8, temperature=temperature,
               logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=conf_inf)
-    ref, _ = _reference(model, ids, 5, model.config.mask_token_id, eos=eos, eot=eot, **kw)
-    res = generate(model, ids, DecodeConfig(seed=5, **kw), tokenizer=tok)
+    ref_traj: list = []
+    ref, _ = _reference(model, ids, 5, model.config.mask_token_id, eos=eos, eot=eot, trace=ref_traj, **kw)
+    traj: list = []
+    res = generate(model, ids, DecodeConfig(seed=5, **kw), tokenizer=tok, observer=lambda r: traj.append(r.x_after))
     assert torch.equal(res.sequences, ref)
-    plain = generate(model, ids, DecodeConfig(seed=5, **{**kw, "logits_eos_inf": False, "confidence_eos_eot_inf": False}))
+    assert len(traj) == len(ref_traj) and all(torch.equal(a, b) for a, b in zip(traj, ref_traj))  # same order too
+    plain_traj: list = []
+    plain = generate(model, ids, DecodeConfig(seed=5, **{**kw, "logits_eos_inf": False, "confidence_eos_eot_inf": False}),
+                     observer=lambda r: plain_traj.append(r.x_after))
     if logits_eos_inf:
         assert eos not in res.tokens[0]
-    if temperature == 0:  # the boosted head proposes EOS/EoT greedily: every option changes the output
+    if temperature == 0:  # the boosted head proposes EOS/EoT greedily: every option changes the decoding
         assert eos in plain.tokens[0]
-        assert res.tokens != plain.tokens
+        assert any(not torch.equal(a, b) for a, b in zip(traj, plain_traj))
 
 
 def test_cfg_with_left_padded_batch_matches_official(llada):

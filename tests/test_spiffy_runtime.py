@@ -239,3 +239,35 @@ def test_scores_are_lossless_with_small_budget(llada, score: str) -> None:
     st = speculative_generate(s, graph, budget=2, score=score)
     assert torch.equal(s.x, base.x)
     assert base.nfe - st.nfe == st.accepted_total + st.reused_steps
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_calibrated_graph_end_to_end(request, family: str) -> None:
+    """A graph calibrated on some prompts (spiffy.selfspec.calibrate) decodes other prompts losslessly."""
+    from spiffy.decoding import DecodeConfig
+    from spiffy.models import load_tokenizer
+    from spiffy.selfspec.calibrate import calibrate
+
+    path = request.getfixturevalue(f"tiny_{family}")
+    model = load_f64(path, cached=True)
+    tok = load_tokenizer(path)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(5, 250, (6,), generator=g).tolist() for _ in range(5)]
+    cfg = DecodeConfig(gen_length=GEN, block_length=BLOCK, cache="dual", temperature=1.0, seed=5)
+    graph = calibrate(model, tok, prompts[:3], cfg, nodes=10, progress=False, chat=False)
+    saved = 0
+    for p in prompts[3:]:
+        base = generate(model, torch.tensor([p]), cfg)
+        spec = generate(model, torch.tensor([p]), cfg, graph=graph, budget=3)
+        assert spec.tokens == base.tokens
+        assert base.nfe - spec.nfe == spec.stats["accepted_total"] + spec.stats["reused_steps"]
+        saved += base.nfe - spec.nfe
+    assert saved >= 0
+
+
+def test_random_graph_is_valid_and_deterministic() -> None:
+    a = random_graph(3, 12, seed=4, i_max=5, j_max=3)
+    b = random_graph(3, 12, seed=4, i_max=5, j_max=3)
+    a.validate()
+    assert [(n.level, n.pairs, n.parents) for n in a.nodes] == [(n.level, n.pairs, n.parents) for n in b.nodes]
+    assert all(n.level == 1 or n.parents for n in a.nodes)

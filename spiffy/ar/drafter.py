@@ -216,6 +216,12 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(int(config.num_hidden_layers))])
         self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        layer_types = getattr(config, "layer_types", None) or []
+        window = getattr(config, "sliding_window", None)
+        self.sliding_layers: list[bool] = [
+            bool(window) and i < len(layer_types) and layer_types[i] == "sliding_attention"
+            for i in range(len(self.layers))
+        ]
 
     @property
     def num_layers(self) -> int:
@@ -276,9 +282,32 @@ class DFlashDraftModel(nn.Module):
             ctx = ctx.expand(b, -1, -1)
         x = noise_embedding.to(self.dtype)
         cos, sin = self.rotary_emb(x, position_ids)
-        for layer in self.layers:
-            x = layer(x, ctx, cos, sin, past_key_values, store_context, attention_mask)
+        window_mask = None
+        if any(self.sliding_layers):
+            cached = 0 if past_key_values is None else past_key_values.get_seq_length(0)
+            window_mask = self._window_mask(position_ids, n_ctx, cached, attention_mask, x.dtype)
+        for layer, sliding in zip(self.layers, self.sliding_layers):
+            mask = window_mask if sliding else attention_mask
+            x = layer(x, ctx, cos, sin, past_key_values, store_context, mask)
         return self.norm(x)
+
+    def _window_mask(
+        self, position_ids: torch.Tensor, n_ctx: int, cached: int, attention_mask: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Sliding-window visibility for ``sliding_attention`` drafter layers (both directions, like the reference),
+        combined with ``attention_mask``. Cached context is assumed to hold the positions just before the new rows."""
+        first = position_ids[:, :1]
+        cached_pos = first - cached + torch.arange(cached, device=position_ids.device).view(1, -1)
+        key_pos = torch.cat([cached_pos, position_ids], dim=1)  # [B, C + N + L]
+        query_pos = position_ids[:, n_ctx:]  # [B, L]
+        dist = query_pos.unsqueeze(-1) - key_pos.unsqueeze(1)
+        visible = (dist.abs() < int(self.config.sliding_window)).unsqueeze(1)  # [B, 1, L, K]
+        if attention_mask is None:
+            return visible
+        if attention_mask.dtype == torch.bool:
+            return visible & attention_mask
+        neg = torch.finfo(attention_mask.dtype).min
+        return attention_mask.masked_fill(~visible, neg)
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """``[..., H]`` drafter hidden states -> ``[..., V]`` logits through the target's ``lm_head``."""

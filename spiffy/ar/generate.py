@@ -158,13 +158,15 @@ def _compact_cache(cache: Any, start: int, rows: Sequence[int]) -> None:
     window = total - start
     keep = len(rows)
     if list(rows) != list(range(keep)):
-        src = torch.tensor([start + r for r in rows], dtype=torch.long)
+        cpu_src = torch.tensor([start + r for r in rows], dtype=torch.long)
+        on_device: dict[torch.device, torch.Tensor] = {}
         for layer in cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name, None)
                 if t is None or t.numel() == 0:
                     continue
-                t[..., start : start + keep, :] = t.index_select(-2, src.to(t.device))
+                src = on_device.setdefault(t.device, cpu_src.to(t.device))
+                t[..., start : start + keep, :] = t.index_select(-2, src)
     if window > keep:
         cache.crop(-(window - keep))  # transformers 5.x: a negative count of positions to drop
 
@@ -241,6 +243,11 @@ def ddtree_generate(
     backbone, lm_head = _target_parts(target)
     device = target.get_input_embeddings().weight.device
     dtype = target.get_input_embeddings().weight.dtype
+    if use_drafter and drafter.device != device:  # type: ignore[union-attr]
+        raise ConfigError(
+            f"the drafter is on {drafter.device} but the target on {device}; "  # type: ignore[union-attr]
+            "fix: load both on the same device (load_drafter(..., device=...))"
+        )
     prompt = _as_prompt(input_ids, device)
     n_prompt = int(prompt.shape[1])
     limit = getattr(target.config, "max_position_embeddings", None)

@@ -310,7 +310,7 @@ def select_transfer(
             ent_sorted, order = torch.sort(ent, stable=True)
             cum = torch.cumsum(ent_sorted, dim=0)
             c = int(torch.searchsorted(cum, cum.new_tensor([float(eb_threshold)]), right=False)[0])
-            c = min(max(c - 1, min(int(count), n), 1), n)  # BROKEN
+            c = min(max(c, min(int(count), n), 1), n)
             transfer[r, order[:c]] = True
         else:
             raise ConfigError(f"strategy={strategy!r} is unknown; fix: use one of {', '.join(STRATEGIES)}")
@@ -669,7 +669,12 @@ def sdar_block_diffusion_generate(
         top_k=int(top_k) if top_k and int(top_k) > 0 else None,
         top_p=float(top_p) if top_p is not None and float(top_p) < 1.0 else None,
         strategy=remasking_strategy,
-        threshold=float(confidence_threshold) if confidence_threshold is not None else None,
+        # the threshold only matters to (and is only validated for) low_confidence_dynamic
+        threshold=(
+            float(confidence_threshold)
+            if confidence_threshold is not None and remasking_strategy == "low_confidence_dynamic"
+            else None
+        ),
         eb_threshold=float(eb_threshold),
         seed=seed,
         fuse_commit=fuse_commit,
@@ -677,6 +682,7 @@ def sdar_block_diffusion_generate(
         stop_token_ids=stops,
         mask_id=mask_id,
     )
+    model.eval()
     if generator is None and seed is None:
         generator = _default_generator(_model_device(model))
     session = SDARSession(model, input_ids, cfg, generator=generator)

@@ -315,7 +315,7 @@ class _Walk:
 
     def _logits(self, node: int | None) -> torch.Tensor:
         row = 0 if node is None else self.row_of[node]
-        return self.out[0:1]  # BROKEN ON PURPOSE: real state's logits for every draft
+        return self.out[row : row + 1]
 
     def next_state(self, wnode: WalkNode) -> torch.Tensor:
         """Apply the baseline transition at ``wnode`` (the real state or an accepted draft)."""

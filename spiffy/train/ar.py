@@ -174,6 +174,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     run_loss = None
     t_last = time.time()
     budget_s = args.max_minutes * 60.0
+    # every invocation's settings are kept in the state, so a resumed run's history is on record
+    extra.setdefault("invocations", []).append(
+        {"start_step": step, "argv": {k: v for k, v in vars(args).items() if k != "handler"}})
     stop_at = step + args.stop_after if args.stop_after else None
     while step < args.steps and not timer.expired() and (stop_at is None or step < stop_at):
         if args.schedule == "time":
@@ -218,7 +221,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     final = export(model, tok, out, args.save_dtype)
     metrics = {
         "model": "tiny-qwen3", "steps": step, "planned_steps": args.steps, "finished": step >= args.steps or (args.schedule == "time" and float(extra["wall_s"]) >= budget_s),
-        "wall_s_total": round(float(extra["wall_s"]), 1), "train_tokens_seen": int(extra["tokens"]),
+        "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []), "train_tokens_seen": int(extra["tokens"]),
         "heldout_loss": round(ev["loss"], 4), "heldout_accuracy": round(ev["accuracy"], 4),
         "heldout_tokens": ev["tokens"], "params": n_params, "config": {
             "hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,

@@ -170,6 +170,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ema = None
     t_last = time.time()
     budget_s = args.max_minutes * 60.0
+    # every invocation's settings are kept in the state, so a resumed run's history is on record
+    extra.setdefault("invocations", []).append(
+        {"start_step": step, "argv": {k: v for k, v in vars(args).items() if k != "handler"}})
     stop_at = step + args.stop_after if args.stop_after else None
     while step < args.steps and not timer.expired() and (stop_at is None or step < stop_at):
         if args.schedule == "time":
@@ -214,7 +217,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     samples = {p: sample_completion(model, tok, p, args.sample_tokens) for p in SAMPLE_PROMPTS}
     metrics = {
         "model": "tiny-llada", "steps": step, "planned_steps": args.steps, "finished": step >= args.steps or (args.schedule == "time" and float(extra["wall_s"]) >= budget_s),
-        "wall_s_total": round(float(extra["wall_s"]), 1), "train_tokens_seen": int(extra["tokens"]),
+        "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []), "train_tokens_seen": int(extra["tokens"]),
         "heldout_masked": ev, "params": n_params,
         "config": {"d_model": args.hidden, "n_layers": args.layers, "n_heads": args.heads, "mlp": args.mlp,
                    "context": args.context, "vocab": len(tok), "weight_tying": not args.untied},

@@ -257,6 +257,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ema = None
     t_last = time.time()
     budget_s = args.max_minutes * 60.0
+    # every invocation's settings are kept in the state, so a resumed run's history is on record
+    extra.setdefault("invocations", []).append(
+        {"start_step": step, "argv": {k: v for k, v in vars(args).items() if k != "handler"}})
     stop_at = step + args.stop_after if args.stop_after else None
     while step < args.steps and not timer.expired() and (stop_at is None or step < stop_at):
         if args.schedule == "time":
@@ -301,7 +304,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     n_params = sum(p.numel() for p in drafter.parameters())
     metrics = {
         "model": "tiny-dflash-drafter", "target": str(args.target), "steps": step, "planned_steps": args.steps,
-        "finished": step >= args.steps or (args.schedule == "time" and float(extra["wall_s"]) >= budget_s), "wall_s_total": round(float(extra["wall_s"]), 1), "params": n_params,
+        "finished": step >= args.steps or (args.schedule == "time" and float(extra["wall_s"]) >= budget_s), "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []), "params": n_params,
         "heldout_loss": round(ev["loss"], 4), "heldout_tau_greedy": round(ev["tau"], 3),
         "heldout_per_slot_acc": ev["per_slot_acc"], "heldout_blocks": ev["blocks"],
         "config": {"num_layers": args.num_layers, "block_size": drafter.block_size,

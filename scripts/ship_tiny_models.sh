@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Check the trained tiny checkpoints through spiffy's loaders and copy them into the package
+# (spiffy/data/models/<name>/) as the embedded defaults.
+# Usage: scripts/ship_tiny_models.sh [RUNS_DIR]   (default /work/train_runs)
+set -euo pipefail
+RUNS=${1:-/work/train_runs}
+DEST=$(cd "$(dirname "$0")/.." && pwd)/spiffy/data/models
+args=()
+[ -f "$RUNS/tiny-qwen3/model/config.json" ] && args+=(--qwen3 "$RUNS/tiny-qwen3/model")
+[ -f "$RUNS/tiny-drafter/model/config.json" ] && args+=(--drafter "$RUNS/tiny-drafter/model")
+[ -f "$RUNS/tiny-llada/model/config.json" ] && args+=(--llada "$RUNS/tiny-llada/model")
+python -m spiffy.train.check "${args[@]}" --json "$RUNS/check.json"
+mkdir -p "$DEST"
+ship() {  # ship SRC NAME: copy into a temp dir, then swap it in
+  [ -f "$1/config.json" ] || return 0
+  rm -rf "$DEST/.$2.tmp" && cp -r "$1" "$DEST/.$2.tmp"
+  rm -rf "$DEST/$2" && mv "$DEST/.$2.tmp" "$DEST/$2"
+  echo "shipped $1 -> $DEST/$2 ($(du -sh "$DEST/$2" | cut -f1))"
+}
+ship "$RUNS/tiny-qwen3/model" tiny-qwen3
+ship "$RUNS/tiny-drafter/model" tiny-qwen3-dflash-b16
+ship "$RUNS/tiny-llada/model" tiny-llada
+du -sh "$DEST"

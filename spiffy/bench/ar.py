@@ -1,0 +1,241 @@
+"""``spiffy bench ar``: plain AR vs vanilla DFlash vs DDTree at several node budgets, on one Qwen3 target.
+
+All three methods run on the same code path (:func:`spiffy.ar.ddtree_generate`), on the same prompts, in the same
+process, after an untimed warm-up. Reported per method (SPEC sections 7 and 11): τ = mean acceptance length per
+round **including the bonus token**, macro-averaged over responses (mean of each response's τ); the histogram of
+acceptance lengths (summed over rounds); time per output token **excluding prefill** (mean over responses); speedup
+= mean TPOT(AR) / mean TPOT(method) and the same against DFlash; per-stage times; the fraction of outputs identical
+to AR (must be 1.0, mismatches listed); distinct-token ratio and whitespace share of the outputs.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from spiffy.bench.common import add_times, degenerate_stats, environment_info, first_mismatch
+from spiffy.bench.datasets import BenchPrompt
+from spiffy.errors import ConfigError, PromptTooLongError
+
+TAU_NOTE = "tau = tokens committed per verification round including the bonus token, macro average over responses"
+
+
+def stop_token_ids(target: Any, tokenizer: Any, chat: bool) -> list[int]:
+    """EOS ids of the target's generation config / config / tokenizer, plus the end-of-turn token when ``chat``."""
+    ids: set[int] = set()
+    for src in (getattr(target, "generation_config", None), getattr(target, "config", None)):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None:
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        if chat:
+            unk = getattr(tokenizer, "unk_token_id", None)
+            for name in ("<|im_end|>", "<|eot_id|>"):
+                tid = tokenizer.convert_tokens_to_ids(name)
+                if isinstance(tid, int) and tid >= 0 and tid != unk:
+                    ids.add(tid)
+    return sorted(ids)
+
+
+def _method_keys(budgets: Sequence[int]) -> list[tuple[str, str, int | None]]:
+    keys: list[tuple[str, str, int | None]] = [("ar", "ar", 0), ("dflash", "dflash", None)]
+    keys += [(f"ddtree@{b}", "ddtree", int(b)) for b in budgets]
+    return keys
+
+
+@torch.no_grad()
+def run_ar_bench(
+    target: Any,
+    drafter: Any,
+    tokenizer: Any,
+    prompts: Sequence[BenchPrompt],
+    budgets: Sequence[int],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    chat: bool = True,
+    warmup: int = 1,
+    progress: bool = True,
+    target_name: str | None = None,
+    drafter_name: str | None = None,
+    dataset: str | None = None,
+    device: Any = None,
+) -> dict[str, Any]:
+    """Benchmark AR, DFlash and DDTree (one run per budget) on ``prompts``; returns a JSON-ready results dict.
+
+    Args:
+        target: a Qwen3 target (transformers ``Qwen3ForCausalLM``); drafter: its DFlash drafter.
+        tokenizer: the target's tokenizer; prompts: user messages (chat template applied when ``chat``).
+        budgets: DDTree node budgets (root excluded).
+        max_new_tokens, temperature, top_p, top_k, seed: the decoding rule shared by all methods.
+        warmup: untimed warm-up rounds (every method once on the first prompt that fits).
+    Returns:
+        dict with ``methods`` (one entry per method: ar, dflash, ddtree@B), ``per_prompt``, ``environment``...
+    """
+    from spiffy.ar import ddtree_generate
+    from spiffy.selfspec.prompts import prompt_token_ids
+
+    if not budgets:
+        raise ConfigError("no budgets given; fix: pass e.g. budgets=[16, 32, 64]")
+    if not prompts:
+        raise ConfigError("no prompts given; fix: pass at least one benchmark prompt")
+    stops = stop_token_ids(target, tokenizer, chat)
+    keys = _method_keys(budgets)
+    encoded = [(p, prompt_token_ids(tokenizer, p.prompt, chat=chat)) for p in prompts]
+
+    def _run(ids: list[int], method: str, budget: int | None) -> Any:
+        return ddtree_generate(
+            target, drafter if method != "ar" else None, ids, method=method, budget=budget,
+            max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
+            top_k=int(top_k), seed=int(seed), stop_token_ids=stops,
+        )
+
+    for _ in range(max(0, int(warmup))):
+        for _p, ids in encoded:
+            try:
+                for _name, method, budget in keys[:3]:
+                    _run(ids, method, budget)
+                break
+            except PromptTooLongError:
+                continue
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(encoded) * len(keys), desc="bench ar", unit="run", file=sys.stderr, leave=False)
+    specials = {int(t) for t in (getattr(tokenizer, "all_special_ids", None) or [])}
+    acc: dict[str, dict[str, Any]] = {
+        name: {"taus": [], "tpots": [], "hist": [], "stages": {}, "rounds": 0, "tokens_total": 0, "decode_s": 0.0,
+               "seconds": 0.0, "prefill_s": 0.0, "identical": 0, "mismatches": [], "tokens": [], "texts": [],
+               "nodes": 0, "block_size": 1, "budget": 0}
+        for name, _m, _b in keys
+    }
+    per_prompt: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    try:
+        for prompt, ids in encoded:
+            outs: dict[str, Any] = {}
+            try:
+                for name, method, budget in keys:
+                    outs[name] = _run(ids, method, budget)
+                    if bar is not None:
+                        bar.update(1)
+            except PromptTooLongError as exc:
+                warnings.warn(f"benchmark prompt {prompt.id} skipped: {exc}", stacklevel=2)
+                skipped.append({"id": prompt.id, "reason": str(exc)})
+                if bar is not None:
+                    bar.update(len(keys) - len(outs))
+                continue
+            ref = outs["ar"].tokens
+            row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "new_tokens": len(ref), "methods": {}}
+            for name, _method, _budget in keys:
+                r = outs[name]
+                a = acc[name]
+                a["taus"].append(float(r.tau))
+                a["tpots"].append(float(r.time_per_output_token))
+                hist = list(r.histogram)
+                if len(hist) > len(a["hist"]):
+                    a["hist"] += [0] * (len(hist) - len(a["hist"]))
+                for i, v in enumerate(hist):
+                    a["hist"][i] += int(v)
+                add_times(a["stages"], r.stage_times)
+                a["rounds"] += int(r.rounds)
+                a["tokens_total"] += len(r.tokens)
+                a["seconds"] += float(r.seconds)
+                a["prefill_s"] += float(r.prefill_seconds)
+                a["decode_s"] += float(r.seconds) - float(r.prefill_seconds)
+                a["nodes"] += sum(r.nodes_per_round)
+                a["block_size"] = int(r.block_size)
+                a["budget"] = int(r.budget)
+                a["tokens"].append(list(r.tokens))
+                a["texts"].append(tokenizer.decode(r.tokens, skip_special_tokens=True) if tokenizer is not None else "")
+                same = list(r.tokens) == list(ref)
+                if same:
+                    a["identical"] += 1
+                else:
+                    a["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(ref, r.tokens)})
+                row["methods"][name] = {"tau": float(r.tau), "tpot": float(r.time_per_output_token),
+                                        "rounds": int(r.rounds), "identical": same}
+            per_prompt.append(row)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not per_prompt:
+        raise ConfigError(
+            f"none of the {len(encoded)} prompts fits the target's context with max_new_tokens={max_new_tokens}; "
+            "fix: lower --max-new-tokens or choose shorter prompts"
+        )
+    n = len(per_prompt)
+
+    def _mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    tpot_ar = _mean(acc["ar"]["tpots"])
+    tpot_df = _mean(acc["dflash"]["tpots"])
+    methods: list[dict[str, Any]] = []
+    for name, method, _budget in keys:
+        a = acc[name]
+        tpot = _mean(a["tpots"])
+        stages = dict(a["stages"])
+        stage_total = sum(stages.values())
+        methods.append({
+            "name": name,
+            "method": method,
+            "budget": a["budget"],
+            "block_size": a["block_size"],
+            "tau": _mean(a["taus"]),
+            "tau_per_response": a["taus"],
+            "acceptance_histogram": {str(k): v for k, v in enumerate(a["hist"])},
+            "rounds_total": a["rounds"],
+            "tokens_total": a["tokens_total"],
+            "mean_nodes_per_round": a["nodes"] / a["rounds"] if a["rounds"] else 0.0,
+            "tpot_s": tpot,
+            "tokens_per_s": 1.0 / tpot if tpot > 0 else None,
+            "decode_seconds": a["decode_s"],
+            "prefill_seconds": a["prefill_s"],
+            "speedup_vs_ar": tpot_ar / tpot if tpot > 0 else None,
+            "speedup_vs_dflash": tpot_df / tpot if tpot > 0 else None,
+            "stage_times": stages,
+            "stage_share": {k: v / stage_total if stage_total > 0 else 0.0 for k, v in stages.items()},
+            "identical": a["identical"],
+            "identical_fraction": a["identical"] / n,
+            "mismatches": a["mismatches"],
+            "degenerate": degenerate_stats(a["texts"], a["tokens"], specials),
+        })
+    return {
+        "kind": "ar",
+        "target": target_name or getattr(target, "name_or_path", None),
+        "drafter": drafter_name or getattr(drafter, "name_or_path", None),
+        "decoding": {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "top_p": float(top_p),
+                     "top_k": int(top_k), "seed": int(seed), "stop_token_ids": stops},
+        "chat": bool(chat and getattr(tokenizer, "chat_template", None)),
+        "dataset": dataset,
+        "num_prompts": n,
+        "prompt_ids": [r["id"] for r in per_prompt],
+        "skipped_prompts": skipped,
+        "tau_definition": TAU_NOTE,
+        "timing": "TPOT = decode seconds excluding prefill / generated tokens, mean over responses; speedup = mean "
+                  "TPOT(AR or DFlash) / mean TPOT(method); same process, same prompts, after "
+                  f"{max(0, int(warmup))} untimed warm-up round(s)",
+        "warmup": max(0, int(warmup)),
+        "budgets": [int(b) for b in budgets],
+        "methods": methods,
+        "all_identical": all(m["identical_fraction"] == 1.0 for m in methods),
+        "per_prompt": per_prompt,
+        "samples": [{"id": r["id"], "text": t[:400]} for r, t in zip(per_prompt[:3], acc["ar"]["texts"][:3])],
+        "environment": environment_info(target, device if device is not None else getattr(target, "device", None)),
+    }
+
+
+__all__ = ["run_ar_bench", "stop_token_ids", "TAU_NOTE"]

@@ -1,0 +1,109 @@
+"""Helpers shared by the benchmark harnesses: environment record, degenerate-output checks, budget parsing."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from typing import Any, Iterable, Sequence
+
+from spiffy.errors import ConfigError
+
+
+def parse_budgets(text: str | Sequence[int], *, minimum: int = 0) -> list[int]:
+    """``"1,3,5"`` -> ``[1, 3, 5]`` (order kept, duplicates dropped); every budget must be an integer >= ``minimum``."""
+    items: list[Any] = [t for t in text.split(",") if t.strip()] if isinstance(text, str) else list(text)
+    if not items:
+        raise ConfigError("no budgets given; fix: pass a comma-separated list such as --budgets 1,3,5")
+    out: list[int] = []
+    for item in items:
+        try:
+            value = int(str(item).strip())
+        except ValueError:
+            raise ConfigError(f"budget {item!r} is not an integer; fix: pass e.g. --budgets 1,3,5") from None
+        if value < minimum:
+            raise ConfigError(f"budget {value} must be >= {minimum}; fix: pass non-negative node budgets")
+        if value not in out:
+            out.append(value)
+    return out
+
+
+def environment_info(model: Any = None, device: Any = None) -> dict[str, Any]:
+    """Library, torch, transformers and Python versions, platform, device, dtype and CPU threads."""
+    import torch
+
+    from spiffy._version import __version__
+
+    try:
+        import transformers
+
+        tf_version: str | None = str(transformers.__version__)
+    except ImportError:  # pragma: no cover
+        tf_version = None
+    dtype = None
+    if model is not None:
+        try:
+            dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        except (StopIteration, AttributeError):
+            dtype = None
+    dev = str(device) if device is not None else None
+    device_name = dev
+    if dev is not None and dev.startswith("cuda") and torch.cuda.is_available():
+        device_name = f"{dev} ({torch.cuda.get_device_name(torch.device(dev))})"
+    elif dev == "cpu":
+        device_name = f"cpu ({platform.processor() or platform.machine()})"
+    return {
+        "spiffy_version": __version__,
+        "torch_version": torch.__version__,
+        "transformers_version": tf_version,
+        "python_version": sys.version.split()[0],
+        "platform": platform.platform(),
+        "device": dev,
+        "device_name": device_name,
+        "dtype": dtype,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def degenerate_stats(texts: Iterable[str], token_lists: Iterable[Sequence[int]], exclude_ids: Iterable[int] = ()) -> dict[str, Any]:
+    """Degenerate-output check of a set of outputs.
+
+    ``distinct_token_ratio`` = distinct token ids / token count over all outputs (special ids in ``exclude_ids``
+    left out; a model repeating one token scores near 0); ``whitespace_share`` = whitespace characters / all
+    characters of the decoded texts (near 1 means the model emits mostly blanks).
+    """
+    skip = {int(t) for t in exclude_ids}
+    toks = [int(t) for row in token_lists for t in row if int(t) not in skip]
+    chars = "".join(texts)
+    ws = sum(1 for c in chars if c.isspace())
+    return {
+        "tokens": len(toks),
+        "distinct_tokens": len(set(toks)),
+        "distinct_token_ratio": (len(set(toks)) / len(toks)) if toks else 0.0,
+        "chars": len(chars),
+        "whitespace_share": (ws / len(chars)) if chars else 0.0,
+    }
+
+
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token of ``a`` and ``b`` (length difference counts), ``None`` if equal."""
+    for k, (x, y) in enumerate(zip(a, b)):
+        if int(x) != int(y):
+            return k
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def add_counts(total: dict[str, int], part: dict[Any, Any]) -> None:
+    """``total[k] += part[k]`` with string keys (histograms)."""
+    for k, v in part.items():
+        total[str(k)] = total.get(str(k), 0) + int(v)
+
+
+def add_times(total: dict[str, float], part: dict[str, Any]) -> None:
+    """``total[k] += part[k]`` for per-stage seconds."""
+    for k, v in part.items():
+        total[str(k)] = total.get(str(k), 0.0) + float(v)
+
+
+def sorted_hist(h: dict[str, int]) -> dict[str, int]:
+    """A histogram with integer-like keys sorted numerically."""
+    return {k: h[k] for k in sorted(h, key=lambda s: (int(s) if s.lstrip("-").isdigit() else 1 << 30, s))}

