@@ -65,7 +65,9 @@ class OracleDrafter(DFlashDraftModel):
         n_ctx = target_hidden.shape[1]
         self.calls.append((target_hidden.clone(), pos[:n_ctx]))
         self._block_positions = pos[n_ctx:]
-        return super().forward(target_hidden, noise_embedding, position_ids, past_key_values=past_key_values, **kw)
+        out = super().forward(target_hidden, noise_embedding, position_ids, past_key_values=past_key_values, **kw)
+        self.last_block = (noise_embedding.clone(), pos[n_ctx:], out.clone())
+        return out
 
     def compute_logits(self, hidden, lm_head):  # noqa: ANN001
         real = super().compute_logits(hidden, lm_head)
@@ -169,6 +171,10 @@ def test_drafter_context_is_features_of_committed_rows(pair, prompt):
         hs = target(seq, output_hidden_states=True).hidden_states
     expected = torch.cat([hs[i + 1][0, : len(positions)] for i in oracle.target_layer_ids], dim=-1)
     assert torch.allclose(feats, expected, atol=1e-9)
+    # the drafter's context cache holds exactly that context: its last draft equals one cache-free forward
+    emb, block_pos, out = oracle.last_block
+    fresh = drafter(feats.unsqueeze(0), emb, torch.tensor(positions + block_pos).view(1, -1))
+    assert torch.allclose(out, fresh, atol=1e-9)
 
 
 @pytest.mark.parametrize("sampling", [SAMPLING[0], SAMPLING[2]])
@@ -230,6 +236,8 @@ def test_statistics_are_consistent(pair, prompt):
     assert d["tokens"] == res.tokens and d["tau"] == res.tau
     plain = _run(target, None, prompt, "ar", n=22)
     assert plain.rounds == 21 and plain.tau == 1.0 and set(plain.nodes_per_round) == {0}
+    zero = _run(target, drafter, prompt, "ddtree", budget=0, n=22)  # budget 0: no drafts, plain AR cost
+    assert zero.tokens == plain.tokens and set(zero.nodes_per_round) == {0} and zero.budget == 0
 
 
 def test_input_forms_and_errors(pair, prompt):

@@ -133,6 +133,31 @@ def test_eos_options_match_official(llada_eos, temperature, opts):
         assert any(not torch.equal(a, b) for a, b in zip(traj, plain_traj))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.01])
+def test_confidence_eos_eot_rule_on_handmade_logits(llada, temperature):
+    """Row B proposes EoT (p 0.95), row A EOS (p 0.88), row C a plain token (p 0.73); one token per step.
+    Official semantics of confidence_eos_eot_inf: at T = 0 EOS and EoT proposals get confidence 0 (C goes first);
+    at T > 0 only EoT does (A goes first). Without the option B (the most confident) goes first."""
+    model, tok, ids = llada
+    eos, eot = model.config.eos_token_id, tok.convert_tokens_to_ids("<|eot_id|>")
+    v = model.config.vocab_size
+    first = {}
+    for opt in (False, True):
+        s = make_session(model, ids, DecodeConfig(gen_length=3, block_length=3, steps=3, temperature=temperature,
+                                                  confidence_eos_eot_inf=opt), tokenizer=tok)
+        s.begin_block(0)
+        logits = torch.full((1, 3, v), -30.0, dtype=torch.float64)
+        for row, (tid, gap) in enumerate([(eos, 2.0), (eot, 3.0), (7, 1.0)]):
+            logits[0, row, tid] = 5.0
+            logits[0, row, 3] = 5.0 - gap  # runner-up: no proposal is certain
+        out = s.transition(s.x, logits, s.step_info(0, 0))
+        changed = (out != s.x).nonzero()[:, 1].tolist()
+        assert len(changed) == 1
+        first[opt] = changed[0] - s.prompt_len
+    assert first[False] == 1
+    assert first[True] == (2 if temperature == 0 else 0)
+
+
 def test_cfg_with_left_padded_batch_matches_official(llada):
     model, tok, _ = llada
     rows = [tok("x = 1", add_special_tokens=False)["input_ids"], tok(PROMPT, add_special_tokens=False)["input_ids"]]

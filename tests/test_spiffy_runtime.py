@@ -271,3 +271,19 @@ def test_random_graph_is_valid_and_deterministic() -> None:
     a.validate()
     assert [(n.level, n.pairs, n.parents) for n in a.nodes] == [(n.level, n.pairs, n.parents) for n in b.nodes]
     assert all(n.level == 1 or n.parents for n in a.nodes)
+
+
+def test_llada_cfg_and_eos_options(llada) -> None:
+    model, thr = llada
+    _check(model, _bidir_kw("one_per_step", "none", 1.0, thr, cfg_scale=1.0))
+    _check(model, _bidir_kw("several_per_step", "prefix", 0.0, thr, logits_eos_inf=True, confidence_eos_eot_inf=True))
+
+
+def test_sdar_stop_tokens(sdar) -> None:
+    model, _ = sdar
+    kw = dict(gen_length=GEN, block_length=BLOCK, temperature=0.0, seed=7, denoising_steps=BLOCK)
+    probe = make_session(model, _prompt(), **kw)
+    run_baseline(probe)
+    first = int(probe.x[0, probe.block_bounds(0)[0] + BLOCK - 1])  # a token of the first decoded block
+    out = _check(model, {**kw, "stop_token_ids": (first,)})
+    assert out["oracle"].steps_per_block[-1] == 0  # the generation stopped after the first block

@@ -230,8 +230,7 @@ def ddtree_generate(
     if int(max_new_tokens) < 0:
         raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     max_new_tokens = int(max_new_tokens)
-    use_drafter = method != "ar"
-    if use_drafter:
+    if method != "ar":
         if drafter is None:
             raise ConfigError(f"method {method!r} needs a DFlash drafter; fix: pass drafter=load_drafter(DIR) or use method='ar'")
         check_compatible(drafter, target)
@@ -240,6 +239,8 @@ def ddtree_generate(
             raise ConfigError(f"block_size must be >= 1, got {block}")
     else:
         block = 1
+    # DDTree with budget 0 never drafts: run it without the drafter (no feature hooks, no pending context)
+    use_drafter = method == "dflash" or (method == "ddtree" and budget > 0)
     backbone, lm_head = _target_parts(target)
     device = target.get_input_embeddings().weight.device
     dtype = target.get_input_embeddings().weight.dtype
@@ -303,7 +304,7 @@ def ddtree_generate(
             root_pos = n_prompt + len(tokens) - 1
             ctx_len = int(cache.get_seq_length())
             depth_limit = min(block - 1, max_new_tokens - len(tokens) - 1) if use_drafter else 0
-            wants_tree = depth_limit > 0 and (method == "dflash" or budget > 0)
+            wants_tree = depth_limit > 0
 
             # 1. draft
             draft_logits = None

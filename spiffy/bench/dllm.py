@@ -245,6 +245,9 @@ def run_dllm_bench(
         })
     cfg_dict = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
     cfg_dict.update(extra)
+    if hasattr(config, "resolved_steps"):
+        cfg_dict["steps_resolved"] = int(config.resolved_steps)
+        cfg_dict["block_length_resolved"] = int(config.resolved_block_length)
     return {
         "kind": "dllm",
         "model": model_name or getattr(model, "name_or_path", None),

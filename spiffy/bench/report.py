@@ -79,8 +79,8 @@ def markdown_dllm(res: dict[str, Any]) -> str:
         "",
         f"- model: `{res.get('model')}` ({res.get('family')})",
         f"- dataset: {res.get('dataset')}, prompts: {res.get('num_prompts')}, chat template: {res.get('chat')}",
-        f"- decoding: gen_length {dec.get('gen_length')}, block_length {dec.get('block_length')}, steps "
-        f"{dec.get('steps')}, threshold {dec.get('threshold')}, remasking {dec.get('remasking')}, cache "
+        f"- decoding: gen_length {dec.get('gen_length')}, block_length {dec.get('block_length_resolved', dec.get('block_length'))}, "
+        f"steps {dec.get('steps_resolved', dec.get('steps'))}, threshold {dec.get('threshold')}, remasking {dec.get('remasking')}, cache "
         f"{dec.get('cache')}, temperature {dec.get('temperature')}",
         f"- graph: `{g.get('path')}` ({g.get('nodes')} nodes, calibrated on {g.get('calibration_dataset')}; "
         f"projected NFE reduction {_f(g.get('projected', {}).get('reduction'))}x)",

@@ -177,6 +177,8 @@ class DraftGraph:
     ) -> None:
         self.nodes: list[DraftNode] = list(nodes)
         self.meta: dict[str, Any] = dict(meta or {})
+        self.meta.setdefault("calibrated_for", {})  # the file always has both sections
+        self.meta.setdefault("calibration", {})
         self.projected: dict[str, Any] = dict(projected or {})
         self.path: str | None = None  # file the graph was loaded from / saved to (informational)
         if validate:

@@ -1,0 +1,82 @@
+"""``spiffy demo`` with explicit tiny checkpoints, and the clean error when the embedded models are missing."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from spiffy.cli.main import main
+from spiffy.embedded import EMBEDDED_NAMES, TRAINING_SCRIPTS, embedded_graph_path, embedded_model_path
+from spiffy.errors import ConfigError
+
+SMALL = ["--gen-length", "8", "--block-length", "4", "--max-new-tokens", "8", "--ddtree-budget", "6",
+         "--max-prompts", "1", "--dtype", "float64", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from spiffy.models.tiny import make_tiny
+
+    return make_tiny("dflash", tmp_path_factory.mktemp("demo_dflash") / "drafter", seed=1, target=str(tiny_qwen3),
+                     block_size=4)
+
+
+def test_demo_explicit_paths_calibrates_on_the_fly(tiny_llada: Path, tiny_qwen3: Path, tiny_drafter: Path, capsys) -> None:
+    rc = main(["demo", "--model", str(tiny_llada), "--target", str(tiny_qwen3), "--drafter", str(tiny_drafter), *SMALL])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    out = captured.out
+    assert "calibrated on the fly" in out
+    assert "def fibonacci(n):" in out
+    # dLLM table: baseline and Spiffy rows, identical check 1/1
+    row = re.search(r"\| Spiffy +\| (\d+) \| ([\d.]+)x \|.*\| 1/1 \|", out)
+    base = re.search(r"\| baseline \| (\d+) \|", out)
+    assert row and base, out
+    assert int(row.group(1)) <= int(base.group(1))
+    # AR table: the three methods, all identical to AR
+    for method in ("ar", "dflash", "ddtree"):
+        assert re.search(rf"\| {method} \| \d+ \| [\d.]+ \|.*\| 1/1 \|", out), method
+    assert "identical to their baselines" in out and "MISMATCH" not in out
+
+
+def test_demo_with_graph_only_dllm(tiny_llada: Path, tmp_path: Path, capsys) -> None:
+    from spiffy.decoding import DecodeConfig
+    from spiffy.models import load_model, load_tokenizer
+    from spiffy.selfspec.calibrate import calibrate
+
+    graph = calibrate(load_model(tiny_llada, dtype="float64"), load_tokenizer(tiny_llada), ["def g(y):", "import re"],
+                      DecodeConfig(gen_length=8, block_length=4), nodes=3, chat=False, progress=False)
+    gpath = tmp_path / "graph.json"
+    graph.save(gpath)
+    rc = main(["demo", "--only", "dllm", "--model", str(tiny_llada), "--graph", str(gpath), *SMALL])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "calibrated on the fly" not in out and "| Spiffy" in out and "AR target" not in out
+
+
+def test_plain_demo_without_embedded_models_is_a_clean_error(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("SPIFFY_EMBEDDED_DIR", str(tmp_path / "empty"))
+    rc = main(["demo"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "Traceback" not in err
+    for kind in EMBEDDED_NAMES:
+        assert TRAINING_SCRIPTS[kind] in err
+    assert "--model DIR --graph FILE --target DIR --drafter DIR" in err
+    with pytest.raises(ConfigError, match="train_tiny_llada.sh"):
+        embedded_model_path("dllm")
+    with pytest.raises(ConfigError, match="unknown embedded model kind"):
+        embedded_model_path("nope")
+
+
+def test_embedded_resolver_finds_shipped_checkpoints(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SPIFFY_EMBEDDED_DIR", str(tmp_path))
+    d = tmp_path / EMBEDDED_NAMES["dllm"]
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    assert embedded_model_path("dllm") == d
+    assert embedded_graph_path(d) is None
+    (d / "graph.json").write_text("{}")
+    assert embedded_graph_path(d) == d / "graph.json"
