@@ -94,12 +94,12 @@ def test_chat_template_applied(tiny_llada: Path) -> None:
 def test_calibrate_tiny_llada_deterministic_and_consistent_with_runtime(tiny_llada: Path, tmp_path: Path) -> None:
     model = load_f64(tiny_llada, cached=True)
     tok = load_tokenizer(tiny_llada)
-    cfg = DecodeConfig(gen_length=16, block_length=8, temperature=0.7)  # sampled: the seed matters
-    kw = dict(nodes=6, seed=3, progress=False, max_prompts=2)
+    cfg = DecodeConfig(gen_length=16, block_length=4, temperature=0.7)  # sampled: the seed matters
+    kw = dict(nodes=8, seed=3, progress=False, max_prompts=2)
     g1 = calibrate(model, tok, PROMPTS, cfg, **kw)
     g2 = calibrate(model, tok, PROMPTS, cfg, **kw)
     g1.validate()
-    assert 0 < len(g1) <= 6
+    assert 0 < len(g1) <= 8
     # same seed -> identical file apart from the date
     g1.save(tmp_path / "a.json")
     g2.save(tmp_path / "b.json")
@@ -109,12 +109,12 @@ def test_calibrate_tiny_llada_deterministic_and_consistent_with_runtime(tiny_lla
     assert load_graph(tmp_path / "a.json") == g1
     # what it was calibrated for, and how
     cf = g1.calibrated_for
-    assert cf["family"] == "llada" and cf["block_length"] == 8 and cf["steps_per_block"] == 8
+    assert cf["family"] == "llada" and cf["block_length"] == 4 and cf["steps_per_block"] == 4
     assert cf["tokens_per_step"] == 1 and cf["cache"] == "none" and cf["temperature"] == 0.7
     assert cf["mask_id"] == model.config.mask_token_id
     assert cf["config_fingerprint"] == model_config_fingerprint(model)
     cal = g1.meta["calibration"]
-    assert cal["num_prompts"] == 2 and cal["seed"] == 3 and cal["objective"] == "greedy" and cal["i_max"] == 8
+    assert cal["num_prompts"] == 2 and cal["seed"] == 3 and cal["objective"] == "greedy" and cal["i_max"] == 4
     assert cal["j_max"] == 4 and cal["library_version"] and cal["date"] and cal["command"]
     # the projected ceiling is exactly what the runtime achieves with every node kept, on the same prompts/seeds
     runtime_nfe = 0
@@ -128,7 +128,7 @@ def test_calibrate_tiny_llada_deterministic_and_consistent_with_runtime(tiny_lla
         runtime_nfe += stats.nfe
         # the graph is compatible with its own runtime configuration, and not with another block length
         g1.check_compatible(decoding_runtime_signature(model, spec))
-        other = make_session(model, ids, cfg.replace(block_length=16), seed=0)
+        other = make_session(model, ids, cfg.replace(block_length=8), seed=0)
         with pytest.raises(GraphMismatchError, match="block_length"):
             g1.check_compatible(decoding_runtime_signature(model, other))
     p = g1.projected

@@ -156,7 +156,7 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self._kv(x, cos[:, n_ctx:], sin[:, n_ctx:])
         k_old, v_old = (None, None) if cache is None else cache.layer(self.layer_idx)
         if cache is not None and store_context and n_ctx:
-            cache.append(self.layer_idx, k_ctx[..., 1:, :], v_ctx[..., 1:, :])
+            cache.append(self.layer_idx, k_ctx, v_ctx)
         keys = [t for t in (k_old, k_ctx, k_blk) if t is not None and t.shape[-2] > 0]
         vals = [t for t in (v_old, v_ctx, v_blk) if t is not None and t.shape[-2] > 0]
         if k_old is not None and k_old.shape[0] != b:

@@ -347,6 +347,7 @@ def runtime_signature(model: Any, session: DecodeSession) -> dict[str, Any]:
     cfg = getattr(session, "config", None)
     sig: dict[str, Any] = {
         "family": family_of(model),
+        "model": getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None),
         "mask_id": int(session.mask_id),
         "block_length": int(session.block_length),
     }

@@ -196,7 +196,7 @@ class ChainRecorder:
         m = s.index
         # level l = steps n..n+l-1 replayed from drafts; a draft is only useful when the block has a further step
         # after it (the walk never accepts the block's final state: no transition would follow it)
-        while m < self._n and self._blocks[m] == s.block:
+        while m + 1 < self._n and self._blocks[m] == s.block and self._blocks[m + 1] == s.block:
             if self.max_level is not None and len(out) >= self.max_level:
                 break
             if self._bad[m] or not self._unmasked[m]:

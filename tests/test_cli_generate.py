@@ -1,0 +1,134 @@
+"""``spiffy generate`` (dLLM mode) and the public generate() dispatch, on tiny checkpoints of every family."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_f64
+
+from spiffy.cli.main import build_parser, main
+from spiffy.decoding import DecodeConfig, generate
+from spiffy.errors import GraphMismatchError
+from spiffy.models.loading import load_tokenizer
+
+PROMPT = "def square(x):"
+
+
+def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, dict | None, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    payload = json.loads(out.strip().splitlines()[-1]) if code == 0 and "--json" in argv else None
+    return code, payload, err
+
+
+def _ids(tok, text: str = PROMPT) -> torch.Tensor:
+    return torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+
+
+def test_generate_json_llada_matches_api(capsys, tiny_llada: Path):
+    argv = ["generate", "--model", str(tiny_llada), "--prompt", PROMPT, "--gen-length", "8", "--block-length", "4",
+            "--steps", "8", "--temperature", "0.7", "--seed", "5", "--remasking", "random", "--dtype", "float64",
+            "--json"]
+    code, payload, err = _run(capsys, argv)
+    assert code == 0
+    assert {"tokens", "text", "nfe", "seconds", "steps", "config"} <= set(payload)
+    model, tok = load_f64(tiny_llada, cached=True), load_tokenizer(tiny_llada)
+    cfg = DecodeConfig(gen_length=8, block_length=4, steps=8, temperature=0.7, seed=5, remasking="random")
+    res = generate(model, _ids(tok), cfg, tokenizer=tok)
+    assert payload["tokens"] == res.tokens[0] and len(payload["tokens"]) == 8
+    assert payload["nfe"] == res.nfe == 8 and payload["steps"] == 8
+    assert payload["text"] == res.text[0]
+    assert payload["config"]["seed"] == 5 and payload["config"]["remasking"] == "random"
+    assert "denoising" in err  # progress bar on stderr
+
+
+def test_generate_json_dream_with_cache(capsys, tiny_dream: Path):
+    argv = ["generate", "--model", str(tiny_dream), "--prompt", PROMPT, "--gen-length", "8", "--block-length", "4",
+            "--steps", "4", "--alg", "entropy", "--cache", "dual", "--top-p", "0.9", "--temperature", "0.5",
+            "--dtype", "float64", "--json", "--no-progress"]
+    code, payload, err = _run(capsys, argv)
+    assert code == 0 and err == ""
+    model, tok = load_f64(tiny_dream, cached=True), load_tokenizer(tiny_dream)
+    cfg = DecodeConfig(gen_length=8, block_length=4, steps=4, alg="entropy", cache="dual", top_p=0.9, temperature=0.5, seed=0)
+    res = generate(model, _ids(tok), cfg)
+    assert payload["tokens"] == res.tokens[0]
+    assert payload["nfe"] == res.nfe and payload["family"] == "dream"
+
+
+def test_generate_sdar_dispatch(capsys, tiny_sdar: Path):
+    argv = ["generate", "--model", str(tiny_sdar), "--prompt", PROMPT, "--gen-length", "8", "--block-length", "4",
+            "--steps", "8", "--dtype", "float64", "--json", "--no-progress"]
+    code, payload, _ = _run(capsys, argv)
+    assert code == 0 and payload["family"] == "sdar"
+    model, tok = load_f64(tiny_sdar, cached=True), load_tokenizer(tiny_sdar)
+    res = generate(model, _ids(tok), DecodeConfig(gen_length=8, block_length=4, steps=8))
+    assert payload["tokens"] == res.tokens[0]
+    assert type(res.config).__name__ == "SDARDecodeConfig"
+
+
+def test_chat_flag_uses_template(capsys, tiny_llada: Path):
+    base = ["generate", "--model", str(tiny_llada), "--prompt", "hi", "--gen-length", "4", "--steps", "4",
+            "--dtype", "float64", "--json", "--no-progress"]
+    _, plain, _ = _run(capsys, base)
+    _, chat, _ = _run(capsys, base + ["--chat"])
+    tok = load_tokenizer(tiny_llada)
+    expected = len(tok(tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                                tokenize=False), add_special_tokens=False)["input_ids"])
+    assert chat["prompt_tokens"] == expected > plain["prompt_tokens"]
+
+
+def test_plain_text_output(capsys, tiny_llada: Path):
+    code = main(["generate", "--model", str(tiny_llada), "--prompt", PROMPT, "--gen-length", "4", "--steps", "4",
+                 "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "4 NFE" in err and out.endswith("\n")
+
+
+def test_errors_are_clear(capsys, tiny_llada: Path):
+    code = main(["generate", "--prompt", "x"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "--model" in err
+    code = main(["generate", "--model", str(tiny_llada), "--prompt", "x", "--gen-length", "10", "--block-length", "4"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "block_length" in err
+    code = main(["generate", "--model", str(tiny_llada), "--prompt", "x", "--gen-length", "1000"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "context" in err
+
+
+def test_shared_and_ar_flags_coexist():
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--model", "M", "--budget", "2", "--top-k", "5", "--seed", "3"])
+    assert (args.budget, args.top_k, args.seed, args.temperature) == (2, 5, 3, 0.0)
+    sub = parser._subparsers._group_actions[0].choices["generate"]  # noqa: SLF001 - introspect the subparser
+    flags = set(sub._option_string_actions)  # noqa: SLF001
+    assert {"--model", "--graph", "--budget", "--prompt", "--json", "--chat", "--dtype", "--top-p"} <= flags
+    try:
+        import spiffy.ar.cli  # noqa: F401
+    except ImportError:
+        return
+    assert {"--target", "--drafter", "--method", "--max-new-tokens"} <= flags
+
+
+def test_graph_passthrough_is_lossless(capsys, tiny_llada: Path, tmp_path: Path):
+    """generate(graph=...) and --graph reproduce the baseline tokens with fewer forwards; a mismatched graph is an
+    error naming the field."""
+    from spiffy.selfspec.calibrate import calibrate
+
+    model, tok = load_f64(tiny_llada, cached=True), load_tokenizer(tiny_llada)
+    cfg = DecodeConfig(gen_length=8, block_length=8, steps=8)
+    graph = calibrate(model, tok, ["import os", "x = 1", "def f(y):"], cfg, nodes=4, progress=False, chat=False)
+    path = tmp_path / "graph.json"
+    graph.save(path)
+    base = generate(model, _ids(tok), cfg)
+    spec = generate(model, _ids(tok), cfg, graph=graph, budget=3)
+    assert spec.tokens == base.tokens and spec.nfe <= base.nfe
+    code, payload, _ = _run(capsys, ["generate", "--model", str(tiny_llada), "--prompt", PROMPT, "--gen-length", "8",
+                                      "--block-length", "8", "--steps", "8", "--dtype", "float64", "--graph", str(path),
+                                      "--budget", "3", "--json", "--no-progress"])
+    assert code == 0 and payload["tokens"] == base.tokens[0] and payload["nfe"] == spec.nfe
+    with pytest.raises(GraphMismatchError, match="block_length"):
+        generate(model, _ids(tok), DecodeConfig(gen_length=8, block_length=4, steps=4), graph=graph)
