@@ -7,7 +7,7 @@ One round, starting from the committed context (target K/V cache of length ``C``
    ``[bonus, MASK x L]`` and returns per-depth logits ``[L, V]`` (``L = min(block_size - 1, tokens left - 1)``);
 2. **tree build**: DDTree (:func:`~spiffy.ar.tree.build_ddtree`, the optimal ``budget``-node tree), the DFlash chain
    (argmax per depth) or nothing (plain AR);
-3. **compile**: ``[root(bonus), nodes...]`` through :func:`spiffy.verify.compile_packed` (node position = ``p0`` +
+3. **compile**: ``[root(bonus), nodes...]`` through :func:`spiffy.verify.compile_tree` (the vectorised tree path of the shared backend) (node position = ``p0`` +
    depth; every row sees the committed cache, its ancestors and itself);
 4. **verify**: ONE target forward over all rows on top of the cache; the target's token at a node is drawn lazily
    from that node's logits by the decoding rule (greedy, or position-keyed sampling, :mod:`spiffy.ar.sampling`),
@@ -33,7 +33,7 @@ from spiffy.ar.drafter import DFlashDraftModel, TargetFeatureHooks, check_compat
 from spiffy.ar.sampling import sample_tokens, validate_sampling
 from spiffy.ar.tree import DraftTree, build_chain, build_ddtree, empty_tree
 from spiffy.errors import ConfigError, PromptTooLongError
-from spiffy.verify import DraftStructure, compile_packed, follow
+from spiffy.verify import compile_tree, follow
 
 __all__ = ["ARGenerationResult", "ddtree_generate", "METHODS", "DEFAULT_BUDGET"]
 
@@ -333,16 +333,11 @@ def ddtree_generate(
             # 3. compile
             n_nodes = tree.num_nodes
             node_tok = tree.tokens.tolist()
-            node_par = tree.parents.tolist()
             node_dep = tree.depths.tolist()
-            structure = DraftStructure(
-                tokens=list(tree.tokens.split(1)),
-                positions=list((tree.depths + root_pos).split(1)),
-                parents=[(p,) if p >= 0 else () for p in node_par],
-                visibility="ancestors",
-            )
-            compiled = compile_packed(
-                structure,
+            compiled = compile_tree(
+                tree.tokens,
+                tree.depths + root_pos,
+                tree.parents,
                 context_len=ctx_len,
                 dtype=dtype,
                 device=device,

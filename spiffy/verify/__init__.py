@@ -5,6 +5,7 @@ from spiffy.verify.backend import (
     DraftStructure,
     compile_batched,
     compile_packed,
+    compile_tree,
     follow,
     tree_ancestor_mask,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "DraftStructure",
     "compile_batched",
     "compile_packed",
+    "compile_tree",
     "follow",
     "tree_ancestor_mask",
 ]
