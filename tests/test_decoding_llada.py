@@ -337,3 +337,16 @@ def test_session_contract_with_run_baseline(llada):
     stats = run_baseline(s)
     assert stats.nfe == s.nfe == 4 and stats.steps_per_block == [2, 2]
     assert s.x[0, ids.shape[1]:].tolist() == generate(model, ids, cfg).tokens[0]
+
+
+def test_dynamic_block_has_a_step_cap(llada):
+    """Under dynamic unmasking a block ends when it has no mask, or after 4 * block_length steps (a model that keeps
+    proposing the mask token would otherwise loop forever); static schedules end after steps_per_block."""
+    model, _, ids = llada
+    s = make_session(model, ids, DecodeConfig(gen_length=4, block_length=2, steps=4, threshold=0.9))
+    assert not s.block_finished(0, 7, s.x) and s.block_finished(0, 8, s.x)
+    done = s.x.clone()
+    done[:, s.prompt_len : s.prompt_len + 2] = 3
+    assert s.block_finished(0, 1, done) and not s.block_finished(1, 1, done)
+    static = make_session(model, ids, DecodeConfig(gen_length=4, block_length=2, steps=4))
+    assert not static.block_finished(0, 1, done) and static.block_finished(0, 2, static.x)

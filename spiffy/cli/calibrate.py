@@ -92,8 +92,6 @@ def run(args: argparse.Namespace) -> int:
             "no model given; fix: pass --model DIR (a LLaDA/Dream/SDAR checkpoint directory, e.g. one written by "
             "`spiffy tiny llada DIR`)"
         )
-    import json
-
     import torch
 
     from spiffy.cli.generate import config_from_args

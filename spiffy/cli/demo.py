@@ -54,6 +54,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="model dtype (default float32 on CPU)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument(
+        "--random-tiny",
+        action="store_true",
+        help="use freshly written tiny RANDOM checkpoints (spiffy tiny) for every part not given by path: shows the "
+        "machinery and the identical-output check anywhere; acceptance numbers of random weights mean nothing",
+    )
     parser.set_defaults(handler=run)
     return parser
 
@@ -73,6 +79,8 @@ def _resolve(args: argparse.Namespace) -> tuple[dict[str, Path], bool, bool]:
     if do_ar:
         wanted += [("target", args.target, "ar-target", "--target"), ("drafter", args.drafter, "ar-drafter", "--drafter")]
     for key, explicit, kind, flag in wanted:
+        if not explicit and getattr(args, "random_tiny", False):
+            explicit = str(_random_tiny(kind))
         if explicit:
             p = Path(explicit)
             if not (p / "config.json").is_file():
@@ -91,6 +99,35 @@ def _resolve(args: argparse.Namespace) -> tuple[dict[str, Path], bool, bool]:
             "or run only one part with --only dllm|ar"
         )
     return paths, do_dllm, do_ar
+
+
+_RANDOM_TINY_DIR: Path | None = None
+
+
+def _random_tiny(kind: str) -> Path:
+    """Write (once per process) a tiny random checkpoint for ``kind`` into a temporary directory."""
+    import tempfile
+
+    from spiffy.models.tiny import make_tiny
+
+    global _RANDOM_TINY_DIR
+    if _RANDOM_TINY_DIR is None:
+        _RANDOM_TINY_DIR = Path(tempfile.mkdtemp(prefix="spiffy-demo-"))
+    root = _RANDOM_TINY_DIR
+    if kind == "dllm":
+        out = root / "tiny-llada"
+        if not out.exists():
+            make_tiny("llada", out, seed=0)
+        return out
+    target = root / "tiny-qwen3"
+    if not target.exists():
+        make_tiny("qwen3", target, seed=0)
+    if kind == "ar-target":
+        return target
+    out = root / "tiny-dflash"
+    if not out.exists():
+        make_tiny("dflash", out, seed=0, target=target)
+    return out
 
 
 def _demo_config(graph: Any, gen_length: int, block_length: int | None) -> Any:
@@ -212,6 +249,9 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= int(args.max_prompts) <= len(DEMO_PROMPTS):
         raise ConfigError(f"--max-prompts must be in 1..{len(DEMO_PROMPTS)}, got {args.max_prompts}")
     paths, do_dllm, do_ar = _resolve(args)
+    if getattr(args, "random_tiny", False):
+        print("note: --random-tiny: tiny RANDOM checkpoints; outputs are gibberish and acceptance rates mean nothing, "
+              "but every speculative output must still equal its baseline.\n")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompts = [BenchPrompt(str(k), p, "demo") for k, p in enumerate(DEMO_PROMPTS[: int(args.max_prompts)])]
     t0 = time.perf_counter()

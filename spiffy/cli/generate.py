@@ -18,6 +18,17 @@ from typing import Any
 
 from spiffy.errors import ConfigError
 
+DESCRIPTION = """\
+Decode one prompt.
+
+  dLLM mode:  spiffy generate --model DIR --prompt TEXT [decoding flags] [--graph FILE --budget D] [--json]
+  AR mode:    spiffy generate --target DIR [--drafter DIR --method ar|dflash|ddtree --max-new-tokens N] ...
+
+With --graph (a draft graph from `spiffy calibrate`) the diffusion LM decodes with Spiffy self-speculation:
+the same tokens as the baseline, fewer model calls. --json prints one JSON object (tokens, text, nfe, seconds,
+steps, config) on stdout; the progress bar goes to stderr.
+"""
+
 #: flags defined here and shared with AR mode (the AR engineer's add_ar_arguments skips them)
 SHARED_FLAGS: tuple[str, ...] = (
     "--prompt", "--chat", "--json", "--dtype", "--device", "--budget", "--temperature", "--top-p", "--top-k", "--seed",
@@ -103,7 +114,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "generate",
         help="generate text with a diffusion LM (baseline or Spiffy) or an AR target (DDTree)",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default=None, metavar="DIR", help="diffusion LM checkpoint directory (LLaDA, Dream or SDAR)")

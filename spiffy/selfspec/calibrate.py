@@ -15,7 +15,6 @@ import datetime as _dt
 import os
 import sys
 import warnings
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch

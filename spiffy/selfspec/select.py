@@ -134,6 +134,8 @@ def select_formulas(
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
         raise ConfigError(f"nodes={nodes!r} must be an integer >= 0; fix: pass e.g. nodes=10")
     wc = weighted_chains(chains)
+    if tokens_per_step is not None:
+        wc = _static_prefixes(wc, tokens_per_step)
     if nodes == 0 or not wc:
         return []
     counts = formula_counts(wc)
@@ -149,6 +151,19 @@ def select_formulas(
             score = {k: counts[k] + sum(counts[p] for p in parents[k]) for k in counts}
         chosen = _by_score(score, counts, parents, nodes)
     return _topological(chosen)
+
+
+def _static_prefixes(wc: Mapping[tuple[Formula, ...], int], tps: int) -> Counter[tuple[Formula, ...]]:
+    """Chains cut before the first level whose size is not ``level * tps`` (a static graph cannot hold it; this
+    happens when a schedule announced as uniform is not, e.g. a step unmasking a different number of tokens)."""
+    out: Counter[tuple[Formula, ...]] = Counter()
+    for ch, w in wc.items():
+        k = 0
+        while k < len(ch) and len(ch[k]) == (k + 1) * tps:
+            k += 1
+        if k:
+            out[ch[:k]] += w
+    return out
 
 
 def _topological(keys: list[Key]) -> list[Key]:
@@ -396,7 +411,8 @@ def build_graph(
         tps = (meta or {}).get("calibrated_for", {}).get("tokens_per_step")
         tokens_per_step = tps if isinstance(tps, int) and not isinstance(tps, bool) and tps >= 1 else None
     keys = select_formulas(chains, nodes, objective, tokens_per_step=tokens_per_step)
-    counts = formula_counts(weighted_chains(chains))
+    wc = weighted_chains(chains)
+    counts = formula_counts(_static_prefixes(wc, tokens_per_step) if tokens_per_step is not None else wc)
     g = DraftGraph.from_formulas([(lvl, f) for lvl, f in keys], meta=meta, counts=[counts[k] for k in keys])
     if trajectories is not None:
         g.projected = project(trajectories, g)
