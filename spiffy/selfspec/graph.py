@@ -31,6 +31,7 @@ import copy
 import hashlib
 import json
 import math
+import numbers
 import os
 import tempfile
 import warnings
@@ -114,12 +115,12 @@ class DraftNode:
     def __post_init__(self) -> None:
         # normalise containers (lists from JSON / networkx) to tuples; the values are checked by validate()
         try:
-            pairs = tuple(tuple(p) for p in self.pairs)
+            pairs = tuple(tuple(_as_int(v) for v in p) for p in self.pairs)
         except TypeError as exc:
             raise GraphError(f"node {self.id!r}: pairs must be a sequence of (i, j) pairs, got {self.pairs!r}") from exc
         object.__setattr__(self, "pairs", pairs)
         try:
-            parents = tuple(self.parents)
+            parents = tuple(_as_int(p) for p in self.parents)
         except TypeError as exc:
             raise GraphError(f"node {self.id!r}: parents must be a sequence of node ids, got {self.parents!r}") from exc
         object.__setattr__(self, "parents", parents)
@@ -137,6 +138,13 @@ class DraftNode:
     def label(self) -> str:
         """Compact text form, e.g. ``"(1,1)(2,1)"``."""
         return "".join(f"({i},{j})" for i, j in self.pairs)
+
+
+def _as_int(v: Any) -> Any:
+    """numpy / torch integer scalars -> int; anything else unchanged (validate() reports it)."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+        return int(v)
+    return v
 
 
 def _is_int(v: Any) -> bool:
