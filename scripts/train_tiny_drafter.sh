@@ -7,6 +7,6 @@ RUN=${2:-/work/train_runs/tiny-drafter}
 CORPUS=${CORPUS:-$(dirname "$RUN")/corpus}
 export RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 python -m spiffy.cli.main train-drafter --target "$TARGET" --out "$RUN" --corpus "$CORPUS" --seed 0 \
-  --num-layers 2 --target-layer-ids 1 3 --block-size 16 --seq-len 160 --prompt-len 32 --num-anchors 16 \
+  --num-layers 2 --target-layer-ids 1 3 --block-size 16 --seq-len 160 --prompt-len 32 --num-anchors 24 \
   --batch-size 8 --greedy-frac 0.5 --gamma 7 --lr 2e-3 --warmup 20 --steps 100000 --schedule time \
-  --max-minutes "${MAX_MINUTES:-20}" --ckpt-every 10 --save-dtype bfloat16 --resume
+  --max-minutes "${MAX_MINUTES:-18}" --ckpt-every 10 --save-dtype bfloat16 --resume

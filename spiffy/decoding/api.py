@@ -366,6 +366,9 @@ def runtime_signature(model: Any, session: DecodeSession) -> dict[str, Any]:
                 "decode_fingerprint": cfg.fingerprint(),
             }
         )
+        if sig["family"] == "dream" and sig["tokens_per_step"] != "dynamic":
+            # Dream's static schedule (int(n_masked * (1 - s/t)) per step) is not uniform: node sizes may vary by level
+            sig["tokens_per_step"] = None
     try:  # the model-config fingerprint used by graph files (H4's helper when present)
         from spiffy.selfspec import graph as graph_mod
 
