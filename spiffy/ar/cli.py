@@ -101,22 +101,10 @@ def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device
 
 
 def _stop_ids(tokenizer: Any, target: Any, chat: bool) -> list[int]:
-    ids: set[int] = set()
-    for src in (getattr(target, "generation_config", None), getattr(target, "config", None)):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, (list, tuple)):
-            ids.update(int(e) for e in eos)
-    if tokenizer is not None:
-        if tokenizer.eos_token_id is not None:
-            ids.add(int(tokenizer.eos_token_id))
-        if chat:
-            for name in ("<|im_end|>", "<|eot_id|>"):
-                tid = tokenizer.convert_tokens_to_ids(name)
-                if isinstance(tid, int) and tid >= 0 and tid != tokenizer.unk_token_id:
-                    ids.add(tid)
-    return sorted(ids)
+    """EOS ids of the target (+ end-of-turn when ``chat``); see :func:`spiffy.bench.ar.stop_token_ids`."""
+    from spiffy.bench.ar import stop_token_ids
+
+    return stop_token_ids(target, tokenizer, chat)
 
 
 def run_generate(args: argparse.Namespace) -> int:

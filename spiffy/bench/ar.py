@@ -10,13 +10,21 @@ to AR (must be 1.0, mismatches listed); distinct-token ratio and whitespace shar
 
 from __future__ import annotations
 
-import sys
-import warnings
 from typing import Any, Sequence
 
 import torch
 
-from spiffy.bench.common import add_times, degenerate_stats, environment_info, first_mismatch
+from spiffy.bench.common import (
+    add_times,
+    check_bench_inputs,
+    degenerate_stats,
+    environment_info,
+    first_mismatch,
+    progress_bar,
+    skip_prompt,
+    stage_share,
+    warm_up,
+)
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.errors import ConfigError, PromptTooLongError
 
@@ -85,10 +93,7 @@ def run_ar_bench(
     from spiffy.ar import ddtree_generate
     from spiffy.selfspec.prompts import prompt_token_ids
 
-    if not budgets:
-        raise ConfigError("no budgets given; fix: pass e.g. budgets=[16, 32, 64]")
-    if not prompts:
-        raise ConfigError("no prompts given; fix: pass at least one benchmark prompt")
+    check_bench_inputs(budgets, prompts, "[16, 32, 64]")
     stops = stop_token_ids(target, tokenizer, chat)
     keys = _method_keys(budgets)
     encoded = [(p, prompt_token_ids(tokenizer, p.prompt, chat=chat)) for p in prompts]
@@ -100,20 +105,12 @@ def run_ar_bench(
             top_k=int(top_k), seed=int(seed), stop_token_ids=stops,
         )
 
-    for _ in range(max(0, int(warmup))):
-        for _p, ids in encoded:
-            try:
-                for _name, method, budget in keys[:3]:
-                    _run(ids, method, budget)
-                break
-            except PromptTooLongError:
-                continue
+    def _warm(ids: list[int]) -> None:
+        for _name, method, budget in keys[:3]:
+            _run(ids, method, budget)
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(encoded) * len(keys), desc="bench ar", unit="run", file=sys.stderr, leave=False)
+    warm_up(encoded, warmup, _warm)
+    bar = progress_bar(progress, len(encoded) * len(keys), "bench ar")
     specials = {int(t) for t in (getattr(tokenizer, "all_special_ids", None) or [])}
     acc: dict[str, dict[str, Any]] = {
         name: {"taus": [], "tpots": [], "hist": [], "stages": {}, "rounds": 0, "tokens_total": 0, "decode_s": 0.0,
@@ -132,10 +129,7 @@ def run_ar_bench(
                     if bar is not None:
                         bar.update(1)
             except PromptTooLongError as exc:
-                warnings.warn(f"benchmark prompt {prompt.id} skipped: {exc}", stacklevel=2)
-                skipped.append({"id": prompt.id, "reason": str(exc)})
-                if bar is not None:
-                    bar.update(len(keys) - len(outs))
+                skip_prompt(skipped, prompt, exc, bar, len(keys) - len(outs))
                 continue
             ref = outs["ar"].tokens
             row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "new_tokens": len(ref), "methods": {}}
@@ -188,7 +182,6 @@ def run_ar_bench(
         a = acc[name]
         tpot = _mean(a["tpots"])
         stages = dict(a["stages"])
-        stage_total = sum(stages.values())
         methods.append({
             "name": name,
             "method": method,
@@ -207,7 +200,7 @@ def run_ar_bench(
             "speedup_vs_ar": tpot_ar / tpot if tpot > 0 else None,
             "speedup_vs_dflash": tpot_df / tpot if tpot > 0 else None,
             "stage_times": stages,
-            "stage_share": {k: v / stage_total if stage_total > 0 else 0.0 for k, v in stages.items()},
+            "stage_share": stage_share(stages),
             "identical": a["identical"],
             "identical_fraction": a["identical"] / n,
             "mismatches": a["mismatches"],

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import platform
 import sys
-from typing import Any, Iterable, Sequence
+import warnings
+from typing import Any, Callable, Iterable, Sequence
 
-from spiffy.errors import ConfigError
+from spiffy.errors import ConfigError, PromptTooLongError
 
 
 def parse_budgets(text: str | Sequence[int], *, minimum: int = 0) -> list[int]:
@@ -107,3 +108,45 @@ def add_times(total: dict[str, float], part: dict[str, Any]) -> None:
 def sorted_hist(h: dict[str, int]) -> dict[str, int]:
     """A histogram with integer-like keys sorted numerically."""
     return {k: h[k] for k in sorted(h, key=lambda s: (int(s) if s.lstrip("-").isdigit() else 1 << 30, s))}
+
+
+def check_bench_inputs(budgets: Sequence[int], prompts: Sequence[Any], example: str) -> None:
+    """Raise ConfigError when ``budgets`` or ``prompts`` is empty (``example`` e.g. ``"[1, 3, 5]"``)."""
+    if not budgets:
+        raise ConfigError(f"no budgets given; fix: pass e.g. budgets={example}")
+    if not prompts:
+        raise ConfigError("no prompts given; fix: pass at least one benchmark prompt")
+
+
+def warm_up(encoded: Sequence[tuple[Any, list[int]]], rounds: int, run_once: Callable[[list[int]], Any]) -> None:
+    """Untimed warm-up: ``rounds`` times, ``run_once(ids)`` on the first encoded prompt that fits the context."""
+    for _ in range(max(0, int(rounds))):
+        for _p, ids in encoded:
+            try:
+                run_once(ids)
+                break
+            except PromptTooLongError:
+                continue
+
+
+def progress_bar(enabled: bool, total: int, desc: str) -> Any:
+    """A tqdm bar over ``total`` runs on stderr, or ``None`` when not ``enabled``."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, leave=False)
+
+
+def skip_prompt(skipped: list[dict[str, str]], prompt: Any, exc: Exception, bar: Any, runs_left: int) -> None:
+    """Record (and warn about) a prompt too long for the context; advance ``bar`` past its ``runs_left`` runs."""
+    warnings.warn(f"benchmark prompt {prompt.id} skipped: {exc}", stacklevel=3)
+    skipped.append({"id": prompt.id, "reason": str(exc)})
+    if bar is not None:
+        bar.update(runs_left)
+
+
+def stage_share(stages: dict[str, float]) -> dict[str, float]:
+    """Each stage's share of the summed per-stage seconds (0 when the sum is 0)."""
+    total = sum(stages.values())
+    return {k: v / total if total > 0 else 0.0 for k, v in stages.items()}

@@ -13,8 +13,6 @@ diffusion decoders spend their steps.
 
 from __future__ import annotations
 
-import sys
-import warnings
 from typing import Any, Sequence
 
 import torch
@@ -22,10 +20,15 @@ import torch
 from spiffy.bench.common import (
     add_counts,
     add_times,
+    check_bench_inputs,
     degenerate_stats,
     environment_info,
     first_mismatch,
+    progress_bar,
+    skip_prompt,
     sorted_hist,
+    stage_share,
+    warm_up,
 )
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.errors import ConfigError, PromptTooLongError
@@ -93,10 +96,7 @@ def run_dllm_bench(
     from spiffy.decoding import generate
     from spiffy.selfspec.prompts import prompt_token_ids
 
-    if not budgets:
-        raise ConfigError("no budgets given; fix: pass e.g. budgets=[1, 3, 5]")
-    if not prompts:
-        raise ConfigError("no prompts given; fix: pass at least one benchmark prompt")
+    check_bench_inputs(budgets, prompts, "[1, 3, 5]")
     extra = dict(config_overrides or {})
     budgets = [int(b) for b in budgets]
     base_seed = int(config.resolved_seed)
@@ -114,20 +114,12 @@ def run_dllm_bench(
         )
 
     # ---------------------------------------------------------------- warm-up (untimed)
-    for _ in range(max(0, int(warmup))):
-        for _p, ids in encoded:
-            try:
-                _run(ids, base_seed, None)
-                _run(ids, base_seed, budgets[0])
-                break
-            except PromptTooLongError:
-                continue
+    def _warm(ids: list[int]) -> None:
+        _run(ids, base_seed, None)
+        _run(ids, base_seed, budgets[0])
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(encoded) * (1 + len(budgets)), desc="bench dllm", unit="run", file=sys.stderr, leave=False)
+    warm_up(encoded, warmup, _warm)
+    bar = progress_bar(progress, len(encoded) * (1 + len(budgets)), "bench dllm")
     specials = _special_ids(tokenizer, model)
     base_tokens: list[list[int]] = []
     base_texts: list[str] = []
@@ -147,10 +139,7 @@ def run_dllm_bench(
             try:
                 b_res = _run(ids, seed, None)
             except PromptTooLongError as exc:
-                warnings.warn(f"benchmark prompt {prompt.id} skipped: {exc}", stacklevel=2)
-                skipped.append({"id": prompt.id, "reason": str(exc)})
-                if bar is not None:
-                    bar.update(1 + len(budgets))
+                skip_prompt(skipped, prompt, exc, bar, 1 + len(budgets))
                 continue
             family = b_res.family
             if bar is not None:
@@ -216,7 +205,6 @@ def run_dllm_bench(
     for b in budgets:
         acc = per_budget[b]
         stages = {k: v for k, v in acc["stages"].items()}
-        stage_total = sum(stages.values())
         forwards = acc["forwards"]
         levels = sorted_hist(acc["levels"])
         runs.append({
@@ -237,7 +225,7 @@ def run_dllm_bench(
             "accepted_per_level": levels,
             "acceptance_rate_per_level": {k: v / forwards if forwards else 0.0 for k, v in levels.items()},
             "stage_times": stages,
-            "stage_share": {k: v / stage_total if stage_total > 0 else 0.0 for k, v in stages.items()},
+            "stage_share": stage_share(stages),
             "identical": acc["identical"],
             "identical_fraction": acc["identical"] / n,
             "mismatches": acc["mismatches"],

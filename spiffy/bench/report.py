@@ -69,6 +69,32 @@ def _env_lines(env: dict[str, Any]) -> list[str]:
     ]
 
 
+def _identical_cell(entry: dict[str, Any], num_prompts: Any) -> str:
+    ident = f"{entry['identical']}/{num_prompts} ({100 * entry['identical_fraction']:.0f}%)"
+    return f"**MISMATCH** {ident}" if entry["identical_fraction"] < 1.0 else ident
+
+
+def _tail_sections(
+    lines: list[str], entries: list[dict[str, Any]], res: dict[str, Any], header: str, key: str,
+    mismatch_title: str, mismatch_label: Callable[[dict[str, Any]], str],
+) -> str:
+    """Append the per-stage times (column ``header``, rows ``entry[key]``), the mismatch list and the skipped
+    prompts to ``lines``; return the finished Markdown text."""
+    stages = sorted({k for e in entries for k in e["stage_times"]})
+    if stages:
+        lines += ["", "## Per-stage times (seconds, all prompts)", "",
+                  f"| {header} | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
+        for e in entries:
+            lines.append(f"| {e[key]} | " + " | ".join(_f(e["stage_times"].get(s, 0.0), 3) for s in stages) + " |")
+    mism = [(mismatch_label(e), m) for e in entries for m in e["mismatches"]]
+    if mism:
+        lines += ["", f"## {mismatch_title}", ""]
+        lines += [f"- {n}: prompt {m['id']}, first differing position {m['first_mismatch']}" for n, m in mism]
+    if res.get("skipped_prompts"):
+        lines += ["", f"Skipped prompts (too long): {', '.join(s['id'] for s in res['skipped_prompts'])}"]
+    return "\n".join(lines) + "\n"
+
+
 def markdown_dllm(res: dict[str, Any]) -> str:
     """Markdown report of a ``bench dllm`` results dict."""
     dec = res.get("decoding", {})
@@ -94,9 +120,7 @@ def markdown_dllm(res: dict[str, Any]) -> str:
         f"{_f(b['degenerate']['distinct_token_ratio'], 3)} | {_f(b['degenerate']['whitespace_share'], 3)} |",
     ]
     for r in res["runs"]:
-        ident = f"{r['identical']}/{res['num_prompts']} ({100 * r['identical_fraction']:.0f}%)"
-        if r["identical_fraction"] < 1.0:
-            ident = f"**MISMATCH** {ident}"
+        ident = _identical_cell(r, res["num_prompts"])
         lines.append(
             f"| spiffy | {r['budget']} | {_f(r['nfe_per_token'], 3)} | {_f(r['nfe_reduction'])}x | "
             f"{_f(r['tokens_per_s'])} | {_f(r['speedup'])}x | {_f(r['mean_accepted_per_forward'])} | {ident} | "
@@ -107,19 +131,10 @@ def markdown_dllm(res: dict[str, Any]) -> str:
     for r in res["runs"]:
         rates = " ".join(f"{k}:{v:.2f}" for k, v in r["acceptance_rate_per_level"].items()) or "-"
         lines.append(f"| {r['budget']} | {_hist_str(r['acceptance_histogram'])} | {_hist_str(r['accepted_per_level'])} | {rates} |")
-    stages = sorted({k for r in res["runs"] for k in r["stage_times"]})
-    if stages:
-        lines += ["", "## Per-stage times (seconds, all prompts)", "",
-                  "| budget | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
-        for r in res["runs"]:
-            lines.append(f"| {r['budget']} | " + " | ".join(_f(r["stage_times"].get(s, 0.0), 3) for s in stages) + " |")
-    mism = [(r["budget"], m) for r in res["runs"] for m in r["mismatches"]]
-    if mism:
-        lines += ["", "## Mismatches (speculative output differs from the baseline)", ""]
-        lines += [f"- budget {b}: prompt {m['id']}, first differing position {m['first_mismatch']}" for b, m in mism]
-    if res.get("skipped_prompts"):
-        lines += ["", f"Skipped prompts (too long): {', '.join(s['id'] for s in res['skipped_prompts'])}"]
-    return "\n".join(lines) + "\n"
+    return _tail_sections(
+        lines, res["runs"], res, "budget", "budget", "Mismatches (speculative output differs from the baseline)",
+        lambda r: f"budget {r['budget']}",
+    )
 
 
 def markdown_ar(res: dict[str, Any]) -> str:
@@ -140,9 +155,7 @@ def markdown_ar(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in res["methods"]:
-        ident = f"{m['identical']}/{res['num_prompts']} ({100 * m['identical_fraction']:.0f}%)"
-        if m["identical_fraction"] < 1.0:
-            ident = f"**MISMATCH** {ident}"
+        ident = _identical_cell(m, res["num_prompts"])
         lines.append(
             f"| {m['method']} | {m['budget']} | {_f(m['tau'])} | {_f(1000 * m['tpot_s'])} | {_f(m['tokens_per_s'])} | "
             f"{_f(m['speedup_vs_ar'])}x | {_f(m['speedup_vs_dflash'])}x | {ident} | "
@@ -151,19 +164,9 @@ def markdown_ar(res: dict[str, Any]) -> str:
     lines += ["", "## Acceptance length per round (histogram, bonus included)", "", "| method | histogram |", "|---|---|"]
     for m in res["methods"]:
         lines.append(f"| {m['name']} | {_hist_str(m['acceptance_histogram'])} |")
-    stages = sorted({k for m in res["methods"] for k in m["stage_times"]})
-    if stages:
-        lines += ["", "## Per-stage times (seconds, all prompts)", "",
-                  "| method | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
-        for m in res["methods"]:
-            lines.append(f"| {m['name']} | " + " | ".join(_f(m["stage_times"].get(s, 0.0), 3) for s in stages) + " |")
-    mism = [(m["name"], x) for m in res["methods"] for x in m["mismatches"]]
-    if mism:
-        lines += ["", "## Mismatches (output differs from AR)", ""]
-        lines += [f"- {n}: prompt {x['id']}, first differing position {x['first_mismatch']}" for n, x in mism]
-    if res.get("skipped_prompts"):
-        lines += ["", f"Skipped prompts (too long): {', '.join(s['id'] for s in res['skipped_prompts'])}"]
-    return "\n".join(lines) + "\n"
+    return _tail_sections(
+        lines, res["methods"], res, "method", "name", "Mismatches (output differs from AR)", lambda m: str(m["name"])
+    )
 
 
 def markdown_report(res: dict[str, Any]) -> str:

@@ -79,12 +79,18 @@ def _device(args: argparse.Namespace) -> str:
     return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _print_written(written: dict[str, Path], res: dict[str, Any]) -> None:
-    from spiffy.bench.report import markdown_report
+def _finish(args: argparse.Namespace, res: dict[str, Any], mismatch_warning: str) -> int:
+    """Write the reports to ``--out``, print the Markdown report; 1 (with ``mismatch_warning``) if any output differs."""
+    from spiffy.bench.report import markdown_report, write_report
 
+    written = write_report(res, args.out, plots=not args.no_plots)
     print(markdown_report(res))
     for path in written.values():
         print(f"wrote {path}", file=sys.stderr)
+    if not res["all_identical"]:
+        print(f"spiffy bench: WARNING: {mismatch_warning} (see results.md)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_dllm(args: argparse.Namespace) -> int:
@@ -92,7 +98,6 @@ def run_dllm(args: argparse.Namespace) -> int:
     from spiffy.bench.common import parse_budgets
     from spiffy.bench.datasets import load_benchmark_prompts
     from spiffy.bench.dllm import run_dllm_bench
-    from spiffy.bench.report import write_report
     from spiffy.cli.generate import config_from_args
     from spiffy.embedded import embedded_graph_path, embedded_model_path
     from spiffy.models import load_model, load_tokenizer
@@ -117,12 +122,7 @@ def run_dllm(args: argparse.Namespace) -> int:
         warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
         graph_path=str(graph_path), device=device,
     )
-    written = write_report(res, args.out, plots=not args.no_plots)
-    _print_written(written, res)
-    if not res["all_identical"]:
-        print("spiffy bench: WARNING: some speculative outputs differ from the baseline (see results.md)", file=sys.stderr)
-        return 1
-    return 0
+    return _finish(args, res, "some speculative outputs differ from the baseline")
 
 
 def run_ar(args: argparse.Namespace) -> int:
@@ -131,7 +131,6 @@ def run_ar(args: argparse.Namespace) -> int:
     from spiffy.bench.ar import run_ar_bench
     from spiffy.bench.common import parse_budgets
     from spiffy.bench.datasets import load_benchmark_prompts
-    from spiffy.bench.report import write_report
     from spiffy.embedded import embedded_model_path
     from spiffy.models import load_model, load_tokenizer
 
@@ -151,12 +150,7 @@ def run_ar(args: argparse.Namespace) -> int:
         progress=not args.no_progress, target_name=str(target_dir), drafter_name=str(drafter_dir),
         dataset=args.dataset, device=device,
     )
-    written = write_report(res, args.out, plots=not args.no_plots)
-    _print_written(written, res)
-    if not res["all_identical"]:
-        print("spiffy bench: WARNING: some outputs differ from plain AR (see results.md)", file=sys.stderr)
-        return 1
-    return 0
+    return _finish(args, res, "some outputs differ from plain AR")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -689,13 +689,9 @@ def sdar_block_diffusion_generate(
     if graph is None:
         stats: Any = run_baseline(session)
     else:
-        try:
-            from spiffy.selfspec.runtime import speculative_generate
-        except ImportError as exc:  # pragma: no cover - depends on the installed package
-            raise ConfigError(
-                f"speculative decoding is unavailable ({exc}); fix: install the full spiffy package or pass graph=None"
-            ) from exc
-        stats = speculative_generate(session, graph, budget, **speculative_kwargs)
+        from spiffy.decoding.api import _speculative_entry
+
+        stats = _speculative_entry()(session, graph, budget, **speculative_kwargs)
     return (session.x, stats) if return_stats else session.x
 
 

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from spiffy.models.layers import QwenStyleBackbone, RMSNorm, check_rope_scaling, prepare_forward
+from spiffy.models.layers import QwenStyleBackbone, QwenStyleLMMixin, check_rope_scaling, init_weights
 
 DREAM_AUTO_MAP: dict[str, str] = {
     "AutoConfig": "configuration_dream.DreamConfig",
@@ -101,19 +98,18 @@ class DreamPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = float(getattr(self.config, "initializer_range", 0.02))
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
+        init_weights(module, float(getattr(self.config, "initializer_range", 0.02)))
 
 
-class DreamModel(DreamPreTrainedModel):
-    """Dream masked-diffusion LM (``model`` backbone + ``lm_head``). See :meth:`forward`."""
+class DreamModel(QwenStyleLMMixin, DreamPreTrainedModel):
+    """Dream masked-diffusion LM (``model`` backbone + ``lm_head``).
+
+    ``forward`` (:meth:`spiffy.models.layers.SpiffyForwardMixin.forward`) is bidirectional: ``input_ids [B, L]``
+    -> ``logits [B, L, V]`` raw and **unshifted**; cache / policy / mask / position semantics as in
+    :meth:`spiffy.models.llada.LLaDAModelLM.forward`.
+    """
+
+    causal_default = False
 
     def __init__(self, config: DreamConfig) -> None:
         super().__init__(config)
@@ -135,50 +131,3 @@ class DreamModel(DreamPreTrainedModel):
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Module) -> None:
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Module | None:
-        return getattr(self, "lm_head", None)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool | None = None,
-        store_kv: bool | None = None,
-        cache_policy: str | None = None,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
-        **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
-        """Bidirectional forward. ``input_ids [B, L]`` -> ``logits [B, L, V]`` raw and **unshifted**.
-
-        Cache / policy / mask / position semantics as in :meth:`spiffy.models.llada.LLaDAModelLM.forward`.
-        """
-        ctx = prepare_forward(
-            input_ids,
-            self.config.num_hidden_layers,
-            self.model.embed_tokens.weight.dtype,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            store_kv=store_kv,
-            cache_policy=cache_policy,
-            causal_default=False,
-            attn_implementation=getattr(self.config, "_attn_implementation", None) or "sdpa",
-        )
-        h, hiddens = self.model.run(input_ids, ctx, output_hidden_states)
-        if self.config.tie_word_embeddings:
-            logits = F.linear(h, self.model.embed_tokens.weight)
-        else:
-            logits = self.lm_head(h)
-        out = CausalLMOutputWithPast(logits=logits, past_key_values=ctx.cache_out, hidden_states=hiddens)
-        return out if return_dict else out.to_tuple()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from spiffy.errors import ConfigError
 from spiffy.models.cache import CACHE_POLICIES, KVCache, as_kv_cache
@@ -437,14 +438,10 @@ class QwenStyleDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class QwenStyleBackbone(nn.Module):
-    """``embed_tokens``, ``layers.{i}``, ``norm``: ``forward(input_ids [B, L], ctx) -> (h [B, L, H], hiddens)``.
+class QwenStyleStackMixin:
+    """``run`` over the ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb`` built by :meth:`_build_stack`."""
 
-    ``hiddens`` (when requested) follows transformers' convention: the embeddings, each layer's output, and the
-    final normed state in place of the last layer's raw output (``N + 1`` tensors).
-    """
-
-    def __init__(
+    def _build_stack(
         self,
         vocab_size: int,
         hidden_size: int,
@@ -458,7 +455,10 @@ class QwenStyleBackbone(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
     ) -> None:
-        super().__init__()
+        """Create ``embed_tokens``, ``layers.{i}`` (:class:`QwenStyleDecoderLayer`), ``norm`` and ``rotary_emb``.
+
+        ``qkv_bias`` (Dream, Qwen2 layout) and ``qk_norm`` (SDAR, Qwen3 layout) select the attention variant.
+        """
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(
             QwenStyleDecoderLayer(
@@ -472,9 +472,23 @@ class QwenStyleBackbone(nn.Module):
     def run(
         self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool = False
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """``input_ids [B, L]`` -> ``(final normed hidden [B, L, H], hidden states or None)``."""
         return run_decoder_stack(
             self.embed_tokens, self.layers, self.norm, self.rotary_emb, input_ids, ctx, output_hidden_states
         )
+
+
+class QwenStyleBackbone(QwenStyleStackMixin, nn.Module):
+    """``embed_tokens``, ``layers.{i}``, ``norm``: ``run(input_ids [B, L], ctx) -> (h [B, L, H], hiddens)``.
+
+    Constructor arguments: those of :meth:`QwenStyleStackMixin._build_stack`. ``hiddens`` (when requested)
+    follows transformers' convention: the embeddings, each layer's output, and the final normed state in place
+    of the last layer's raw output (``N + 1`` tensors).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self._build_stack(*args, **kwargs)
 
 
 def run_decoder_stack(
@@ -498,3 +512,109 @@ def run_decoder_stack(
     if output_hidden_states:
         hiddens.append(h)
     return h, (tuple(hiddens) if output_hidden_states else None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# shared PreTrainedModel plumbing of the three families
+# --------------------------------------------------------------------------------------------------------------
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """The families' ``_init_weights``: Linear/Embedding weights ~ N(0, std), biases 0, RMSNorm scales 1."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+
+
+class SpiffyForwardMixin:
+    """The uniform spiffy forward contract of a ``PreTrainedModel`` (mix in before the PreTrainedModel base).
+
+    Subclasses set :attr:`causal_default` (attention when ``attention_mask`` is None: bidirectional for
+    LLaDA/Dream, causal over ``[cache ; new]`` for SDAR), may override :meth:`_num_layers`, and implement
+    :meth:`_logits`.
+    """
+
+    causal_default: bool = False
+
+    def _num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)  # type: ignore[attr-defined]
+
+    def _context(self, input_ids: torch.Tensor, **kw: Any) -> ForwardContext:
+        """:func:`prepare_forward` for this model (layers, embedding dtype, mask default, attention backend)."""
+        return prepare_forward(
+            input_ids,
+            self._num_layers(),
+            self.get_input_embeddings().weight.dtype,  # type: ignore[attr-defined]
+            causal_default=self.causal_default,
+            attn_implementation=getattr(self.config, "_attn_implementation", None) or "sdpa",  # type: ignore[attr-defined]
+            **kw,
+        )
+
+    def _logits(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """``input_ids [B, L]`` -> ``(logits [B, L, V], hidden states or None)``."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = None,
+        store_kv: bool | None = None,
+        cache_policy: str | None = None,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """``input_ids [B, L]`` -> ``logits [B, L, V]`` (raw; whether logits are shifted is the family's business).
+
+        ``past_key_values`` (spiffy KVCache or transformers DynamicCache; batch 1 broadcasts to B): the queries see
+        ``[cached ; new]`` keys; ``cache_policy`` ``"append"`` stores the new K/V, ``"read"`` only reads
+        (``store_kv`` True/False is an alias; otherwise ``use_cache`` decides). ``position_ids`` default to
+        ``cache_len + arange(L)``. ``attention_mask``: None (all visible, or causal for SDAR), 2-D key padding,
+        3-D/4-D bool, 0/1 float (SDAR's reference block-causal mask ``[B|1, 1, L, C+L]``) or additive float.
+        """
+        ctx = self._context(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            store_kv=store_kv,
+            cache_policy=cache_policy,
+        )
+        logits, hiddens = self._logits(input_ids, ctx, output_hidden_states)
+        out = CausalLMOutputWithPast(logits=logits, past_key_values=ctx.cache_out, hidden_states=hiddens)
+        return out if return_dict else out.to_tuple()
+
+
+class QwenStyleLMMixin(SpiffyForwardMixin):
+    """Embedding accessors and LM head of a ``model`` (with ``embed_tokens`` and ``run``) + ``lm_head`` wrapper;
+    the head is ``model.embed_tokens`` when ``config.tie_word_embeddings`` (then ``lm_head`` is absent)."""
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens  # type: ignore[attr-defined]
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.embed_tokens = value  # type: ignore[attr-defined]
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return getattr(self, "lm_head", None)
+
+    def _logits(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        h, hiddens = self.model.run(input_ids, ctx, output_hidden_states)  # type: ignore[attr-defined]
+        if self.config.tie_word_embeddings:  # type: ignore[attr-defined]
+            logits = F.linear(h, self.model.embed_tokens.weight)  # type: ignore[attr-defined]
+        else:
+            logits = self.lm_head(h)  # type: ignore[attr-defined]
+        return logits, hiddens

@@ -20,10 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from spiffy.errors import ConfigError
-from spiffy.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, apply_rotary, attend, prepare_forward
+from spiffy.models.layers import (
+    ForwardContext,
+    RMSNorm,
+    RotaryEmbedding,
+    SpiffyForwardMixin,
+    apply_rotary,
+    attend,
+    init_weights,
+)
 
 LLADA_AUTO_MAP: dict[str, str] = {
     "AutoConfig": "configuration_llada.LLaDAConfig",
@@ -264,19 +271,21 @@ class LLaDAPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = float(getattr(self.config, "init_std", 0.02))
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
+        init_weights(module, float(getattr(self.config, "init_std", 0.02)))
 
 
-class LLaDAModelLM(LLaDAPreTrainedModel):
-    """LLaDA masked-diffusion LM. See :meth:`forward` for the uniform spiffy forward contract."""
+class LLaDAModelLM(SpiffyForwardMixin, LLaDAPreTrainedModel):
+    """LLaDA masked-diffusion LM.
+
+    ``forward`` (:meth:`spiffy.models.layers.SpiffyForwardMixin.forward`, the uniform spiffy forward contract) is
+    bidirectional: ``input_ids [B, L]`` -> ``logits [B, L, V]`` (raw, unshifted). ``past_key_values`` (spiffy
+    KVCache or transformers DynamicCache; batch 1 broadcasts to B): the queries see ``[cached ; new]`` keys;
+    ``cache_policy`` ``"append"`` stores the new K/V, ``"read"`` only reads (``store_kv`` True/False is an alias;
+    otherwise ``use_cache`` decides). ``position_ids`` default to ``cache_len + arange(L)``. ``attention_mask``:
+    None (all visible), 2-D key padding, 4-D bool / additive.
+    """
+
+    causal_default = False
 
     def __init__(self, config: LLaDAConfig) -> None:
         super().__init__(config)
@@ -292,39 +301,10 @@ class LLaDAModelLM(LLaDAPreTrainedModel):
     def get_output_embeddings(self) -> nn.Module | None:
         return None if self.config.weight_tying else self.model.transformer["ff_out"]
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool | None = None,
-        store_kv: bool | None = None,
-        cache_policy: str | None = None,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
-        **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
-        """Bidirectional forward. ``input_ids [B, L]`` -> ``logits [B, L, V]`` (raw, unshifted).
+    def _num_layers(self) -> int:
+        return int(self.config.n_layers)
 
-        ``past_key_values`` (spiffy KVCache or transformers DynamicCache; batch 1 broadcasts to B): the queries see
-        ``[cached ; new]`` keys; ``cache_policy`` ``"append"`` stores the new K/V, ``"read"`` only reads
-        (``store_kv`` True/False is an alias; otherwise ``use_cache`` decides). ``position_ids`` default to
-        ``cache_len + arange(L)``. ``attention_mask``: None (all visible), 2-D key padding, 4-D bool / additive.
-        """
-        ctx = prepare_forward(
-            input_ids,
-            self.config.n_layers,
-            self.model.transformer["wte"].weight.dtype,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            store_kv=store_kv,
-            cache_policy=cache_policy,
-            causal_default=False,
-            attn_implementation=getattr(self.config, "_attn_implementation", None) or "sdpa",
-        )
-        logits, hiddens = self.model.run(input_ids, ctx, output_hidden_states)
-        out = CausalLMOutputWithPast(logits=logits, past_key_values=ctx.cache_out, hidden_states=hiddens)
-        return out if return_dict else out.to_tuple()
+    def _logits(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        return self.model.run(input_ids, ctx, output_hidden_states)

@@ -19,20 +19,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from spiffy.errors import ConfigError
 from spiffy.models.layers import (
-    ForwardContext,
-    QwenStyleDecoderLayer,
+    QwenStyleLMMixin,
+    QwenStyleStackMixin,
+    SpiffyForwardMixin,
     check_rope_scaling,
-    RMSNorm,
-    RotaryEmbedding,
-    prepare_forward,
-    run_decoder_stack,
+    init_weights,
 )
 
 SDAR_AUTO_MAP: dict[str, str] = {
@@ -134,59 +131,38 @@ def block_causal_mask(
     return out.masked_fill(~visible, torch.finfo(dtype).min)
 
 
-class SDARPreTrainedModel(PreTrainedModel):
+class SDARPreTrainedModel(SpiffyForwardMixin, PreTrainedModel):
     config_class = SDARConfig
     base_model_prefix = "model"
     _no_split_modules = ["QwenStyleDecoderLayer"]
     _supports_sdpa = True
     supports_gradient_checkpointing = False
+    causal_default = True
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = float(getattr(self.config, "initializer_range", 0.02))
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
-
-    def _context(self, input_ids: torch.Tensor, dtype: torch.dtype, **kw: Any) -> ForwardContext:
-        return prepare_forward(
-            input_ids,
-            self.config.num_hidden_layers,
-            dtype,
-            causal_default=True,
-            attn_implementation=getattr(self.config, "_attn_implementation", None) or "sdpa",
-            **kw,
-        )
+        init_weights(module, float(getattr(self.config, "initializer_range", 0.02)))
 
 
-class SDARModel(SDARPreTrainedModel):
+class SDARModel(QwenStyleStackMixin, SDARPreTrainedModel):
     """SDAR backbone (``embed_tokens``, ``layers``, ``norm``): ``forward -> BaseModelOutputWithPast``."""
 
     def __init__(self, config: SDARConfig) -> None:
         super().__init__(config)
         c = config
         check_rope_scaling(c)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(
-            QwenStyleDecoderLayer(
-                c.hidden_size,
-                c.intermediate_size,
-                c.num_attention_heads,
-                c.num_key_value_heads,
-                c.head_dim,
-                i,
-                c.rms_norm_eps,
-                qkv_bias=bool(c.attention_bias),
-                qk_norm=True,
-            )
-            for i in range(c.num_hidden_layers)
+        self._build_stack(
+            c.vocab_size,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+            c.rope_theta,
+            qkv_bias=bool(c.attention_bias),
+            qk_norm=True,
         )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -194,14 +170,6 @@ class SDARModel(SDARPreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Module) -> None:
         self.embed_tokens = value
-
-    def run(
-        self, input_ids: torch.Tensor, ctx: ForwardContext, output_hidden_states: bool = False
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """``input_ids [B, L]`` -> ``(final normed hidden [B, L, H], hidden states or None)``."""
-        return run_decoder_stack(
-            self.embed_tokens, self.layers, self.norm, self.rotary_emb, input_ids, ctx, output_hidden_states
-        )
 
     def forward(
         self,
@@ -219,7 +187,6 @@ class SDARModel(SDARPreTrainedModel):
         """Backbone forward with the same contract as :meth:`SDARForCausalLM.forward` (no logits)."""
         ctx = self._context(
             input_ids,
-            self.embed_tokens.weight.dtype,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
@@ -232,8 +199,16 @@ class SDARModel(SDARPreTrainedModel):
         return out if return_dict else out.to_tuple()
 
 
-class SDARForCausalLM(SDARPreTrainedModel):
-    """SDAR block-diffusion LM (``model`` + ``lm_head``). See :meth:`forward`."""
+class SDARForCausalLM(QwenStyleLMMixin, SDARPreTrainedModel):
+    """SDAR block-diffusion LM (``model`` + ``lm_head``).
+
+    ``forward`` (:meth:`spiffy.models.layers.SpiffyForwardMixin.forward`) is block-causal: ``input_ids [B, L]`` ->
+    ``logits [B, L, V]`` (position i predicts token i). ``attention_mask``: the caller's block-causal mask
+    ``[B|1, 1, L, C+L]`` (bool, float 0/1 as in the reference, or additive), a 2-D key-padding mask (combined with
+    causal), or None = plain causal over ``[cache ; new]``. ``store_kv=True`` appends the new K/V to
+    ``past_key_values`` (KVCache or DynamicCache), ``False`` reads only; ``cache_policy`` is the spiffy spelling of
+    the same.
+    """
 
     def __init__(self, config: SDARConfig) -> None:
         super().__init__(config)
@@ -241,50 +216,3 @@ class SDARForCausalLM(SDARPreTrainedModel):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Module) -> None:
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Module | None:
-        return getattr(self, "lm_head", None)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool | None = None,
-        store_kv: bool | None = None,
-        cache_policy: str | None = None,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
-        **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
-        """Block-causal forward. ``input_ids [B, L]`` -> ``logits [B, L, V]`` (position i predicts token i).
-
-        ``attention_mask``: the caller's block-causal mask ``[B|1, 1, L, C+L]`` (bool, float 0/1 as in the
-        reference, or additive), a 2-D key-padding mask (combined with causal), or None = plain causal over
-        ``[cache ; new]``. ``store_kv=True`` appends the new K/V to ``past_key_values`` (KVCache or DynamicCache),
-        ``False`` reads only; ``cache_policy`` is the spiffy spelling of the same.
-        """
-        ctx = self._context(
-            input_ids,
-            self.model.embed_tokens.weight.dtype,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            store_kv=store_kv,
-            cache_policy=cache_policy,
-        )
-        h, hiddens = self.model.run(input_ids, ctx, output_hidden_states)
-        if self.config.tie_word_embeddings:
-            logits = F.linear(h, self.model.embed_tokens.weight)
-        else:
-            logits = self.lm_head(h)
-        out = CausalLMOutputWithPast(logits=logits, past_key_values=ctx.cache_out, hidden_states=hiddens)
-        return out if return_dict else out.to_tuple()
