@@ -33,7 +33,8 @@ class DiffusionResult:
 
     Attributes:
         sequences: ``[B, T]`` final states (prompt, including any left padding, then the generated positions).
-        tokens: generated ids per row (prompt excluded).
+        tokens: generated ids per row (prompt excluded), ``gen_length`` of them (SDAR may decode a few more
+            positions to finish its last block: ``sequences`` keeps those).
         nfe: model forward calls.
         steps: denoising steps taken (accepted speculative steps included).
         seconds: wall-clock time of the decode (model loading and tokenisation excluded).
@@ -313,7 +314,10 @@ def generate(
     seconds = time.perf_counter() - t0
     seqs = session.x
     p = int(session.prompt_len)
-    tokens = [row.tolist() for row in seqs[:, p:].cpu()]
+    # SDAR aligns blocks to absolute positions, so an unaligned prompt decodes a few positions past gen_length (as
+    # the reference does); ``sequences`` keeps them, ``tokens``/``text`` report the gen_length requested.
+    gen = int(getattr(cfg, "gen_length", seqs.shape[1] - p) or (seqs.shape[1] - p))
+    tokens = [row.tolist() for row in seqs[:, p : p + gen].cpu()]
     text = None
     if tokenizer is not None and hasattr(tokenizer, "batch_decode"):
         text = tokenizer.batch_decode(tokens, skip_special_tokens=True)
