@@ -384,7 +384,7 @@ def test_public_generate_dispatches_to_sdar(sdar):
     )
     res = generate(model, prompt, cfg, tokenizer=sdar["tok"])
     assert torch.equal(res.sequences, x)
-    assert res.tokens == [x[0, 7:].tolist()] and res.nfe > 0
+    assert res.tokens == [x[0, 7 : 7 + 12].tolist()] and res.nfe > 0  # gen_length positions; sequences keeps the tail
     session = api_make_session(model, prompt, DecodeConfig(gen_length=8, block_length=4, threshold=0.5), mask_id=mask)
     assert isinstance(session, SDARSession) and session.strategy == "low_confidence_dynamic"
 
