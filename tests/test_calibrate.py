@@ -203,3 +203,14 @@ def test_graph_file_from_api_is_a_draft_graph(tmp_path: Path) -> None:
     g = DraftGraph.from_formulas([(1, [(1, 1)])], meta={"calibrated_for": {"family": "llada"}})
     g.save(tmp_path / "x.json")
     assert load_graph(tmp_path / "x.json") == g
+
+
+def test_code_set_copies_identical_and_loadable() -> None:
+    from spiffy.selfspec.prompts import load_prompt_records
+
+    repo_copy = REPO / "calibration" / "code.jsonl"
+    pkg_copy = REPO / "spiffy" / "data" / "calibration" / "code.jsonl"
+    assert repo_copy.read_bytes() == pkg_copy.read_bytes()
+    rows = load_prompt_records("code")
+    assert len(rows) == 50 and len({r["id"] for r in rows}) == 50
+    assert all(r["source"] == "stdlib-heldout" and "def " in r["prompt"] and '"""' in r["prompt"] for r in rows)

@@ -4,6 +4,8 @@ Named sets (files in ``spiffy/data/calibration/``, provenance in ``calibration/R
 
 * ``default``: the paper's set, 25 MATH-500 + 25 MBPP prompts (interleaved math/code).
 * ``default-math`` / ``default-code``: its MATH-500 / MBPP halves.
+* ``code``: 50 Python code-completion prompts (a ``def`` line and its docstring) from the held-out split of the
+  standard-library corpus the embedded tiny models were trained on (``calibration/make_code.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ NAMED_SETS: dict[str, tuple[str, str | None]] = {
     "default": ("default.jsonl", None),
     "default-math": ("default.jsonl", "math500"),
     "default-code": ("default.jsonl", "mbpp"),
+    "code": ("code.jsonl", None),
 }
 
 
