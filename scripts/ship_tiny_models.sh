@@ -9,11 +9,11 @@ args=()
 [ -f "$RUNS/tiny-qwen3/model/config.json" ] && args+=(--qwen3 "$RUNS/tiny-qwen3/model")
 [ -f "$RUNS/tiny-drafter/model/config.json" ] && args+=(--drafter "$RUNS/tiny-drafter/model")
 [ -f "$RUNS/tiny-llada/model/config.json" ] && args+=(--llada "$RUNS/tiny-llada/model")
-python -m spiffy.train.check "${args[@]}" --json "$RUNS/check.json"
+python -m spiffy.train.check "${args[@]}" --max-new-tokens 64 --json "$RUNS/check.json"
 mkdir -p "$DEST"
 ship() {  # ship SRC NAME: copy into a temp dir, then swap it in
   [ -f "$1/config.json" ] || return 0
-  rm -rf "$DEST/.$2.tmp" && cp -r "$1" "$DEST/.$2.tmp"
+  rm -rf "$DEST/.$2.tmp" && cp -r "$1" "$DEST/.$2.tmp" && chmod -R a+rX "$DEST/.$2.tmp"
   rm -rf "$DEST/$2" && mv "$DEST/.$2.tmp" "$DEST/$2"
   echo "shipped $1 -> $DEST/$2 ($(du -sh "$DEST/$2" | cut -f1))"
 }

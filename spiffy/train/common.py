@@ -60,6 +60,13 @@ def cosine_lr_progress(step: int, progress: float, peak: float, warmup: int, min
     return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def _umask_mode(mode: int = 0o644) -> int:
+    """``mode`` filtered by the process umask (mkstemp files are 0600 otherwise)."""
+    current = os.umask(0)
+    os.umask(current)
+    return mode & ~current
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (temp file in the same directory, then ``os.replace``)."""
     path = Path(path)
@@ -68,6 +75,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -93,6 +101,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
     os.close(fd)
     try:
         torch.save(obj, tmp)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -1,0 +1,68 @@
+"""The trained tiny checkpoints shipped in spiffy/data/models load through the library and fit together."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import spiffy
+
+MODELS = Path(spiffy.__file__).parent / "data" / "models"
+QWEN3 = MODELS / "tiny-qwen3"
+DRAFTER = MODELS / "tiny-qwen3-dflash-b16"
+LLADA = MODELS / "tiny-llada"
+
+
+def _need(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        pytest.skip(f"{path.name} not shipped in this build")
+
+
+def test_total_size_within_budget():
+    if not MODELS.is_dir():
+        pytest.skip("no shipped models")
+    total = sum(f.stat().st_size for f in MODELS.rglob("*") if f.is_file())
+    assert total <= 25 * 1024 * 1024
+
+
+def test_every_shipped_model_has_card_and_metrics():
+    dirs = [d for d in (QWEN3, DRAFTER, LLADA) if (d / "config.json").is_file()]
+    if not dirs:
+        pytest.skip("no shipped models")
+    for d in dirs:
+        assert (d / "MODEL_CARD.md").read_text().strip()
+        metrics = json.loads((d / "metrics.json").read_text())
+        assert metrics["steps"] > 0
+
+
+def test_qwen3_target_and_drafter_load_and_fit():
+    _need(QWEN3)
+    from spiffy.models.loading import load_model, load_tokenizer
+
+    target = load_model(QWEN3, dtype="float32")
+    tok = load_tokenizer(QWEN3)
+    assert type(target).__name__ == "Qwen3ForCausalLM" and target.config.vocab_size == len(tok)
+    ids = torch.tensor([tok("def f(x):\n    return", add_special_tokens=False)["input_ids"]])
+    assert torch.isfinite(target(input_ids=ids).logits).all()
+    if (DRAFTER / "config.json").is_file():
+        from spiffy.ar.drafter import check_compatible, load_drafter
+
+        drafter = load_drafter(DRAFTER, dtype="float32")
+        check_compatible(drafter, target)
+        assert drafter.block_size == 16
+        assert drafter.mask_token_id == tok.convert_tokens_to_ids("<|MASK|>")
+
+
+def test_llada_loads():
+    _need(LLADA)
+    from spiffy.models.loading import load_model, load_tokenizer
+
+    model = load_model(LLADA, dtype="float32")
+    tok = load_tokenizer(LLADA)
+    assert type(model).__name__ == "LLaDAModelLM"
+    assert model.config.mask_token_id == tok.convert_tokens_to_ids("<|mdm_mask|>")
+    x = torch.tensor([tok("import os\n", add_special_tokens=False)["input_ids"] + [model.config.mask_token_id] * 4])
+    assert model(input_ids=x).logits.shape[-1] == len(tok)
