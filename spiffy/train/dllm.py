@@ -47,12 +47,13 @@ def build_config(tok: Any, hidden: int = 256, layers: int = 4, heads: int = 4, m
 
 
 def noise_batch(x0: torch.Tensor, mask_id: int, gen: torch.Generator, eps: float = 1e-3,
-                prompt_frac: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                prompt_frac: float = 0.0, weighting: str = "elbo") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward-noise a batch.
 
     Args: ``x0 [B, L]`` clean ids.
     Returns: ``xt [B, L]`` (masked ids), ``masked [B, L]`` bool, ``weight [B, L]`` per-token loss weight
-    (``1 / (p * L)`` for pretraining rows, ``1 / (p * response_len)`` for prompt-conditioned rows, 0 if unmasked).
+    (``1 / (p * L)`` for pretraining rows, ``1 / (p * response_len)`` for prompt-conditioned rows, 0 if unmasked;
+    with ``weighting="mean"`` every masked token weighs ``B / #masked``).
     """
     b, length = x0.shape
     t = torch.rand(b, generator=gen)
@@ -65,15 +66,19 @@ def noise_batch(x0: torch.Tensor, mask_id: int, gen: torch.Generator, eps: float
     in_prompt = torch.arange(length)[None, :] < plen[:, None]
     masked &= ~in_prompt
     denom = (length - plen).clamp(min=1).float()
-    weight = masked.float() / (p[:, None] * denom[:, None])
+    if weighting == "mean":
+        # every masked token counts the same: weights sum to B over the batch (lower variance than 1/p)
+        weight = masked.float() * (b / masked.sum().clamp(min=1).float())
+    else:
+        weight = masked.float() / (p[:, None] * denom[:, None])
     xt = torch.where(masked, torch.full_like(x0, mask_id), x0)
     return xt, masked, weight
 
 
 def diffusion_loss(model: torch.nn.Module, x0: torch.Tensor, mask_id: int, gen: torch.Generator, eps: float,
-                   prompt_frac: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   prompt_frac: float, weighting: str = "elbo") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LLaDA loss on ``x0 [B, L]``: returns (loss, #correct masked predictions, #masked)."""
-    xt, masked, weight = noise_batch(x0, mask_id, gen, eps, prompt_frac)
+    xt, masked, weight = noise_batch(x0, mask_id, gen, eps, prompt_frac, weighting)
     logits = model(input_ids=xt).logits.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), x0.reshape(-1), reduction="none").view_as(weight)
     loss = (ce * weight).sum() / x0.shape[0]
@@ -186,7 +191,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             g["lr"] = lr
         gen = common.step_generator(args.seed, step)
         x0 = common.sample_windows(train_s, args.batch_size, args.context, gen)
-        loss, correct, n = diffusion_loss(model, x0, mask_id, gen, args.eps, args.prompt_frac)
+        loss, correct, n = diffusion_loss(model, x0, mask_id, gen, args.eps, args.prompt_frac, args.weighting)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -223,7 +228,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                    "context": args.context, "vocab": len(tok), "weight_tying": not args.untied},
         "train": {"batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup, "seed": args.seed,
                   "schedule": args.schedule, "max_minutes": args.max_minutes,
-                  "eps": args.eps, "prompt_frac": args.prompt_frac, "weight_decay": args.weight_decay},
+                  "eps": args.eps, "prompt_frac": args.prompt_frac, "weighting": args.weighting, "weight_decay": args.weight_decay},
         "corpus": {"python": info.python_version, "files_train": info.n_files_train,
                    "files_heldout": info.n_files_heldout, "train_tokens": len(train_s), "heldout_tokens": len(held_s)},
         "save_dtype": args.save_dtype, "samples_greedy": samples, "torch": torch.__version__,
@@ -272,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=50, help="warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
     p.add_argument("--eps", type=float, default=1e-3, help="minimum mask probability")
+    p.add_argument("--weighting", choices=["elbo", "mean"], default="elbo",
+                   help="masked-token CE weights: LLaDA's 1/t ELBO weights, or a plain mean over masked tokens")
     p.add_argument("--prompt-frac", type=float, default=0.3, help="fraction of prompt-conditioned (SFT-like) rows")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--max-minutes", type=float, default=40.0, help="wall-clock budget of this invocation")
