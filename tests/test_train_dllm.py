@@ -40,6 +40,9 @@ def test_noise_batch_objective():
         if vals.numel():
             assert torch.allclose(vals, vals[0].expand_as(vals))
     assert w2.sum(1).mean().item() == pytest.approx(1.0, abs=0.15)
+    # "mean" weighting: every masked token weighs the same, weights sum to the batch size
+    _, m4, w4 = dllm.noise_batch(x0, 0, step_generator(0, 3), weighting="mean")
+    assert torch.allclose(w4[m4], w4[m4][0].expand_as(w4[m4])) and w4.sum().item() == pytest.approx(8.0)
     # prompt-conditioned rows keep a clean prefix
     xt3, m3, _ = dllm.noise_batch(x0, 0, step_generator(0, 2), prompt_frac=1.0)
     assert all(not bool(m3[r, 0]) for r in range(8))
