@@ -190,7 +190,8 @@ def test_cli_calibrate_round_trip(tiny_llada: Path, tmp_path: Path, capsys: pyte
     assert _strip_date(a) == _strip_date(b)
 
 
-def test_cli_calibrate_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_calibrate_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPIFFY_EMBEDDED_DIR", str(tmp_path / "no-embedded-models"))
     assert main(["calibrate", "--out", str(tmp_path / "g.json")]) == 2
     assert "no model given" in capsys.readouterr().err
     assert main(["calibrate", "--model", str(tmp_path), "--prompts", "nope", "--out", str(tmp_path / "g.json")]) == 2

@@ -87,7 +87,8 @@ def test_plain_text_output(capsys, tiny_llada: Path):
     assert code == 0 and "4 NFE" in err and out.endswith("\n")
 
 
-def test_errors_are_clear(capsys, tiny_llada: Path):
+def test_errors_are_clear(capsys, tiny_llada: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("SPIFFY_EMBEDDED_DIR", str(tmp_path / "no-embedded-models"))
     code = main(["generate", "--prompt", "x"])
     _, err = capsys.readouterr()
     assert code == 2 and "--model" in err
@@ -132,3 +133,16 @@ def test_graph_passthrough_is_lossless(capsys, tiny_llada: Path, tmp_path: Path)
     assert code == 0 and payload["tokens"] == base.tokens[0] and payload["nfe"] == spec.nfe
     with pytest.raises(GraphMismatchError, match="block_length"):
         generate(model, _ids(tok), DecodeConfig(gen_length=8, block_length=4, steps=4), graph=graph)
+
+
+def test_model_defaults_to_the_embedded_dllm(capsys, tiny_llada: Path, tmp_path: Path, monkeypatch):
+    embedded = tmp_path / "models"
+    embedded.mkdir()
+    (embedded / "tiny-llada").symlink_to(tiny_llada, target_is_directory=True)
+    monkeypatch.setenv("SPIFFY_EMBEDDED_DIR", str(embedded))
+    argv = ["generate", "--prompt", PROMPT, "--gen-length", "4", "--steps", "4", "--json", "--no-progress"]
+    assert main(argv) == 0
+    implicit = json.loads(capsys.readouterr().out)
+    assert main(argv[:1] + ["--model", str(tiny_llada)] + argv[1:]) == 0
+    explicit = json.loads(capsys.readouterr().out)
+    assert implicit["tokens"] == explicit["tokens"] and implicit["nfe"] == explicit["nfe"]

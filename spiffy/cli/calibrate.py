@@ -87,11 +87,15 @@ def canonical_command(args: argparse.Namespace, parser: argparse.ArgumentParser 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy calibrate``; returns the exit status."""
-    if not args.model:
-        raise ConfigError(
-            "no model given; fix: pass --model DIR (a LLaDA/Dream/SDAR checkpoint directory, e.g. one written by "
-            "`spiffy tiny llada DIR`)"
-        )
+    if not args.model:  # default: the embedded tiny dLLM shipped with the package
+        from spiffy.embedded import embedded_model_path, is_embedded_available, missing_message
+
+        if not is_embedded_available("dllm"):
+            raise ConfigError(
+                "no model given and " + missing_message("dllm") + "; fix: pass --model DIR (a LLaDA/Dream/SDAR "
+                "checkpoint directory, e.g. one written by `spiffy tiny llada DIR`)"
+            )
+        args.model = str(embedded_model_path("dllm"))
     import torch
 
     from spiffy.cli.generate import config_from_args

@@ -171,11 +171,15 @@ def run(args: argparse.Namespace) -> int:
         from spiffy.ar.cli import run_generate
 
         return int(run_generate(args) or 0)
-    if not args.model:
-        raise ConfigError(
-            "no model given; fix: pass --model DIR (a LLaDA/Dream/SDAR checkpoint, e.g. one written by "
-            "`spiffy tiny llada DIR`) or --target DIR for AR mode"
-        )
+    if not args.model:  # default: the embedded tiny dLLM shipped with the package
+        from spiffy.embedded import embedded_model_path, is_embedded_available, missing_message
+
+        if not is_embedded_available("dllm"):
+            raise ConfigError(
+                "no model given and " + missing_message("dllm") + "; fix: pass --model DIR (a LLaDA/Dream/SDAR "
+                "checkpoint directory, e.g. one written by `spiffy tiny llada DIR`) or --target DIR for AR mode"
+            )
+        args.model = str(embedded_model_path("dllm"))
     import torch
 
     from spiffy.decoding import generate
