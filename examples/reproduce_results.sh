@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Regenerate the README's results tables on the embedded tiny models (CPU, ~15 minutes on 2 cores).
+# Outputs: runs/<name>/{results.json,results.md,*.png}; the Markdown tables are copied to examples/results/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+DEC_S1=(--gen-length 64 --block-length 32 --steps 64)
+DEC_T09=(--gen-length 64 --block-length 32 --threshold 0.9)
+
+# 1. calibrate the shipped graphs (code prompts from the held-out stdlib split; raw prompts, no chat template)
+spiffy calibrate --prompts code --no-chat --nodes 10 --out graphs/tiny-llada-s1.json "${DEC_S1[@]}"
+spiffy calibrate --prompts code --no-chat --nodes 10 --out graphs/tiny-llada-t09.json "${DEC_T09[@]}"
+
+# 2. Spiffy (D = 10, D* in {1, 3, 5}) over the 1-token-per-step and threshold-0.9 baselines, HumanEval prompts
+spiffy bench dllm --graph graphs/tiny-llada-s1.json --budgets 1,3,5 --dataset humaneval --max-prompts 10 --no-chat \
+  "${DEC_S1[@]}" --out runs/dllm-humaneval-s1
+spiffy bench dllm --graph graphs/tiny-llada-t09.json --budgets 1,3,5 --dataset humaneval --max-prompts 10 --no-chat \
+  "${DEC_T09[@]}" --out runs/dllm-humaneval-t09
+
+# 3. AR vs DFlash vs DDTree (budgets 16..256), HumanEval prompts
+spiffy bench ar --budgets 16,32,64,128,256 --dataset humaneval --max-prompts 10 --max-new-tokens 64 --no-chat \
+  --out runs/ar-humaneval
+
+mkdir -p examples/results
+cp runs/dllm-humaneval-s1/results.md examples/results/dllm-humaneval-s1.md
+cp runs/dllm-humaneval-t09/results.md examples/results/dllm-humaneval-t09.md
+cp runs/ar-humaneval/results.md examples/results/ar-humaneval.md
+cp runs/ar-humaneval/tradeoff.png examples/results/ar-humaneval-tradeoff.png
