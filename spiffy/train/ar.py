@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +82,8 @@ def greedy_complete(model: torch.nn.Module, tokenizer: Any, prompt: str, max_new
     return tokenizer.decode(out)
 
 
-SAMPLE_PROMPTS = ["def ", "import os\n\n\ndef get_", "class Foo:\n    def __init__(self", "    for i in range("]
+SAMPLE_PROMPTS = common.SAMPLE_PROMPTS
+write_card = common.write_card  # re-exported (dllm and drafter import it from here)
 
 
 def prepare_data(corpus_dir: str | None, out: Path, vocab_size: int, family: str, max_files: int | None = None,
@@ -132,14 +132,6 @@ def export(model: torch.nn.Module, tok: Any, out: Path, dtype: str) -> Path:
     return final
 
 
-def write_card(out: Path, title: str, metrics: dict[str, Any], body: str) -> None:
-    """Write ``MODEL_CARD.md`` + ``metrics.json`` into ``out`` (atomically)."""
-    common.atomic_write_json(out / "metrics.json", metrics)
-    lines = [f"# {title}", "", body, "", "## Metrics", "", "```json", json.dumps(metrics, indent=2, sort_keys=True),
-             "```", "", "Intended use: demos and tests of spiffy's decoding algorithms on CPU. Not a quality model.", ""]
-    common.atomic_write_text(out / "MODEL_CARD.md", "\n".join(lines))
-
-
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run AR training as configured by ``args`` (see :func:`build_parser`); returns the metrics dict."""
     from transformers import Qwen3ForCausalLM
@@ -156,71 +148,36 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model = Qwen3ForCausalLM(cfg)
     model.config._attn_implementation = "sdpa"
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    step, extra = 0, {"wall_s": 0.0, "tokens": 0}
-    if args.resume and common.has_train_state(out):
-        step, extra = common.load_train_state(out, model, opt)
-        print(f"resumed from step {step}", flush=True)
+    opt = common.adamw_decay_groups(model, args.lr, args.weight_decay)
+    step, extra = common.maybe_resume(args, out, model, opt, {"wall_s": 0.0, "tokens": 0})
     n_params = sum(p.numel() for p in model.parameters())
     held_w = common.eval_windows(held_s, args.context, args.eval_windows)
-    timer = common.Timer(args.max_minutes)
-    from tqdm import tqdm
-
-    bar = tqdm(total=None if args.schedule == "time" else args.steps, initial=step, desc="qwen3", dynamic_ncols=True, mininterval=5.0)
-    log = open(out / "train_log.jsonl", "a")
-    run_loss = None
-    t_last = time.time()
-    budget_s = args.max_minutes * 60.0
-    # every invocation's settings are kept in the state, so a resumed run's history is on record
-    extra.setdefault("invocations", []).append(
-        {"start_step": step, "argv": {k: v for k, v in vars(args).items() if k != "handler"}})
-    stop_at = step + args.stop_after if args.stop_after else None
-    while step < args.steps and not timer.expired() and (stop_at is None or step < stop_at):
-        if args.schedule == "time":
-            # time-boxed: the cosine follows the fraction of the total budget used (across resumes)
-            if float(extra.get("wall_s", 0.0)) >= budget_s:
-                break
-            lr = common.cosine_lr_progress(step, float(extra.get("wall_s", 0.0)) / budget_s, args.lr, args.warmup)
-        else:
-            lr = common.cosine_lr(step, args.steps, args.lr, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        batch = common.sample_windows(train_s, args.batch_size, args.context, common.step_generator(args.seed, step))
+    loop = common.TrainLoop(args, out, model, opt, step, extra, "qwen3")
+    while loop.running():
+        lr = loop.set_lr()
+        batch = common.sample_windows(train_s, args.batch_size, args.context, common.step_generator(args.seed, loop.step))
         loss, correct, n = lm_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        step += 1
-        now = time.time()
-        extra["wall_s"] = float(extra.get("wall_s", 0.0)) + (now - t_last)
-        t_last = now
-        extra["tokens"] = int(extra.get("tokens", 0)) + batch.numel()
-        lv = float(loss.detach())
-        run_loss = lv if run_loss is None else 0.95 * run_loss + 0.05 * lv
-        bar.update(1)
-        bar.set_postfix(loss=f"{run_loss:.3f}", lr=f"{lr:.2e}")
-        if step % args.log_every == 0 or args.schedule == "time":
-            log.write(json.dumps({"step": step, "loss": lv, "ema_loss": run_loss, "lr": lr,
-                                  "acc": int(correct) / int(n), "wall_s": extra["wall_s"]}) + "\n")
-            log.flush()
-        if step % args.ckpt_every == 0 or step == args.steps:
-            common.save_train_state(out, model, opt, step, extra)
+        lv = loop.end_step(loss, lr, batch.numel())
+        step = loop.step
+        if loop.should_log():
+            loop.log({"step": step, "loss": lv, "ema_loss": loop.ema, "lr": lr,
+                      "acc": int(correct) / int(n), "wall_s": extra["wall_s"]})
+        loop.maybe_checkpoint()
         if args.eval_every and step % args.eval_every == 0:
             ev = evaluate(model, held_w)
-            log.write(json.dumps({"step": step, "heldout": ev}) + "\n")
-            log.flush()
+            loop.log({"step": step, "heldout": ev})
             print(f"\nstep {step} heldout loss {ev['loss']:.4f} acc {ev['accuracy']:.4f}", flush=True)
-    bar.close()
-    common.save_train_state(out, model, opt, step, extra)
+    loop.finish()
+    step = loop.step
     ev = evaluate(model, held_w)
     samples = {p: greedy_complete(model, tok, p, args.sample_tokens) for p in SAMPLE_PROMPTS}
     final = export(model, tok, out, args.save_dtype)
     metrics = {
-        "model": "tiny-qwen3", "steps": step, "planned_steps": args.steps, "finished": step >= args.steps or (args.schedule == "time" and float(extra["wall_s"]) >= budget_s),
+        "model": "tiny-qwen3", "steps": step, "planned_steps": args.steps, "finished": loop.finished,
         "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []), "train_tokens_seen": int(extra["tokens"]),
         "heldout_loss": round(ev["loss"], 4), "heldout_accuracy": round(ev["accuracy"], 4),
         "heldout_tokens": ev["tokens"], "params": n_params, "config": {
@@ -240,8 +197,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             f"library's .py sources ({info.n_files_train} train files, {info.n_files_heldout} held out by path hash), "
             f"byte-level BPE vocab {len(tok)}. Weights stored in {args.save_dtype}. Reproduce with "
             f"`scripts/train_tiny_qwen3.sh`.")
-    write_card(final, "tiny-qwen3 (spiffy demo target)", metrics, body)
-    write_card(out, "tiny-qwen3 (spiffy demo target)", metrics, body)
+    common.write_cards(final, out, "tiny-qwen3 (spiffy demo target)", metrics, body)
     print(json.dumps({k: v for k, v in metrics.items() if k != "samples_greedy"}, indent=2))
     for p, s in samples.items():
         print(f"--- {p!r} ->\n{p}{s}")
@@ -251,9 +207,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train spiffy's tiny Qwen3 target on the stdlib corpus.")
     p.add_argument("--out", required=True, help="run dir (train_state.pt, logs; final model in OUT/model)")
-    p.add_argument("--corpus", default=None, help="corpus dir (built if missing; default ~/.cache/spiffy/corpus)")
-    p.add_argument("--max-files", type=int, default=None, help="use only the first N corpus files (tests)")
-    p.add_argument("--heldout-percent", type=int, default=5, help="percent of corpus files held out (path hash)")
+    common.add_corpus_arguments(p)
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer dir instead of training OUT/tokenizer")
     p.add_argument("--hidden", type=int, default=256, help="hidden size")
@@ -263,26 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate", type=int, default=768, help="MLP intermediate size")
     p.add_argument("--context", type=int, default=256, help="training window length (tokens)")
     p.add_argument("--max-positions", type=int, default=512, help="config max_position_embeddings")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per step")
-    p.add_argument("--steps", type=int, default=1000, help="total optimizer steps (cosine schedule length)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=50, help="warm-up steps")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
+    common.add_optim_arguments(p, steps=1000)
     p.add_argument("--seed", type=int, default=0, help="random seed (init and batch order)")
-    p.add_argument("--max-minutes", type=float, default=40.0, help="wall-clock budget of this invocation")
-    p.add_argument("--schedule", choices=["steps", "time"], default="steps",
-                   help="cosine over --steps (deterministic) or over the --max-minutes budget (always ends annealed; "
-                        "the budget then counts total training time across resumes)")
-    p.add_argument("--stop-after", type=int, default=None,
-                   help="stop this invocation after N steps (the run can be resumed later with --resume)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
-    p.add_argument("--ckpt-every", type=int, default=50, help="save the training state every N steps")
+    common.add_run_arguments(p, max_minutes=40.0, ckpt_every=50)
     p.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (0: only at the end)")
     p.add_argument("--eval-windows", type=int, default=64, help="held-out windows evaluated")
     p.add_argument("--log-every", type=int, default=10, help="log a line to OUT/train_log.jsonl every N steps")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the exported weights")
+    common.add_output_arguments(p)
     p.add_argument("--sample-tokens", type=int, default=48, help="tokens per sample completion in the report")
     return p
 

@@ -224,3 +224,168 @@ def file_size_mb(path: str | os.PathLike[str]) -> float:
     p = Path(path)
     files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
     return sum(f.stat().st_size for f in files) / 1e6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared trainer plumbing (ar / dllm / drafter): common CLI options, optimizer, resume, the step loop's bookkeeping
+# (LR schedule, wall-clock budget, progress bar, JSONL log, periodic checkpoints) and the model card.
+# ---------------------------------------------------------------------------------------------------------------
+
+SAMPLE_PROMPTS = ["def ", "import os\n\n\ndef get_", "class Foo:\n    def __init__(self", "    for i in range("]
+
+
+def add_corpus_arguments(p: Any) -> None:
+    """``--corpus``, ``--max-files``, ``--heldout-percent`` (shared by every trainer)."""
+    p.add_argument("--corpus", default=None, help="corpus dir (built if missing; default ~/.cache/spiffy/corpus)")
+    p.add_argument("--max-files", type=int, default=None, help="use only the first N corpus files (tests)")
+    p.add_argument("--heldout-percent", type=int, default=5, help="percent of corpus files held out (path hash)")
+
+
+def add_optim_arguments(p: Any, steps: int) -> None:
+    """``--batch-size``, ``--steps``, ``--lr``, ``--warmup``, ``--weight-decay`` of the from-scratch LM trainers."""
+    p.add_argument("--batch-size", type=int, default=16, help="windows per step")
+    p.add_argument("--steps", type=int, default=steps, help="total optimizer steps (cosine schedule length)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=50, help="warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
+
+
+def add_run_arguments(p: Any, max_minutes: float, ckpt_every: int) -> None:
+    """``--max-minutes``, ``--schedule``, ``--stop-after``, ``--resume``, ``--ckpt-every`` (shared run control)."""
+    p.add_argument("--max-minutes", type=float, default=max_minutes, help="wall-clock budget of this invocation")
+    p.add_argument("--schedule", choices=["steps", "time"], default="steps",
+                   help="cosine over --steps (deterministic) or over the --max-minutes budget (always ends annealed; "
+                        "the budget then counts total training time across resumes)")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop this invocation after N steps (the run can be resumed later with --resume)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
+    p.add_argument("--ckpt-every", type=int, default=ckpt_every, help="save the training state every N steps")
+
+
+def add_output_arguments(p: Any, dtype_help: str = "dtype of the exported weights") -> None:
+    """``--threads`` and ``--save-dtype``."""
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help=dtype_help)
+
+
+def adamw_decay_groups(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW (betas 0.9/0.95) with weight decay on matrices (ndim >= 2) only."""
+    decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+
+
+def maybe_resume(args: Any, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 extra: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """``(0, extra)``, or the saved ``(step, extra)`` when ``--resume`` and ``out`` holds a training state."""
+    step = 0
+    if args.resume and has_train_state(out):
+        step, extra = load_train_state(out, model, opt)
+        print(f"resumed from step {step}", flush=True)
+    return step, extra
+
+
+class TrainLoop:
+    """Bookkeeping of one trainer invocation around the caller's forward/backward.
+
+    Usage: ``while loop.running(): lr = loop.set_lr(); ...; loop.end_step(loss, lr, tokens); ...``, then
+    ``loop.finish()``. Keeps ``extra["wall_s"]`` (and ``extra["tokens"]`` when given), the invocation history, the
+    loss EMA, the tqdm bar and ``OUT/train_log.jsonl``; checkpoints every ``--ckpt-every`` steps.
+    """
+
+    def __init__(self, args: Any, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
+                 extra: dict[str, Any], desc: str, refresh_postfix: bool = True):
+        from tqdm import tqdm
+
+        self.args, self.out, self.model, self.opt = args, out, model, opt
+        self.step, self.extra = step, extra
+        self.refresh_postfix = refresh_postfix
+        self.timer = Timer(args.max_minutes)
+        self.bar = tqdm(total=None if args.schedule == "time" else args.steps, initial=step, desc=desc,
+                        dynamic_ncols=True, mininterval=5.0)
+        self.log_file = open(out / "train_log.jsonl", "a")
+        self.ema: float | None = None
+        self.t_last = time.time()
+        self.budget_s = args.max_minutes * 60.0
+        # every invocation's settings are kept in the state, so a resumed run's history is on record
+        extra.setdefault("invocations", []).append(
+            {"start_step": step, "argv": {k: v for k, v in vars(args).items() if k != "handler"}})
+        self.stop_at = step + args.stop_after if args.stop_after else None
+
+    @property
+    def wall_s(self) -> float:
+        return float(self.extra.get("wall_s", 0.0))
+
+    def running(self) -> bool:
+        """True while steps, this invocation's time/step limits and (``--schedule time``) the total budget remain."""
+        a = self.args
+        if not (self.step < a.steps and not self.timer.expired() and (self.stop_at is None or self.step < self.stop_at)):
+            return False
+        return not (a.schedule == "time" and self.wall_s >= self.budget_s)
+
+    def set_lr(self) -> float:
+        """The scheduled LR for the current step, applied to every optimizer group."""
+        a = self.args
+        if a.schedule == "time":
+            # time-boxed: the cosine follows the fraction of the total budget used (across resumes)
+            lr = cosine_lr_progress(self.step, self.wall_s / self.budget_s, a.lr, a.warmup)
+        else:
+            lr = cosine_lr(self.step, a.steps, a.lr, a.warmup)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def end_step(self, loss: torch.Tensor, lr: float, tokens: int | None = None) -> float:
+        """Count the finished optimizer step (wall time, tokens, EMA, bar); returns the step's loss as a float."""
+        self.step += 1
+        now = time.time()
+        self.extra["wall_s"] = self.wall_s + (now - self.t_last)
+        self.t_last = now
+        if tokens is not None:
+            self.extra["tokens"] = int(self.extra.get("tokens", 0)) + tokens
+        lv = float(loss.detach())
+        self.ema = lv if self.ema is None else 0.95 * self.ema + 0.05 * lv
+        self.bar.update(1)
+        if self.refresh_postfix:
+            self.bar.set_postfix(loss=f"{self.ema:.3f}", lr=f"{lr:.2e}")
+        else:
+            self.bar.set_postfix(loss=f"{self.ema:.3f}", lr=f"{lr:.2e}", refresh=False)
+        return lv
+
+    def should_log(self) -> bool:
+        return self.step % self.args.log_every == 0 or self.args.schedule == "time"
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one JSON line to ``OUT/train_log.jsonl``."""
+        self.log_file.write(json.dumps(record) + "\n")
+        self.log_file.flush()
+
+    def maybe_checkpoint(self) -> None:
+        if self.step % self.args.ckpt_every == 0 or self.step == self.args.steps:
+            save_train_state(self.out, self.model, self.opt, self.step, self.extra)
+
+    def finish(self) -> None:
+        """Close the bar and the log, save the final training state."""
+        self.bar.close()
+        self.log_file.close()
+        save_train_state(self.out, self.model, self.opt, self.step, self.extra)
+
+    @property
+    def finished(self) -> bool:
+        """All planned steps done (or, with ``--schedule time``, the whole budget used)."""
+        return self.step >= self.args.steps or (self.args.schedule == "time" and self.wall_s >= self.budget_s)
+
+
+def write_card(out: Path, title: str, metrics: dict[str, Any], body: str) -> None:
+    """Write ``MODEL_CARD.md`` + ``metrics.json`` into ``out`` (atomically)."""
+    atomic_write_json(out / "metrics.json", metrics)
+    lines = [f"# {title}", "", body, "", "## Metrics", "", "```json", json.dumps(metrics, indent=2, sort_keys=True),
+             "```", "", "Intended use: demos and tests of spiffy's decoding algorithms on CPU. Not a quality model.", ""]
+    atomic_write_text(out / "MODEL_CARD.md", "\n".join(lines))
+
+
+def write_cards(final: Path, out: Path, title: str, metrics: dict[str, Any], body: str) -> None:
+    """The card + metrics into both the exported model dir ``final`` and the run dir ``out``."""
+    write_card(final, title, metrics, body)
+    write_card(out, title, metrics, body)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 from spiffy.errors import MissingTokenError
 from spiffy.train import common
-from spiffy.train.ar import prepare_data, write_card
+from spiffy.train.ar import prepare_data
 
 
 def build_config(tok: Any, hidden: int = 256, layers: int = 4, heads: int = 4, mlp: int = 768, context: int = 512,
@@ -137,13 +136,11 @@ def sample_completion(model: torch.nn.Module, tok: Any, prompt: str, gen_length:
     return tok.decode(new)
 
 
-SAMPLE_PROMPTS = ["def ", "import os\n\n\ndef get_", "class Foo:\n    def __init__(self", "    for i in range("]
+SAMPLE_PROMPTS = common.SAMPLE_PROMPTS
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run masked-diffusion training as configured by ``args``; returns the metrics dict."""
-    from tqdm import tqdm
-
     from spiffy.models.llada import LLaDAModelLM
     from spiffy.models.loading import load_model, save_checkpoint
 
@@ -159,69 +156,36 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model = LLaDAModelLM(cfg)
     model.train()
     mask_id = int(cfg.mask_token_id)
-    decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    step, extra = 0, {"wall_s": 0.0, "tokens": 0}
-    if args.resume and common.has_train_state(out):
-        step, extra = common.load_train_state(out, model, opt)
-        print(f"resumed from step {step}", flush=True)
+    opt = common.adamw_decay_groups(model, args.lr, args.weight_decay)
+    step, extra = common.maybe_resume(args, out, model, opt, {"wall_s": 0.0, "tokens": 0})
     n_params = sum(p.numel() for p in model.parameters())
     held_w = common.eval_windows(held_s, args.context, args.eval_windows)
-    timer = common.Timer(args.max_minutes)
-    bar = tqdm(total=None if args.schedule == "time" else args.steps, initial=step, desc="llada", dynamic_ncols=True, mininterval=5.0)
-    log = open(out / "train_log.jsonl", "a")
-    ema = None
-    t_last = time.time()
-    budget_s = args.max_minutes * 60.0
-    # every invocation's settings are kept in the state, so a resumed run's history is on record
-    extra.setdefault("invocations", []).append(
-        {"start_step": step, "argv": {k: v for k, v in vars(args).items() if k != "handler"}})
-    stop_at = step + args.stop_after if args.stop_after else None
-    while step < args.steps and not timer.expired() and (stop_at is None or step < stop_at):
-        if args.schedule == "time":
-            # time-boxed: the cosine follows the fraction of the total budget used (across resumes)
-            if float(extra.get("wall_s", 0.0)) >= budget_s:
-                break
-            lr = common.cosine_lr_progress(step, float(extra.get("wall_s", 0.0)) / budget_s, args.lr, args.warmup)
-        else:
-            lr = common.cosine_lr(step, args.steps, args.lr, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        gen = common.step_generator(args.seed, step)
+    loop = common.TrainLoop(args, out, model, opt, step, extra, "llada", refresh_postfix=False)
+    while loop.running():
+        lr = loop.set_lr()
+        gen = common.step_generator(args.seed, loop.step)
         x0 = common.sample_windows(train_s, args.batch_size, args.context, gen)
         loss, correct, n = diffusion_loss(model, x0, mask_id, gen, args.eps, args.prompt_frac, args.weighting)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        step += 1
-        now = time.time()
-        extra["wall_s"] = float(extra.get("wall_s", 0.0)) + (now - t_last)
-        t_last = now
-        extra["tokens"] = int(extra.get("tokens", 0)) + x0.numel()
-        lv = float(loss.detach())
-        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.2e}", refresh=False)
-        if step % args.log_every == 0 or args.schedule == "time":
-            log.write(json.dumps({"step": step, "loss": lv, "ema_loss": ema, "lr": lr,
-                                  "masked_acc": int(correct) / max(1, int(n)), "wall_s": extra["wall_s"]}) + "\n")
-            log.flush()
-        if step % args.ckpt_every == 0 or step == args.steps:
-            common.save_train_state(out, model, opt, step, extra)
+        lv = loop.end_step(loss, lr, x0.numel())
+        step = loop.step
+        if loop.should_log():
+            loop.log({"step": step, "loss": lv, "ema_loss": loop.ema, "lr": lr,
+                      "masked_acc": int(correct) / max(1, int(n)), "wall_s": extra["wall_s"]})
+        loop.maybe_checkpoint()
         if args.eval_every and step % args.eval_every == 0:
             ev = evaluate(model, held_w, mask_id)
-            log.write(json.dumps({"step": step, "heldout": ev}) + "\n")
-            log.flush()
+            loop.log({"step": step, "heldout": ev})
             print(f"\nstep {step} heldout {ev}", flush=True)
-    bar.close()
-    common.save_train_state(out, model, opt, step, extra)
+    loop.finish()
+    step = loop.step
     ev = evaluate(model, held_w, mask_id)
     samples = {p: sample_completion(model, tok, p, args.sample_tokens) for p in SAMPLE_PROMPTS}
     metrics = {
-        "model": "tiny-llada", "steps": step, "planned_steps": args.steps, "finished": step >= args.steps or (args.schedule == "time" and float(extra["wall_s"]) >= budget_s),
+        "model": "tiny-llada", "steps": step, "planned_steps": args.steps, "finished": loop.finished,
         "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []), "train_tokens_seen": int(extra["tokens"]),
         "heldout_masked": ev, "params": n_params,
         "config": {"d_model": args.hidden, "n_layers": args.layers, "n_heads": args.heads, "mlp": args.mlp,
@@ -248,8 +212,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     save_checkpoint(export, final, tokenizer=tok, generation_config=gen_cfg)
     load_model(final, dtype="float32")  # check it loads through the library loader
     metrics["size_mb"] = round(common.file_size_mb(final), 2)
-    write_card(final, "tiny-llada (spiffy demo dLLM)", metrics, body)
-    write_card(out, "tiny-llada (spiffy demo dLLM)", metrics, body)
+    common.write_cards(final, out, "tiny-llada (spiffy demo dLLM)", metrics, body)
     print(json.dumps({k: v for k, v in metrics.items() if k != "samples_greedy"}, indent=2))
     for p, s in samples.items():
         print(f"--- {p!r} ->\n{p}{s}")
@@ -259,9 +222,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train spiffy's tiny LLaDA-architecture dLLM on the stdlib corpus.")
     p.add_argument("--out", required=True, help="run dir (train_state.pt, logs; final model in OUT/model)")
-    p.add_argument("--corpus", default=None, help="corpus dir (built if missing; default ~/.cache/spiffy/corpus)")
-    p.add_argument("--max-files", type=int, default=None, help="use only the first N corpus files (tests)")
-    p.add_argument("--heldout-percent", type=int, default=5, help="percent of corpus files held out (path hash)")
+    common.add_corpus_arguments(p)
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer dir instead of training OUT/tokenizer")
     p.add_argument("--hidden", type=int, default=256, help="d_model")
@@ -271,30 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--untied", action="store_true", help="separate output head (ff_out) instead of weight tying")
     p.add_argument("--context", type=int, default=256, help="training window length (tokens)")
     p.add_argument("--max-positions", type=int, default=512, help="config max_sequence_length")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per step")
-    p.add_argument("--steps", type=int, default=600, help="total optimizer steps (cosine schedule length)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=50, help="warm-up steps")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
+    common.add_optim_arguments(p, steps=600)
     p.add_argument("--eps", type=float, default=1e-3, help="minimum mask probability")
     p.add_argument("--weighting", choices=["elbo", "mean"], default="elbo",
                    help="masked-token CE weights: LLaDA's 1/t ELBO weights, or a plain mean over masked tokens")
     p.add_argument("--prompt-frac", type=float, default=0.3, help="fraction of prompt-conditioned (SFT-like) rows")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--max-minutes", type=float, default=40.0, help="wall-clock budget of this invocation")
-    p.add_argument("--schedule", choices=["steps", "time"], default="steps",
-                   help="cosine over --steps (deterministic) or over the --max-minutes budget (always ends annealed; "
-                        "the budget then counts total training time across resumes)")
-    p.add_argument("--stop-after", type=int, default=None,
-                   help="stop this invocation after N steps (the run can be resumed later with --resume)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
-    p.add_argument("--ckpt-every", type=int, default=50, help="save the training state every N steps")
+    common.add_run_arguments(p, max_minutes=40.0, ckpt_every=50)
     p.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (0: only at the end)")
     p.add_argument("--eval-windows", type=int, default=32, help="held-out windows evaluated")
     p.add_argument("--log-every", type=int, default=10, help="log a line every N steps")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the exported weights")
+    common.add_output_arguments(p)
     p.add_argument("--sample-tokens", type=int, default=48, help="tokens per sample completion in the report")
     return p
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -219,8 +218,6 @@ def _batch(args: argparse.Namespace, target: torch.nn.Module, stream: common.Tok
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Train a drafter as configured by ``args`` (see :func:`add_arguments`); returns the metrics dict."""
-    from tqdm import tqdm
-
     from spiffy.ar.checkpoints import save_drafter
     from spiffy.ar.drafter import DFlashDraftModel, TargetFeatureHooks, load_drafter
     from spiffy.train.corpus import build_corpus, load_split
@@ -250,55 +247,27 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     held_s = common.encode_documents(tok, load_split(info.out_dir, "heldout"), eos, out / "data" / "heldout_ids.npy")
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    step, extra = 0, {"wall_s": 0.0}
-    if args.resume and common.has_train_state(out):
-        step, extra = common.load_train_state(out, drafter, opt)
-        print(f"resumed from step {step}", flush=True)
+    step, extra = common.maybe_resume(args, out, drafter, opt, {"wall_s": 0.0})
     hooks = TargetFeatureHooks(target, drafter.target_layer_ids)
-    timer = common.Timer(args.max_minutes)
-    bar = tqdm(total=None if args.schedule == "time" else args.steps, initial=step, desc="drafter", dynamic_ncols=True, mininterval=5.0)
-    log = open(out / "train_log.jsonl", "a")
-    ema = None
-    t_last = time.time()
-    budget_s = args.max_minutes * 60.0
-    # every invocation's settings are kept in the state, so a resumed run's history is on record
-    extra.setdefault("invocations", []).append(
-        {"start_step": step, "argv": {k: v for k, v in vars(args).items() if k != "handler"}})
-    stop_at = step + args.stop_after if args.stop_after else None
-    while step < args.steps and not timer.expired() and (stop_at is None or step < stop_at):
-        if args.schedule == "time":
-            if float(extra.get("wall_s", 0.0)) >= budget_s:
-                break
-            lr = common.cosine_lr_progress(step, float(extra.get("wall_s", 0.0)) / budget_s, args.lr, args.warmup)
-        else:
-            lr = common.cosine_lr(step, args.steps, args.lr, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        seqs, lo = _batch(args, target, train_s, step, 0, args.greedy_frac, args.batch_size)
-        gen = common.step_generator(args.seed, step, 1)
+    loop = common.TrainLoop(args, out, drafter, opt, step, extra, "drafter", refresh_postfix=False)
+    while loop.running():
+        lr = loop.set_lr()
+        seqs, lo = _batch(args, target, train_s, loop.step, 0, args.greedy_frac, args.batch_size)
+        gen = common.step_generator(args.seed, loop.step, 1)
         anchors = sample_anchors(seqs.shape[0], lo, args.seq_len - args.block_size, args.num_anchors, gen)
         loss, logits, labels, valid = drafter_loss(drafter, target, hooks, seqs, anchors, args.gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        step += 1
-        now = time.time()
-        extra["wall_s"] = float(extra.get("wall_s", 0.0)) + (now - t_last)
-        t_last = now
-        lv = float(loss.detach())
-        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.2e}", refresh=False)
-        if step % args.log_every == 0 or args.schedule == "time":
+        lv = loop.end_step(loss, lr)
+        if loop.should_log():
             st = acceptance_stats(logits, labels, valid)
-            log.write(json.dumps({"step": step, "loss": lv, "ema_loss": ema, "lr": lr, "tau": st["tau"],
-                                  "wall_s": extra["wall_s"]}) + "\n")
-            log.flush()
-        if step % args.ckpt_every == 0 or step == args.steps:
-            common.save_train_state(out, drafter, opt, step, extra)
-    bar.close()
-    common.save_train_state(out, drafter, opt, step, extra)
+            loop.log({"step": loop.step, "loss": lv, "ema_loss": loop.ema, "lr": lr, "tau": st["tau"],
+                      "wall_s": extra["wall_s"]})
+        loop.maybe_checkpoint()
+    loop.finish()
+    step = loop.step
     ev = evaluate(args, drafter, target, hooks, held_s)
     hooks.remove()
     final = out / "model"
@@ -308,7 +277,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     n_params = sum(p.numel() for p in drafter.parameters())
     metrics = {
         "model": "tiny-dflash-drafter", "target": str(args.target), "steps": step, "planned_steps": args.steps,
-        "finished": step >= args.steps or (args.schedule == "time" and float(extra["wall_s"]) >= budget_s), "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []), "params": n_params,
+        "finished": loop.finished, "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []), "params": n_params,
         "heldout_loss": round(ev["loss"], 4), "heldout_tau_greedy": round(ev["tau"], 3),
         "heldout_per_slot_acc": ev["per_slot_acc"], "heldout_blocks": ev["blocks"],
         "config": {"num_layers": args.num_layers, "block_size": drafter.block_size,
@@ -319,16 +288,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                   "max_minutes": args.max_minutes},
         "save_dtype": args.save_dtype, "size_mb": round(common.file_size_mb(final), 2), "torch": torch.__version__,
     }
-    from spiffy.train.ar import write_card
-
     body = (f"DFlash drafter ({args.num_layers} layers, block {drafter.block_size}, {n_params/1e6:.2f}M parameters, "
             f"no embedding/head: borrows the target's) trained for {step} steps ({metrics['wall_s_total']/60:.1f} min, "
             f"1 CPU thread) on continuations generated by its frozen target `{args.target}` from Python "
             f"standard-library source prompts; features from target layers {drafter.target_layer_ids}. "
             f"Held-out greedy acceptance length tau (incl. bonus) {ev['tau']:.2f}. Reproduce with "
             f"`scripts/train_tiny_drafter.sh`.")
-    write_card(final, "tiny DFlash drafter (spiffy demo)", metrics, body)
-    write_card(out, "tiny DFlash drafter (spiffy demo)", metrics, body)
+    common.write_cards(final, out, "tiny DFlash drafter (spiffy demo)", metrics, body)
     print(json.dumps(metrics, indent=2))
     return metrics
 
@@ -366,9 +332,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the drafter-training options to ``p`` (shared by ``python -m`` and ``spiffy train-drafter``)."""
     p.add_argument("--target", required=True, help="frozen Qwen3 target checkpoint dir (weights + tokenizer)")
     p.add_argument("--out", required=True, help="run dir (train_state.pt, logs); the drafter goes to OUT/model")
-    p.add_argument("--corpus", default=None, help="corpus dir (built if missing; default ~/.cache/spiffy/corpus)")
-    p.add_argument("--max-files", type=int, default=None, help="use only the first N corpus files (tests)")
-    p.add_argument("--heldout-percent", type=int, default=5, help="percent of corpus files held out (path hash)")
+    common.add_corpus_arguments(p)
     p.add_argument("--data", choices=["target", "corpus"], default="target",
                    help="train on target-generated continuations (default) or raw corpus windows")
     p.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers")
@@ -390,19 +354,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--max-minutes", type=float, default=20.0, help="wall-clock budget of this invocation")
-    p.add_argument("--schedule", choices=["steps", "time"], default="steps",
-                   help="cosine over --steps (deterministic) or over the --max-minutes budget (always ends annealed; "
-                        "the budget then counts total training time across resumes)")
-    p.add_argument("--stop-after", type=int, default=None,
-                   help="stop this invocation after N steps (the run can be resumed later with --resume)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
-    p.add_argument("--ckpt-every", type=int, default=20, help="save the training state every N steps")
+    common.add_run_arguments(p, max_minutes=20.0, ckpt_every=20)
     p.add_argument("--log-every", type=int, default=5, help="log to OUT/train_log.jsonl every N steps")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the final metrics")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the saved drafter weights")
+    common.add_output_arguments(p, "dtype of the saved drafter weights")
     return p
 
 
