@@ -35,11 +35,14 @@ Every speculative path reproduces its baseline token for token; only the number 
 
 EPILOG = """\
 examples:
+  spiffy demo                                       # end-to-end tour on the embedded tiny models
   spiffy tiny llada /tmp/tiny-llada                 # write a tiny random LLaDA checkpoint
   spiffy generate --model /tmp/tiny-llada --prompt "def f(x):" --json
   spiffy calibrate --model /tmp/tiny-llada --prompts default --out graph.json
   spiffy generate --model /tmp/tiny-llada --prompt "def f(x):" --graph graph.json --budget 3
   spiffy graph show graph.json
+  spiffy tiny qwen3 /tmp/q && spiffy tiny dflash /tmp/d --target /tmp/q
+  spiffy generate --target /tmp/q --drafter /tmp/d --method ddtree --budget 64 --prompt "def f(x):" --json
 
 Run `spiffy COMMAND --help` for the options of a command.
 """
