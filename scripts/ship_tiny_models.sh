@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Check the trained tiny checkpoints through spiffy's loaders and copy them into the package
 # (spiffy/data/models/<name>/) as the embedded defaults.
-# Usage: scripts/ship_tiny_models.sh [RUNS_DIR]   (default /work/train_runs)
+# Usage: scripts/ship_tiny_models.sh [RUNS_DIR]   (default $SPIFFY_TRAIN_RUNS, default runs)
 set -euo pipefail
-RUNS=${1:-/work/train_runs}
+RUNS=${1:-${SPIFFY_TRAIN_RUNS:-runs}}
 DEST=$(cd "$(dirname "$0")/.." && pwd)/spiffy/data/models
 args=()
 [ -f "$RUNS/tiny-qwen3/model/config.json" ] && args+=(--qwen3 "$RUNS/tiny-qwen3/model")

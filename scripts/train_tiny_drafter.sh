@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Reproduce spiffy's tiny DFlash drafter for the tiny Qwen3 target (CPU, 1 thread). Resumable: re-run to continue.
-# Usage: scripts/train_tiny_drafter.sh [TARGET_DIR] [RUN_DIR]
+# Usage: scripts/train_tiny_drafter.sh [TARGET_DIR] [RUN_DIR]   (defaults under $SPIFFY_TRAIN_RUNS, default runs)
 set -euo pipefail
-TARGET=${1:-/work/train_runs/tiny-qwen3/model}
-RUN=${2:-/work/train_runs/tiny-drafter}
+TARGET=${1:-${SPIFFY_TRAIN_RUNS:-runs}/tiny-qwen3/model}
+RUN=${2:-${SPIFFY_TRAIN_RUNS:-runs}/tiny-drafter}
 CORPUS=${CORPUS:-$(dirname "$RUN")/corpus}
 export RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 python -m spiffy.cli.main train-drafter --target "$TARGET" --out "$RUN" --corpus "$CORPUS" --seed 0 \

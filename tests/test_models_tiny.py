@@ -107,6 +107,18 @@ def test_build_tokenizer_deterministic_and_custom_corpus() -> None:
         build_tokenizer("sdar", vocab_size=100)
 
 
+def test_prompt_ending_in_newline_tokenizes_as_a_prefix_of_the_full_text() -> None:
+    """A HumanEval-style prompt (ends with ``\"\"\"\\n``) must tokenize exactly as it does inside the completed code,
+    otherwise the model sees an indentation-less newline it never met in training and writes top-level code."""
+    code = 'def f(x):\n    """Add one.\n    >>> f(1)\n    2\n    """\n    return x + 1\n\n\ndef g():\n    pass\n'
+    tok = build_tokenizer("qwen3", vocab_size=400, corpus=[code * 30, "class A:\n    def m(self):\n        pass\n" * 30])
+    cut = code.index("    return")
+    prompt_ids = tok(code[:cut])["input_ids"]
+    full_ids = tok(code)["input_ids"]
+    assert full_ids[: len(prompt_ids)] == prompt_ids
+    assert tok.decode(full_ids) == code
+    assert "\n" not in tok.decode(full_ids[len(prompt_ids)])  # the continuation starts with the indentation
+
 def test_cli_tiny_writes_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from spiffy.cli.main import main
 

@@ -137,6 +137,13 @@ def default_corpus(max_chars: int = 200_000) -> list[str]:
     return texts
 
 
+#: pre-tokenizer split (the pattern of Qwen2/Qwen3 tokenizers): contractions, letter runs with one leading
+#: non-letter, single digits, punctuation runs (with trailing newlines), newline runs, other whitespace.
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
 def _family(family: str) -> str:
     fam = family.lower() if isinstance(family, str) else family
     if fam not in _SPECIALS:
@@ -156,7 +163,7 @@ def build_tokenizer(family: str, vocab_size: int = 512, corpus: Iterable[str] | 
     The tokenizer has ``bos/eos/pad/mask`` set per family, ``chat_template`` in the family's style, and
     ``padding_side="left"``.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     fam = _family(family)
@@ -169,7 +176,14 @@ def build_tokenizer(family: str, vocab_size: int = 512, corpus: Iterable[str] | 
     if not texts:
         raise ConfigError("build_tokenizer got an empty corpus; pass at least one text or use the default corpus")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2-style split: a newline run is its own piece, so indentation never fuses with the newline before it and a
+    # prompt ending in "\n" (every HumanEval prompt) tokenizes exactly as the same text does in training.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(specials),
