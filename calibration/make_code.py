@@ -10,8 +10,9 @@ Usage (from the repository root)::
 
 Selection rule (deterministic): the held-out files of ``spiffy.train.corpus`` (Python 3.11 stdlib, 5% of files by a
 hash of their path), in sorted order; every ``def`` line at indentation 0 or 4 whose function has a docstring gives
-one candidate prompt = the ``def`` line through the end of its docstring (at most 8 lines) plus a newline and the
-body's indentation; ``random.Random(0).sample`` picks 50 candidates, kept in corpus order.
+one candidate prompt = the ``def`` line through the end of its docstring (at most 8 lines) plus a newline, like
+HumanEval's prompts (the tokenizer splits a newline from the indentation after it, so a prompt ending in a newline
+tokenizes as it does inside the file); ``random.Random(0).sample`` picks 50 candidates, kept in corpus order.
 
 Output: ``calibration/code.jsonl`` and its installed copy ``spiffy/data/calibration/code.jsonl`` (identical bytes):
 ``{"prompt", "source": "stdlib-heldout", "id": "<file>:<line>"}`` per line. Licence: the Python standard library is
@@ -52,7 +53,7 @@ def candidates(path: str, text: str) -> list[tuple[str, str]]:
             end = next((j for j in range(k + 2, len(lines)) if '"""' in lines[j]), -1)
             if end < 0 or end - k + 1 > MAX_LINES:
                 continue
-        prompt = "\n".join(lines[k : end + 1]) + "\n" + body_indent
+        prompt = "\n".join(lines[k : end + 1]) + "\n"
         out.append((f"{path}:{k + 1}", prompt))
     return out
 

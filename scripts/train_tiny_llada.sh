@@ -8,5 +8,5 @@ CORPUS=${CORPUS:-$(dirname "$RUN")/corpus}
 export RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 python -m spiffy.train.dllm --out "$RUN" --corpus "$CORPUS" --seed 0 \
   --vocab-size 4096 --hidden 256 --layers 4 --heads 4 --mlp 768 \
-  --context 256 --max-positions 512 --batch-size 8 --steps 100000 --schedule time --lr 2e-3 --warmup 100 --weighting mean \
+  --context 256 --max-positions 512 --batch-size 8 --steps 100000 --schedule time --lr 1e-3 --warmup 50 --weighting mean \
   --prompt-frac 0.3 --ckpt-every 50 --max-minutes "${MAX_MINUTES:-45}" --save-dtype bfloat16 --resume
