@@ -19,7 +19,11 @@ from typing import Any
 from spiffy.errors import ConfigError
 
 #: short code prompts (raw text: the embedded models are code-completion models)
-DEMO_PROMPTS: tuple[str, ...] = ("def fibonacci(n):\n", "def is_prime(n):\n", "class Stack:\n")
+DEMO_PROMPTS: tuple[str, ...] = (
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    'def is_prime(n):\n    """Return True if n is a prime number."""\n',
+    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n',
+)
 #: prompts for an on-the-fly calibration (distinct from the demo prompts)
 CALIBRATION_PROMPTS: tuple[str, ...] = (
     "import os\n\n\ndef list_files(path):\n",
