@@ -239,6 +239,12 @@ def test_check_compatible() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         g.check_compatible({**runtime, "temperature": 0.7}, warn=False)
+    # the model is compared by name: the same checkpoint elsewhere on disk is silent, another model warns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g.check_compatible({**runtime, "model": "/elsewhere/checkout/tiny/"})
+    with pytest.warns(GraphCompatibilityWarning, match="model"):
+        g.check_compatible({**runtime, "model": "/models/other-model"})
     # under threshold decoding the step count does not matter
     gt = DraftGraph.from_formulas([(1, [(1, 1)])], meta={"calibrated_for": {**CAL_FOR, "threshold": 0.9, "steps_per_block": None, "tokens_per_step": "dynamic"}})
     gt.check_compatible({**runtime, "threshold": 0.9, "steps_per_block": 16, "tokens_per_step": "dynamic"})

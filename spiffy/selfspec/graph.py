@@ -421,7 +421,7 @@ class DraftGraph:
             err.mismatches = mismatches  # type: ignore[attr-defined]
             raise err
         if warn:
-            soft = [(f, cf[f], rt[f]) for f in SOFT_FIELDS if f in cf and f in rt and not _same(cf[f], rt[f])]
+            soft = [(f, cf[f], rt[f]) for f in SOFT_FIELDS if f in cf and f in rt and not _same_soft(f, cf[f], rt[f])]
             if soft:
                 diffs = "; ".join(f"{f}: graph {g!r} vs runtime {r!r}" for f, g, r in soft)
                 warnings.warn(
@@ -879,6 +879,22 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
     return a == b
+
+
+def model_name(path_or_id: Any) -> Any:
+    """The name a graph's ``model`` field is compared by: the last component of a directory path or hub id
+    (``/a/b/tiny-llada`` and ``C:\\x\\tiny-llada`` -> ``tiny-llada``; ``GSAI-ML/LLaDA-8B-Instruct`` ->
+    ``LLaDA-8B-Instruct``), so the same checkpoint in another checkout or cache directory is the same model."""
+    if not isinstance(path_or_id, str):
+        return path_or_id
+    parts = [p for p in path_or_id.replace("\\", "/").split("/") if p]
+    return parts[-1] if parts else path_or_id
+
+
+def _same_soft(field_name: str, a: Any, b: Any) -> bool:
+    if field_name == "model":
+        return model_name(a) == model_name(b)
+    return _same(a, b)
 
 
 def _short(v: Any) -> str:
