@@ -392,7 +392,8 @@ class DraftGraph:
         Args:
             runtime: runtime values keyed like ``calibrated_for`` (e.g. from
                 :func:`spiffy.selfspec.calibrate.runtime_signature`); fields absent on either side are not compared.
-            warn: emit a :class:`GraphCompatibilityWarning` when a soft field (model path, temperature) differs.
+            warn: emit a :class:`GraphCompatibilityWarning` when a soft field differs (the model, compared by
+                :func:`model_name`; the temperature).
         Raises:
             GraphMismatchError: an incompatible field differs; ``.field``, ``.graph_value``, ``.runtime_value`` name
                 the first, ``.mismatches`` lists all ``(field, graph value, runtime value)``.
