@@ -80,21 +80,9 @@ def main() -> int:
     corpus_dir = Path(args.corpus) if args.corpus else corpus_mod.default_cache_dir()
     if not (corpus_dir / "heldout.jsonl").is_file():
         corpus_mod.build_corpus(out=corpus_dir)
-    text = build(corpus_dir)
-    if args.check:
-        bad = [str(p) for p in OUTPUTS if not p.is_file() or p.read_text(encoding="utf-8") != text]
-        if bad:
-            print("out of date: " + ", ".join(bad), file=sys.stderr)
-            return 1
-        print("calibration/code.jsonl is up to date")
-        return 0
-    for p in OUTPUTS:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".jsonl.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(p)
-        print(f"wrote {p} ({COUNT} prompts)")
-    return 0
+    from spiffy.selfspec.prompts import write_or_check_copies
+
+    return write_or_check_copies(build(corpus_dir), OUTPUTS, check=args.check)
 
 
 if __name__ == "__main__":

@@ -76,21 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="directory holding math500.jsonl and mbpp_sanitized.jsonl (default: ../shared/datasets)")
     ap.add_argument("--check", action="store_true", help="only verify that the committed files match; exit 1 if not")
     args = ap.parse_args(argv)
-    text = build(args.datasets)
-    if args.check:
-        stale = [str(p) for p in OUTPUTS if not p.exists() or p.read_text(encoding="utf-8") != text]
-        if stale:
-            print("out of date: " + ", ".join(stale), file=sys.stderr)
-            return 1
-        print("calibration/default.jsonl and its installed copy are up to date")
-        return 0
-    for out in OUTPUTS:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(out)
-        print(f"wrote {out} ({text.count(chr(10))} prompts)")
-    return 0
+    from spiffy.selfspec.prompts import write_or_check_copies
+
+    return write_or_check_copies(build(args.datasets), OUTPUTS, check=args.check)
 
 
 if __name__ == "__main__":

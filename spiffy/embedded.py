@@ -79,6 +79,23 @@ def embedded_model_path(kind: str) -> Path:
     return path
 
 
+def default_dllm_path(other_fix: str = "") -> str:
+    """The embedded dLLM directory, for a command run without ``--model``.
+
+    Args:
+        other_fix: a further way out the command offers, appended to the error's fix (e.g. ``" or --target DIR
+            for AR mode"``).
+    Raises:
+        ConfigError: the embedded dLLM is not shipped; the message names its training script and ``--model DIR``.
+    """
+    if not is_embedded_available("dllm"):
+        raise ConfigError(
+            "no model given and " + missing_message("dllm") + "; fix: pass --model DIR (a LLaDA/Dream/SDAR "
+            f"checkpoint directory, e.g. one written by `spiffy tiny llada DIR`){other_fix}"
+        )
+    return str(embedded_model_path("dllm"))
+
+
 def embedded_graph_path(model_dir: str | os.PathLike[str] | None = None) -> Path | None:
     """A calibrated draft graph shipped for the embedded dLLM, or ``None`` when there is none.
 
@@ -102,6 +119,7 @@ __all__ = [
     "EMBEDDED_NAMES",
     "ENV_VAR",
     "TRAINING_SCRIPTS",
+    "default_dllm_path",
     "embedded_graph_path",
     "embedded_model_path",
     "embedded_models_dir",

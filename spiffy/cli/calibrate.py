@@ -21,7 +21,6 @@ import shlex
 import sys
 from typing import Any
 
-from spiffy.errors import ConfigError
 
 _PARSER: argparse.ArgumentParser | None = None
 
@@ -88,14 +87,9 @@ def canonical_command(args: argparse.Namespace, parser: argparse.ArgumentParser 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy calibrate``; returns the exit status."""
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
-        from spiffy.embedded import embedded_model_path, is_embedded_available, missing_message
+        from spiffy.embedded import default_dllm_path
 
-        if not is_embedded_available("dllm"):
-            raise ConfigError(
-                "no model given and " + missing_message("dllm") + "; fix: pass --model DIR (a LLaDA/Dream/SDAR "
-                "checkpoint directory, e.g. one written by `spiffy tiny llada DIR`)"
-            )
-        args.model = str(embedded_model_path("dllm"))
+        args.model = default_dllm_path()
     import torch
 
     from spiffy.cli.generate import config_from_args

@@ -172,14 +172,9 @@ def run(args: argparse.Namespace) -> int:
 
         return int(run_generate(args) or 0)
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
-        from spiffy.embedded import embedded_model_path, is_embedded_available, missing_message
+        from spiffy.embedded import default_dllm_path
 
-        if not is_embedded_available("dllm"):
-            raise ConfigError(
-                "no model given and " + missing_message("dllm") + "; fix: pass --model DIR (a LLaDA/Dream/SDAR "
-                "checkpoint directory, e.g. one written by `spiffy tiny llada DIR`) or --target DIR for AR mode"
-            )
-        args.model = str(embedded_model_path("dllm"))
+        args.model = default_dllm_path(" or --target DIR for AR mode")
     import torch
 
     from spiffy.decoding import generate

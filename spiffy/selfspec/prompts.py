@@ -11,6 +11,7 @@ Named sets (files in ``spiffy/data/calibration/``, provenance in ``calibration/R
 from __future__ import annotations
 
 import json
+import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
@@ -135,4 +136,34 @@ def select_prompts(prompts: Sequence[str], max_prompts: int | None) -> list[str]
     return list(prompts)[:max_prompts]
 
 
-__all__ = ["NAMED_SETS", "load_prompts", "load_prompt_records", "prompt_token_ids", "select_prompts"]
+def write_or_check_copies(text: str, outputs: Sequence[Path], *, check: bool) -> int:
+    """Write a prompt set's JSONL ``text`` to every path of ``outputs`` (the repository copy and the installed copy
+    under ``spiffy/data/calibration/``), each atomically through a temp file; with ``check``, only compare.
+
+    Used by the generator scripts in ``calibration/``. Returns an exit status: 0, or 1 when ``check`` finds a copy
+    missing or different (named on stderr).
+    """
+    if check:
+        stale = [str(p) for p in outputs if not p.is_file() or p.read_text(encoding="utf-8") != text]
+        if stale:
+            print("out of date: " + ", ".join(stale), file=sys.stderr)
+            return 1
+        print("up to date: " + ", ".join(str(p) for p in outputs))
+        return 0
+    for out in outputs:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out)
+        print(f"wrote {out} ({text.count(chr(10))} prompts)")
+    return 0
+
+
+__all__ = [
+    "NAMED_SETS",
+    "load_prompts",
+    "load_prompt_records",
+    "prompt_token_ids",
+    "select_prompts",
+    "write_or_check_copies",
+]
