@@ -24,25 +24,13 @@ import torch
 
 from spiffy.errors import CheckpointError, CheckpointKeyError, ConfigError, MissingTokenError, UnknownModelTypeError
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
+from spiffy.torch_utils import resolve_dtype
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "fp64": torch.float64,
-    "double": torch.float64,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -112,26 +100,6 @@ def family_of(path_or_config: Any) -> str:
             "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or Qwen3 checkpoint"
         )
     return family
-
-
-def resolve_dtype(dtype: Any, config: Mapping[str, Any] | None = None, device: Any = None) -> torch.dtype:
-    """A ``torch.dtype`` from a dtype, a name (``"float64"``, ``"bf16"``, ...), ``"auto"`` (the config's
-    ``torch_dtype``/``dtype``, float32 if absent) or ``None`` (float32 on CPU, ``"auto"`` elsewhere)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is None:
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        dtype = "float32" if dev.type == "cpu" else "auto"
-    if isinstance(dtype, str):
-        key = dtype.lower().replace("torch.", "")
-        if key == "auto":
-            stored = (config or {}).get("torch_dtype") or (config or {}).get("dtype")
-            if isinstance(stored, str) and stored.replace("torch.", "") in _DTYPE_NAMES:
-                return _DTYPE_NAMES[stored.replace("torch.", "")]
-            return torch.float32
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
-    raise ConfigError(f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(_DTYPE_NAMES)} or 'auto'")
 
 
 # --------------------------------------------------------------------------------------------------------------
