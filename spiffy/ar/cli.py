@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from spiffy.errors import CheckpointError, ConfigError
+from spiffy.models.loading import load_target
 
 __all__ = ["add_ar_arguments", "run_generate", "main", "load_target"]
 
@@ -78,26 +79,6 @@ def _parse_dtype(name: str | None, config_dtype: Any = None) -> torch.dtype:
     if name not in table:
         raise ConfigError(f"unknown --dtype {name!r}; fix: use one of {', '.join(sorted(table))} or auto")
     return table[name]
-
-
-def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    """Load a Qwen3 target checkpoint directory (sdpa attention, eval mode)."""
-    root = Path(path)
-    if not (root / "config.json").is_file():
-        raise CheckpointError(f"no config.json in {root}; fix: --target must be a Qwen3 checkpoint directory")
-    raw = json.loads((root / "config.json").read_text())
-    if raw.get("model_type") != "qwen3":
-        raise ConfigError(
-            f"--target {root} has model_type {raw.get('model_type')!r}; AR mode needs a Qwen3 target "
-            "(model_type 'qwen3'); fix: pass a Qwen3 checkpoint, or use --model for diffusion LMs"
-        )
-    from transformers import Qwen3ForCausalLM
-
-    try:
-        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation="sdpa", local_files_only=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
-    return model.to(device).eval()
 
 
 def _stop_ids(tokenizer: Any, target: Any, chat: bool) -> list[int]:

@@ -1,4 +1,4 @@
-"""Model families (LLaDA, Dream, SDAR; Qwen3 targets; DFlash drafters), loaders, tokenizers, tiny checkpoints.
+"""Model families (LLaDA, Dream, SDAR; Qwen3 targets; DFlash drafters), loaders, tokenizers, prompts, tiny checkpoints.
 
 Uniform forward contract of spiffy's own diffusion models (``LLaDAModelLM``, ``DreamModel``,
 ``SDARForCausalLM``)::
@@ -18,13 +18,16 @@ stores the new K/V, ``"read"`` only reads (SDAR's ``store_kv=True/False`` is the
 
 from __future__ import annotations
 
+from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_target, save_drafter
 from spiffy.models.cache import KVCache, as_kv_cache
+from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, check_compatible, load_drafter
 from spiffy.models.loading import (
     SpecialTokenIds,
     family_of,
     load_config,
     load_model,
     load_state_dict,
+    load_target,
     load_tokenizer,
     mask_token_id,
     read_config_dict,
@@ -32,38 +35,40 @@ from spiffy.models.loading import (
     save_checkpoint,
     special_token_ids,
 )
+from spiffy.models.prompting import prompt_token_ids, stop_token_ids
 from spiffy.models.registry import FAMILIES, FamilySpec, family_spec, register_with_transformers
+from spiffy.models.tiny import make_tiny
+from spiffy.models.tokenizer import build_tokenizer
 
 __all__ = [
+    "DFlashDraftModel",
     "FAMILIES",
     "FamilySpec",
     "KVCache",
     "SpecialTokenIds",
     "as_kv_cache",
     "build_tokenizer",
+    "check_compatible",
     "family_of",
     "family_spec",
     "load_config",
     "load_model",
+    "load_drafter",
     "load_state_dict",
+    "load_target",
     "load_tokenizer",
     "make_tiny",
+    "make_tiny_dflash",
+    "make_tiny_target",
     "mask_token_id",
+    "prompt_token_ids",
     "read_config_dict",
     "register_with_transformers",
     "resolve_dtype",
     "save_checkpoint",
+    "save_drafter",
     "special_token_ids",
+    "stop_token_ids",
+    "TargetFeatureHooks",
 ]
 
-
-def __getattr__(name: str):  # noqa: ANN202 - lazy re-exports
-    if name == "make_tiny":
-        from spiffy.models.tiny import make_tiny
-
-        return make_tiny
-    if name == "build_tokenizer":
-        from spiffy.models.tokenizer import build_tokenizer
-
-        return build_tokenizer
-    raise AttributeError(f"module 'spiffy.models' has no attribute {name!r}")

@@ -2,8 +2,9 @@
 
 * :func:`load_model` - dispatch on config.json ``model_type`` (``"llada"``, ``"Dream"``, ``"sdar"`` -> spiffy's
   own modules; ``"qwen3"`` -> transformers' ``Qwen3ForCausalLM``; a config with ``dflash_config`` or
-  architectures ``["DFlashDraftModel"]`` -> :func:`spiffy.ar.drafter.load_drafter`). Reads ``model.safetensors``
-  or a sharded ``model.safetensors.index.json``, with strict key matching.
+  architectures ``["DFlashDraftModel"]`` -> :func:`spiffy.models.dflash.load_drafter`). Reads ``model.safetensors``
+  or a sharded ``model.safetensors.index.json`` (:mod:`spiffy.models.checkpoint`), with strict key matching.
+* :func:`load_target` - a Qwen3 target for AR speculative decoding (transformers' class, sdpa attention).
 * :func:`save_checkpoint` - config.json (with the official ``auto_map``), sharded safetensors + index, optional
   tokenizer and generation config, written to a temporary directory and renamed into place.
 * :func:`load_tokenizer`, :func:`family_of`, :func:`mask_token_id`, :func:`special_token_ids`.
@@ -21,40 +22,29 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
+from transformers import Qwen3ForCausalLM
 
-from spiffy.errors import CheckpointError, CheckpointKeyError, ConfigError, MissingTokenError, UnknownModelTypeError
+from spiffy.errors import CheckpointError, ConfigError, MissingTokenError, UnknownModelTypeError
+from spiffy.models.checkpoint import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    _alias_groups,
+    check_keys,
+    checkpoint_files,
+    load_state_dict,
+    read_config_dict,
+)
+from spiffy.models.dflash import is_dflash_config, load_drafter
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
 from spiffy.torch_utils import resolve_dtype
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-
 
 
 # --------------------------------------------------------------------------------------------------------------
 # config / family
 # --------------------------------------------------------------------------------------------------------------
-
-
-def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` of checkpoint directory ``path`` (CheckpointError if missing or invalid)."""
-    root = Path(path)
-    if not root.exists():
-        raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist; fix the path or create one with `spiffy tiny`")
-    if not root.is_dir():
-        raise CheckpointError(f"{str(root)!r} is not a directory; point at a checkpoint directory holding config.json")
-    cfg = root / CONFIG_FILE
-    if not cfg.is_file():
-        raise CheckpointError(f"no config.json in {str(root)!r}; a checkpoint directory needs config.json + safetensors")
-    try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {str(cfg)!r}: {exc}; fix or regenerate the file") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{str(cfg)!r} does not hold a JSON object; fix or regenerate the file")
-    return data
 
 
 def _config_as_dict(obj: Any) -> dict[str, Any]:
@@ -71,10 +61,6 @@ def _config_as_dict(obj: Any) -> dict[str, Any]:
     raise ConfigError(f"cannot read a model config from {type(obj).__name__}; pass a path, config, dict or model")
 
 
-def _is_dflash(cfg: Mapping[str, Any]) -> bool:
-    return "dflash_config" in cfg or "DFlashDraftModel" in (cfg.get("architectures") or [])
-
-
 def family_of(path_or_config: Any) -> str:
     """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"dflash"``) of a checkpoint path,
     config object, config dict or model. UnknownModelTypeError for an unsupported ``model_type``."""
@@ -89,7 +75,7 @@ def family_of(path_or_config: Any) -> str:
             except IndexError:  # pragma: no cover
                 pass
     cfg = _config_as_dict(path_or_config)
-    if _is_dflash(cfg):
+    if is_dflash_config(cfg):
         return "dflash"
     model_type = cfg.get("model_type")
     family = MODEL_TYPE_TO_FAMILY.get(model_type) if isinstance(model_type, str) else None
@@ -100,96 +86,6 @@ def family_of(path_or_config: Any) -> str:
             "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or Qwen3 checkpoint"
         )
     return family
-
-
-# --------------------------------------------------------------------------------------------------------------
-# tensors
-# --------------------------------------------------------------------------------------------------------------
-
-
-def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files of a checkpoint and, for a sharded one, its ``weight_map`` (key -> file name)."""
-    root = Path(path)
-    index = root / INDEX_FILE
-    single = root / SINGLE_FILE
-    if index.is_file():
-        try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-            weight_map = dict(data["weight_map"])
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"cannot read {str(index)!r}: {exc}; fix or regenerate the index") from exc
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (root / n).is_file()]
-        if missing:
-            raise CheckpointError(
-                f"shard files listed in {INDEX_FILE} are missing in {str(root)!r}: {', '.join(missing)}; "
-                "re-download or regenerate the checkpoint"
-            )
-        return [root / n for n in names], weight_map
-    if single.is_file():
-        return [single], None
-    raise CheckpointError(
-        f"no {SINGLE_FILE} or {INDEX_FILE} in {str(root)!r}; spiffy reads safetensors checkpoints only "
-        "(convert .bin weights with transformers' save_pretrained(safe_serialization=True))"
-    )
-
-
-def load_state_dict(path: str | os.PathLike, device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of a (single-file or sharded) safetensors checkpoint, keyed by parameter name."""
-    from safetensors.torch import load_file
-
-    files, weight_map = checkpoint_files(path)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            part = load_file(str(f), device=str(device) if device is not None else "cpu")
-        except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"cannot read {str(f)!r}: {exc}; the file is corrupt or not safetensors") from exc
-        for key, tensor in part.items():
-            if weight_map is not None and weight_map.get(key) != f.name:
-                if key not in weight_map:
-                    state[key] = tensor  # reported as unexpected by the strict check
-                continue
-            state[key] = tensor
-    if weight_map is not None:
-        absent = sorted(k for k in weight_map if k not in state)
-        if absent:
-            raise CheckpointError(
-                f"{INDEX_FILE} in {str(path)!r} lists keys absent from their shard files: {', '.join(absent[:8])}; "
-                "regenerate the checkpoint"
-            )
-    return state
-
-
-def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
-    """State-dict names grouped by shared tensor (tied weights): groups of size > 1 only."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
-
-
-def check_keys(
-    model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: str | os.PathLike
-) -> None:
-    """Strict key matching: raise CheckpointKeyError naming missing, unexpected and shape-mismatched keys.
-
-    Tied parameters (several names, one tensor) need only one of their names in the checkpoint.
-    """
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    optional: set[str] = set()
-    for group in _alias_groups(model):
-        present = [n for n in group if n in state]
-        optional.update(group if present else group[1:])
-    missing = sorted(k for k in expected if k not in state and k not in optional)
-    unexpected = sorted(k for k in state if k not in expected)
-    mismatch = sorted(
-        f"{k} (checkpoint {tuple(state[k].shape)} vs model {expected[k]})"
-        for k in expected
-        if k in state and tuple(state[k].shape) != expected[k]
-    )
-    if missing or unexpected or mismatch:
-        raise CheckpointKeyError(str(path), missing, unexpected, mismatch)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -234,8 +130,6 @@ def load_model(
     device = torch.device(device) if device is not None else torch.device("cpu")
     torch_dtype = resolve_dtype(dtype, data, device)
     if family == "dflash":
-        from spiffy.ar.drafter import load_drafter  # written by the AR engineer; imported lazily
-
         return load_drafter(path, dtype=torch_dtype, device=device)
     config = load_config(path, family)
     config._attn_implementation = attn_implementation if attn_implementation in ("sdpa", "eager") else "sdpa"
@@ -256,6 +150,28 @@ def load_model(
     model.eval()
     model.name_or_path = str(path)
     return model
+
+
+def load_target(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
+    """Load a Qwen3 target checkpoint directory for AR speculative decoding (sdpa attention, eval mode).
+
+    Raises:
+        CheckpointError: no ``config.json`` or unreadable weights; ConfigError: not a ``qwen3`` checkpoint.
+    """
+    root = Path(path)
+    if not (root / CONFIG_FILE).is_file():
+        raise CheckpointError(f"no config.json in {root}; fix: --target must be a Qwen3 checkpoint directory")
+    raw = read_config_dict(root)
+    if raw.get("model_type") != "qwen3":
+        raise ConfigError(
+            f"--target {root} has model_type {raw.get('model_type')!r}; AR mode needs a Qwen3 target "
+            "(model_type 'qwen3'); fix: pass a Qwen3 checkpoint, or use --model for diffusion LMs"
+        )
+    try:
+        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation="sdpa", local_files_only=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
+    return model.to(device).eval()
 
 
 def _materialize_buffers(

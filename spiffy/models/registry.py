@@ -129,7 +129,7 @@ FAMILIES: dict[str, FamilySpec] = {
     "dflash": FamilySpec(
         name="dflash",
         model_type="qwen3",
-        model_class_path="spiffy.ar.drafter.DFlashDraftModel",
+        model_class_path="spiffy.models.dflash.DFlashDraftModel",
         config_class_path="transformers.Qwen3Config",
         mask_config_key="dflash_config.mask_token_id",
         mask_token="<|MASK|>",

@@ -16,7 +16,10 @@ from typing import Any
 import torch
 
 from spiffy.errors import ConfigError
+from spiffy.models.ar_checkpoints import make_tiny_dflash
+from spiffy.models.loading import save_checkpoint, special_token_ids
 from spiffy.models.registry import FAMILIES, family_spec
+from spiffy.models.tokenizer import build_tokenizer
 
 TINY_FAMILIES: tuple[str, ...] = ("llada", "dream", "sdar", "qwen3", "dflash")
 
@@ -85,8 +88,6 @@ def _tiny_config(family: str, tokenizer: Any, overrides: dict[str, Any]) -> Any:
 
 
 def _generation_config(family: str, config: Any, tokenizer: Any) -> dict[str, Any]:
-    from spiffy.models.loading import special_token_ids
-
     ids = special_token_ids(config, tokenizer)
     gen: dict[str, Any] = {"bos_token_id": ids.bos, "eos_token_id": ids.eos, "pad_token_id": ids.pad}
     if family == "qwen3":
@@ -101,7 +102,7 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
 
     Args:
         family: ``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"`` or ``"dflash"`` (the latter needs
-            ``target=PATH`` of a Qwen3 checkpoint and delegates to ``spiffy.ar.checkpoints.make_tiny_dflash``).
+            ``target=PATH`` of a Qwen3 checkpoint and delegates to :func:`spiffy.models.ar_checkpoints.make_tiny_dflash`).
         out_dir: directory to write (replaced atomically if it exists).
         seed: weight-initialisation seed (the global torch RNG is left untouched).
         **overrides: config keys to override (e.g. ``n_layers=3`` for LLaDA, ``num_hidden_layers=3`` for the
@@ -115,13 +116,8 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
         target = overrides.pop("target", None)
         if target is None:
             raise ConfigError("a tiny DFlash drafter needs target=PATH of a Qwen3 checkpoint (e.g. from make_tiny('qwen3', ...))")
-        from spiffy.ar.checkpoints import make_tiny_dflash  # written by the AR engineer; imported lazily
-
         return Path(make_tiny_dflash(out_dir, target, seed, **overrides))
     overrides.pop("target", None)
-    from spiffy.models.loading import save_checkpoint
-    from spiffy.models.tokenizer import build_tokenizer
-
     vocab_size = int(overrides.pop("vocab_size", 512))
     min_shards = int(overrides.pop("min_shards", 2))
     tokenizer = build_tokenizer(fam, vocab_size=vocab_size)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from spiffy.errors import ConfigError
+from spiffy.models.prompting import prompt_token_ids  # re-exported: its home is the tokenizer side
 
 # name -> (file in spiffy/data/calibration, source filter or None)
 NAMED_SETS: dict[str, tuple[str, str | None]] = {
@@ -103,28 +104,6 @@ def _parse(text: str, where: str) -> list[dict[str, Any]]:
             raise ConfigError(f"{where}, line {lineno}: field 'prompt' must be a non-empty string")
         rows.append(obj)
     return rows
-
-
-def prompt_token_ids(tokenizer: Any, text: str, *, chat: bool = True) -> list[int]:
-    """Token ids of one prompt, with the tokenizer's chat template applied when it has one and ``chat`` is set.
-
-    Args:
-        tokenizer: a Hugging Face tokenizer.
-        text: the user message.
-        chat: wrap ``text`` as a user turn of the chat template (with the generation prompt) when available.
-    Returns:
-        ``[L]`` token ids as a list.
-    """
-    if chat and getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(text)["input_ids"]
-    if ids and isinstance(ids[0], list):  # batched output
-        ids = ids[0]
-    return [int(t) for t in ids]
 
 
 def select_prompts(prompts: Sequence[str], max_prompts: int | None) -> list[str]:

@@ -1,0 +1,225 @@
+"""Checkpoint writers of the AR side: DFlash drafters (:func:`save_drafter`) and tiny random DFlash drafters and
+Qwen3 targets in the real file layout (for tests and demos; ``spiffy tiny dflash`` goes through
+:func:`spiffy.models.tiny.make_tiny`).
+
+:func:`make_tiny_dflash` writes ``config.json`` (a Qwen3Config with ``architectures ["DFlashDraftModel"]``,
+``block_size``, ``num_target_layers`` and ``dflash_config`` {``target_layer_ids``, ``mask_token_id``,
+``block_size``}) and sharded safetensors with a ``model.safetensors.index.json``, sized to a target checkpoint's
+config (hidden size, heads, head dim, vocabulary). Files are written atomically (:mod:`spiffy.io`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from spiffy.errors import CheckpointError, ConfigError
+from spiffy.io import atomic_write_bytes, atomic_write_json, replace_dir
+from spiffy.models.dflash import DFlashDraftModel, default_target_layer_ids
+from spiffy.models.tokenizer import build_tokenizer
+
+__all__ = ["make_tiny_dflash", "make_tiny_target", "save_drafter"]
+
+MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
+
+
+def _target_config(target: Any) -> dict[str, Any]:
+    """The target's config as a dict, from a checkpoint dir, a config object or a loaded model."""
+    if isinstance(target, (str, Path)):
+        f = Path(target) / "config.json"
+        if not f.is_file():
+            raise CheckpointError(f"no config.json in {target}; fix: pass the target checkpoint directory")
+        return json.loads(f.read_text())
+    cfg = getattr(target, "config", target)
+    if hasattr(cfg, "to_dict"):
+        return cfg.to_dict()
+    if isinstance(cfg, dict):
+        return dict(cfg)
+    raise ConfigError(f"cannot read a config from {type(target).__name__}; fix: pass the target directory")
+
+
+def _mask_token_id(target: Any, vocab_size: int) -> int:
+    """The mask id for a tiny drafter: the target tokenizer's mask-like special token, else the last vocab id."""
+    if isinstance(target, (str, Path)):
+        tok_file = Path(target) / "tokenizer.json"
+        if tok_file.is_file():
+            try:
+                added = json.loads(tok_file.read_text()).get("added_tokens", [])
+            except ValueError:
+                added = []
+            by_name = {t.get("content"): int(t.get("id")) for t in added if "content" in t and "id" in t}
+            for name in MASK_TOKEN_NAMES:
+                if name in by_name and by_name[name] < vocab_size:
+                    return by_name[name]
+    return vocab_size - 1
+
+
+def save_drafter(model: torch.nn.Module, out_dir: str | Path, num_shards: int = 2) -> Path:
+    """Write a :class:`~spiffy.models.dflash.DFlashDraftModel` as ``config.json`` + sharded safetensors + index.
+
+    Every file is written atomically. ``num_shards`` >= 1 (1 = a single ``model.safetensors``).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_dict()
+    cfg["architectures"] = ["DFlashDraftModel"]
+    cfg["model_type"] = "qwen3"
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    keys = sorted(state)
+    n = max(1, min(int(num_shards), len(keys)))
+    if n == 1:
+        atomic_write_bytes(out / "model.safetensors", save(state, metadata={"format": "pt"}))
+    else:
+        groups = [keys[i::n] for i in range(n)]
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, group in enumerate(groups):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            part = {k: state[k] for k in group}
+            atomic_write_bytes(out / name, save(part, metadata={"format": "pt"}))
+            for k in group:
+                weight_map[k] = name
+                total += state[k].numel() * state[k].element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        atomic_write_json(out / "model.safetensors.index.json", index, sort_keys=False)
+    atomic_write_bytes(out / "config.json", (json.dumps(cfg, indent=2, sort_keys=True, default=str) + "\n").encode())
+    return out
+
+
+def make_tiny_dflash(
+    out_dir: str | Path,
+    target: Any,
+    seed: int = 0,
+    num_layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a tiny random DFlash drafter for ``target`` and return its directory.
+
+    Args:
+        out_dir: output directory (created).
+        target: the target checkpoint directory (or its config / a loaded model): hidden size, heads, KV heads,
+            head dim, intermediate size, vocabulary, RoPE and norm settings are copied from it.
+        seed: weights are a deterministic function of the seed.
+        num_layers: drafter decoder layers.
+        block_size: drafted block length (bonus + ``block_size - 1`` masks).
+        target_layer_ids: target layers to read (default: SPEC §3 rule from the target's layer count).
+        mask_token_id: default: the target tokenizer's ``<|MASK|>``-like token, else ``vocab_size - 1``.
+        dtype: stored parameter dtype.
+    """
+    if num_layers < 1:
+        raise ConfigError(f"num_layers must be >= 1, got {num_layers}; fix: pass num_layers=1 or more")
+    if block_size < 2:
+        raise ConfigError(f"block_size must be >= 2, got {block_size}; fix: use e.g. 16")
+    tcfg = _target_config(target)
+    n_target = int(tcfg["num_hidden_layers"])
+    vocab = int(tcfg["vocab_size"])
+    ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(n_target, num_layers)
+    mask_id = int(mask_token_id) if mask_token_id is not None else _mask_token_id(target, vocab)
+    heads = int(tcfg["num_attention_heads"])
+    rope = tcfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": tcfg.get("rope_theta", 1e6)}
+    cfg = Qwen3Config(
+        hidden_size=int(tcfg["hidden_size"]),
+        intermediate_size=int(tcfg.get("intermediate_size", 4 * int(tcfg["hidden_size"]))),
+        num_hidden_layers=int(num_layers),
+        num_attention_heads=heads,
+        num_key_value_heads=int(tcfg.get("num_key_value_heads") or heads),
+        head_dim=int(tcfg.get("head_dim") or int(tcfg["hidden_size"]) // heads),
+        vocab_size=vocab,
+        max_position_embeddings=int(tcfg.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(tcfg.get("rms_norm_eps", 1e-6)),
+        rope_parameters=dict(rope),
+        hidden_act=tcfg.get("hidden_act", "silu"),
+        tie_word_embeddings=False,
+    )
+    cfg.block_size = int(block_size)
+    cfg.num_target_layers = n_target
+    cfg.dflash_config = {"target_layer_ids": [int(i) for i in ids], "mask_token_id": mask_id, "block_size": int(block_size)}
+    cfg.architectures = ["DFlashDraftModel"]
+    model = DFlashDraftModel(cfg)
+    gen = torch.Generator().manual_seed(int(seed))
+    std = float(getattr(cfg, "initializer_range", 0.02)) * 5
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    model = model.to(dtype)
+    return save_drafter(model, out_dir, num_shards=2)
+
+
+_TINY_CORPUS = [
+    "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nimport sys\n\nfor name in sorted(os.listdir('.')):\n    if name.endswith('.py'):\n        print(name)\n",
+    "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) [ ] { } : ; , .\n",
+]
+
+
+def make_tiny_target(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 300,
+    weight_std: float = 0.3,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Write a tiny random transformers ``Qwen3ForCausalLM`` target (sharded safetensors, + tokenizer if possible).
+
+    A stand-in for ``spiffy.models.tiny.make_tiny("qwen3", ...)`` used by AR tests and benchmarks. With
+    ``with_tokenizer`` a byte-level BPE (:func:`spiffy.models.tokenizer.build_tokenizer`) with the Qwen3 special tokens is trained on a few built-in lines and the vocabulary is the tokenizer's size. Weights are
+    ``N(0, weight_std)`` (larger than the usual 0.02 so the tiny target's distributions are peaked) and a
+    deterministic function of ``seed``.
+    """
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = None
+    special: dict[str, int] = {}
+    if with_tokenizer:
+        tokenizer = build_tokenizer("qwen3", vocab_size=vocab_size, corpus=_TINY_CORPUS)
+        vocab_size = len(tokenizer)
+        for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            val = getattr(tokenizer, key, None)
+            if val is not None:
+                special[key] = int(val)
+    cfg = Qwen3Config(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        **special,
+    )
+    gen = torch.Generator().manual_seed(int(seed))
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(weight_std * torch.randn(p.shape, generator=gen))
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp"))
+    try:
+        model.save_pretrained(str(tmp), max_shard_size="100KB")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        replace_dir(tmp, out)  # readers see the whole checkpoint or none of it
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
