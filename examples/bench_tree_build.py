@@ -1,10 +1,10 @@
 """Benchmark: DDTree tree-build and compile time per round vs. the verify forward, across node budgets.
 
 Tree build = ``log_softmax`` over the vocabulary + one ``torch.topk`` for all depths + the best-first heap
-(:func:`spiffy.ar.tree.build_ddtree`), on random drafter logits ``[block - 1, vocab]`` (default: Qwen3's vocabulary of
+(:func:`spiffy.arspec.tree.build_ddtree`), on random drafter logits ``[block - 1, vocab]`` (default: Qwen3's vocabulary of
 151,936, block 16). Compile = :func:`spiffy.verify.compile_packed` of ``[root, nodes...]`` over a committed context.
 Verify = one target forward over the compiled rows on top of a cached context, for a tiny random Qwen3 target
-(written to a temp dir by :func:`spiffy.ar.checkpoints.make_tiny_target`; ``--target DIR`` uses a real one).
+(written to a temp dir by :func:`spiffy.models.make_tiny_target`; ``--target DIR`` uses a real one).
 
 Prints one JSON object and a Markdown table (median milliseconds per round)::
 
@@ -25,9 +25,8 @@ from pathlib import Path
 import torch
 
 import spiffy
-from spiffy.ar.checkpoints import make_tiny_target
-from spiffy.ar.cli import load_target
-from spiffy.ar.tree import build_ddtree
+from spiffy.arspec.tree import build_ddtree
+from spiffy.models import load_target, make_tiny_target
 from spiffy.verify import DraftStructure, compile_packed
 
 

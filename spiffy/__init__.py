@@ -31,7 +31,7 @@ _LAZY: dict[str, str] = {
     "make_tiny": "spiffy.models.tiny",
     "generate": "spiffy.decoding",
     "DecodeConfig": "spiffy.decoding",
-    "ddtree_generate": "spiffy.ar",
+    "ddtree_generate": "spiffy.arspec",
     "DraftGraph": "spiffy.selfspec.graph",
     "load_graph": "spiffy.selfspec.graph",
     "calibrate": "spiffy.selfspec.calibrate",

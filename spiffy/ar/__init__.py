@@ -1,28 +1,27 @@
-"""AR mode: a DFlash block-diffusion drafter and DDTree tree verification for Qwen3 targets (SPEC §7).
+"""Deprecated package (kept one release): its contents moved.
 
-Public API::
+* the DFlash drafter model and its loader: :mod:`spiffy.models.dflash` (``spiffy.models.load_drafter``);
+* checkpoint writers (``make_tiny_dflash``, ``make_tiny_target``, ``save_drafter``): :mod:`spiffy.models.ar_checkpoints`;
+* generation, sampling and the tree builder: :mod:`spiffy.arspec`;
+* the command line (``spiffy.ar.cli``): :mod:`spiffy.cli.generate_ar`.
 
-    from spiffy.ar import ddtree_generate, load_drafter
-    drafter = load_drafter("path/to/Qwen3-8B-DFlash-b16", dtype="bf16", device="cuda")
-    res = ddtree_generate(target, drafter, input_ids, method="ddtree", budget=256, max_new_tokens=512)
-    res.tokens, res.tau, res.stage_times
-
-``method="dflash"`` is the vanilla DFlash chain and ``method="ar"`` plain AR decoding, on the same code path.
+Every name below is the same object as in its new home.
 """
 
 from __future__ import annotations
 
-from spiffy.ar.checkpoints import make_tiny_dflash, save_drafter
-from spiffy.ar.drafter import (
+from spiffy.ar.sampling import filter_logits
+from spiffy.arspec.generate import DEFAULT_BUDGET, METHODS, ARGenerationResult, ddtree_generate
+from spiffy.arspec.sampling import sample_tokens
+from spiffy.arspec.tree import DraftTree, build_chain, build_ddtree
+from spiffy.models.ar_checkpoints import make_tiny_dflash, save_drafter
+from spiffy.models.dflash import (
     DFlashDraftModel,
     TargetFeatureHooks,
     check_compatible,
     default_target_layer_ids,
     load_drafter,
 )
-from spiffy.ar.generate import DEFAULT_BUDGET, METHODS, ARGenerationResult, ddtree_generate
-from spiffy.ar.sampling import filter_logits, sample_tokens
-from spiffy.ar.tree import DraftTree, build_chain, build_ddtree
 
 __all__ = [
     "ARGenerationResult",

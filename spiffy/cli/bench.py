@@ -127,7 +127,7 @@ def run_dllm(args: argparse.Namespace) -> int:
 
 def run_ar(args: argparse.Namespace) -> int:
     """``spiffy bench ar``."""
-    from spiffy.ar import load_drafter
+    from spiffy.models import load_drafter
     from spiffy.bench.ar import run_ar_bench
     from spiffy.bench.common import parse_budgets
     from spiffy.bench.datasets import load_benchmark_prompts

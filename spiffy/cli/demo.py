@@ -186,7 +186,7 @@ def _dllm_part(args: argparse.Namespace, model_dir: Path, prompts: list[Any], de
 
 
 def _ar_part(args: argparse.Namespace, target_dir: Path, drafter_dir: Path, prompts: list[Any], device: str) -> dict[str, Any]:
-    from spiffy.ar import load_drafter
+    from spiffy.models import load_drafter
     from spiffy.bench.ar import run_ar_bench
     from spiffy.models import load_model, load_tokenizer
 

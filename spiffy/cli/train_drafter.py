@@ -15,7 +15,7 @@ EPILOG = """\
 The drafter is trained on continuations the target generates from Python standard-library prompts (built offline
 into ~/.cache/spiffy/corpus unless --corpus is given), with random anchors, blocks of --block-size, same-position
 targets and position-decayed loss weights. Re-run with --resume to continue an interrupted run. The drafter is
-written to OUT/model (config.json with dflash_config + safetensors) and loads with spiffy.ar.drafter.load_drafter.
+written to OUT/model (config.json with dflash_config + safetensors) and loads with spiffy.models.load_drafter.
 """
 
 

@@ -3,7 +3,7 @@
 ``python -m spiffy.train.check --qwen3 DIR [--drafter DIR] [--llada DIR] [--json OUT]``
 
 * Qwen3 target: ``spiffy.models.loading.load_model``; greedy AR completions of a few code prompts.
-* DFlash drafter: ``spiffy.ar.drafter.load_drafter``; ``ddtree_generate`` with methods ``ar``, ``dflash`` and
+* DFlash drafter: ``spiffy.models.dflash.load_drafter``; ``ddtree_generate`` with methods ``ar``, ``dflash`` and
   ``ddtree`` on held-out-style prompts: tokens must be identical (lossless), tau (mean acceptance length incl. the
   bonus token, macro-averaged over prompts) is reported.
 * LLaDA: ``load_model`` + ``spiffy.decoding.api.generate`` (baseline, low-confidence remasking, greedy).
@@ -29,7 +29,7 @@ PROMPTS = [
 def check_qwen3(path: str, drafter_path: str | None = None, max_new_tokens: int = 48,
                 budget: int = 32) -> dict[str, Any]:
     """Load the target (and drafter) with the library and return samples and acceptance statistics."""
-    from spiffy.ar.generate import ddtree_generate
+    from spiffy.arspec import ddtree_generate
     from spiffy.models.loading import load_model, load_tokenizer
 
     target = load_model(path, dtype="float32")
@@ -37,7 +37,7 @@ def check_qwen3(path: str, drafter_path: str | None = None, max_new_tokens: int 
     out: dict[str, Any] = {"samples": {}}
     drafter = None
     if drafter_path:
-        from spiffy.ar.drafter import load_drafter
+        from spiffy.models.dflash import load_drafter
 
         drafter = load_drafter(drafter_path, dtype="float32")
         out["acceptance"] = {}

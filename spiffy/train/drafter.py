@@ -17,7 +17,7 @@ Recipe (after the DFlash paper / its public training code, re-implemented):
   held-out greedy target continuations, and per-slot accuracy.
 
 Output: a real drafter checkpoint directory (``config.json`` with ``dflash_config`` + safetensors) loadable with
-:func:`spiffy.ar.drafter.load_drafter`, plus ``metrics.json`` and ``MODEL_CARD.md``. Resumable (``--resume``),
+:func:`spiffy.models.dflash.load_drafter`, plus ``metrics.json`` and ``MODEL_CARD.md``. Resumable (``--resume``),
 time-boxed (``--max-minutes``).
 """
 
@@ -78,7 +78,7 @@ def build_drafter_config(target_config: Any, num_layers: int, block_size: int, t
     """A ``Qwen3Config`` for a drafter sized to the target (hidden, heads, head dim, vocab, RoPE) + DFlash extras."""
     from transformers import Qwen3Config
 
-    from spiffy.ar.drafter import default_target_layer_ids
+    from spiffy.models.dflash import default_target_layer_ids
 
     t = target_config
     n_target = int(t.num_hidden_layers)
@@ -218,8 +218,8 @@ def _batch(args: argparse.Namespace, target: torch.nn.Module, stream: common.Tok
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Train a drafter as configured by ``args`` (see :func:`add_arguments`); returns the metrics dict."""
-    from spiffy.ar.checkpoints import save_drafter
-    from spiffy.ar.drafter import DFlashDraftModel, TargetFeatureHooks, load_drafter
+    from spiffy.models.ar_checkpoints import save_drafter
+    from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, load_drafter
     from spiffy.train.corpus import build_corpus, load_split
 
     common.set_threads(args.threads)

@@ -1,0 +1,55 @@
+"""Speculative decoding for autoregressive targets (SPEC §7): drafter and acceptance-rule interfaces, the stages of
+a round, the DDTree tree builder and the generation loop. Holds no model (those are in :mod:`spiffy.models`) and no
+command line (:mod:`spiffy.cli`).
+
+Public API::
+
+    from spiffy.arspec import ddtree_generate
+    from spiffy.models import load_drafter
+    drafter = load_drafter("path/to/Qwen3-8B-DFlash-b16", dtype="bf16", device="cuda")
+    res = ddtree_generate(target, drafter, input_ids, method="ddtree", budget=256, max_new_tokens=512)
+    res.tokens, res.tau, res.stage_times
+
+or, with any :class:`Drafter` and :class:`AcceptanceRule`::
+
+    cfg = ARSpecConfig(method="ddtree", tree_budget=256, max_new_tokens=512, sampling=SamplingConfig(temperature=1.0, seed=0))
+    res = speculative_generate(target, DFlashDrafter(drafter), input_ids, cfg, rule=CoupledRule(cfg.sampling))
+
+``method="dflash"`` is the vanilla DFlash chain and ``method="ar"`` plain AR decoding, on the same code path.
+"""
+
+from __future__ import annotations
+
+from spiffy.arspec.config import DEFAULT_TREE_BUDGET, METHODS, ARSpecConfig
+from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter
+from spiffy.arspec.generate import DEFAULT_BUDGET, ARGenerationResult, ddtree_generate, speculative_generate
+from spiffy.arspec.rules import Acceptance, AcceptanceRule, CoupledRule, TargetLogits
+from spiffy.arspec.sampling import sample_keyed, sample_tokens
+from spiffy.arspec.stages import STAGES
+from spiffy.arspec.tree import DraftTree, build_chain, build_ddtree, empty_tree
+from spiffy.sampling import SamplingConfig
+
+__all__ = [
+    "ARGenerationResult",
+    "ARSpecConfig",
+    "Acceptance",
+    "AcceptanceRule",
+    "ContextUpdate",
+    "CoupledRule",
+    "DEFAULT_BUDGET",
+    "DEFAULT_TREE_BUDGET",
+    "DFlashDrafter",
+    "DraftTree",
+    "Drafter",
+    "METHODS",
+    "STAGES",
+    "SamplingConfig",
+    "TargetLogits",
+    "build_chain",
+    "build_ddtree",
+    "ddtree_generate",
+    "empty_tree",
+    "sample_keyed",
+    "sample_tokens",
+    "speculative_generate",
+]

@@ -1,0 +1,93 @@
+"""One configuration object for AR speculative generation (method, draft sizes, limits, sampling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from spiffy.errors import ConfigError
+from spiffy.sampling import SamplingConfig
+
+__all__ = ["ARSpecConfig", "METHODS", "DEFAULT_TREE_BUDGET", "stop_id_tuple"]
+
+#: ``ddtree``: the optimal draft tree; ``dflash``: the chain of the drafter's argmaxes; ``ar``: no drafts
+METHODS: tuple[str, ...] = ("ddtree", "dflash", "ar")
+#: DDTree nodes per round (root excluded) when none is given
+DEFAULT_TREE_BUDGET = 64
+
+
+def stop_id_tuple(stop_token_ids: int | Iterable[int] | None) -> tuple[int, ...]:
+    """``None`` -> ``()``; one id -> ``(id,)``; an iterable -> a tuple of ints."""
+    if stop_token_ids is None:
+        return ()
+    if isinstance(stop_token_ids, int):
+        return (int(stop_token_ids),)
+    return tuple(int(t) for t in stop_token_ids)
+
+
+@dataclass(frozen=True)
+class ARSpecConfig:
+    """How :func:`spiffy.arspec.speculative_generate` decodes.
+
+    Attributes:
+        method: one of :data:`METHODS`.
+        tree_budget: ``ddtree`` only: draft-tree nodes verified per round (root excluded); ``0`` = no drafts.
+        chain_length: ``dflash`` only: drafted tokens per round; ``None`` = ``block_size - 1`` (a whole block);
+            ``0`` = no drafts.
+        max_new_tokens: hard cap on generated tokens.
+        stop_token_ids: generation ends right after the first generated one of these (it is kept in the output).
+        block_size: drafted block length including the root (bonus) token; ``None`` = the drafter's own.
+        sampling: the target's decoding rule (temperature, top-p, top-k, seed; ``seed=None`` means 0). Every method
+            draws the token at absolute position ``p`` with noise keyed by ``(seed, p)``.
+    """
+
+    method: str = "ddtree"
+    tree_budget: int = DEFAULT_TREE_BUDGET
+    chain_length: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    block_size: int | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown method {self.method!r}; fix: use one of {', '.join(METHODS)}")
+        if int(self.tree_budget) < 0:
+            raise ConfigError(
+                f"tree budget must be >= 0, got {self.tree_budget}; fix: pass a node budget such as 64 (0 = no drafts)"
+            )
+        if self.chain_length is not None and int(self.chain_length) < 0:
+            raise ConfigError(f"chain_length must be >= 0, got {self.chain_length}; fix: pass None for a whole block")
+        if int(self.max_new_tokens) < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.block_size is not None and int(self.block_size) < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if not isinstance(self.sampling, SamplingConfig):
+            raise ConfigError(f"sampling must be a spiffy.sampling.SamplingConfig, got {type(self.sampling).__name__}")
+        object.__setattr__(self, "stop_token_ids", stop_id_tuple(self.stop_token_ids))
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Whether any round drafts (DDTree with budget 0 and a chain of length 0 run as plain AR)."""
+        if self.method == "ddtree":
+            return int(self.tree_budget) > 0
+        if self.method == "dflash":
+            return self.chain_length is None or int(self.chain_length) > 0
+        return False
+
+    def draft_depth(self, block: int) -> int:
+        """Deepest drafted position per round for a block of ``block`` tokens (before the ``max_new_tokens`` cap)."""
+        if not self.uses_drafter:
+            return 0
+        depth = block - 1
+        if self.method == "dflash" and self.chain_length is not None:
+            depth = min(depth, int(self.chain_length))
+        return depth
+
+    def reported_budget(self, block: int) -> int:
+        """Draft nodes per round as reported in results: the tree budget, the chain length, or 0 for AR."""
+        if self.method == "ddtree":
+            return int(self.tree_budget)
+        if self.method == "dflash":
+            return self.draft_depth(block) if self.chain_length is not None else block - 1
+        return 0
