@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spiffy.ar.checkpoints import make_tiny_dflash
-from spiffy.ar.cli import add_ar_arguments, main as ar_main
+from spiffy.models import make_tiny_dflash
+from spiffy.cli.generate_ar import add_ar_arguments, main as ar_main
 
 torch.set_num_threads(1)
 

@@ -1,6 +1,6 @@
 """``spiffy bench ar``: plain AR vs vanilla DFlash vs DDTree at several node budgets, on one Qwen3 target.
 
-All three methods run on the same code path (:func:`spiffy.ar.ddtree_generate`), on the same prompts, in the same
+All three methods run on the same code path (:func:`spiffy.arspec.ddtree_generate`), on the same prompts, in the same
 process, after an untimed warm-up. Reported per method (SPEC sections 7 and 11): τ = mean acceptance length per
 round **including the bonus token**, macro-averaged over responses (mean of each response's τ); the histogram of
 acceptance lengths (summed over rounds); time per output token **excluding prefill** (mean over responses); speedup
@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from spiffy.arspec import ddtree_generate
 from spiffy.bench.common import (
     add_times,
     check_bench_inputs,
@@ -27,29 +28,9 @@ from spiffy.bench.common import (
 )
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.errors import ConfigError, PromptTooLongError
+from spiffy.models.prompting import prompt_token_ids, stop_token_ids
 
 TAU_NOTE = "tau = tokens committed per verification round including the bonus token, macro average over responses"
-
-
-def stop_token_ids(target: Any, tokenizer: Any, chat: bool) -> list[int]:
-    """EOS ids of the target's generation config / config / tokenizer, plus the end-of-turn token when ``chat``."""
-    ids: set[int] = set()
-    for src in (getattr(target, "generation_config", None), getattr(target, "config", None)):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, (list, tuple)):
-            ids.update(int(e) for e in eos)
-    if tokenizer is not None:
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            ids.add(int(tokenizer.eos_token_id))
-        if chat:
-            unk = getattr(tokenizer, "unk_token_id", None)
-            for name in ("<|im_end|>", "<|eot_id|>"):
-                tid = tokenizer.convert_tokens_to_ids(name)
-                if isinstance(tid, int) and tid >= 0 and tid != unk:
-                    ids.add(tid)
-    return sorted(ids)
 
 
 def _method_keys(budgets: Sequence[int]) -> list[tuple[str, str, int | None]]:
@@ -90,9 +71,6 @@ def run_ar_bench(
     Returns:
         dict with ``methods`` (one entry per method: ar, dflash, ddtree@B), ``per_prompt``, ``environment``...
     """
-    from spiffy.ar import ddtree_generate
-    from spiffy.selfspec.prompts import prompt_token_ids
-
     check_bench_inputs(budgets, prompts, "[16, 32, 64]")
     stops = stop_token_ids(target, tokenizer, chat)
     keys = _method_keys(budgets)

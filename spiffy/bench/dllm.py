@@ -94,7 +94,7 @@ def run_dllm_bench(
         ConfigError: no budgets / prompts, or no prompt fits the context.
     """
     from spiffy.decoding import generate
-    from spiffy.selfspec.prompts import prompt_token_ids
+    from spiffy.models.prompting import prompt_token_ids
 
     check_bench_inputs(budgets, prompts, "[1, 3, 5]")
     extra = dict(config_overrides or {})

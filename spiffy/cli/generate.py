@@ -2,7 +2,7 @@
 
 dLLM mode: ``spiffy generate --model DIR --prompt TEXT [decoding flags] [--graph FILE --budget D] [--json]``.
 AR mode: ``spiffy generate --target DIR [--drafter DIR --method ar|dflash|ddtree --max-new-tokens N] ...``
-(delegated to :func:`spiffy.ar.cli.run_generate`). Flags shared by both modes are defined here once:
+(delegated to :func:`spiffy.cli.generate_ar.run_generate`). Flags shared by both modes are defined here once:
 ``--prompt --chat --json --dtype --device --budget --temperature --top-p --top-k --seed``.
 
 :func:`add_decoding_arguments` / :func:`config_from_args` are reusable by other subcommands (``spiffy calibrate``)
@@ -16,6 +16,7 @@ import json
 import sys
 from typing import Any
 
+from spiffy.cli.generate_ar import add_ar_arguments, run_generate
 from spiffy.errors import ConfigError
 
 DESCRIPTION = """\
@@ -29,7 +30,7 @@ the same tokens as the baseline, fewer model calls. --json prints one JSON objec
 steps, config) on stdout; the progress bar goes to stderr.
 """
 
-#: flags defined here and shared with AR mode (the AR engineer's add_ar_arguments skips them)
+#: flags defined here and shared with AR mode (add_ar_arguments skips them)
 SHARED_FLAGS: tuple[str, ...] = (
     "--prompt", "--chat", "--json", "--dtype", "--device", "--budget", "--temperature", "--top-p", "--top-k", "--seed",
 )
@@ -131,12 +132,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="draft nodes kept per step with --graph (default 3); AR mode: DDTree node budget")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_decoding_arguments(parser)
-    try:
-        from spiffy.ar.cli import add_ar_arguments
-    except ImportError:  # AR mode not part of this build
-        pass
-    else:
-        add_ar_arguments(parser)
+    add_ar_arguments(parser)
     parser.set_defaults(handler=run)
     return parser
 
@@ -168,8 +164,6 @@ def _load_graph(path: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy generate``; returns the exit status."""
     if getattr(args, "target", None):
-        from spiffy.ar.cli import run_generate
-
         return int(run_generate(args) or 0)
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
         from spiffy.embedded import default_dllm_path

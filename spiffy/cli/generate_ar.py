@@ -1,0 +1,192 @@
+"""AR mode of ``spiffy generate``: ``spiffy generate --target DIR [--drafter DIR] --method ar|dflash|ddtree ...``.
+
+``spiffy/cli/generate.py`` defines the flags shared with the dLLM mode (``--prompt``, ``--chat``, ``--json``,
+``--dtype``, ``--budget``, ``--temperature``, ``--top-p``, ``--top-k``, ``--seed``) and calls
+:func:`add_ar_arguments` for the AR-only ones; when ``--target`` is given it delegates to :func:`run_generate`.
+:func:`add_ar_arguments` with ``shared=True`` adds any shared flag the parser still lacks, so the module also works
+stand-alone (:func:`main`, ``python -m spiffy.cli.generate_ar``).
+
+Draft sizes have their own names: ``--tree-budget N`` (DDTree nodes per round) and ``--chain-length N`` (DFlash
+drafted tokens per round). ``--budget``, which means "drafts kept per step" in dLLM mode, is still read as the
+tree budget in AR mode when ``--tree-budget`` is not given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from transformers import AutoTokenizer
+
+from spiffy.arspec import ARGenerationResult, ARSpecConfig, DFlashDrafter, speculative_generate
+from spiffy.arspec.config import DEFAULT_TREE_BUDGET
+from spiffy.errors import CheckpointError, ConfigError, SpiffyError
+from spiffy.models.dflash import load_drafter
+from spiffy.models.loading import load_target, read_config_dict
+from spiffy.models.prompting import stop_token_ids
+from spiffy.sampling import SamplingConfig
+from spiffy.torch_utils import resolve_dtype
+
+__all__ = ["add_ar_arguments", "ar_config_from_args", "run_generate", "main", "load_target"]
+
+_AR_ONLY: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("--target",), dict(default=None, metavar="DIR",
+                        help="AR mode: directory of a Qwen3 target checkpoint (config.json + safetensors + tokenizer)")),
+    (("--drafter",), dict(default=None, metavar="DIR",
+                         help="AR mode: directory of a DFlash drafter for the target (needed by --method dflash/ddtree)")),
+    (("--method",), dict(default=None, choices=("ar", "dflash", "ddtree"),
+                        help="AR mode decoding method: ddtree (optimal draft tree, default with --drafter), "
+                             "dflash (chain of drafter argmaxes), ar (plain autoregressive, default without --drafter)")),
+    (("--max-new-tokens",), dict(type=int, default=128, metavar="N",
+                                help="AR mode: maximum number of generated tokens (default 128)")),
+    (("--tree-budget",), dict(type=int, default=None, metavar="N",
+                             help=f"AR mode, ddtree: draft-tree nodes verified per round (default {DEFAULT_TREE_BUDGET}; "
+                                  "0 = no drafts; --budget is read as this when it is not given)")),
+    (("--chain-length",), dict(type=int, default=None, metavar="N",
+                              help="AR mode, dflash: drafted tokens per round (default: the drafter's block size - 1)")),
+]
+
+_SHARED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("--prompt",), dict(default="", help="prompt text (tokenized as is unless --chat)")),
+    (("--chat",), dict(action="store_true", help="wrap the prompt in the tokenizer's chat template")),
+    (("--json",), dict(action="store_true", help="print one JSON object with tokens, text and statistics")),
+    (("--dtype",), dict(default=None, help="model dtype: float32 (CPU default), bfloat16, float16, float64 or auto")),
+    (("--budget",), dict(type=int, default=None, metavar="B",
+                        help="AR mode: DDTree node budget per round (default 64; 0 = no drafts)")),
+    (("--temperature",), dict(type=float, default=0.0, help="sampling temperature (0 = greedy)")),
+    (("--top-p",), dict(type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")),
+    (("--top-k",), dict(type=int, default=0, help="top-k sampling (0 = off)")),
+    (("--seed",), dict(type=int, default=0, help="sampling seed")),
+]
+
+
+def _has_option(parser: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in getattr(parser, "_option_string_actions", {})
+
+
+def add_ar_arguments(parser: argparse.ArgumentParser, shared: bool = False) -> argparse.ArgumentParser:
+    """Add the AR-mode flags (``--target --drafter --method --max-new-tokens``) to ``parser``.
+
+    Flags the parser already defines are skipped. With ``shared=True`` also add the flags shared with the dLLM
+    mode (``--prompt --chat --json --dtype --budget --temperature --top-p --top-k --seed``) where missing.
+    """
+    specs = _AR_ONLY + (_SHARED if shared else [])
+    for flags, kwargs in specs:
+        if not any(_has_option(parser, f) for f in flags):
+            parser.add_argument(*flags, **kwargs)
+    return parser
+
+
+def ar_config_from_args(args: argparse.Namespace, method: str, stops: Sequence[int]) -> ARSpecConfig:
+    """The :class:`~spiffy.arspec.ARSpecConfig` of parsed AR flags (``None`` flags mean their defaults)."""
+    tree_budget = getattr(args, "tree_budget", None)
+    if tree_budget is None:
+        tree_budget = getattr(args, "budget", None)
+    sampling = SamplingConfig.from_loose(
+        getattr(args, "temperature", 0.0), getattr(args, "top_p", None), getattr(args, "top_k", None),
+        int(getattr(args, "seed", 0) or 0),
+    )
+    return ARSpecConfig(
+        method=method,
+        tree_budget=DEFAULT_TREE_BUDGET if tree_budget is None else int(tree_budget),
+        chain_length=getattr(args, "chain_length", None),
+        max_new_tokens=int(getattr(args, "max_new_tokens", 128)),
+        stop_token_ids=tuple(stops),
+        sampling=sampling,
+    )
+
+
+def _encode(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if bos is None:
+            raise ConfigError("the prompt is empty and the tokenizer has no BOS/EOS token; fix: pass --prompt TEXT")
+        ids = [int(bos)]
+    return list(ids)
+
+
+def _print_result(res: ARGenerationResult, args: argparse.Namespace, text_out: str, extra: dict[str, Any]) -> None:
+    if bool(getattr(args, "json", False)):
+        payload = res.to_dict()
+        payload.update(text=text_out, **extra)
+        print(json.dumps(payload))
+        return
+    print(text_out)
+    print(
+        f"[{res.method}] {len(res.tokens)} tokens in {res.rounds} rounds, tau {res.tau:.2f}, "
+        f"{res.seconds:.2f}s (prefill {res.prefill_seconds:.2f}s)",
+        file=sys.stderr,
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Run AR-mode generation for ``spiffy generate --target DIR ...``; prints text or one JSON object."""
+    target_dir = getattr(args, "target", None)
+    if not target_dir:
+        raise ConfigError("AR mode needs --target DIR (a Qwen3 checkpoint directory)")
+    drafter_dir = getattr(args, "drafter", None)
+    method = getattr(args, "method", None) or ("ddtree" if drafter_dir else "ar")
+    if method != "ar" and not drafter_dir:
+        raise ConfigError(f"--method {method} needs --drafter DIR (a DFlash drafter); fix: add it or use --method ar")
+    config = ar_config_from_args(args, method, ())  # bad flags fail before any model is loaded
+    device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    config_file = Path(target_dir) / "config.json"
+    raw = read_config_dict(target_dir) if config_file.is_file() else {}
+    dtype = resolve_dtype(getattr(args, "dtype", None) or "float32", raw)
+    target = load_target(target_dir, dtype, device)
+    drafter = None
+    if method != "ar":
+        drafter = DFlashDrafter(load_drafter(drafter_dir, dtype=dtype, device=device))
+        drafter.check(target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"no tokenizer in {target_dir} ({exc}); fix: save the tokenizer next to the target") from exc
+    prompt = getattr(args, "prompt", "") or ""
+    chat = bool(getattr(args, "chat", False))
+    ids = _encode(tokenizer, prompt, chat)
+    config = replace(config, stop_token_ids=tuple(stop_token_ids(target, tokenizer, chat)))
+    res = speculative_generate(target, drafter, ids, config, progress=not bool(getattr(args, "no_progress", False)))
+    sampling = config.sampling
+    extra = dict(
+        prompt=prompt,
+        prompt_tokens=len(ids),
+        target=str(target_dir),
+        drafter=str(drafter_dir) if drafter_dir else None,
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p),
+        top_k=int(sampling.top_k),
+        seed=int(sampling.seed or 0),
+        dtype=str(dtype).replace("torch.", ""),
+        device=str(device),
+        tokens_per_second=(len(res.tokens) / res.seconds) if res.seconds > 0 else None,
+    )
+    _print_result(res, args, tokenizer.decode(res.tokens, skip_special_tokens=True), extra)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry point (``python -m spiffy.cli.generate_ar --target DIR ...``)."""
+    parser = argparse.ArgumentParser(prog="spiffy-ar", description="AR-mode generation with DDTree / DFlash / AR")
+    add_ar_arguments(parser, shared=True)
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    args = parser.parse_args(argv)
+    try:
+        return run_generate(args)
+    except SpiffyError as exc:
+        print(f"spiffy generate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
