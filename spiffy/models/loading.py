@@ -22,9 +22,12 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
-from transformers import Qwen3ForCausalLM
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from spiffy.errors import CheckpointError, ConfigError, MissingTokenError, UnknownModelTypeError
+from spiffy.io import replace_dir
 from spiffy.models.checkpoint import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -199,8 +202,6 @@ def _materialize_buffers(
 
 def load_tokenizer(path: str | os.PathLike):  # noqa: ANN201
     """The ``PreTrainedTokenizerFast`` saved in checkpoint directory ``path`` (``tokenizer.json``)."""
-    from transformers import PreTrainedTokenizerFast
-
     root = Path(path)
     if not (root / "tokenizer.json").is_file():
         raise CheckpointError(
@@ -358,8 +359,6 @@ def save_checkpoint(
     ``max_shard_bytes`` and into at least ``min_shards`` files, plus the tokenizer, ``generation_config.json`` and
     ``extra_files`` (name -> text) when given. An existing ``out_dir`` is replaced as a whole.
     """
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = model.config
@@ -403,35 +402,15 @@ def save_checkpoint(
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move directory ``src`` to ``dst``, replacing ``dst`` if it exists (old copy removed after the swap)."""
-    if dst.exists() or dst.is_symlink():
-        backup = dst.parent / f".{dst.name}.old-{os.getpid()}-{id(src)}"
-        os.replace(dst, backup)
-        try:
-            os.replace(src, dst)
-        except BaseException:
-            os.replace(backup, dst)
-            raise
-        if backup.is_dir() and not backup.is_symlink():
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            backup.unlink(missing_ok=True)
-    else:
-        os.replace(src, dst)
-
-
 def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:
     """Parameter names stored in a checkpoint (without loading tensors)."""
-    from safetensors import safe_open
-
     files, weight_map = checkpoint_files(path)
     if weight_map is not None:
         return sorted(weight_map)

@@ -154,6 +154,10 @@ def compile_packed(
 ) -> CompiledDraft:
     """Pack every node's rows into one sequence with a 4-D additive visibility mask.
 
+    No package code calls this today (DDTree uses the vectorised :func:`compile_tree`; Spiffy builds its own
+    inputs); it is kept as the general reference layout (multi-row nodes, ``"self"`` or ``"ancestors"``
+    visibility, real prefix rows) that :func:`compile_tree` is tested against.
+
     Args:
         structure: the draft nodes.
         context_len: ``C``, number of cached (committed) positions every row may see.
@@ -208,6 +212,9 @@ def compile_batched(
     device: torch.device | str | None = None,
 ) -> CompiledDraft:
     """Stack equal-length ``"self"``-visibility spans in the batch dimension.
+
+    No package code calls this today; it is kept for batched verification (several sequences or drafts in the
+    batch dimension, issue 14), where it replaces the packed layout when no node needs to see another.
 
     Each batch row is one node seeing the ``C`` cached positions and its own ``S`` rows (a cache of batch 1 is
     broadcast by the models). Returns ``input_ids [N, S]``, ``position_ids [N, S]``, ``attention_mask
