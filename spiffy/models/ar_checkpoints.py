@@ -61,6 +61,18 @@ def _mask_token_id(target: Any, vocab_size: int) -> int:
     return vocab_size - 1
 
 
+def _random_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Overwrite every parameter, in name order, from a generator seeded with ``seed``: norm weights
+    ``1 + N(0, 0.1)``, the rest ``N(0, std)`` (a deterministic function of the seed, independent of global RNG)."""
+    gen = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+
+
 def save_drafter(model: torch.nn.Module, out_dir: str | Path, num_shards: int = 2) -> Path:
     """Write a :class:`~spiffy.models.dflash.DFlashDraftModel` as ``config.json`` + sharded safetensors + index.
 
@@ -146,14 +158,7 @@ def make_tiny_dflash(
     cfg.dflash_config = {"target_layer_ids": [int(i) for i in ids], "mask_token_id": mask_id, "block_size": int(block_size)}
     cfg.architectures = ["DFlashDraftModel"]
     model = DFlashDraftModel(cfg)
-    gen = torch.Generator().manual_seed(int(seed))
-    std = float(getattr(cfg, "initializer_range", 0.02)) * 5
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
+    _random_weights(model, seed, float(getattr(cfg, "initializer_range", 0.02)) * 5)
     model = model.to(dtype)
     return save_drafter(model, out_dir, num_shards=2)
 
@@ -206,14 +211,8 @@ def make_tiny_target(
         tie_word_embeddings=False,
         **special,
     )
-    gen = torch.Generator().manual_seed(int(seed))
     model = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(weight_std * torch.randn(p.shape, generator=gen))
+    _random_weights(model, seed, weight_std)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp"))
     try:
         model.save_pretrained(str(tmp), max_shard_size="100KB")
