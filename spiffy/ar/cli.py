@@ -18,14 +18,15 @@ from typing import Any, Sequence
 import torch
 
 from spiffy.errors import CheckpointError, ConfigError
+from spiffy.models.hub import checkpoint_dir
 
 __all__ = ["add_ar_arguments", "run_generate", "main", "load_target"]
 
 _AR_ONLY: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("--target",), dict(default=None, metavar="DIR",
-                        help="AR mode: directory of a Qwen3 target checkpoint (config.json + safetensors + tokenizer)")),
-    (("--drafter",), dict(default=None, metavar="DIR",
-                         help="AR mode: directory of a DFlash drafter for the target (needed by --method dflash/ddtree)")),
+    (("--target",), dict(default=None, metavar="DIR|ID",
+                        help="AR mode: Qwen3 target checkpoint, a directory or a Hub id ORG/NAME[@REVISION]")),
+    (("--drafter",), dict(default=None, metavar="DIR|ID",
+                         help="AR mode: DFlash drafter for the target, directory or Hub id (needed by --method dflash/ddtree)")),
     (("--method",), dict(default=None, choices=("ar", "dflash", "ddtree"),
                         help="AR mode decoding method: ddtree (optimal draft tree, default with --drafter), "
                              "dflash (chain of drafter argmaxes), ar (plain autoregressive, default without --drafter)")),
@@ -81,8 +82,8 @@ def _parse_dtype(name: str | None, config_dtype: Any = None) -> torch.dtype:
 
 
 def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    """Load a Qwen3 target checkpoint directory (sdpa attention, eval mode)."""
-    root = Path(path)
+    """Load a Qwen3 target checkpoint directory or Hub id (sdpa attention, eval mode)."""
+    root = checkpoint_dir(path)
     if not (root / "config.json").is_file():
         raise CheckpointError(f"no config.json in {root}; fix: --target must be a Qwen3 checkpoint directory")
     raw = json.loads((root / "config.json").read_text())
@@ -122,6 +123,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if method != "ar" and not drafter_dir:
         raise ConfigError(f"--method {method} needs --drafter DIR (a DFlash drafter); fix: add it or use --method ar")
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    target_dir = checkpoint_dir(target_dir)  # a directory, or a Hub id such as Qwen/Qwen3-8B
     raw = json.loads((Path(target_dir) / "config.json").read_text()) if (Path(target_dir) / "config.json").is_file() else {}
     dtype = _parse_dtype(getattr(args, "dtype", None), raw.get("dtype") or raw.get("torch_dtype"))
     target = load_target(target_dir, dtype, device)

@@ -34,6 +34,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from spiffy.errors import CheckpointError, CheckpointKeyError, DrafterMismatchError, MissingTokenError
 from spiffy.models.cache import KVCache
+from spiffy.models.hub import checkpoint_dir
 
 __all__ = [
     "DFlashDraftModel",
@@ -490,7 +491,7 @@ def load_drafter(
         CheckpointError: directory/config/weights missing or not a DFlash drafter.
         CheckpointKeyError: missing, unexpected or shape-mismatched keys (named).
     """
-    root = Path(path)
+    root = checkpoint_dir(path)  # a directory, or a Hub id such as z-lab/Qwen3-8B-DFlash-b16
     cfg_file = root / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"no config.json in {root}; fix: point at a DFlash drafter checkpoint directory")

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from spiffy.errors import CheckpointError, CheckpointKeyError, ConfigError, MissingTokenError, UnknownModelTypeError
+from spiffy.models.hub import checkpoint_dir, resolve_checkpoint
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
 from spiffy.torch_utils import resolve_dtype
 
@@ -39,8 +40,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
 def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` of checkpoint directory ``path`` (CheckpointError if missing or invalid)."""
-    root = Path(path)
+    """The parsed ``config.json`` of checkpoint directory or Hub id ``path`` (CheckpointError if missing or invalid)."""
+    root = checkpoint_dir(path, weights=False)
     if not root.exists():
         raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist; fix the path or create one with `spiffy tiny`")
     if not root.is_dir():
@@ -214,21 +215,29 @@ def load_model(
     dtype: Any = None,
     device: Any = None,
     attn_implementation: str = "sdpa",
+    revision: str | None = None,
 ) -> torch.nn.Module:
-    """Load a checkpoint directory into its model class, in eval mode.
+    """Load a checkpoint directory or Hub id into its model class, in eval mode.
 
     Args:
-        path: directory with config.json and ``model.safetensors`` or ``model.safetensors.index.json`` + shards.
+        path: directory with config.json and ``model.safetensors`` or ``model.safetensors.index.json`` + shards,
+            or a Hub id ``ORG/NAME[@REVISION]`` (resolved by :func:`spiffy.models.hub.resolve_checkpoint`).
         dtype: ``torch.dtype``, a name (``"float64"``, ``"bf16"``, ...), ``"auto"`` (config ``torch_dtype``) or
             ``None`` (float32 on CPU, ``"auto"`` on accelerators).
         device: where the weights go (default CPU).
         attn_implementation: ``"sdpa"`` (default) or ``"eager"``; never flash-attn (custom masks are needed).
+        revision: branch, tag or commit of a Hub id.
+
+    ``model.name_or_path`` is the directory, or ``ORG/NAME@COMMIT`` for a Hub snapshot (what graph files record).
 
     Raises:
-        CheckpointError: directory / config / weights missing or unreadable.
+        CheckpointError: directory / config / weights missing or unreadable; CheckpointNotCachedError: a Hub id
+            that is not cached while offline.
         CheckpointKeyError: strict key matching failed (names the keys).
         UnknownModelTypeError: unsupported ``model_type``.
     """
+    resolved = resolve_checkpoint(path, revision)
+    path = resolved.path
     data = read_config_dict(path)
     family = family_of(data)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -254,7 +263,7 @@ def load_model(
     else:
         model.load_state_dict(converted, strict=True, assign=True)
     model.eval()
-    model.name_or_path = str(path)
+    model.name_or_path = resolved.reference
     return model
 
 
@@ -281,11 +290,11 @@ def _materialize_buffers(
     return model
 
 
-def load_tokenizer(path: str | os.PathLike):  # noqa: ANN201
-    """The ``PreTrainedTokenizerFast`` saved in checkpoint directory ``path`` (``tokenizer.json``)."""
+def load_tokenizer(path: str | os.PathLike, revision: str | None = None):  # noqa: ANN201
+    """The ``PreTrainedTokenizerFast`` saved in checkpoint directory or Hub id ``path`` (``tokenizer.json``)."""
     from transformers import PreTrainedTokenizerFast
 
-    root = Path(path)
+    root = checkpoint_dir(path, revision, weights=False)
     if not (root / "tokenizer.json").is_file():
         raise CheckpointError(
             f"no tokenizer.json in {str(root)!r}; save a fast tokenizer there (tokenizer.save_pretrained) or "
