@@ -10,8 +10,8 @@ and Qwen3 target loaders, and through them ``--model / --target / --drafter`` of
   ``model.safetensors.index.json``. huggingface_hub decides everything else exactly as for transformers: the cache
   (``HF_HOME`` / ``HF_HUB_CACHE``, default ``~/.cache/huggingface/hub``), offline mode (``HF_HUB_OFFLINE=1``: the
   cache only), tokens (``HF_TOKEN`` or ``hf auth login``), the endpoint and progress bars;
-* anything else (a missing path not shaped like an id) is returned unchanged, so the loader raises its usual
-  "does not exist" :class:`~spiffy.errors.CheckpointError`.
+* anything else (a missing path not shaped like an id, or any ``pathlib.Path``: only a ``str`` can name a Hub id)
+  is returned unchanged, so the loader raises its usual "does not exist" :class:`~spiffy.errors.CheckpointError`.
 
 Offline (or unreachable Hub) and not cached: :class:`~spiffy.errors.CheckpointNotCachedError`, one line naming the
 id, the cache it looked in and the fix.
@@ -92,7 +92,7 @@ def resolve_checkpoint(
     """The local checkpoint directory for a path or a Hub id (see the module docstring).
 
     Args:
-        path_or_id: a directory, or ``ORG/NAME`` / ``ORG/NAME@REVISION``.
+        path_or_id: a directory, or a string ``ORG/NAME`` / ``ORG/NAME@REVISION``.
         revision: branch, tag or commit of a Hub id (instead of ``@REVISION``; both must agree if both are given).
         weights: also fetch the safetensors weights (``False`` for tokenizer- or config-only use).
         token: passed to huggingface_hub (``None``: its usual lookup, ``HF_TOKEN`` or the stored login).
@@ -111,7 +111,8 @@ def resolve_checkpoint(
             )
         cached = hub_id_from_cache_path(local)
         return ResolvedCheckpoint(local, *cached) if cached else ResolvedCheckpoint(local)
-    parsed = parse_hub_id(text)
+    # only a string can be a Hub id: a Path (e.g. one this function returned) always means a directory
+    parsed = parse_hub_id(text) if isinstance(path_or_id, str) else None
     if parsed is None:
         return ResolvedCheckpoint(local)  # not an id: the loader reports the missing directory as before
     repo_id, id_revision = parsed
