@@ -201,6 +201,12 @@ def test_calibrate_by_id_records_id_and_revision(offline, tmp_path: Path) -> Non
         with warnings.catch_warnings():
             warnings.simplefilter("error", GraphCompatibilityWarning)
             graph.check_compatible(decoding_runtime_signature(loaded, make_session(loaded, ids, cfg)))
+    # a model known only by its cache snapshot path (e.g. loaded with transformers) is the same model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphCompatibilityWarning)
+        graph.check_compatible({"model": str(snap)})
+    by_path = calibrate(model, tok, prompts[:1], cfg, nodes=2, progress=False, chat=False, model_name=str(snap))
+    assert by_path.calibrated_for["model"] == LLADA and by_path.calibrated_for["model_revision"] == offline.commits["llada"]
     other = tmp_path / "some-other-model"
     shutil.copytree(offline.sources["llada"], other)
     loaded = load_model(other, dtype=torch.float64)
