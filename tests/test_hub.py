@@ -169,6 +169,27 @@ def test_revision_by_suffix_argument_and_tag(offline) -> None:
         load_model(f"{LLADA}@v2", revision="main")
 
 
+def test_only_the_files_a_loader_needs_are_requested(offline, tiny_qwen3: Path, tmp_path: Path) -> None:
+    """huggingface_hub checks a cached snapshot against its cached tree listing (when it has one) for exactly the
+    files requested: files the loaders never read may be absent, a requested one may not."""
+    tree_cache = pytest.importorskip("huggingface_hub._tree_cache")
+    from huggingface_hub import snapshot_download
+
+    repo_id = "Qwen/Qwen3-8B-listed"
+    commit = add_snapshot(offline.cache, repo_id, tiny_qwen3)
+    snap = repo_folder(offline.cache, repo_id) / "snapshots" / commit
+    listed = {p.name: tree_cache.TreeCacheEntry(size=p.stat().st_size, blob_id="0" * 40) for p in snap.iterdir()}
+    for extra in ("README.md", "pytorch_model.bin", "model-00009-of-00009.safetensors", "original/consolidated.00.pth"):
+        listed[extra] = tree_cache.TreeCacheEntry(size=1, blob_id="0" * 40)  # on the Hub, never fetched by spiffy
+    tree_cache.write_tree_cache(str(repo_folder(offline.cache, repo_id)), commit, listed)
+    with pytest.raises(Exception, match="incomplete"):
+        snapshot_download(repo_id)  # everything: the listing is in force
+    _same_weights(load_model(repo_id), load_model(tiny_qwen3))
+    (snap / "tokenizer.json").unlink()  # a file the loaders do read
+    with pytest.raises(CheckpointError, match="incomplete.*hf download"):
+        load_tokenizer(repo_id)
+
+
 # ---------------------------------------------------------------------------------------------------- use by id
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
 def test_generate_by_id_equals_local(offline, family: str) -> None:
