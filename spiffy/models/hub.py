@@ -145,7 +145,9 @@ def _weight_files(folder: Path) -> list[str]:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         return sorted({str(name) for name in weight_map.values()})
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"cannot read {str(index)!r}: {exc}; fix: delete it from the cache and load again") from exc
+        raise CheckpointError(
+            f"cannot read {str(index)!r}: {exc}; fix: delete it from the cache and load again"
+        ) from exc
 
 
 def _snapshot(

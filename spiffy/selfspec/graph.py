@@ -12,9 +12,9 @@ File format (``"format": "spiffy-draft-graph"``, ``"version": 1``; JSON, human r
     {
       "format": "spiffy-draft-graph",
       "version": 1,
-      "calibrated_for": {"family": ..., "model": ..., ["model_revision": ...,] "config_fingerprint": ..., "mask_id": ...,
-                         "block_length": ..., "steps_per_block": ..., "threshold": ..., "remasking": ..., "temperature": ...,
-                         "cache": ..., "tokens_per_step": ...},
+      "calibrated_for": {"family": ..., "model": ..., ["model_revision": ...,] "config_fingerprint": ...,
+                         "mask_id": ..., "block_length": ..., "steps_per_block": ..., "threshold": ...,
+                         "remasking": ..., "temperature": ..., "cache": ..., "tokens_per_step": ...},
       "calibration": {"dataset": ..., "num_prompts": ..., "seed": ..., "i_max": ..., "j_max": ..., "max_level": ...,
                       "objective": ..., "library_version": ..., "date": ..., "command": ...},
       "graph": {"num_nodes": D, "max_level": L,
