@@ -49,7 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     modes = parser.add_subparsers(dest="bench_mode", metavar="MODE")
     d = modes.add_parser("dllm", help="diffusion LM: baseline vs Spiffy at each budget",
                          description="Baseline vs Spiffy speculative decoding of a diffusion LM, same process and prompts.")
-    d.add_argument("--model", default=None, metavar="DIR", help="LLaDA/Dream/SDAR checkpoint (default: the embedded demo dLLM)")
+    d.add_argument("--model", default=None, metavar="DIR|ID", help="LLaDA/Dream/SDAR checkpoint: directory or Hub id ORG/NAME[@REV] (default: the embedded demo dLLM)")
     d.add_argument("--graph", default=None, metavar="FILE",
                    help="calibrated draft graph (default: the graph shipped with the model, if any; make one with `spiffy calibrate`)")
     _common(d, "1,3,5")
@@ -57,8 +57,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.set_defaults(handler=run, bench_mode="dllm")
     a = modes.add_parser("ar", help="Qwen3 target: AR vs DFlash vs DDTree at each budget",
                          description="Plain AR vs vanilla DFlash vs DDTree on one Qwen3 target, same process and prompts.")
-    a.add_argument("--target", default=None, metavar="DIR", help="Qwen3 target checkpoint (default: the embedded demo target)")
-    a.add_argument("--drafter", default=None, metavar="DIR", help="DFlash drafter checkpoint (default: the embedded demo drafter)")
+    a.add_argument("--target", default=None, metavar="DIR|ID", help="Qwen3 target checkpoint: directory or Hub id (default: the embedded demo target)")
+    a.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash drafter checkpoint: directory or Hub id (default: the embedded demo drafter)")
     a.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="generated tokens per prompt at most (default 128)")
     _common(a, "16,32,64,128,256")
     add_sampling_arguments(a)
@@ -101,10 +101,11 @@ def run_dllm(args: argparse.Namespace) -> int:
     from spiffy.cli.generate import config_from_args
     from spiffy.embedded import embedded_graph_path, embedded_model_path
     from spiffy.models import load_model, load_tokenizer
+    from spiffy.models.hub import checkpoint_dir
     from spiffy.selfspec.graph import load_graph
 
     budgets = parse_budgets(args.budgets)
-    model_dir = Path(args.model) if args.model else embedded_model_path("dllm")
+    model_dir = checkpoint_dir(args.model) if args.model else embedded_model_path("dllm")
     graph_path = Path(args.graph) if args.graph else embedded_graph_path(model_dir)
     if graph_path is None:
         raise ConfigError(
@@ -133,10 +134,11 @@ def run_ar(args: argparse.Namespace) -> int:
     from spiffy.bench.datasets import load_benchmark_prompts
     from spiffy.embedded import embedded_model_path
     from spiffy.models import load_model, load_tokenizer
+    from spiffy.models.hub import checkpoint_dir
 
     budgets = parse_budgets(args.budgets)
-    target_dir = Path(args.target) if args.target else embedded_model_path("ar-target")
-    drafter_dir = Path(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
+    target_dir = checkpoint_dir(args.target) if args.target else embedded_model_path("ar-target")
+    drafter_dir = checkpoint_dir(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
     prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
     device = _device(args)
     target = load_model(target_dir, dtype=args.dtype, device=device)

@@ -27,6 +27,7 @@ from spiffy.arspec import ARGenerationResult, ARSpecConfig, DFlashDrafter, specu
 from spiffy.arspec.config import DEFAULT_TREE_BUDGET
 from spiffy.errors import CheckpointError, ConfigError, SpiffyError
 from spiffy.models.dflash import load_drafter
+from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import load_target, read_config_dict
 from spiffy.models.prompting import stop_token_ids
 from spiffy.sampling import SamplingConfig
@@ -35,10 +36,10 @@ from spiffy.torch_utils import resolve_dtype
 __all__ = ["add_ar_arguments", "ar_config_from_args", "run_generate", "main", "load_target"]
 
 _AR_ONLY: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("--target",), dict(default=None, metavar="DIR",
-                        help="AR mode: directory of a Qwen3 target checkpoint (config.json + safetensors + tokenizer)")),
-    (("--drafter",), dict(default=None, metavar="DIR",
-                         help="AR mode: directory of a DFlash drafter for the target (needed by --method dflash/ddtree)")),
+    (("--target",), dict(default=None, metavar="DIR|ID",
+                        help="AR mode: Qwen3 target checkpoint, a directory or a Hub id ORG/NAME[@REVISION]")),
+    (("--drafter",), dict(default=None, metavar="DIR|ID",
+                         help="AR mode: DFlash drafter for the target, directory or Hub id (needed by --method dflash/ddtree)")),
     (("--method",), dict(default=None, choices=("ar", "dflash", "ddtree"),
                         help="AR mode decoding method: ddtree (optimal draft tree, default with --drafter), "
                              "dflash (chain of drafter argmaxes), ar (plain autoregressive, default without --drafter)")),
@@ -140,6 +141,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--method {method} needs --drafter DIR (a DFlash drafter); fix: add it or use --method ar")
     config = ar_config_from_args(args, method, ())  # bad flags fail before any model is loaded
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    target_dir = checkpoint_dir(target_dir)  # a directory, or a Hub id such as Qwen/Qwen3-8B
     config_file = Path(target_dir) / "config.json"
     raw = read_config_dict(target_dir) if config_file.is_file() else {}
     dtype = resolve_dtype(getattr(args, "dtype", None) or "float32", raw)
