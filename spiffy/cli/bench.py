@@ -73,16 +73,12 @@ def _no_mode(args: argparse.Namespace) -> int:
     return 2
 
 
-def _device(args: argparse.Namespace) -> str:
-    import torch
-
-    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _finish(args: argparse.Namespace, res: dict[str, Any], mismatch_warning: str) -> int:
     """Write the reports to ``--out``, print the Markdown report; 1 (with ``mismatch_warning``) if any output differs."""
     from spiffy.bench.report import markdown_report, write_report
 
+    if not getattr(args, "is_main_rank", True):  # under torchrun every rank holds the report; rank 0 writes it
+        return 0 if res["all_identical"] else 1
     written = write_report(res, args.out, plots=not args.no_plots)
     print(markdown_report(res))
     for path in written.values():
@@ -99,6 +95,7 @@ def run_dllm(args: argparse.Namespace) -> int:
     from spiffy.bench.datasets import load_benchmark_prompts
     from spiffy.bench.dllm import run_dllm_bench
     from spiffy.cli.generate import config_from_args
+    from spiffy.distributed import join_data_parallel
     from spiffy.embedded import embedded_graph_path, embedded_model_path
     from spiffy.models import load_model, load_tokenizer
     from spiffy.models.hub import checkpoint_dir
@@ -114,14 +111,15 @@ def run_dllm(args: argparse.Namespace) -> int:
         )
     prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
     cfg, extra = config_from_args(args)
-    device = _device(args)
+    dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
+    args.is_main_rank, device = dp.is_main, str(dp.device)
     model = load_model(model_dir, dtype=args.dtype, device=device)
     tokenizer = load_tokenizer(model_dir)
     graph = load_graph(graph_path)
     res = run_dllm_bench(
         model, tokenizer, prompts, cfg, graph, budgets, config_overrides=extra, chat=not args.no_chat,
         warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
-        graph_path=str(graph_path), device=device,
+        graph_path=str(graph_path), device=device, parallel=dp,
     )
     return _finish(args, res, "some speculative outputs differ from the baseline")
 
@@ -132,6 +130,7 @@ def run_ar(args: argparse.Namespace) -> int:
     from spiffy.bench.ar import run_ar_bench
     from spiffy.bench.common import parse_budgets
     from spiffy.bench.datasets import load_benchmark_prompts
+    from spiffy.distributed import join_data_parallel
     from spiffy.embedded import embedded_model_path
     from spiffy.models import load_model, load_tokenizer
     from spiffy.models.hub import checkpoint_dir
@@ -140,7 +139,8 @@ def run_ar(args: argparse.Namespace) -> int:
     target_dir = checkpoint_dir(args.target) if args.target else embedded_model_path("ar-target")
     drafter_dir = checkpoint_dir(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
     prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
-    device = _device(args)
+    dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
+    args.is_main_rank, device = dp.is_main, str(dp.device)
     target = load_model(target_dir, dtype=args.dtype, device=device)
     dtype = next(target.parameters()).dtype
     drafter = load_drafter(drafter_dir, dtype=dtype, device=device)
@@ -150,7 +150,7 @@ def run_ar(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
         top_k=0 if args.top_k is None else args.top_k, seed=args.seed, chat=not args.no_chat, warmup=args.warmup,
         progress=not args.no_progress, target_name=str(target_dir), drafter_name=str(drafter_dir),
-        dataset=args.dataset, device=device,
+        dataset=args.dataset, device=device, parallel=dp,
     )
     return _finish(args, res, "some outputs differ from plain AR")
 

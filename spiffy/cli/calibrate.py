@@ -91,17 +91,16 @@ def run(args: argparse.Namespace) -> int:
         from spiffy.embedded import default_dllm_path
 
         args.model = default_dllm_path()
-    import torch
-
     from spiffy.cli.generate import config_from_args
+    from spiffy.distributed import join_data_parallel
     from spiffy.models import load_model, load_tokenizer
     from spiffy.selfspec.calibrate import calibrate
     from spiffy.selfspec.prompts import load_prompts
 
     prompts = load_prompts(args.prompts)  # fail fast on a bad prompt set, before loading the model
     cfg, extra = config_from_args(args)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(args.model, dtype=args.dtype, device=device)
+    dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
+    model = load_model(args.model, dtype=args.dtype, device=str(dp.device))
     tokenizer = load_tokenizer(args.model)
     graph = calibrate(
         model,
@@ -121,7 +120,10 @@ def run(args: argparse.Namespace) -> int:
         model_name=getattr(model, "name_or_path", None) or str(args.model),  # Hub snapshots: ORG/NAME@COMMIT
         command=canonical_command(args),
         config_overrides=extra or None,
+        parallel=dp,
     )
+    if not dp.is_main:  # every rank holds the same graph; rank 0 writes and prints it
+        return 0
     graph.save(args.out)
     if args.json:
         print(graph.to_json(), end="")
