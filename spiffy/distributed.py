@@ -180,7 +180,9 @@ def _init_process_group(launch: LaunchEnvironment, device: torch.device) -> bool
             )
         return False
     if launch.master_addr is None or launch.master_port is None:
-        raise ConfigError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT; fix: launch with torchrun, which sets them")
+        raise ConfigError(
+            "WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT; fix: launch with torchrun, which sets them"
+        )
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -127,7 +127,8 @@ def test_torchrun_calibrate_writes_the_single_process_graph(tiny_llada: Path, pr
 
 
 @pytest.mark.slow
-def test_torchrun_bench_dllm_reports_the_single_process_content(tiny_llada: Path, prompts3: Path, tmp_path: Path) -> None:
+def test_torchrun_bench_dllm_reports_the_single_process_content(tiny_llada: Path, prompts3: Path,
+                                                                tmp_path: Path) -> None:
     graph = tmp_path / "graph.json"
     assert main(["calibrate", "--model", str(tiny_llada), "--prompts", str(prompts3), "--out", str(graph), "--nodes",
                  "4", *GEN, "--temperature", "0.8", "--no-chat", "--no-progress", "--dtype", "float64"]) == 0
