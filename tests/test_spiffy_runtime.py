@@ -263,7 +263,8 @@ def test_calibrated_graph_end_to_end(request, family: str) -> None:
         assert spec.tokens == base.tokens
         assert base.nfe - spec.nfe == spec.stats["accepted_total"] + spec.stats["reused_steps"]
         saved += base.nfe - spec.nfe
-    assert saved >= 0
+    # lossless is not enough: a graph calibrated on this model must also save forwards on other prompts
+    assert saved > 0
 
 
 def test_random_graph_is_valid_and_deterministic() -> None:
