@@ -14,6 +14,7 @@ or a JSONL file with a "prompt" field. Without --model / --target the embedded d
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,15 @@ def _finish(args: argparse.Namespace, res: dict[str, Any], mismatch_warning: str
     return 0
 
 
+def _plots_possible(args: argparse.Namespace) -> None:
+    """Without matplotlib (a plain install lacks the 'plot' extra), skip the PNGs with a note instead of failing
+    after the whole benchmark has run."""
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
+        print("spiffy bench: note: matplotlib is not installed, so no PNG plots (results.json and results.md are "
+              "written); fix: pip install 'spiffy-decoding[plot]'", file=sys.stderr)
+        args.no_plots = True
+
+
 def announce_cost(command: str, prompts: int, configurations: list[str], unit: str, warmup: int) -> None:
     """Tell the user, before a long run starts, how many decodes it will make (prompts x configurations)."""
     runs = prompts * len(configurations)
@@ -166,6 +176,8 @@ def run_ar(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy bench MODE``; returns the exit status (1 when an output differs from its baseline)."""
+    if args.bench_mode in ("dllm", "ar"):
+        _plots_possible(args)
     if args.bench_mode == "dllm":
         return run_dllm(args)
     if args.bench_mode == "ar":
