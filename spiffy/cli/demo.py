@@ -58,6 +58,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help=f"number of demo prompts (1..{len(DEMO_PROMPTS)}, default {len(DEMO_PROMPTS)})")
     parser.add_argument("--dtype", default=None, help="model dtype (default float32 on CPU)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="CPU threads for torch (default 1: these tiny models gain nothing from more, and on a "
+                             "busy machine extra threads cost several times the wall-clock; 0 = torch's default)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument(
         "--random-tiny",
@@ -271,8 +274,6 @@ def run(args: argparse.Namespace) -> int:
     """Run ``spiffy demo``; returns 0, or 1 when a speculative output differs from its baseline."""
     import torch
 
-    from spiffy.bench.datasets import BenchPrompt
-
     if not 1 <= int(args.max_prompts) <= len(DEMO_PROMPTS):
         raise ConfigError(f"--max-prompts must be in 1..{len(DEMO_PROMPTS)}, got {args.max_prompts}")
     paths, do_dllm, do_ar = _resolve(args)
@@ -282,6 +283,24 @@ def run(args: argparse.Namespace) -> int:
     elif not (args.model or args.target or args.drafter):
         print(QUALITY_NOTE + "\n")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if int(args.threads) < 0:
+        raise ConfigError(f"--threads must be >= 0, got {args.threads}; fix: pass 1 (default) or 0 for torch's default")
+    threads_before = torch.get_num_threads()
+    if int(args.threads) > 0:
+        torch.set_num_threads(int(args.threads))
+    try:
+        ok = _tour(args, paths, do_dllm, do_ar, device)
+    finally:  # the caller's setting back (the demo may run inside a larger process)
+        torch.set_num_threads(threads_before)
+    return 0 if ok else 1
+
+
+def _tour(args: argparse.Namespace, paths: dict[str, Path], do_dllm: bool, do_ar: bool, device: str) -> bool:
+    """Run the requested parts, print their tables, the legend and the timing line; True when all identical."""
+    import torch
+
+    from spiffy.bench.datasets import BenchPrompt
+
     prompts = [BenchPrompt(str(k), p, "demo") for k, p in enumerate(DEMO_PROMPTS[: int(args.max_prompts)])]
     t0 = time.perf_counter()
     ok = True
@@ -296,6 +315,6 @@ def run(args: argparse.Namespace) -> int:
         print(format_ar(res, prompts))
         ok &= bool(res["all_identical"])
     print(LEGEND + "\n" + WALL_CLOCK_NOTE + "\n")
-    print(f"demo finished in {time.perf_counter() - t0:.1f}s on {device}; speculative outputs "
-          f"{'identical to their baselines' if ok else 'DIFFER from their baselines (a bug: please report it)'}.")
-    return 0 if ok else 1
+    print(f"demo finished in {time.perf_counter() - t0:.1f}s on {device} ({torch.get_num_threads()} thread(s)); speculative "
+          f"outputs {'identical to their baselines' if ok else 'DIFFER from their baselines (a bug: please report it)'}.")
+    return ok
