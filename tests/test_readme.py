@@ -8,7 +8,7 @@ Every ``bash`` and ``python`` block of README.md is accounted for here:
 * the set-up block's `spiffy demo` runs with one prompt; its install commands, like the test-command block, run
   verbatim in ``.ci/run`` (which checks a non-editable install too, ``scripts/check_install.sh``);
 * the retraining block is 45-minute training jobs that write into the package: its scripts must exist, be
-  executable and parse (``bash -n``).
+  executable and parse (``bash -n``, ``py_compile``).
 
 A README block that fits none of these fails the test, so a new command cannot go unexercised.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,4 +115,5 @@ def test_retrain_block_scripts_exist_and_parse() -> None:
     for argv in commands(RETRAIN):
         script = REPO / argv[0]
         assert script.is_file() and script.stat().st_mode & 0o111, script
-        subprocess.run(["bash", "-n", str(script)], check=True)
+        check = [sys.executable, "-m", "py_compile"] if script.suffix == ".py" else ["bash", "-n"]
+        subprocess.run([*check, str(script)], check=True)
