@@ -103,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(args.model, dtype=args.dtype, device=device)
     tokenizer = load_tokenizer(args.model)
+    count = len(prompts) if args.max_prompts is None else min(len(prompts), int(args.max_prompts))
+    print(f"spiffy calibrate: {count} prompt(s) x 1 configuration (the baseline decoder, {cfg.gen_length} positions "
+          "each, recording every step's lookahead) = "
+          f"{count} decodes; the progress bar shows the ETA", file=sys.stderr)
     graph = calibrate(
         model,
         tokenizer,
