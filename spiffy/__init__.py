@@ -29,7 +29,7 @@ _LAZY: dict[str, str] = {
     "load_model": "spiffy.models",
     "load_tokenizer": "spiffy.models",
     "make_tiny": "spiffy.models.tiny",
-    "generate": "spiffy.decoding",
+    "generate": "spiffy.api",
     "DecodeConfig": "spiffy.decoding",
     "ddtree_generate": "spiffy.ar",
     "DraftGraph": "spiffy.selfspec.graph",

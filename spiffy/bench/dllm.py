@@ -93,7 +93,7 @@ def run_dllm_bench(
     Raises:
         ConfigError: no budgets / prompts, or no prompt fits the context.
     """
-    from spiffy.decoding import generate
+    from spiffy.api import generate
     from spiffy.selfspec.prompts import prompt_token_ids
 
     check_bench_inputs(budgets, prompts, "[1, 3, 5]")

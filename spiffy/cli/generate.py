@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         args.model = default_dllm_path(" or --target DIR for AR mode")
     import torch
 
-    from spiffy.decoding import generate
+    from spiffy.api import generate
     from spiffy.models import load_model, load_tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

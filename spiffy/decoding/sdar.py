@@ -34,15 +34,17 @@ Additions over the reference (documented deviations):
   hold masks after ``denoising_steps`` steps, the reference fails (IndexError) while here further steps reuse
   the last step's count until the block is complete.
 * Every random draw comes from :attr:`SDARSession.generator` (the reference uses the global RNG; passing the
-  device's default generator, as :func:`sdar_block_diffusion_generate` does without a seed, reproduces it).
+  device's default generator, as :func:`spiffy.compat.sdar_block_diffusion_generate` does without a seed,
+  reproduces it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -607,94 +609,6 @@ def sdar_generate(
     return session.x, stats
 
 
-def _default_generator(device: torch.device) -> torch.Generator:
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[idx]
-    return torch.default_generator
-
-
-@torch.no_grad()
-def sdar_block_diffusion_generate(
-    model: torch.nn.Module,
-    prompt: Any,
-    mask_id: int | None = None,
-    gen_length: int = 128,
-    block_length: int = 8,
-    denoising_steps: int = 8,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    remasking_strategy: str = "low_confidence_dynamic",
-    confidence_threshold: float = 0.85,
-    stopping_criteria_idx: Sequence[int] | int | None = None,
-    *,
-    eb_threshold: float = DEFAULT_EB_THRESHOLD,
-    seed: int | None = None,
-    generator: torch.Generator | None = None,
-    fuse_commit: bool = False,
-    overwrite_quirk: bool = False,
-    graph: Any = None,
-    budget: int | None = None,
-    return_stats: bool = False,
-    **speculative_kwargs: Any,
-) -> torch.Tensor | tuple[torch.Tensor, Any]:
-    """Drop-in for SDAR's ``block_diffusion_generate`` (same positional/keyword arguments and defaults).
-
-    Args:
-        prompt: a dict/BatchEncoding with ``"input_ids"`` ``[1, P]`` (as the reference) or the tensor itself.
-        mask_id: ``None`` = from the model config.
-        seed / generator: the random source. Neither given = the device's global generator, so
-            ``torch.manual_seed(K)`` before the call reproduces the official script's draws.
-        eb_threshold: entropy budget for ``remasking_strategy="entropy_bounded"``.
-        fuse_commit, overwrite_quirk: see :class:`SDARDecodeConfig`.
-        graph, budget: a calibrated draft graph -> Spiffy speculative decoding
-            (:func:`spiffy.selfspec.runtime.speculative_generate`; same tokens, fewer model calls).
-        return_stats: also return the run's statistics (:class:`BaselineStats` or ``SpeculativeStats``).
-    Returns:
-        ``x`` ``[1, ceil((P + gen_length) / block_length) * block_length]`` (prompt, generated tokens, and masks
-        in blocks never decoded because of a stop token), like the reference; with ``return_stats`` also the stats.
-    """
-    input_ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
-    if temperature is None or temperature < 0:
-        raise ConfigError(f"temperature={temperature!r} must be >= 0; fix: use 0 for greedy decoding")
-    stops = None
-    if stopping_criteria_idx is not None:
-        stops = (int(stopping_criteria_idx),) if isinstance(stopping_criteria_idx, int) else tuple(int(t) for t in stopping_criteria_idx)
-    cfg = SDARDecodeConfig(
-        gen_length=int(gen_length),
-        block_length=int(block_length),
-        denoising_steps=int(denoising_steps),
-        temperature=float(temperature),
-        top_k=int(top_k) if top_k and int(top_k) > 0 else None,
-        top_p=float(top_p) if top_p is not None and float(top_p) < 1.0 else None,
-        strategy=remasking_strategy,
-        # the threshold only matters to (and is only validated for) low_confidence_dynamic
-        threshold=(
-            float(confidence_threshold)
-            if confidence_threshold is not None and remasking_strategy == "low_confidence_dynamic"
-            else None
-        ),
-        eb_threshold=float(eb_threshold),
-        seed=seed,
-        fuse_commit=fuse_commit,
-        overwrite_quirk=overwrite_quirk,
-        stop_token_ids=stops,
-        mask_id=mask_id,
-    )
-    model.eval()
-    if generator is None and seed is None:
-        generator = _default_generator(_model_device(model))
-    session = SDARSession(model, input_ids, cfg, generator=generator)
-    if graph is None:
-        stats: Any = run_baseline(session)
-    else:
-        from spiffy.decoding.api import _speculative_entry
-
-        stats = _speculative_entry()(session, graph, budget, **speculative_kwargs)
-    return (session.x, stats) if return_stats else session.x
-
-
 __all__ = [
     "STRATEGIES",
     "SDARDecodeConfig",
@@ -704,8 +618,17 @@ __all__ = [
     "make_session",
     "num_transfer_tokens",
     "resolve_mask_id",
-    "sdar_block_diffusion_generate",
     "sdar_generate",
     "sdar_sample",
     "select_transfer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Deprecated path (one release): ``sdar_block_diffusion_generate`` now lives in :mod:`spiffy.compat`.
+
+    Imported on first use because the wrapper sits above this module (it dispatches to the speculative runtime).
+    """
+    if name == "sdar_block_diffusion_generate":
+        return getattr(importlib.import_module("spiffy.compat"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,24 +23,12 @@ from spiffy._version import __version__
 from spiffy.decoding import DecodeConfig, make_session, run_baseline
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.selfspec.chains import ChainRecorder, Trajectory, all_chains, describe
-from spiffy.selfspec.graph import DraftGraph, model_config_fingerprint
+from spiffy.selfspec.graph import DraftGraph, runtime_signature
 from spiffy.selfspec.prompts import load_prompts, prompt_token_ids
 from spiffy.selfspec.select import OBJECTIVES, build_graph
 
 DEFAULT_NODES = 10
 DEFAULT_J_MAX = 4
-
-
-def runtime_signature(model: Any, session: Any) -> dict[str, Any]:
-    """The ``calibrated_for`` values of ``model`` + ``session`` (same function the runtime check uses).
-
-    Delegates to :func:`spiffy.decoding.runtime_signature` and makes sure ``config_fingerprint`` is present.
-    """
-    from spiffy.decoding import runtime_signature as _sig
-
-    sig = dict(_sig(model, session))
-    sig.setdefault("config_fingerprint", model_config_fingerprint(model))
-    return sig
 
 
 def _model_name(model: Any) -> str | None:

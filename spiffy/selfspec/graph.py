@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from spiffy.decoding.config import DecodeConfig
+from spiffy.decoding.factory import family_of
 from spiffy.errors import ConfigError, GraphError, GraphMismatchError
 
 Pair = tuple[int, int]
@@ -391,7 +393,7 @@ class DraftGraph:
 
         Args:
             runtime: runtime values keyed like ``calibrated_for`` (e.g. from
-                :func:`spiffy.selfspec.calibrate.runtime_signature`); fields absent on either side are not compared.
+                :func:`runtime_signature`); fields absent on either side are not compared.
             warn: emit a :class:`GraphCompatibilityWarning` when a soft field differs (the model, compared by
                 :func:`model_name`; the temperature).
         Raises:
@@ -742,6 +744,38 @@ def model_config_fingerprint(model_or_config: Any) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 
 
+
+def runtime_signature(model: Any, session: Any) -> dict[str, Any]:
+    """What a calibrated graph must be compatible with at run time (:meth:`DraftGraph.check_compatible` input):
+    the ``calibrated_for`` values of ``model`` + ``session``; calibration writes the same values."""
+    cfg = getattr(session, "config", None)
+    sig: dict[str, Any] = {
+        "family": family_of(model),
+        "model": getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None),
+        "mask_id": int(session.mask_id),
+        "block_length": int(session.block_length),
+    }
+    if isinstance(cfg, DecodeConfig):
+        rule = cfg.rule_dict()
+        sig.update(
+            {
+                "steps_per_block": None if rule.get("tokens_per_step") == "dynamic" else cfg.steps_per_block,
+                "threshold": rule.get("threshold"),
+                "remasking": rule.get("remasking"),
+                "alg": rule.get("alg"),
+                "strategy": rule.get("strategy"),
+                "temperature": rule.get("temperature"),
+                "cache": rule.get("cache"),
+                "tokens_per_step": rule.get("tokens_per_step"),
+                "decode_fingerprint": cfg.fingerprint(),
+            }
+        )
+        if sig["family"] == "dream" and sig["tokens_per_step"] != "dynamic":
+            # Dream's static schedule (int(n_masked * (1 - s/t)) per step) is not uniform: node sizes may vary by level
+            sig["tokens_per_step"] = None
+    sig["config_fingerprint"] = model_config_fingerprint(model)
+    return sig
+
 def _canon(v: Any) -> Any:
     if isinstance(v, bool) or v is None or isinstance(v, str):
         return v
@@ -1020,6 +1054,7 @@ __all__ = [
     "is_parent",
     "load_graph",
     "model_config_fingerprint",
+    "runtime_signature",
     "ARCH_FIELDS",
     "atomic_write_text",
 ]

@@ -6,7 +6,7 @@
 * DFlash drafter: ``spiffy.ar.drafter.load_drafter``; ``ddtree_generate`` with methods ``ar``, ``dflash`` and
   ``ddtree`` on held-out-style prompts: tokens must be identical (lossless), tau (mean acceptance length incl. the
   bonus token, macro-averaged over prompts) is reported.
-* LLaDA: ``load_model`` + ``spiffy.decoding.api.generate`` (baseline, low-confidence remasking, greedy).
+* LLaDA: ``load_model`` + ``spiffy.api.generate`` (baseline, low-confidence remasking, greedy).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def check_qwen3(path: str, drafter_path: str | None = None, max_new_tokens: int 
 
 def check_llada(path: str, gen_length: int = 48, block_length: int = 16) -> dict[str, Any]:
     """Load the dLLM with the library and decode a few prompts with the baseline decoder."""
-    from spiffy.decoding.api import generate
+    from spiffy.api import generate
     from spiffy.models.loading import load_model, load_tokenizer
 
     model = load_model(path, dtype="float32")
