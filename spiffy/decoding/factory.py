@@ -18,13 +18,11 @@ from spiffy.decoding.llada import LLaDASession
 from spiffy.decoding.sdar import make_session as sdar_make_session
 from spiffy.decoding.session import DecodeSession
 from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError, UnknownModelTypeError
-from spiffy.models.registry import family_spec
+from spiffy.models.registry import FAMILIES
 
 #: config.json ``model_type`` (lower-cased) -> decoding family
 _MODEL_TYPES: dict[str, str] = {"llada": "llada", "dream": "dream", "sdar": "sdar"}
 
-#: tokenizer token strings of the end-of-turn marker, per family
-_EOT_TOKENS: dict[str, tuple[str, ...]] = {"llada": ("<|eot_id|>",), "dream": ("<|im_end|>",), "sdar": ("<|im_end|>",)}
 
 
 # ---------------------------------------------------------------------------------------------------- lookups
@@ -56,6 +54,12 @@ def _tokenizer_token_id(tokenizer: Any, token: str) -> int | None:
     return int(tid)
 
 
+def _family_token(family: str, role: str) -> str | None:
+    """The registry's ``role`` token string of ``family`` (``None`` for a family the registry does not know)."""
+    spec = FAMILIES.get(family)
+    return None if spec is None else getattr(spec, role)
+
+
 def resolve_mask_id(model: Any, family: str, config: DecodeConfig, tokenizer: Any = None) -> int:
     """The mask id: ``config.mask_id``, else the model config, else the tokenizer's mask token."""
     if config.mask_id is not None:
@@ -68,10 +72,7 @@ def resolve_mask_id(model: Any, family: str, config: DecodeConfig, tokenizer: An
         value = getattr(tokenizer, "mask_token_id", None)
         if value is not None:
             return int(value)
-        try:
-            token = family_spec(family).mask_token
-        except ConfigError:
-            token = None
+        token = _family_token(family, "mask_token")
         if token is not None:
             tid = _tokenizer_token_id(tokenizer, token)
             if tid is not None:
@@ -92,10 +93,8 @@ def resolve_eos_eot(model: Any, family: str, tokenizer: Any = None) -> tuple[int
         eos = getattr(tokenizer, "eos_token_id", None)
     eot = getattr(cfg, "eot_token_id", None)
     if eot is None:
-        for token in _EOT_TOKENS.get(family, ()):
-            eot = _tokenizer_token_id(tokenizer, token)
-            if eot is not None:
-                break
+        token = _family_token(family, "eot_token")
+        eot = None if token is None else _tokenizer_token_id(tokenizer, token)
     return (None if eos is None else int(eos)), (None if eot is None else int(eot))
 
 

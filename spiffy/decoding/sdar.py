@@ -52,6 +52,8 @@ from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.session import BaselineStats, DecodeSession, StepInfo, run_baseline
 from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError
 from spiffy.models.cache import KVCache
+from spiffy.models.loading import mask_token_id
+from spiffy.models.registry import FAMILIES
 
 STRATEGIES: tuple[str, ...] = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
 DEFAULT_CONFIDENCE_THRESHOLD = 0.85  # the reference's default for low_confidence_dynamic
@@ -351,22 +353,18 @@ def resolve_mask_id(model: Any, mask_id: int | None = None, tokenizer: Any = Non
     """The mask id: ``mask_id`` if given, else from the model config / tokenizer (``MissingTokenError`` if none)."""
     if mask_id is not None:
         return int(mask_id)
-    try:  # H1's lookup (config first, then tokenizer)
-        from spiffy.models import mask_token_id as _lookup  # type: ignore[attr-defined]
-    except ImportError:
-        _lookup = None
-    if _lookup is not None:
-        try:
-            return int(_lookup(model, tokenizer))
-        except MissingTokenError:
-            raise
-        except Exception:  # noqa: BLE001 - fall back to the plain lookups below
-            pass
+    try:  # the registry's lookup (config first, then tokenizer)
+        return int(mask_token_id(model, tokenizer))
+    except MissingTokenError:
+        raise
+    except Exception:  # noqa: BLE001 - not a checkpoint the registry recognises: fall back to the plain lookups below
+        pass
+    mask_token = FAMILIES["sdar"].mask_token
     value = _config_get(model, "mask_token_id")
     if value is None and tokenizer is not None:
         value = getattr(tokenizer, "mask_token_id", None)
         if value is None and hasattr(tokenizer, "convert_tokens_to_ids"):
-            tid = tokenizer.convert_tokens_to_ids("<|MASK|>")
+            tid = tokenizer.convert_tokens_to_ids(mask_token)
             if tid is not None and tid != getattr(tokenizer, "unk_token_id", None):
                 value = tid
     if value is None:

@@ -14,6 +14,10 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from spiffy.errors import ConfigError
+
 _REGISTERED = False
 
 
@@ -33,7 +37,11 @@ class FamilySpec:
         config_class_path: dotted path of the config class.
         mask_config_key: dotted config attribute holding the mask id (``None``: no mask token in the config).
         mask_token: the tokenizer's mask token string (``None``: the family has none).
-        special_tokens: the family's special tokens, in the order :func:`build_tokenizer` adds them.
+        special_tokens: the family's special tokens, in the order
+            :func:`~spiffy.models.tokenizer.build_tokenizer` adds them (their ids follow the learned vocabulary).
+        eos_token, pad_token, bos_token: the tokenizer's end-of-sequence / padding / beginning tokens (``None``:
+            none).
+        eot_token: the end-of-turn token a chat response ends with (LLaDA ``<|eot_id|>``, ChatML ``<|im_end|>``).
         auto_map: the official ``auto_map`` written into config.json (empty for native transformers models).
         diffusion: whether the family is a diffusion LM (has a mask token and is decoded by denoising).
         shifted_logits: whether token ``i`` is read from logits ``i - 1`` (Dream).
@@ -47,6 +55,10 @@ class FamilySpec:
     mask_config_key: str | None
     mask_token: str | None
     special_tokens: tuple[str, ...]
+    eos_token: str | None = "<|endoftext|>"
+    pad_token: str | None = "<|endoftext|>"
+    bos_token: str | None = None
+    eot_token: str | None = "<|im_end|>"
     auto_map: dict[str, str] = field(default_factory=dict)
     diffusion: bool = True
     shifted_logits: bool = False
@@ -71,6 +83,16 @@ class FamilySpec:
             value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
         return None if value is None else int(value)
 
+    @property
+    def stop_tokens(self) -> tuple[str, ...]:
+        """Token strings that end a response: end of sequence, then end of turn (distinct, ``None`` dropped)."""
+        return tuple(dict.fromkeys(t for t in (self.eos_token, self.eot_token) if t is not None))
+
+    def token_roles(self) -> dict[str, str]:
+        """``{role: token}`` for the tokenizer's ``bos``/``eos``/``pad``/``mask`` roles the family defines."""
+        roles = {"bos": self.bos_token, "eos": self.eos_token, "pad": self.pad_token, "mask": self.mask_token}
+        return {role: token for role, token in roles.items() if token is not None}
+
 
 FAMILIES: dict[str, FamilySpec] = {
     "llada": FamilySpec(
@@ -80,7 +102,16 @@ FAMILIES: dict[str, FamilySpec] = {
         config_class_path="spiffy.models.llada.LLaDAConfig",
         mask_config_key="mask_token_id",
         mask_token="<|mdm_mask|>",
-        special_tokens=("<|endoftext|>", "<|mdm_mask|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"),
+        special_tokens=(
+            "<|endoftext|>",
+            "<|startoftext|>",
+            "<|mdm_mask|>",
+            "<|eot_id|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+        ),
+        bos_token="<|startoftext|>",
+        eot_token="<|eot_id|>",
         auto_map={
             "AutoConfig": "configuration_llada.LLaDAConfig",
             "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
@@ -94,7 +125,7 @@ FAMILIES: dict[str, FamilySpec] = {
         config_class_path="spiffy.models.dream.DreamConfig",
         mask_config_key="mask_token_id",
         mask_token="<|mask|>",
-        special_tokens=("<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"),
+        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"),
         auto_map={
             "AutoConfig": "configuration_dream.DreamConfig",
             "AutoModel": "modeling_dream.DreamModel",
@@ -144,8 +175,6 @@ MODEL_TYPE_TO_FAMILY: dict[str, str] = {"llada": "llada", "Dream": "dream", "sda
 
 def family_spec(family: str) -> FamilySpec:
     """The :class:`FamilySpec` of ``family`` (case-insensitive); ConfigError naming the known ones otherwise."""
-    from spiffy.errors import ConfigError
-
     spec = FAMILIES.get(family.lower()) if isinstance(family, str) else None
     if spec is None:
         raise ConfigError(f"unknown model family {family!r}; supported: {', '.join(FAMILIES)}")
@@ -157,8 +186,6 @@ def register_with_transformers() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
     for name in ("llada", "dream", "sdar"):
         spec = FAMILIES[name]
         cfg_cls = spec.config_class
