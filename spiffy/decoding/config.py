@@ -79,6 +79,18 @@ class DecodeConfig:
 
     # fields that do not change the decoding rule (left out of the fingerprint)
     NON_RULE_FIELDS: ClassVar[tuple[str, ...]] = ("gen_length", "seed", "mask_id")
+    #: the CLI flag a user changes to recalibrate a draft graph for a differing ``calibrated_for`` field (named in
+    #: GraphMismatchError messages; subclasses add their own fields)
+    CLI_FLAGS: ClassVar[dict[str, str]] = {
+        "block_length": "--block-length",
+        "steps_per_block": "--steps",
+        "threshold": "--threshold",
+        "remasking": "--remasking",
+        "alg": "--alg",
+        "cache": "--cache",
+        "tokens_per_step": "--steps / --threshold",
+        "temperature": "--temperature",
+    }
     # numeric fields normalised to float in the fingerprint (subclasses may extend)
     FLOAT_FIELDS: ClassVar[tuple[str, ...]] = ("threshold", "temperature", "cfg_scale", "alg_temp", "eps", "top_p")
 

@@ -15,6 +15,7 @@ import torch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.dream import DreamSession
 from spiffy.decoding.llada import LLaDASession
+from spiffy.decoding.sdar import SDARDecodeConfig
 from spiffy.decoding.sdar import make_session as sdar_make_session
 from spiffy.decoding.session import DecodeSession
 from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError, UnknownModelTypeError
@@ -22,6 +23,9 @@ from spiffy.models.registry import FAMILIES
 
 #: config.json ``model_type`` (lower-cased) -> decoding family
 _MODEL_TYPES: dict[str, str] = {"llada": "llada", "dream": "dream", "sdar": "sdar"}
+
+#: decoding family -> the configuration class its sessions read
+FAMILY_CONFIGS: dict[str, type[DecodeConfig]] = {"llada": DecodeConfig, "dream": DecodeConfig, "sdar": SDARDecodeConfig}
 
 
 
@@ -52,6 +56,14 @@ def _tokenizer_token_id(tokenizer: Any, token: str) -> int | None:
     if unk is not None and tid == unk and token != getattr(tokenizer, "unk_token", None):
         return None
     return int(tid)
+
+
+def recalibration_flags() -> dict[str, str]:
+    """``{calibrated_for field: CLI flag}`` over every family's configuration class (for graph mismatch hints)."""
+    flags: dict[str, str] = {}
+    for config_class in FAMILY_CONFIGS.values():
+        flags.update(config_class.CLI_FLAGS)
+    return flags
 
 
 def _family_token(family: str, role: str) -> str | None:
@@ -184,4 +196,13 @@ def _check_context(model: Any, prompt_len: int, gen_length: int) -> None:
         )
 
 
-__all__ = ["as_batch", "context_length", "family_of", "make_session", "resolve_eos_eot", "resolve_mask_id"]
+__all__ = [
+    "FAMILY_CONFIGS",
+    "as_batch",
+    "context_length",
+    "family_of",
+    "make_session",
+    "recalibration_flags",
+    "resolve_eos_eot",
+    "resolve_mask_id",
+]

@@ -94,6 +94,7 @@ class SDARDecodeConfig(DecodeConfig):
 
     NON_RULE_FIELDS: ClassVar[tuple[str, ...]] = ("gen_length", "seed", "mask_id", "fuse_commit", "stop_token_ids")
     FLOAT_FIELDS: ClassVar[tuple[str, ...]] = DecodeConfig.FLOAT_FIELDS + ("eb_threshold",)
+    CLI_FLAGS: ClassVar[dict[str, str]] = {**DecodeConfig.CLI_FLAGS, "strategy": "--strategy"}
 
     def validate(self) -> None:
         if self.cache in ("none", "prefix"):

@@ -46,6 +46,8 @@ class FamilySpec:
         diffusion: whether the family is a diffusion LM (has a mask token and is decoded by denoising).
         shifted_logits: whether token ``i`` is read from logits ``i - 1`` (Dream).
         base_model_class_path: the class ``AutoModel`` maps to when it differs from the causal-LM class.
+        fingerprint_fields: the family's config spellings of the fields that define the architecture (what a draft
+            graph's ``config_fingerprint`` hashes; see :func:`fingerprint_fields`).
     """
 
     name: str
@@ -63,6 +65,7 @@ class FamilySpec:
     diffusion: bool = True
     shifted_logits: bool = False
     base_model_class_path: str | None = None
+    fingerprint_fields: tuple[str, ...] = ()
 
     @property
     def model_class(self) -> type:
@@ -94,6 +97,22 @@ class FamilySpec:
         return {role: token for role, token in roles.items() if token is not None}
 
 
+#: LLaDA's own (OLMo-style) config spellings of the architecture fields
+_LLADA_ARCH_FIELDS: tuple[str, ...] = (
+    "model_type", "vocab_size", "embedding_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "multi_query_attention",
+    "mlp_ratio", "mlp_hidden_size", "activation_type", "block_type", "rope", "rope_theta", "alibi", "layer_norm_type",
+    "include_bias", "include_qkv_bias", "weight_tying", "scale_logits", "input_emb_norm", "attention_layer_norm",
+    "max_sequence_length", "mask_token_id",
+)
+#: Dream keeps Qwen2's config spellings
+_DREAM_ARCH_FIELDS: tuple[str, ...] = (
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "hidden_act", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
+    "use_sliding_window", "mask_token_id",
+)
+#: SDAR keeps Qwen3's spellings (explicit head_dim, attention_bias) plus its training block size
+_SDAR_ARCH_FIELDS: tuple[str, ...] = _DREAM_ARCH_FIELDS + ("head_dim", "attention_bias", "block_size")
+
 FAMILIES: dict[str, FamilySpec] = {
     "llada": FamilySpec(
         name="llada",
@@ -112,6 +131,7 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         bos_token="<|startoftext|>",
         eot_token="<|eot_id|>",
+        fingerprint_fields=_LLADA_ARCH_FIELDS,
         auto_map={
             "AutoConfig": "configuration_llada.LLaDAConfig",
             "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
@@ -131,6 +151,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "AutoModel": "modeling_dream.DreamModel",
         },
         shifted_logits=True,
+        fingerprint_fields=_DREAM_ARCH_FIELDS,
     ),
     "sdar": FamilySpec(
         name="sdar",
@@ -146,6 +167,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
         },
         base_model_class_path="spiffy.models.sdar.SDARModel",
+        fingerprint_fields=_SDAR_ARCH_FIELDS,
     ),
     "qwen3": FamilySpec(
         name="qwen3",
@@ -168,6 +190,13 @@ FAMILIES: dict[str, FamilySpec] = {
         diffusion=False,
     ),
 }
+
+def fingerprint_fields() -> tuple[str, ...]:
+    """The union of every family's architecture-field spellings, in first-seen order. A graph's
+    ``config_fingerprint`` hashes the ones a config has, so unrelated bookkeeping (dtype, paths, transformers
+    version, generation defaults) never changes it."""
+    return tuple(dict.fromkeys(name for spec in FAMILIES.values() for name in spec.fingerprint_fields))
+
 
 #: config.json ``model_type`` -> family (``qwen3`` maps to the target; drafters are recognised by their config)
 MODEL_TYPE_TO_FAMILY: dict[str, str] = {"llada": "llada", "Dream": "dream", "sdar": "sdar", "qwen3": "qwen3"}

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from spiffy.decoding.config import DecodeConfig
-from spiffy.decoding.factory import family_of
+from spiffy.decoding.factory import family_of, recalibration_flags
 from spiffy.errors import ConfigError, GraphError, GraphMismatchError
+from spiffy.models.registry import fingerprint_fields
 
 Pair = tuple[int, int]
 
@@ -74,20 +74,6 @@ _ALIASES: dict[str, str] = {
     "model_fingerprint": "config_fingerprint",
     "model_path": "model",
 }
-
-# CLI flag a user changes to recalibrate for a differing field (used in error messages)
-_FIELD_FLAGS: dict[str, str] = {
-    "block_length": "--block-length",
-    "steps_per_block": "--steps",
-    "threshold": "--threshold",
-    "remasking": "--remasking",
-    "alg": "--alg",
-    "strategy": "--strategy",
-    "cache": "--cache",
-    "tokens_per_step": "--steps / --threshold",
-    "temperature": "--temperature",
-}
-
 
 class GraphCompatibilityWarning(UserWarning):
     """A graph is usable at run time but was calibrated under a different soft setting (model path, temperature)."""
@@ -412,7 +398,8 @@ class DraftGraph:
         if mismatches:
             where = f"graph {self.path!r}" if self.path else "the draft graph"
             diffs = "; ".join(f"{f}: graph {g!r} vs runtime {r!r}" for f, g, r in mismatches)
-            flags = sorted({_FIELD_FLAGS[f] for f, _, _ in mismatches if f in _FIELD_FLAGS})
+            field_flags = recalibration_flags()
+            flags = sorted({field_flags[f] for f, _, _ in mismatches if f in field_flags})
             model = rt.get("model") or "MODEL_DIR"
             hint = f" (set {', '.join(flags)} like this run)" if flags else ""
             err = GraphMismatchError(
@@ -700,17 +687,9 @@ class DraftGraph:
 
 
 # ---------------------------------------------------------------------------------------------------------- fingerprint
-#: model-config fields that define the architecture (union over LLaDA / Dream / SDAR spellings); a graph's
-#: ``config_fingerprint`` hashes the ones a config has, so unrelated bookkeeping (dtype, paths, transformers
-#: version, generation defaults) never changes it.
-ARCH_FIELDS: tuple[str, ...] = (
-    "model_type", "vocab_size", "embedding_size", "d_model", "hidden_size", "n_layers", "num_hidden_layers",
-    "n_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads", "multi_query_attention", "head_dim",
-    "mlp_ratio", "mlp_hidden_size", "intermediate_size", "activation_type", "hidden_act", "block_type", "rope",
-    "rope_theta", "alibi", "layer_norm_type", "rms_norm_eps", "include_bias", "include_qkv_bias", "attention_bias",
-    "weight_tying", "tie_word_embeddings", "scale_logits", "input_emb_norm", "attention_layer_norm",
-    "max_sequence_length", "max_position_embeddings", "use_sliding_window", "mask_token_id", "block_size",
-)
+#: model-config fields that define the architecture: the union of every family's spellings, which the family
+#: registry holds (:func:`spiffy.models.registry.fingerprint_fields`).
+ARCH_FIELDS: tuple[str, ...] = fingerprint_fields()
 
 
 def model_config_fingerprint(model_or_config: Any) -> str:
@@ -748,31 +727,11 @@ def model_config_fingerprint(model_or_config: Any) -> str:
 def runtime_signature(model: Any, session: Any) -> dict[str, Any]:
     """What a calibrated graph must be compatible with at run time (:meth:`DraftGraph.check_compatible` input):
     the ``calibrated_for`` values of ``model`` + ``session``; calibration writes the same values."""
-    cfg = getattr(session, "config", None)
     sig: dict[str, Any] = {
         "family": family_of(model),
         "model": getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None),
-        "mask_id": int(session.mask_id),
-        "block_length": int(session.block_length),
     }
-    if isinstance(cfg, DecodeConfig):
-        rule = cfg.rule_dict()
-        sig.update(
-            {
-                "steps_per_block": None if rule.get("tokens_per_step") == "dynamic" else cfg.steps_per_block,
-                "threshold": rule.get("threshold"),
-                "remasking": rule.get("remasking"),
-                "alg": rule.get("alg"),
-                "strategy": rule.get("strategy"),
-                "temperature": rule.get("temperature"),
-                "cache": rule.get("cache"),
-                "tokens_per_step": rule.get("tokens_per_step"),
-                "decode_fingerprint": cfg.fingerprint(),
-            }
-        )
-        if sig["family"] == "dream" and sig["tokens_per_step"] != "dynamic":
-            # Dream's static schedule (int(n_masked * (1 - s/t)) per step) is not uniform: node sizes may vary by level
-            sig["tokens_per_step"] = None
+    sig.update(session.rule_signature())  # each family's session describes its own rule
     sig["config_fingerprint"] = model_config_fingerprint(model)
     return sig
 
