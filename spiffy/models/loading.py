@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from spiffy.errors import CheckpointError, CheckpointKeyError, ConfigError, MissingTokenError, UnknownModelTypeError
+from spiffy.io import replace_dir
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
 from spiffy.torch_utils import resolve_dtype
 
@@ -486,29 +487,11 @@ def save_checkpoint(
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move directory ``src`` to ``dst``, replacing ``dst`` if it exists (old copy removed after the swap)."""
-    if dst.exists() or dst.is_symlink():
-        backup = dst.parent / f".{dst.name}.old-{os.getpid()}-{id(src)}"
-        os.replace(dst, backup)
-        try:
-            os.replace(src, dst)
-        except BaseException:
-            os.replace(backup, dst)
-            raise
-        if backup.is_dir() and not backup.is_symlink():
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            backup.unlink(missing_ok=True)
-    else:
-        os.replace(src, dst)
 
 
 def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:

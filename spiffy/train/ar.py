@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from spiffy.errors import ConfigError
+from spiffy.io import replace_dir
 from spiffy.train import common
 from spiffy.train.corpus import build_corpus, load_split
 from spiffy.train.tokenizer_train import save_tokenizer, train_tokenizer
@@ -109,9 +110,6 @@ def prepare_data(corpus_dir: str | None, out: Path, vocab_size: int, family: str
 
 def export(model: torch.nn.Module, tok: Any, out: Path, dtype: str) -> Path:
     """``save_pretrained`` the model (cast to ``dtype``) + tokenizer into ``OUT/model`` (atomic dir swap)."""
-    import shutil
-    import tempfile
-
     final = out / "model"
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=".model."))
     clone = type(model)(model.config)
@@ -120,15 +118,7 @@ def export(model: torch.nn.Module, tok: Any, out: Path, dtype: str) -> Path:
     clone.config.dtype = dtype
     clone.save_pretrained(tmp, safe_serialization=True)
     save_tokenizer(tok, tmp)
-    if final.exists():
-        old = out / ".model.old"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
+    replace_dir(tmp, final)
     return final
 
 

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             if k in r:
                 print(f"{name} {k}: {r[k]}")
     if a.json:
-        from spiffy.train.common import atomic_write_json
+        from spiffy.io import atomic_write_json
 
         atomic_write_json(a.json, res)
     return 0

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from spiffy.errors import ConfigError
+from spiffy.io import atomic_write_bytes
 from spiffy.models.registry import family_spec
 from spiffy.models.tokenizer import build_tokenizer
 
@@ -45,15 +47,13 @@ def train_tokenizer(texts: Iterable[str], family: str, out_dir: str | os.PathLik
 
 
 def save_tokenizer(tokenizer, out_dir: str | os.PathLike[str]) -> None:
-    """Save ``tokenizer`` into ``out_dir`` (written to a temp dir first, files then moved in with ``os.replace``)."""
-    import tempfile
-
+    """Save ``tokenizer`` into ``out_dir`` (written to a temp dir first, then each file written atomically)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".tok.") as tmp:
         tokenizer.save_pretrained(tmp)
         for f in Path(tmp).iterdir():
-            os.replace(f, out / f.name)
+            atomic_write_bytes(out / f.name, f.read_bytes())
 
 
 def special_ids(tokenizer, family: str) -> dict[str, int]:
