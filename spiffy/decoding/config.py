@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from spiffy.errors import ConfigError
+from spiffy.sampling import SamplingConfig
 
 REMASKING: tuple[str, ...] = ("low_confidence", "random")
 CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual")
@@ -214,6 +215,11 @@ class DecodeConfig:
                 f"unknown decoding option(s) {', '.join(unknown)}; fix: use options among {', '.join(sorted(names))}"
             )
         return dataclasses.replace(self, **overrides)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """Temperature, top-p, top-k and seed as one :class:`~spiffy.sampling.SamplingConfig` (``None`` = off)."""
+        return SamplingConfig.from_loose(self.temperature, self.top_p, self.top_k, self.seed)
 
     def rule_dict(self) -> dict[str, Any]:
         """The fields that define the decoding rule (what a calibrated graph depends on), resolved.

@@ -54,6 +54,7 @@ from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError
 from spiffy.models.cache import KVCache
 from spiffy.models.loading import mask_token_id
 from spiffy.models.registry import FAMILIES
+from spiffy.sampling import filter_logits
 
 STRATEGIES: tuple[str, ...] = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
 DEFAULT_CONFIDENCE_THRESHOLD = 0.85  # the reference's default for low_confidence_dynamic
@@ -206,21 +207,6 @@ def num_transfer_tokens(block_length: int, steps: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(int(steps))]
 
 
-def _top_k_filter(z: torch.Tensor, k: int) -> torch.Tensor:
-    kth = torch.topk(z, min(int(k), z.shape[-1])).values[..., -1:]
-    return torch.where(z < kth, torch.full_like(z, float("-inf")), z)
-
-
-def _top_p_filter(z: torch.Tensor, p: float) -> torch.Tensor:
-    sorted_z, order = torch.sort(z, descending=True)
-    cum = torch.cumsum(torch.softmax(sorted_z, dim=-1), dim=-1)
-    remove = cum > p
-    remove[..., 1:] = remove[..., :-1].clone()  # keep the token that crosses p
-    remove[..., 0] = False
-    drop = torch.zeros_like(remove).scatter(-1, order, remove)
-    return z.masked_fill(drop, float("-inf"))
-
-
 def sdar_sample(
     logits: torch.Tensor,
     temperature: float,
@@ -243,11 +229,15 @@ def sdar_sample(
     greedy = float(temperature) == 0.0
     if not greedy and float(temperature) != 1.0:
         z = z / temperature
-    filtered = z
-    if top_k is not None and int(top_k) > 0:
-        filtered = _top_k_filter(filtered, int(top_k))
-    if top_p is not None and float(top_p) < 1.0:
-        filtered = _top_p_filter(filtered, float(top_p))
+    # SDAR's filters: top-k then top-p, removed logits set to -inf, the crossing token kept
+    filtered = filter_logits(
+        z,
+        top_k=int(top_k) if top_k is not None and int(top_k) > 0 else 0,
+        top_p=float(top_p) if top_p is not None else 1.0,
+        fill="-inf",
+        order="k_then_p",
+        nucleus="exceeds",
+    )
     probs = torch.softmax(filtered, dim=-1)
     if greedy:
         tokens = torch.argmax(z, dim=-1, keepdim=True)
@@ -439,9 +429,10 @@ class SDARSession(DecodeSession):
         self.threshold = cfg.resolved_threshold
         self.steps_per_block = cfg.steps_per_block
         self.schedule = num_transfer_tokens(B, self.steps_per_block)
-        self.temperature = float(cfg.temperature)
-        self.top_k = 0 if cfg.top_k is None else int(cfg.top_k)
-        self.top_p = 1.0 if cfg.top_p is None else float(cfg.top_p)
+        sampling = cfg.sampling
+        self.temperature = float(sampling.temperature)
+        self.top_k = sampling.top_k
+        self.top_p = sampling.top_p
         self.stop_token_ids = tuple(cfg.stop_token_ids or ())
         self.fuse_commit = bool(cfg.fuse_commit)
         if generator is None:

@@ -166,5 +166,4 @@ def _sorted_pairs(pairs: Any) -> tuple[Pair, ...]:
         return ()
 
 
-
 __all__ = ["from_networkx", "render", "summary", "to_networkx"]
