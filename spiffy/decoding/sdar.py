@@ -40,295 +40,24 @@ Additions over the reference (documented deviations):
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from spiffy.decoding.config import DecodeConfig
+from spiffy.decoding.sdar_config import DEFAULT_CONFIDENCE_THRESHOLD, DEFAULT_EB_THRESHOLD, STRATEGIES, SDARDecodeConfig
+from spiffy.decoding.sdar_rule import block_causal_mask, entropy_of, num_transfer_tokens, sdar_sample, select_transfer
 from spiffy.decoding.session import BaselineStats, DecodeSession, StepInfo, run_baseline
 from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError
 from spiffy.models.cache import KVCache
 from spiffy.models.loading import mask_token_id
 from spiffy.models.registry import FAMILIES
-from spiffy.sampling import filter_logits
-
-STRATEGIES: tuple[str, ...] = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
-DEFAULT_CONFIDENCE_THRESHOLD = 0.85  # the reference's default for low_confidence_dynamic
-DEFAULT_EB_THRESHOLD = 0.35  # JetEngine's default entropy budget
-_ENTROPY_EPS = 1e-12
-
-
-# ---------------------------------------------------------------------------------------------------- config
-@dataclass
-class SDARDecodeConfig(DecodeConfig):
-    """:class:`~spiffy.decoding.config.DecodeConfig` plus SDAR's options.
-
-    Shared fields keep their meaning; for SDAR: ``block_length`` defaults to 4 (SDAR's training block);
-    ``threshold`` is the ``low_confidence_dynamic`` confidence threshold (strictly ``>``, as the reference);
-    ``cache`` is always SDAR's block-causal ``store_kv`` cache (``"none"``/``"prefix"`` are both normalised to
-    ``"prefix"``; ``"dual"`` is an error); ``remasking``/``cfg_scale``/Dream fields are ignored.
-
-    Attributes:
-        strategy: ``"sequential"``, ``"low_confidence_static"``, ``"low_confidence_dynamic"`` or
-            ``"entropy_bounded"``; ``None`` = dynamic when ``threshold`` is set, else static.
-        denoising_steps: steps per block (the reference's ``denoising_steps``); ``None`` = ``steps // num_blocks``
-            when ``steps`` is given, else ``block_length``. Must be in ``[1, block_length]``.
-        eb_threshold: entropy budget of ``entropy_bounded`` (nats, summed over the rows unmasked in a step).
-        overwrite_quirk: reproduce the reference's over-selection when a step's count exceeds the masks left.
-        fuse_commit: fuse each commit forward with the next block's first denoising forward (same tokens,
-            one call fewer per block).
-        stop_token_ids: stop after the block in which one of these ids appears (``None`` = never).
-    """
-
-    block_length: int | None = 4
-    cache: str = "prefix"
-    strategy: str | None = None
-    denoising_steps: int | None = None
-    eb_threshold: float = DEFAULT_EB_THRESHOLD
-    overwrite_quirk: bool = False
-    fuse_commit: bool = False
-    stop_token_ids: tuple[int, ...] | None = None
-
-    NON_RULE_FIELDS: ClassVar[tuple[str, ...]] = ("gen_length", "seed", "mask_id", "fuse_commit", "stop_token_ids")
-    FLOAT_FIELDS: ClassVar[tuple[str, ...]] = DecodeConfig.FLOAT_FIELDS + ("eb_threshold",)
-    CLI_FLAGS: ClassVar[dict[str, str]] = {**DecodeConfig.CLI_FLAGS, "strategy": "--strategy"}
-
-    def validate(self) -> None:
-        if self.cache in ("none", "prefix"):
-            self.cache = "prefix"
-        elif self.cache == "dual":
-            raise ConfigError(
-                "cache='dual' does not apply to SDAR (a block-causal model never reads future K/V); "
-                "fix: use cache='prefix' (SDAR's store_kv cache, the default)"
-            )
-        super().validate()
-        if self.strategy is not None and self.strategy not in STRATEGIES:
-            raise ConfigError(f"strategy={self.strategy!r} is unknown; fix: use one of {', '.join(STRATEGIES)}")
-        if self.denoising_steps is not None:
-            if isinstance(self.denoising_steps, bool) or not isinstance(self.denoising_steps, int):
-                raise ConfigError(f"denoising_steps must be an integer, got {self.denoising_steps!r}")
-            if self.steps is not None and self.steps != self.denoising_steps * self.num_blocks:
-                raise ConfigError(
-                    f"steps={self.steps} (total) contradicts denoising_steps={self.denoising_steps} per block "
-                    f"x {self.num_blocks} blocks; fix: pass only one of them"
-                )
-        spb = self.steps_per_block
-        bl = self.resolved_block_length
-        if not 1 <= spb <= bl:
-            raise ConfigError(
-                f"SDAR needs 1 <= denoising steps per block <= block_length, got {spb} steps for block_length={bl}; "
-                f"fix: pass denoising_steps between 1 and {bl}"
-            )
-        if isinstance(self.eb_threshold, bool) or not isinstance(self.eb_threshold, (int, float)) or not (
-            float(self.eb_threshold) >= 0.0
-        ):
-            raise ConfigError(f"eb_threshold={self.eb_threshold!r} must be a number >= 0; fix: use e.g. 0.35")
-        if self.stop_token_ids is not None:
-            ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else tuple(self.stop_token_ids)
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-                raise ConfigError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
-            self.stop_token_ids = ids
-
-    # ------------------------------------------------------------------ derived values
-    @property
-    def steps_per_block(self) -> int:
-        if self.denoising_steps is not None:
-            return int(self.denoising_steps)
-        if self.steps is not None:
-            return int(self.steps) // self.num_blocks
-        return self.resolved_block_length
-
-    @property
-    def resolved_steps(self) -> int:
-        return self.steps_per_block * self.num_blocks
-
-    @property
-    def resolved_strategy(self) -> str:
-        if self.strategy is not None:
-            return self.strategy
-        return "low_confidence_dynamic" if self.threshold is not None else "low_confidence_static"
-
-    @property
-    def resolved_threshold(self) -> float:
-        """Confidence threshold of ``low_confidence_dynamic`` (``threshold`` or the reference's 0.85)."""
-        return DEFAULT_CONFIDENCE_THRESHOLD if self.threshold is None else float(self.threshold)
-
-    @property
-    def tokens_per_step(self) -> int | str | None:
-        strategy = self.resolved_strategy
-        if strategy in ("low_confidence_dynamic", "entropy_bounded"):
-            return "dynamic"
-        bl, spb = self.resolved_block_length, self.steps_per_block
-        return bl // spb if bl % spb == 0 else None
-
-    def rule_dict(self) -> dict[str, Any]:
-        d = super().rule_dict()
-        d.pop("denoising_steps", None)
-        d["strategy"] = self.resolved_strategy
-        # only the parameters the strategy reads are part of the rule
-        d["threshold"] = self.resolved_threshold if d["strategy"] == "low_confidence_dynamic" else None
-        if d["strategy"] != "entropy_bounded":
-            d["eb_threshold"] = None
-        for name in ("remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf", "alg", "alg_temp", "eps"):
-            d.pop(name, None)  # not part of SDAR's rule
-        return d
-
-    @classmethod
-    def from_config(cls, config: DecodeConfig | None = None, **overrides: Any) -> "SDARDecodeConfig":
-        """An :class:`SDARDecodeConfig` from ``None``, a plain :class:`DecodeConfig` (shared fields copied) or an
-        :class:`SDARDecodeConfig`, with ``overrides`` applied."""
-        if config is None:
-            base: dict[str, Any] = {}
-        elif isinstance(config, SDARDecodeConfig):
-            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        elif isinstance(config, DecodeConfig):
-            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        else:
-            raise ConfigError(f"config must be a DecodeConfig, got {type(config).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ConfigError(
-                f"unknown SDAR decoding option(s) {', '.join(unknown)}; fix: use options among {', '.join(sorted(names))}"
-            )
-        base.update(overrides)
-        return cls(**base)
-
-
-# ---------------------------------------------------------------------------------------------------- rule pieces
-def num_transfer_tokens(block_length: int, steps: int) -> list[int]:
-    """The reference's ``get_num_transfer_tokens``: ``block_length // steps`` per step, plus one for the first
-    ``block_length % steps`` steps."""
-    base, rem = divmod(int(block_length), int(steps))
-    return [base + (1 if i < rem else 0) for i in range(int(steps))]
-
-
-def sdar_sample(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SDAR's sampling step on window logits.
-
-    Args:
-        logits: ``[B, W, V]``.
-        temperature: ``0`` = greedy (argmax; probabilities at temperature 1), else ``logits / T`` when ``T != 1``.
-        top_k: keep the ``k`` largest logits (``None``/``0`` = off). top_p: nucleus mass (``None``/``1`` = off).
-        generator: source of the one ``multinomial`` draw per row (``[B * W, V]`` probabilities, one sample each).
-    Returns:
-        tokens ``[B, W]`` long, their probabilities ``[B, W]`` and the sampling distribution ``[B, W, V]``.
-    """
-    shape = logits.shape[:-1]
-    z = logits.reshape(-1, logits.shape[-1])
-    greedy = float(temperature) == 0.0
-    if not greedy and float(temperature) != 1.0:
-        z = z / temperature
-    # SDAR's filters: top-k then top-p, removed logits set to -inf, the crossing token kept
-    filtered = filter_logits(
-        z,
-        top_k=int(top_k) if top_k is not None and int(top_k) > 0 else 0,
-        top_p=float(top_p) if top_p is not None else 1.0,
-        fill="-inf",
-        order="k_then_p",
-        nucleus="exceeds",
-    )
-    probs = torch.softmax(filtered, dim=-1)
-    if greedy:
-        tokens = torch.argmax(z, dim=-1, keepdim=True)
-    else:
-        tokens = torch.multinomial(probs, num_samples=1, generator=generator)
-    token_probs = torch.gather(probs, -1, tokens)
-    return tokens.view(shape), token_probs.view(shape), probs.view(*shape, -1)
-
-
-def entropy_of(probs: torch.Tensor) -> torch.Tensor:
-    """Entropy per row as JetEngine computes it: ``-sum(p log p)`` with ``p`` clamped at 1e-12. ``[..., V] -> [...]``."""
-    p = probs.clamp_min(_ENTROPY_EPS)
-    return -(p * p.log()).sum(dim=-1)
-
-
-def select_transfer(
-    masked: torch.Tensor,
-    token_probs: torch.Tensor,
-    probs: torch.Tensor | None,
-    count: int,
-    strategy: str,
-    threshold: float,
-    eb_threshold: float,
-    overwrite_quirk: bool = False,
-) -> torch.Tensor:
-    """Which block rows take their sampled token in one step.
-
-    Args:
-        masked: ``[B, L]`` bool, rows of the block still masked.
-        token_probs: ``[B, L]`` probability of each row's sampled token (the confidence).
-        probs: ``[B, L, V]`` sampling distribution (needed by ``entropy_bounded`` only).
-        count: the schedule's count for this step.
-        strategy, threshold, eb_threshold: the rule (see module doc).
-        overwrite_quirk: use ``count`` even when fewer rows are masked (the reference's behaviour).
-    Returns:
-        ``[B, L]`` bool transfer mask.
-    """
-    transfer = torch.zeros_like(masked)
-    entropy = entropy_of(probs) if strategy == "entropy_bounded" else None
-    for r in range(masked.shape[0]):
-        m = masked[r]
-        n = int(m.sum())
-        if n == 0 and not (overwrite_quirk and strategy != "entropy_bounded"):
-            continue
-        k = int(count) if overwrite_quirk else min(int(count), n)
-        if strategy == "sequential":
-            rows = m.nonzero()[:, 0]
-            if overwrite_quirk:
-                if n == 0:
-                    raise ValueError("No mask tokens found in the current block.")
-                first = int(rows[0])
-                transfer[r, first : first + k] = True
-            else:
-                transfer[r, rows[:k]] = True
-        elif strategy in ("low_confidence_static", "low_confidence_dynamic"):
-            conf = torch.where(m, token_probs[r], -torch.inf)
-            if strategy == "low_confidence_dynamic":
-                high = conf > threshold
-                if int(high.sum()) >= k:
-                    transfer[r] = high
-                    continue
-            transfer[r, torch.topk(conf, k).indices] = True
-        elif strategy == "entropy_bounded":
-            ent = torch.where(m, entropy[r], torch.inf)  # type: ignore[index]
-            ent_sorted, order = torch.sort(ent, stable=True)
-            cum = torch.cumsum(ent_sorted, dim=0)
-            c = int(torch.searchsorted(cum, cum.new_tensor([float(eb_threshold)]), right=False)[0])
-            c = min(max(c, min(int(count), n), 1), n)
-            transfer[r, order[:c]] = True
-        else:
-            raise ConfigError(f"strategy={strategy!r} is unknown; fix: use one of {', '.join(STRATEGIES)}")
-    return transfer
-
-
-def block_causal_mask(q_start: int, q_end: int, k_end: int, block_length: int, device: torch.device | str) -> torch.Tensor:
-    """``[1, 1, q_end - q_start, k_end]`` bool (True = visible): absolute row ``i`` sees column ``j`` iff
-    ``j // block_length <= i // block_length``."""
-    qb = torch.arange(q_start, q_end, device=device) // block_length
-    kb = torch.arange(k_end, device=device) // block_length
-    return (kb[None, :] <= qb[:, None])[None, None]
-
+from spiffy.torch_utils import model_device
 
 def _logits_of(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:  # pragma: no cover - parameterless model
-        return torch.device("cpu")
 
 
 def _config_get(model: Any, *names: str) -> Any:
@@ -404,7 +133,7 @@ class SDARSession(DecodeSession):
             raise ConfigError(
                 f"input_ids must be [B, P] with P >= 1, got shape {tuple(input_ids.shape)}; fix: pass a tokenized prompt"
             )
-        device = _model_device(model)
+        device = model_device(model)
         self.device = device
         self.mask_id = resolve_mask_id(model, cfg.mask_id if mask_id is None else mask_id, tokenizer)
         B = cfg.resolved_block_length
@@ -600,6 +329,8 @@ def sdar_generate(
 
 
 __all__ = [
+    "DEFAULT_CONFIDENCE_THRESHOLD",
+    "DEFAULT_EB_THRESHOLD",
     "STRATEGIES",
     "SDARDecodeConfig",
     "SDARSession",

@@ -22,176 +22,23 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from spiffy.errors import CheckpointError, CheckpointKeyError, ConfigError, MissingTokenError, UnknownModelTypeError
+from spiffy.errors import CheckpointError, ConfigError, MissingTokenError, UnknownModelTypeError
 from spiffy.io import replace_dir
-from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
+from spiffy.models.checkpoint_files import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_FILE,
+    SINGLE_FILE,
+    _alias_groups,
+    _config_as_dict,
+    check_keys,
+    checkpoint_files,
+    family_of,
+    load_state_dict,
+    read_config_dict,
+)
+from spiffy.models.registry import FAMILIES, family_spec
 from spiffy.torch_utils import resolve_dtype
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-
-
-
-# --------------------------------------------------------------------------------------------------------------
-# config / family
-# --------------------------------------------------------------------------------------------------------------
-
-
-def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` of checkpoint directory ``path`` (CheckpointError if missing or invalid)."""
-    root = Path(path)
-    if not root.exists():
-        raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist; fix the path or create one with `spiffy tiny`")
-    if not root.is_dir():
-        raise CheckpointError(f"{str(root)!r} is not a directory; point at a checkpoint directory holding config.json")
-    cfg = root / CONFIG_FILE
-    if not cfg.is_file():
-        raise CheckpointError(f"no config.json in {str(root)!r}; a checkpoint directory needs config.json + safetensors")
-    try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {str(cfg)!r}: {exc}; fix or regenerate the file") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{str(cfg)!r} does not hold a JSON object; fix or regenerate the file")
-    return data
-
-
-def _config_as_dict(obj: Any) -> dict[str, Any]:
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    if isinstance(obj, (str, os.PathLike)):
-        return read_config_dict(obj)
-    config = getattr(obj, "config", obj)
-    if hasattr(config, "to_dict"):
-        data = config.to_dict()
-        # to_dict() may drop class attributes such as model_type on some versions
-        data.setdefault("model_type", getattr(config, "model_type", None))
-        return data
-    raise ConfigError(f"cannot read a model config from {type(obj).__name__}; pass a path, config, dict or model")
-
-
-def _is_dflash(cfg: Mapping[str, Any]) -> bool:
-    return "dflash_config" in cfg or "DFlashDraftModel" in (cfg.get("architectures") or [])
-
-
-def family_of(path_or_config: Any) -> str:
-    """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"dflash"``) of a checkpoint path,
-    config object, config dict or model. UnknownModelTypeError for an unsupported ``model_type``."""
-    model = path_or_config
-    if hasattr(model, "config") and not isinstance(model, (str, os.PathLike, Mapping)):
-        for name, spec in FAMILIES.items():
-            if name in ("qwen3",):
-                continue
-            try:
-                if type(model).__name__ == spec.model_class_path.rsplit(".", 1)[1]:
-                    return name
-            except IndexError:  # pragma: no cover
-                pass
-    cfg = _config_as_dict(path_or_config)
-    if _is_dflash(cfg):
-        return "dflash"
-    model_type = cfg.get("model_type")
-    family = MODEL_TYPE_TO_FAMILY.get(model_type) if isinstance(model_type, str) else None
-    if family is None:
-        supported = ", ".join(repr(t) for t in MODEL_TYPE_TO_FAMILY)
-        raise UnknownModelTypeError(
-            f"model_type {model_type!r} is not supported; supported model types: {supported} (plus DFlash drafters: "
-            "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or Qwen3 checkpoint"
-        )
-    return family
-
-
-# --------------------------------------------------------------------------------------------------------------
-# tensors
-# --------------------------------------------------------------------------------------------------------------
-
-
-def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files of a checkpoint and, for a sharded one, its ``weight_map`` (key -> file name)."""
-    root = Path(path)
-    index = root / INDEX_FILE
-    single = root / SINGLE_FILE
-    if index.is_file():
-        try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-            weight_map = dict(data["weight_map"])
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"cannot read {str(index)!r}: {exc}; fix or regenerate the index") from exc
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (root / n).is_file()]
-        if missing:
-            raise CheckpointError(
-                f"shard files listed in {INDEX_FILE} are missing in {str(root)!r}: {', '.join(missing)}; "
-                "re-download or regenerate the checkpoint"
-            )
-        return [root / n for n in names], weight_map
-    if single.is_file():
-        return [single], None
-    raise CheckpointError(
-        f"no {SINGLE_FILE} or {INDEX_FILE} in {str(root)!r}; spiffy reads safetensors checkpoints only "
-        "(convert .bin weights with transformers' save_pretrained(safe_serialization=True))"
-    )
-
-
-def load_state_dict(path: str | os.PathLike, device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of a (single-file or sharded) safetensors checkpoint, keyed by parameter name."""
-    from safetensors.torch import load_file
-
-    files, weight_map = checkpoint_files(path)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            part = load_file(str(f), device=str(device) if device is not None else "cpu")
-        except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"cannot read {str(f)!r}: {exc}; the file is corrupt or not safetensors") from exc
-        for key, tensor in part.items():
-            if weight_map is not None and weight_map.get(key) != f.name:
-                if key not in weight_map:
-                    state[key] = tensor  # reported as unexpected by the strict check
-                continue
-            state[key] = tensor
-    if weight_map is not None:
-        absent = sorted(k for k in weight_map if k not in state)
-        if absent:
-            raise CheckpointError(
-                f"{INDEX_FILE} in {str(path)!r} lists keys absent from their shard files: {', '.join(absent[:8])}; "
-                "regenerate the checkpoint"
-            )
-    return state
-
-
-def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
-    """State-dict names grouped by shared tensor (tied weights): groups of size > 1 only."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
-
-
-def check_keys(
-    model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: str | os.PathLike
-) -> None:
-    """Strict key matching: raise CheckpointKeyError naming missing, unexpected and shape-mismatched keys.
-
-    Tied parameters (several names, one tensor) need only one of their names in the checkpoint.
-    """
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    optional: set[str] = set()
-    for group in _alias_groups(model):
-        present = [n for n in group if n in state]
-        optional.update(group if present else group[1:])
-    missing = sorted(k for k in expected if k not in state and k not in optional)
-    unexpected = sorted(k for k in state if k not in expected)
-    mismatch = sorted(
-        f"{k} (checkpoint {tuple(state[k].shape)} vs model {expected[k]})"
-        for k in expected
-        if k in state and tuple(state[k].shape) != expected[k]
-    )
-    if missing or unexpected or mismatch:
-        raise CheckpointKeyError(str(path), missing, unexpected, mismatch)
-
 
 # --------------------------------------------------------------------------------------------------------------
 # load
@@ -506,3 +353,25 @@ def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:
         with safe_open(str(f), framework="pt") as handle:
             keys.extend(handle.keys())
     return sorted(keys)
+
+
+__all__ = [
+    "CONFIG_FILE",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "SpecialTokenIds",
+    "check_keys",
+    "checkpoint_files",
+    "family_of",
+    "iter_checkpoint_keys",
+    "load_config",
+    "load_model",
+    "load_state_dict",
+    "load_tokenizer",
+    "mask_token_id",
+    "read_config_dict",
+    "resolve_dtype",
+    "save_checkpoint",
+    "special_token_ids",
+]

@@ -26,6 +26,7 @@ from spiffy.selfspec.chains import ChainRecorder, Trajectory, all_chains, descri
 from spiffy.selfspec.graph import DraftGraph, runtime_signature
 from spiffy.selfspec.prompts import load_prompts, prompt_token_ids
 from spiffy.selfspec.select import OBJECTIVES, build_graph
+from spiffy.torch_utils import dtype_name, model_device, model_dtype
 
 DEFAULT_NODES = 10
 DEFAULT_J_MAX = 4
@@ -37,20 +38,6 @@ def _model_name(model: Any) -> str | None:
         if isinstance(v, str) and v:
             return v
     return None
-
-
-def _device(model: Any) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
-
-
-def _dtype(model: Any) -> str:
-    try:
-        return str(next(model.parameters()).dtype).replace("torch.", "")
-    except (StopIteration, AttributeError):
-        return "unknown"
 
 
 @torch.no_grad()
@@ -130,7 +117,7 @@ def calibrate(
             raise ConfigError(f"max_prompts={max_prompts!r} must be None or an integer >= 1")
         texts = texts[:max_prompts]
 
-    device = _device(model)
+    device = model_device(model)
     encoded: list[list[int]] = []
     for k, t in enumerate(texts):
         if isinstance(t, str):
@@ -212,7 +199,7 @@ def calibrate(
         "gen_length": int(cfg.gen_length),
         "config_overrides": overrides or None,
         "decode_config": decode_config,
-        "dtype": _dtype(model),
+        "dtype": dtype_name(model_dtype(model)),
         "device": device.type,
         "library_version": __version__,
         "torch_version": torch.__version__.split("+")[0],

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from spiffy.errors import ConfigError
 from spiffy.io import replace_dir
+from spiffy.torch_utils import resolve_dtype
 from spiffy.train import common
 from spiffy.train.corpus import build_corpus, load_split
 from spiffy.train.tokenizer_train import save_tokenizer, train_tokenizer
@@ -114,7 +115,7 @@ def export(model: torch.nn.Module, tok: Any, out: Path, dtype: str) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=".model."))
     clone = type(model)(model.config)
     clone.load_state_dict(model.state_dict())
-    clone = clone.to(getattr(torch, dtype))
+    clone = clone.to(resolve_dtype(dtype))
     clone.config.dtype = dtype
     clone.save_pretrained(tmp, safe_serialization=True)
     save_tokenizer(tok, tmp)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from spiffy.errors import MissingTokenError
+from spiffy.torch_utils import resolve_dtype
 from spiffy.train import common
 from spiffy.train.ar import prepare_data
 
@@ -205,7 +206,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     final = out / "model"
     export = LLaDAModelLM(cfg)
     export.load_state_dict(model.state_dict())
-    export = export.to(getattr(torch, args.save_dtype)).eval()
+    export = export.to(resolve_dtype(args.save_dtype)).eval()
     export.config.torch_dtype = args.save_dtype
     gen_cfg = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
                "mask_token_id": mask_id}
