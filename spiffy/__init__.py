@@ -23,6 +23,7 @@ from spiffy.errors import (
     SpiffyError,
     UnknownModelTypeError,
 )
+from spiffy.models.registry import register_with_transformers
 
 # public name -> module that defines it (imported on first access)
 _LAZY: dict[str, str] = {
@@ -62,12 +63,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def _register_families() -> None:
-    try:
-        importlib.import_module("spiffy.models.registry").register_with_transformers()
-    except ModuleNotFoundError as exc:  # pragma: no cover - only while the package is being assembled
-        if exc.name not in ("spiffy.models.registry",):
-            raise
-
-
-_register_families()
+register_with_transformers()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from safetensors.torch import load_file
 
 from spiffy.errors import CheckpointError, CheckpointKeyError, ConfigError, UnknownModelTypeError
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY
@@ -123,8 +124,6 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str
 
 def load_state_dict(path: str | os.PathLike, device: Any = "cpu") -> dict[str, torch.Tensor]:
     """All tensors of a (single-file or sharded) safetensors checkpoint, keyed by parameter name."""
-    from safetensors.torch import load_file
-
     files, weight_map = checkpoint_files(path)
     state: dict[str, torch.Tensor] = {}
     for f in files:

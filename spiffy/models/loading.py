@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import PreTrainedTokenizerFast
 
 from spiffy.errors import CheckpointError, ConfigError, MissingTokenError, UnknownModelTypeError
 from spiffy.io import replace_dir
@@ -82,7 +85,7 @@ def load_model(
     device = torch.device(device) if device is not None else torch.device("cpu")
     torch_dtype = resolve_dtype(dtype, data, device)
     if family == "dflash":
-        from spiffy.ar.drafter import load_drafter  # written by the AR engineer; imported lazily
+        from spiffy.ar.drafter import load_drafter  # the drafter family is imported on use (it lives above models)
 
         return load_drafter(path, dtype=torch_dtype, device=device)
     config = load_config(path, family)
@@ -131,8 +134,6 @@ def _materialize_buffers(
 
 def load_tokenizer(path: str | os.PathLike):  # noqa: ANN201
     """The ``PreTrainedTokenizerFast`` saved in checkpoint directory ``path`` (``tokenizer.json``)."""
-    from transformers import PreTrainedTokenizerFast
-
     root = Path(path)
     if not (root / "tokenizer.json").is_file():
         raise CheckpointError(
@@ -289,8 +290,6 @@ def save_checkpoint(
     ``max_shard_bytes`` and into at least ``min_shards`` files, plus the tokenizer, ``generation_config.json`` and
     ``extra_files`` (name -> text) when given. An existing ``out_dir`` is replaced as a whole.
     """
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = model.config
@@ -343,8 +342,6 @@ def save_checkpoint(
 
 def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:
     """Parameter names stored in a checkpoint (without loading tensors)."""
-    from safetensors import safe_open
-
     files, weight_map = checkpoint_files(path)
     if weight_map is not None:
         return sorted(weight_map)

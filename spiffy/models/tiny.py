@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from spiffy.errors import ConfigError
+from spiffy.models.loading import save_checkpoint, special_token_ids
 from spiffy.models.registry import FAMILIES, family_spec
+from spiffy.models.tokenizer import build_tokenizer
 
 TINY_FAMILIES: tuple[str, ...] = ("llada", "dream", "sdar", "qwen3", "dflash")
 
@@ -85,8 +87,6 @@ def _tiny_config(family: str, tokenizer: Any, overrides: dict[str, Any]) -> Any:
 
 
 def _generation_config(family: str, config: Any, tokenizer: Any) -> dict[str, Any]:
-    from spiffy.models.loading import special_token_ids
-
     ids = special_token_ids(config, tokenizer)
     gen: dict[str, Any] = {"bos_token_id": ids.bos, "eos_token_id": ids.eos, "pad_token_id": ids.pad}
     if family == "qwen3":
@@ -115,13 +115,10 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
         target = overrides.pop("target", None)
         if target is None:
             raise ConfigError("a tiny DFlash drafter needs target=PATH of a Qwen3 checkpoint (e.g. from make_tiny('qwen3', ...))")
-        from spiffy.ar.checkpoints import make_tiny_dflash  # written by the AR engineer; imported lazily
+        from spiffy.ar.checkpoints import make_tiny_dflash  # the drafter writer is imported on use (it lives above models)
 
         return Path(make_tiny_dflash(out_dir, target, seed, **overrides))
     overrides.pop("target", None)
-    from spiffy.models.loading import save_checkpoint
-    from spiffy.models.tokenizer import build_tokenizer
-
     vocab_size = int(overrides.pop("vocab_size", 512))
     min_shards = int(overrides.pop("min_shards", 2))
     tokenizer = build_tokenizer(fam, vocab_size=vocab_size)

@@ -18,6 +18,8 @@ import warnings
 from typing import Any, Sequence
 
 import torch
+import transformers
+from tqdm.auto import tqdm
 
 from spiffy._version import __version__
 from spiffy.decoding import DecodeConfig, make_session, run_baseline
@@ -131,8 +133,6 @@ def calibrate(
 
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=None, desc="calibrating", unit="step", file=sys.stderr, dynamic_ncols=True)
     steps_per_prompt: int | None = None
 
@@ -223,12 +223,7 @@ def calibrate(
 
 
 def _transformers_version() -> str | None:
-    try:
-        import transformers
-
-        return str(transformers.__version__)
-    except ImportError:  # pragma: no cover
-        return None
+    return str(transformers.__version__)
 
 
 def _api_command(label: str, nodes: int, objective: str, max_prompts: int | None, seed: int, i_max: int, j_max: int, max_level: int | None) -> str:

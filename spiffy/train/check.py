@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+from spiffy.api import generate
+from spiffy.io import atomic_write_json
+from spiffy.models.loading import load_model, load_tokenizer
+
 PROMPTS = [
     "def ",
     "import os\n\n\ndef get_",
@@ -30,8 +34,6 @@ def check_qwen3(path: str, drafter_path: str | None = None, max_new_tokens: int 
                 budget: int = 32) -> dict[str, Any]:
     """Load the target (and drafter) with the library and return samples and acceptance statistics."""
     from spiffy.ar.generate import ddtree_generate
-    from spiffy.models.loading import load_model, load_tokenizer
-
     target = load_model(path, dtype="float32")
     tok = load_tokenizer(path)
     out: dict[str, Any] = {"samples": {}}
@@ -64,9 +66,6 @@ def check_qwen3(path: str, drafter_path: str | None = None, max_new_tokens: int 
 
 def check_llada(path: str, gen_length: int = 48, block_length: int = 16) -> dict[str, Any]:
     """Load the dLLM with the library and decode a few prompts with the baseline decoder."""
-    from spiffy.api import generate
-    from spiffy.models.loading import load_model, load_tokenizer
-
     model = load_model(path, dtype="float32")
     tok = load_tokenizer(path)
     out: dict[str, Any] = {"samples": {}}
@@ -101,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
             if k in r:
                 print(f"{name} {k}: {r[k]}")
     if a.json:
-        from spiffy.io import atomic_write_json
-
         atomic_write_json(a.json, res)
     return 0
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from spiffy.errors import CheckpointError, ConfigError
 from spiffy.io import atomic_torch_save, atomic_write_json, atomic_write_text, atomic_write_with
@@ -247,8 +248,6 @@ class TrainLoop:
 
     def __init__(self, args: Any, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
                  extra: dict[str, Any], desc: str, refresh_postfix: bool = True):
-        from tqdm import tqdm
-
         self.args, self.out, self.model, self.opt = args, out, model, opt
         self.step, self.extra = step, extra
         self.refresh_postfix = refresh_postfix

@@ -24,6 +24,7 @@ from spiffy.errors import ConfigError
 from spiffy.io import atomic_write_bytes
 from spiffy.models.registry import family_spec
 from spiffy.models.tokenizer import build_tokenizer
+from spiffy.train.corpus import build_corpus, load_split
 
 #: family -> its special tokens in id order (from the family registry)
 FAMILY_SPECIALS: dict[str, list[str]] = {f: list(family_spec(f).special_tokens) for f in ("llada", "qwen3")}
@@ -62,8 +63,6 @@ def special_ids(tokenizer, family: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spiffy.train.corpus import build_corpus, load_split
-
     p = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer on the stdlib corpus.")
     p.add_argument("--family", choices=sorted(FAMILY_SPECIALS), required=True, help="model family (special tokens)")
     p.add_argument("--out", required=True, help="output dir for tokenizer.json + tokenizer_config.json")
