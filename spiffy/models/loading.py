@@ -27,21 +27,71 @@ from transformers import PreTrainedTokenizerFast
 
 from spiffy.errors import CheckpointError, ConfigError, MissingTokenError, UnknownModelTypeError
 from spiffy.io import replace_dir
-from spiffy.models.checkpoint_files import (
+from spiffy.models.checkpoint import (
     CONFIG_FILE,
-    DEFAULT_MAX_SHARD_BYTES,
     INDEX_FILE,
     SINGLE_FILE,
     _alias_groups,
-    _config_as_dict,
     check_keys,
     checkpoint_files,
-    family_of,
     load_state_dict,
     read_config_dict,
 )
-from spiffy.models.registry import FAMILIES, family_spec
+from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
 from spiffy.torch_utils import resolve_dtype
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+# --------------------------------------------------------------------------------------------------------------
+# config / family
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _config_as_dict(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if isinstance(obj, (str, os.PathLike)):
+        return read_config_dict(obj)
+    config = getattr(obj, "config", obj)
+    if hasattr(config, "to_dict"):
+        data = config.to_dict()
+        # to_dict() may drop class attributes such as model_type on some versions
+        data.setdefault("model_type", getattr(config, "model_type", None))
+        return data
+    raise ConfigError(f"cannot read a model config from {type(obj).__name__}; pass a path, config, dict or model")
+
+
+def _is_dflash(cfg: Mapping[str, Any]) -> bool:
+    return "dflash_config" in cfg or "DFlashDraftModel" in (cfg.get("architectures") or [])
+
+
+def family_of(path_or_config: Any) -> str:
+    """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"dflash"``) of a checkpoint path,
+    config object, config dict or model. UnknownModelTypeError for an unsupported ``model_type``."""
+    model = path_or_config
+    if hasattr(model, "config") and not isinstance(model, (str, os.PathLike, Mapping)):
+        for name, spec in FAMILIES.items():
+            if name in ("qwen3",):
+                continue
+            try:
+                if type(model).__name__ == spec.model_class_path.rsplit(".", 1)[1]:
+                    return name
+            except IndexError:  # pragma: no cover
+                pass
+    cfg = _config_as_dict(path_or_config)
+    if _is_dflash(cfg):
+        return "dflash"
+    model_type = cfg.get("model_type")
+    family = MODEL_TYPE_TO_FAMILY.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        supported = ", ".join(repr(t) for t in MODEL_TYPE_TO_FAMILY)
+        raise UnknownModelTypeError(
+            f"model_type {model_type!r} is not supported; supported model types: {supported} (plus DFlash drafters: "
+            "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or Qwen3 checkpoint"
+        )
+    return family
+
 
 # --------------------------------------------------------------------------------------------------------------
 # load

@@ -1,5 +1,9 @@
-"""Checkpoint directories on disk: config.json, which family a checkpoint belongs to, safetensors weights (single
-file or sharded with an index) and strict key checks. :mod:`spiffy.models.loading` builds models from them."""
+"""Checkpoint files on disk: ``config.json``, single-file or sharded safetensors, strict key matching.
+
+The file layer every family's loader shares (:func:`spiffy.models.loading.load_model`, the DFlash drafter's
+:func:`spiffy.models.dflash.load_drafter`): :func:`read_config_dict`, :func:`checkpoint_files`,
+:func:`load_state_dict` and :func:`check_keys`.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +15,13 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file
 
-from spiffy.errors import CheckpointError, CheckpointKeyError, ConfigError, UnknownModelTypeError
-from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY
+from spiffy.errors import CheckpointError, CheckpointKeyError
+
+__all__ = ["SINGLE_FILE", "INDEX_FILE", "CONFIG_FILE", "read_config_dict", "checkpoint_files", "load_state_dict", "check_keys"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-
-
-
-# --------------------------------------------------------------------------------------------------------------
-# config / family
-# --------------------------------------------------------------------------------------------------------------
 
 
 def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
@@ -44,55 +42,6 @@ def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{str(cfg)!r} does not hold a JSON object; fix or regenerate the file")
     return data
 
-
-def _config_as_dict(obj: Any) -> dict[str, Any]:
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    if isinstance(obj, (str, os.PathLike)):
-        return read_config_dict(obj)
-    config = getattr(obj, "config", obj)
-    if hasattr(config, "to_dict"):
-        data = config.to_dict()
-        # to_dict() may drop class attributes such as model_type on some versions
-        data.setdefault("model_type", getattr(config, "model_type", None))
-        return data
-    raise ConfigError(f"cannot read a model config from {type(obj).__name__}; pass a path, config, dict or model")
-
-
-def _is_dflash(cfg: Mapping[str, Any]) -> bool:
-    return "dflash_config" in cfg or "DFlashDraftModel" in (cfg.get("architectures") or [])
-
-
-def family_of(path_or_config: Any) -> str:
-    """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"dflash"``) of a checkpoint path,
-    config object, config dict or model. UnknownModelTypeError for an unsupported ``model_type``."""
-    model = path_or_config
-    if hasattr(model, "config") and not isinstance(model, (str, os.PathLike, Mapping)):
-        for name, spec in FAMILIES.items():
-            if name in ("qwen3",):
-                continue
-            try:
-                if type(model).__name__ == spec.model_class_path.rsplit(".", 1)[1]:
-                    return name
-            except IndexError:  # pragma: no cover
-                pass
-    cfg = _config_as_dict(path_or_config)
-    if _is_dflash(cfg):
-        return "dflash"
-    model_type = cfg.get("model_type")
-    family = MODEL_TYPE_TO_FAMILY.get(model_type) if isinstance(model_type, str) else None
-    if family is None:
-        supported = ", ".join(repr(t) for t in MODEL_TYPE_TO_FAMILY)
-        raise UnknownModelTypeError(
-            f"model_type {model_type!r} is not supported; supported model types: {supported} (plus DFlash drafters: "
-            "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or Qwen3 checkpoint"
-        )
-    return family
-
-
-# --------------------------------------------------------------------------------------------------------------
-# tensors
-# --------------------------------------------------------------------------------------------------------------
 
 
 def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] | None]:
@@ -176,16 +125,3 @@ def check_keys(
     )
     if missing or unexpected or mismatch:
         raise CheckpointKeyError(str(path), missing, unexpected, mismatch)
-
-
-__all__ = [
-    "CONFIG_FILE",
-    "DEFAULT_MAX_SHARD_BYTES",
-    "INDEX_FILE",
-    "SINGLE_FILE",
-    "check_keys",
-    "checkpoint_files",
-    "family_of",
-    "load_state_dict",
-    "read_config_dict",
-]
