@@ -12,18 +12,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from spiffy.decoding import _MOVED as _PACKAGE_MOVED
+
+#: the package's moved names, plus the session factory's lookups that this module also used to define
 _MOVED: dict[str, str] = {
-    "DiffusionResult": "spiffy.api",
-    "generate": "spiffy.api",
-    "DreamGenerateOutput": "spiffy.compat",
-    "dream_diffusion_generate": "spiffy.compat",
-    "llada_generate": "spiffy.compat",
-    "make_session": "spiffy.decoding.factory",
-    "context_length": "spiffy.decoding.factory",
-    "family_of": "spiffy.decoding.factory",
-    "resolve_eos_eot": "spiffy.decoding.factory",
-    "resolve_mask_id": "spiffy.decoding.factory",
-    "runtime_signature": "spiffy.selfspec.graph",
+    **_PACKAGE_MOVED,
+    **{
+        name: "spiffy.decoding.factory"
+        for name in ("make_session", "context_length", "family_of", "resolve_eos_eot", "resolve_mask_id")
+    },
 }
 
 __all__ = sorted(_MOVED)
