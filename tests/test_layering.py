@@ -61,9 +61,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("spiffy.decoding", "spiffy.api"): "deprecated lazy re-export of generate / DiffusionResult",
     ("spiffy.decoding", "spiffy.compat"): "deprecated lazy re-export of llada_generate / dream_diffusion_generate",
     ("spiffy.decoding", "spiffy.selfspec.graph"): "deprecated lazy re-export of runtime_signature",
-    ("spiffy.decoding.api", "spiffy.api"): "deprecated module path spiffy.decoding.api (lazy re-exports)",
-    ("spiffy.decoding.api", "spiffy.compat"): "deprecated module path spiffy.decoding.api (lazy re-exports)",
-    ("spiffy.decoding.api", "spiffy.selfspec.graph"): "deprecated module path spiffy.decoding.api (lazy re-exports)",
     ("spiffy.decoding.sdar", "spiffy.compat"): "deprecated lazy re-export of sdar_block_diffusion_generate",
 }
 
