@@ -33,6 +33,8 @@ from spiffy.models.loading import (
     special_token_ids,
 )
 from spiffy.models.registry import FAMILIES, FamilySpec, family_spec, register_with_transformers
+from spiffy.models.tiny import make_tiny
+from spiffy.models.tokenizer import build_tokenizer
 
 __all__ = [
     "FAMILIES",
@@ -56,14 +58,3 @@ __all__ = [
     "special_token_ids",
 ]
 
-
-def __getattr__(name: str):  # noqa: ANN202 - lazy re-exports
-    if name == "make_tiny":
-        from spiffy.models.tiny import make_tiny
-
-        return make_tiny
-    if name == "build_tokenizer":
-        from spiffy.models.tokenizer import build_tokenizer
-
-        return build_tokenizer
-    raise AttributeError(f"module 'spiffy.models' has no attribute {name!r}")
