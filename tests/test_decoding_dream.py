@@ -114,6 +114,8 @@ DREAM_CASES = {
     "topk_margin": dict(alg="topk_margin", temperature=0.5),
     "entropy": dict(alg="entropy", temperature=0.3, top_p=0.95),
     "entropy_alg_temp": dict(alg="entropy", alg_temp=0.5),
+    # both filters: Dream applies top-p before top-k (the order changes the kept set)
+    "origin_top_p_top_k": dict(alg="origin", temperature=1.5, top_p=0.6, top_k=8),
 }
 
 

@@ -19,7 +19,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from spiffy.bench.ar import run_ar_bench
+from spiffy.bench.common import parse_budgets
+from spiffy.bench.datasets import load_benchmark_prompts
+from spiffy.bench.dllm import run_dllm_bench
+from spiffy.bench.report import markdown_report, write_report
+from spiffy.cli.generate import add_decoding_arguments, add_sampling_arguments, config_from_args
+from spiffy.embedded import compatible_shipped_graph, embedded_model_path, resolve_graph_argument
 from spiffy.errors import ConfigError
+from spiffy.models import load_drafter, load_model, load_tokenizer
+from spiffy.models.hub import checkpoint_dir
+from spiffy.selfspec.graph import load_graph
 
 
 def _common(p: argparse.ArgumentParser, default_budgets: str) -> None:
@@ -41,8 +53,6 @@ def _common(p: argparse.ArgumentParser, default_budgets: str) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Create the ``bench`` subparser with its ``dllm`` and ``ar`` modes."""
-    from spiffy.cli.generate import add_decoding_arguments, add_sampling_arguments
-
     parser = subparsers.add_parser(
         "bench", help="benchmark baseline vs speculative decoding (dLLM: Spiffy; AR: DFlash / DDTree)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -76,15 +86,11 @@ def _no_mode(args: argparse.Namespace) -> int:
 
 
 def _device(args: argparse.Namespace) -> str:
-    import torch
-
     return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _finish(args: argparse.Namespace, res: dict[str, Any], mismatch_warning: str) -> int:
     """Write the reports to ``--out``, print the Markdown report; 1 (with ``mismatch_warning``) if any output differs."""
-    from spiffy.bench.report import markdown_report, write_report
-
     written = write_report(res, args.out, plots=not args.no_plots)
     print(markdown_report(res))
     for path in written.values():
@@ -114,15 +120,6 @@ def announce_cost(command: str, prompts: int, configurations: list[str], unit: s
 
 def run_dllm(args: argparse.Namespace) -> int:
     """``spiffy bench dllm``."""
-    from spiffy.bench.common import parse_budgets
-    from spiffy.bench.datasets import load_benchmark_prompts
-    from spiffy.bench.dllm import run_dllm_bench
-    from spiffy.cli.generate import config_from_args
-    from spiffy.embedded import compatible_shipped_graph, embedded_model_path, resolve_graph_argument
-    from spiffy.models import load_model, load_tokenizer
-    from spiffy.models.hub import checkpoint_dir
-    from spiffy.selfspec.graph import load_graph
-
     budgets = parse_budgets(args.budgets)
     model_dir = checkpoint_dir(args.model) if args.model else embedded_model_path("dllm")
     graph_path = resolve_graph_argument(args.graph, model_dir) if args.graph else None
@@ -147,14 +144,6 @@ def run_dllm(args: argparse.Namespace) -> int:
 
 def run_ar(args: argparse.Namespace) -> int:
     """``spiffy bench ar``."""
-    from spiffy.models import load_drafter
-    from spiffy.bench.ar import run_ar_bench
-    from spiffy.bench.common import parse_budgets
-    from spiffy.bench.datasets import load_benchmark_prompts
-    from spiffy.embedded import embedded_model_path
-    from spiffy.models import load_model, load_tokenizer
-    from spiffy.models.hub import checkpoint_dir
-
     budgets = parse_budgets(args.budgets)
     target_dir = checkpoint_dir(args.target) if args.target else embedded_model_path("ar-target")
     drafter_dir = checkpoint_dir(args.drafter) if args.drafter else embedded_model_path("ar-drafter")

@@ -21,6 +21,14 @@ import shlex
 import sys
 from typing import Any
 
+import torch
+
+from spiffy.cli.generate import add_decoding_arguments, config_from_args
+from spiffy.embedded import default_dllm_path
+from spiffy.models import load_model, load_tokenizer
+from spiffy.selfspec.calibrate import calibrate
+from spiffy.selfspec.prompts import load_prompts
+
 
 _PARSER: argparse.ArgumentParser | None = None
 
@@ -58,8 +66,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", action="store_true", help="print the graph file content instead of the text summary")
-    from spiffy.cli.generate import add_decoding_arguments
-
     add_decoding_arguments(parser)
     parser.set_defaults(handler=run)
     _PARSER = parser
@@ -88,16 +94,7 @@ def canonical_command(args: argparse.Namespace, parser: argparse.ArgumentParser 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy calibrate``; returns the exit status."""
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
-        from spiffy.embedded import default_dllm_path
-
         args.model = default_dllm_path()
-    import torch
-
-    from spiffy.cli.generate import config_from_args
-    from spiffy.models import load_model, load_tokenizer
-    from spiffy.selfspec.calibrate import calibrate
-    from spiffy.selfspec.prompts import load_prompts
-
     prompts = load_prompts(args.prompts)  # fail fast on a bad prompt set, before loading the model
     cfg, extra = config_from_args(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -13,11 +13,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from spiffy.bench.ar import run_ar_bench
+from spiffy.bench.datasets import BenchPrompt
+from spiffy.bench.dllm import run_dllm_bench
+from spiffy.decoding import DecodeConfig
+from spiffy.embedded import embedded_graph_path, embedded_model_path, missing_message, resolve_graph_argument
 from spiffy.errors import ConfigError
+from spiffy.models import load_drafter, load_model, load_tokenizer
+from spiffy.models.hub import checkpoint_dir
+from spiffy.models.tiny import make_tiny
+from spiffy.selfspec.calibrate import calibrate
+from spiffy.selfspec.graph import load_graph
 
 #: short code prompts (raw text: the embedded models are code-completion models)
 DEMO_PROMPTS: tuple[str, ...] = (
@@ -75,9 +88,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _resolve(args: argparse.Namespace) -> tuple[dict[str, Path], bool, bool]:
     """Paths of the parts to run: ``({'dllm', 'target', 'drafter': path}, run_dllm, run_ar)``; raises ConfigError
     listing everything missing."""
-    from spiffy.embedded import embedded_model_path, missing_message
-    from spiffy.models.hub import checkpoint_dir
-
     do_dllm = args.only in (None, "dllm")
     do_ar = args.only in (None, "ar")
     paths: dict[str, Path] = {}
@@ -115,10 +125,6 @@ _RANDOM_TINY_DIR: Path | None = None
 
 def _random_tiny(kind: str) -> Path:
     """Write (once per process) a tiny random checkpoint for ``kind`` into a temporary directory."""
-    import tempfile
-
-    from spiffy.models.tiny import make_tiny
-
     global _RANDOM_TINY_DIR
     if _RANDOM_TINY_DIR is None:
         _RANDOM_TINY_DIR = Path(tempfile.mkdtemp(prefix="spiffy-demo-"))
@@ -141,8 +147,6 @@ def _random_tiny(kind: str) -> Path:
 
 def _demo_config(graph: Any, gen_length: int, block_length: int | None) -> Any:
     """The decoding config: the graph's calibrated rule with the demo's gen_length, else a one-token-per-step one."""
-    from spiffy.decoding import DecodeConfig
-
     dec = None
     if graph is not None:
         cal = graph.meta.get("calibration", {}) if isinstance(graph.meta, dict) else {}
@@ -160,11 +164,6 @@ def _demo_config(graph: Any, gen_length: int, block_length: int | None) -> Any:
 
 
 def _dllm_part(args: argparse.Namespace, model_dir: Path, prompts: list[Any], device: str) -> dict[str, Any]:
-    from spiffy.bench.dllm import run_dllm_bench
-    from spiffy.embedded import embedded_graph_path, resolve_graph_argument
-    from spiffy.models import load_model, load_tokenizer
-    from spiffy.selfspec.graph import load_graph
-
     model = load_model(model_dir, dtype=args.dtype, device=device)
     tokenizer = load_tokenizer(model_dir)
     # the graphs shipped with this very checkpoint (none for --random-tiny ones: those calibrate on the fly)
@@ -174,8 +173,6 @@ def _dllm_part(args: argparse.Namespace, model_dir: Path, prompts: list[Any], de
         graph = load_graph(graph_path)
         cfg = _demo_config(graph, args.gen_length, args.block_length)
     else:
-        from spiffy.selfspec.calibrate import calibrate
-
         cfg = _demo_config(None, args.gen_length, args.block_length)
         t0 = time.perf_counter()
         print(f"no calibrated graph for {model_dir}: calibrating one on the fly "
@@ -192,10 +189,6 @@ def _dllm_part(args: argparse.Namespace, model_dir: Path, prompts: list[Any], de
 
 
 def _ar_part(args: argparse.Namespace, target_dir: Path, drafter_dir: Path, prompts: list[Any], device: str) -> dict[str, Any]:
-    from spiffy.models import load_drafter
-    from spiffy.bench.ar import run_ar_bench
-    from spiffy.models import load_model, load_tokenizer
-
     target = load_model(target_dir, dtype=args.dtype, device=device)
     drafter = load_drafter(drafter_dir, dtype=next(target.parameters()).dtype, device=device)
     tokenizer = load_tokenizer(target_dir)
@@ -273,8 +266,6 @@ def format_ar(res: dict[str, Any], prompts: list[Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy demo``; returns 0, or 1 when a speculative output differs from its baseline."""
-    import torch
-
     if not 1 <= int(args.max_prompts) <= len(DEMO_PROMPTS):
         raise ConfigError(f"--max-prompts must be in 1..{len(DEMO_PROMPTS)}, got {args.max_prompts}")
     paths, do_dllm, do_ar = _resolve(args)
@@ -298,10 +289,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _tour(args: argparse.Namespace, paths: dict[str, Path], do_dllm: bool, do_ar: bool, device: str) -> bool:
     """Run the requested parts, print their tables, the legend and the timing line; True when all identical."""
-    import torch
-
-    from spiffy.bench.datasets import BenchPrompt
-
     prompts = [BenchPrompt(str(k), p, "demo") for k, p in enumerate(DEMO_PROMPTS[: int(args.max_prompts)])]
     t0 = time.perf_counter()
     ok = True

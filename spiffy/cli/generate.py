@@ -16,8 +16,15 @@ import json
 import sys
 from typing import Any
 
+import torch
+
+from spiffy.api import generate
 from spiffy.cli.generate_ar import add_ar_arguments, run_generate
+from spiffy.decoding import DecodeConfig
+from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument
 from spiffy.errors import ConfigError
+from spiffy.models import load_model, load_tokenizer
+from spiffy.selfspec.graph import load_graph
 
 DESCRIPTION = """\
 Decode one prompt.
@@ -82,8 +89,6 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 def config_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """``(DecodeConfig, extra overrides)`` from parsed decoding flags; extras are family-specific (``strategy``)."""
-    from spiffy.decoding import DecodeConfig
-
     top_p = getattr(args, "top_p", None)
     top_k = getattr(args, "top_k", None)
     cfg = DecodeConfig(
@@ -157,10 +162,6 @@ def _encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
 
 
 def _load_graph(path: str) -> Any:
-    try:
-        from spiffy.selfspec.graph import load_graph
-    except ImportError as exc:
-        raise ConfigError(f"--graph needs spiffy.selfspec.graph, which is unavailable ({exc}); fix: install the full package") from exc
     return load_graph(path)
 
 
@@ -171,14 +172,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "target", None):
         return int(run_generate(args) or 0)
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
-        from spiffy.embedded import default_dllm_path
-
         args.model = default_dllm_path(" or --target DIR for AR mode")
-    import torch
-
-    from spiffy.decoding import generate
-    from spiffy.models import load_model, load_tokenizer
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(args.model, dtype=args.dtype, device=device)
     tokenizer = load_tokenizer(args.model)
@@ -186,8 +180,6 @@ def run(args: argparse.Namespace) -> int:
     cfg, extra = config_from_args(args)
     graph = None
     if args.graph:
-        from spiffy.embedded import compatible_shipped_graph, resolve_graph_argument
-
         if args.graph == "auto":
             args.graph = str(compatible_shipped_graph(model, args.model, cfg, **extra))
         else:
