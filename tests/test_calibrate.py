@@ -13,7 +13,7 @@ from conftest import load_f64
 
 from spiffy.cli.main import main
 from spiffy.decoding import DecodeConfig, make_session, run_baseline
-from spiffy.decoding import runtime_signature as decoding_runtime_signature
+from spiffy.selfspec.graph import runtime_signature as decoding_runtime_signature
 from spiffy.errors import ConfigError, GraphMismatchError
 from spiffy.models import load_tokenizer
 from spiffy.selfspec.calibrate import calibrate

@@ -32,7 +32,7 @@ from spiffy.ar.cli import load_target
 from spiffy.checkpoint_ref import checkpoint_name, hub_id_from_cache_path, parse_hub_id, split_reference
 from spiffy.cli.main import main
 from spiffy.decoding import DecodeConfig, generate, make_session
-from spiffy.decoding import runtime_signature as decoding_runtime_signature
+from spiffy.selfspec.graph import runtime_signature as decoding_runtime_signature
 from spiffy.errors import CheckpointError, CheckpointNotCachedError, ConfigError
 from spiffy.models import load_model, load_tokenizer
 from spiffy.models.hub import resolve_checkpoint

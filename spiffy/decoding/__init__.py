@@ -23,7 +23,6 @@ _MOVED: dict[str, str] = {
     "DreamGenerateOutput": "spiffy.compat",
     "dream_diffusion_generate": "spiffy.compat",
     "llada_generate": "spiffy.compat",
-    "runtime_signature": "spiffy.selfspec.graph",
 }
 
 __all__ = [
@@ -40,7 +39,6 @@ __all__ = [
     "llada_generate",
     "make_session",
     "run_baseline",
-    "runtime_signature",
 ]
 
 

@@ -2,9 +2,10 @@
 
 The front door moved above the packages it dispatches to: :mod:`spiffy.api` (``generate``, ``make_session``,
 ``DiffusionResult``), :mod:`spiffy.compat` (``llada_generate``, ``dream_diffusion_generate``,
-``DreamGenerateOutput``), the session factory and token lookups to :mod:`spiffy.decoding.factory`, and the
-graph/runtime signature to :mod:`spiffy.selfspec.graph`. Names are resolved lazily (PEP 562) because
-:mod:`spiffy.decoding` must not import the layers above it.
+``DreamGenerateOutput``) and the session factory and token lookups to :mod:`spiffy.decoding.factory`. Names are
+resolved lazily (PEP 562) because :mod:`spiffy.decoding` must not import the layers above it. ``runtime_signature``
+is not re-exported (the baseline decoders never reach the speculative method): import it from
+``spiffy.selfspec.graph``.
 """
 
 from __future__ import annotations
