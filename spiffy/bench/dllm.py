@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
+from spiffy.api import generate
 from spiffy.bench.common import (
     add_counts,
     add_times,
@@ -34,6 +35,7 @@ from spiffy.bench.common import (
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
+from spiffy.models.prompting import prompt_token_ids
 
 TOKEN_UNIT = "generated positions (gen_length per prompt, EOS padding included)"
 
@@ -105,9 +107,6 @@ def run_dllm_bench(
     Raises:
         ConfigError: no budgets / prompts, or no prompt fits the context.
     """
-    from spiffy.decoding import generate
-    from spiffy.models.prompting import prompt_token_ids
-
     check_bench_inputs(budgets, prompts, "[1, 3, 5]")
     extra = dict(config_overrides or {})
     budgets = [int(b) for b in budgets]

@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from spiffy.models.tiny import TINY_FAMILIES
+from spiffy.errors import ConfigError
+from spiffy.models.tiny import TINY_FAMILIES, make_tiny
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -42,8 +43,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _parse_overrides(items: list[str]) -> dict[str, object]:
-    from spiffy.errors import ConfigError
-
     out: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -58,9 +57,6 @@ def _parse_overrides(items: list[str]) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> int:
     """Build the checkpoint and print what was written."""
-    from spiffy.errors import ConfigError
-    from spiffy.models.tiny import make_tiny
-
     overrides = _parse_overrides(args.overrides)
     if args.family == "dflash":
         if args.target is None:

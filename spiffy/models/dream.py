@@ -17,7 +17,9 @@ from typing import Any
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from spiffy.models.layers import QwenStyleBackbone, QwenStyleLMMixin, check_rope_scaling, init_weights
+from spiffy.models.layers import check_rope_scaling
+from spiffy.models.pretrained import init_weights
+from spiffy.models.qwen_style import QwenStyleBackbone, QwenStyleLMMixin
 
 DREAM_AUTO_MAP: dict[str, str] = {
     "AutoConfig": "configuration_dream.DreamConfig",
@@ -104,7 +106,7 @@ class DreamPreTrainedModel(PreTrainedModel):
 class DreamModel(QwenStyleLMMixin, DreamPreTrainedModel):
     """Dream masked-diffusion LM (``model`` backbone + ``lm_head``).
 
-    ``forward`` (:meth:`spiffy.models.layers.SpiffyForwardMixin.forward`) is bidirectional: ``input_ids [B, L]``
+    ``forward`` (:meth:`spiffy.models.pretrained.SpiffyForwardMixin.forward`) is bidirectional: ``input_ids [B, L]``
     -> ``logits [B, L, V]`` raw and **unshifted**; cache / policy / mask / position semantics as in
     :meth:`spiffy.models.llada.LLaDAModelLM.forward`.
     """

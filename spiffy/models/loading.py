@@ -303,9 +303,8 @@ def _first_id(value: Any) -> int | None:
 def special_token_ids(model_or_config: Any, tokenizer: Any = None) -> SpecialTokenIds:
     """``eos``, ``eot`` (end of turn: LLaDA ``<|eot_id|>``, others ``<|im_end|>``), ``pad``, ``mask``, ``bos`` ids
     from the config, else the tokenizer. Never hard-coded."""
-    from spiffy.models.tokenizer import EOT_TOKENS
-
     family = family_of(model_or_config)
+    spec = family_spec(family)
     cfg = _config_as_dict(model_or_config)
     tok = _maybe_tokenizer(model_or_config, tokenizer)
     eos = _first_id(cfg.get("eos_token_id"))
@@ -317,9 +316,9 @@ def special_token_ids(model_or_config: Any, tokenizer: Any = None) -> SpecialTok
     bos = _first_id(cfg.get("bos_token_id"))
     if bos is None and tok is not None:
         bos = _first_id(tok.bos_token_id)
-    eot = _token_id(tok, EOT_TOKENS.get(family))
+    eot = _token_id(tok, spec.eot_token)
     try:
-        mask = mask_token_id(model_or_config, tok) if family_spec(family).mask_token else None
+        mask = mask_token_id(model_or_config, tok) if spec.mask_token else None
     except MissingTokenError:
         mask = None
     return SpecialTokenIds(eos=eos, eot=eot, pad=pad, mask=mask, bos=bos, family=family)
@@ -428,3 +427,25 @@ def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:
         with safe_open(str(f), framework="pt") as handle:
             keys.extend(handle.keys())
     return sorted(keys)
+
+
+__all__ = [
+    "CONFIG_FILE",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "SpecialTokenIds",
+    "check_keys",
+    "checkpoint_files",
+    "family_of",
+    "iter_checkpoint_keys",
+    "load_config",
+    "load_model",
+    "load_state_dict",
+    "load_tokenizer",
+    "mask_token_id",
+    "read_config_dict",
+    "resolve_dtype",
+    "save_checkpoint",
+    "special_token_ids",
+]

@@ -18,30 +18,21 @@ import warnings
 from typing import Any, Sequence
 
 import torch
+import transformers
+from tqdm.auto import tqdm
 
 from spiffy._version import __version__
 from spiffy.decoding import DecodeConfig, make_session, run_baseline
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.selfspec.chains import ChainRecorder, Trajectory, all_chains, describe
-from spiffy.selfspec.graph import DraftGraph, model_config_fingerprint
+from spiffy.selfspec.graph import DraftGraph, runtime_signature
 from spiffy.selfspec.prompts import load_prompts, prompt_token_ids
 from spiffy.selfspec.select import OBJECTIVES, build_graph
+from spiffy.torch_utils import dtype_name, model_device, model_dtype
 
 DEFAULT_NODES = 10
 DEFAULT_J_MAX = 4
-
-
-def runtime_signature(model: Any, session: Any) -> dict[str, Any]:
-    """The ``calibrated_for`` values of ``model`` + ``session`` (same function the runtime check uses).
-
-    Delegates to :func:`spiffy.decoding.runtime_signature` and makes sure ``config_fingerprint`` is present.
-    """
-    from spiffy.decoding import runtime_signature as _sig
-
-    sig = dict(_sig(model, session))
-    sig.setdefault("config_fingerprint", model_config_fingerprint(model))
-    return sig
 
 
 def _model_name(model: Any) -> str | None:
@@ -50,20 +41,6 @@ def _model_name(model: Any) -> str | None:
         if isinstance(v, str) and v:
             return v
     return None
-
-
-def _device(model: Any) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
-
-
-def _dtype(model: Any) -> str:
-    try:
-        return str(next(model.parameters()).dtype).replace("torch.", "")
-    except (StopIteration, AttributeError):
-        return "unknown"
 
 
 @torch.no_grad()
@@ -147,7 +124,7 @@ def calibrate(
             raise ConfigError(f"max_prompts={max_prompts!r} must be None or an integer >= 1")
         texts = texts[:max_prompts]
 
-    device = _device(model)
+    device = model_device(model)
     encoded: list[list[int]] = []
     for k, t in enumerate(texts):
         if isinstance(t, str):
@@ -163,8 +140,6 @@ def calibrate(
     mine = dp.shard(len(encoded))
     bar = None
     if progress and dp.is_main:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=None, desc="calibrating", unit="step", file=sys.stderr, dynamic_ncols=True)
     steps_per_prompt: int | None = None
 
@@ -240,7 +215,7 @@ def calibrate(
         "gen_length": int(cfg.gen_length),
         "config_overrides": overrides or None,
         "decode_config": decode_config,
-        "dtype": _dtype(model),
+        "dtype": dtype_name(model_dtype(model)),
         "device": device.type,
         "library_version": __version__,
         "torch_version": torch.__version__.split("+")[0],
@@ -264,12 +239,7 @@ def calibrate(
 
 
 def _transformers_version() -> str | None:
-    try:
-        import transformers
-
-        return str(transformers.__version__)
-    except ImportError:  # pragma: no cover
-        return None
+    return str(transformers.__version__)
 
 
 def _api_command(label: str, nodes: int, objective: str, max_prompts: int | None, seed: int, i_max: int, j_max: int, max_level: int | None) -> str:
