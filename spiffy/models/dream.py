@@ -97,6 +97,7 @@ class DreamPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["QwenStyleDecoderLayer"]
     _supports_sdpa = True
+    _supports_flex_attn = True  # spiffy.models.flex (our own attention, not transformers')
     supports_gradient_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:

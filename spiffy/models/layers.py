@@ -23,8 +23,9 @@ from torch import nn
 
 from spiffy.errors import ConfigError
 from spiffy.models.cache import CACHE_POLICIES, KVCache, as_kv_cache
+from spiffy.models.flex import flex_attend
 
-ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager")
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flex_attention")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -333,6 +334,8 @@ def attend(
         mask = mask.to(q.dtype)
     if ctx.attn_implementation == "eager":
         out = _eager_attention(q, k_all, v_all, mask, scale)
+    elif ctx.attn_implementation == "flex_attention":
+        out = flex_attend(q, k_all, v_all, mask, scale)
     else:
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)
     b, h, length, d = out.shape

@@ -260,6 +260,7 @@ class LLaDAPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["LLaDABlock"]
     _supports_sdpa = True
+    _supports_flex_attn = True  # spiffy.models.flex (our own attention, not transformers')
     _supports_attention_backend = False
     supports_gradient_checkpointing = False
 

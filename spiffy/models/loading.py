@@ -39,6 +39,7 @@ from spiffy.models.checkpoint import (
     read_config_dict,
 )
 from spiffy.models.hub import checkpoint_dir, resolve_checkpoint
+from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config, load_drafter
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
 from spiffy.torch_utils import resolve_dtype
@@ -124,7 +125,9 @@ def load_model(
         dtype: ``torch.dtype``, a name (``"float64"``, ``"bf16"``, ...), ``"auto"`` (config ``torch_dtype``) or
             ``None`` (float32 on CPU, ``"auto"`` on accelerators).
         device: where the weights go (default CPU).
-        attn_implementation: ``"sdpa"`` (default) or ``"eager"``; never flash-attn (custom masks are needed).
+        attn_implementation: ``"sdpa"`` (default), ``"eager"`` or ``"flex_attention"`` (:mod:`spiffy.models.flex`:
+            block masks for the tree / verification / ragged-batch masks) for the in-package dLLM families; never
+            flash-attn (custom masks are needed).
         revision: branch, tag or commit of a Hub id.
 
     ``model.name_or_path`` is the directory, or ``ORG/NAME@COMMIT`` for a Hub snapshot (what graph files record).
@@ -144,7 +147,7 @@ def load_model(
     if family == "dflash":
         return load_drafter(path, dtype=torch_dtype, device=device)
     config = load_config(path, family)
-    config._attn_implementation = attn_implementation if attn_implementation in ("sdpa", "eager") else "sdpa"
+    config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS else "sdpa"
     spec = family_spec(family)
     cls = spec.model_class
     state = load_state_dict(path)

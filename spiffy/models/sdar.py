@@ -132,6 +132,7 @@ class SDARPreTrainedModel(SpiffyForwardMixin, PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["QwenStyleDecoderLayer"]
     _supports_sdpa = True
+    _supports_flex_attn = True  # spiffy.models.flex (our own attention, not transformers')
     supports_gradient_checkpointing = False
     causal_default = True
 
