@@ -16,7 +16,7 @@ import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.factory import family_of, make_session
 from spiffy.decoding.session import DecodeSession, StepObserver, run_baseline
+from spiffy.errors import ConfigError
+from spiffy.selfspec.batch import speculative_generate_batch
 from spiffy.selfspec.graph import runtime_signature
 from spiffy.selfspec.runtime import speculative_generate
 
@@ -96,6 +98,7 @@ def generate(
     observer: StepObserver | None = None,
     progress: bool = False,
     generator: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
     **config_overrides: Any,
 ) -> DiffusionResult:
     """Decode ``input_ids`` with ``model`` (LLaDA, Dream or SDAR).
@@ -108,11 +111,18 @@ def generate(
         attention_mask: ``[B, P]`` for left-padded batches (LLaDA/Dream baseline).
         tokenizer: for special-token lookup and ``result.text``.
         graph: ``None`` = baseline; a calibrated :class:`~spiffy.selfspec.graph.DraftGraph` = Spiffy speculative
-            decoding (identical tokens, fewer forwards; batch size 1).
+            decoding (identical tokens, fewer forwards). Batches (``B > 1``, left padded for LLaDA/Dream, equal
+            lengths for SDAR) run batched Spiffy (:mod:`spiffy.selfspec.batch`): row ``r`` equals prompt ``r``
+            decoded alone with seed ``seeds[r]``. SDAR refuses padded prompts (its blocks are anchored to the
+            prompt length): batch prompts of equal length.
         budget: draft nodes kept per step with a graph (``None`` = the runtime's default).
         observer: called with every :class:`~spiffy.decoding.session.StepRecord`.
         progress: show a tqdm progress bar (steps) on stderr.
-        generator: the random generator to consume (default: seeded from ``config.seed``).
+        generator: the random generator to consume (default: seeded from ``config.seed``). Batched Spiffy gives
+            every row its own generator: from ``seeds``, else one seed per row drawn from ``generator`` in row
+            order, else ``config.seed`` for every row.
+        seeds: batched Spiffy only: ``B`` seeds, row ``r`` seeded exactly like a single-prompt call with
+            ``seed=seeds[r]``.
     Returns:
         :class:`DiffusionResult`.
     """
@@ -123,6 +133,10 @@ def generate(
     session = make_session(
         model, input_ids, config, attention_mask=attention_mask, tokenizer=tokenizer, generator=generator, **config_overrides
     )
+    if graph is not None and (session.x.shape[0] > 1 or seeds is not None):
+        if observer is not None:
+            raise ConfigError("observer= is not supported by batched Spiffy; fix: decode the prompts one at a time")
+        return _generate_batch(model, session, attention_mask, tokenizer, graph, budget, generator, seeds)
     cfg = getattr(session, "config", None)
     bar = _progress_bar(session, cfg, progress)
     tick: Callable[[int], None] | None = (lambda n: bar.update(n)) if bar is not None else None
@@ -157,6 +171,67 @@ def generate(
         tokens=tokens,
         nfe=int(nfe),
         steps=int(steps),
+        seconds=seconds,
+        stats=stats,
+        text=text,
+        prompt_len=p,
+        config=cfg,
+        family=family_of(model),
+    )
+
+
+def _generate_batch(
+    model: Any,
+    fwd: DecodeSession,
+    attention_mask: torch.Tensor | None,
+    tokenizer: Any,
+    graph: Any,
+    budget: int | None,
+    generator: torch.Generator | None,
+    seeds: Sequence[int] | None,
+) -> DiffusionResult:
+    """Batched Spiffy: ``fwd`` (the padded batch) makes the forwards, one unpadded row session per prompt decodes."""
+    cfg = fwd.config  # type: ignore[attr-defined]
+    b = int(fwd.x.shape[0])
+    p = int(fwd.prompt_len)
+    if seeds is not None and len(seeds) != b:
+        raise ConfigError(f"seeds has {len(seeds)} entries for a batch of {b} prompts; fix: pass one seed per prompt")
+    if seeds is None and generator is not None:
+        # one seed per row drawn from the given generator (e.g. the global one) in row order: reproducible
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)) for _ in range(b)]
+    ids = fwd.x[:, :p]
+    am = None if attention_mask is None else attention_mask.to(ids.device).bool()
+    rows: list[DecodeSession] = []
+    for r in range(b):
+        prompt = ids[r] if am is None else ids[r][am[r]]
+        gen = None
+        if seeds is not None:
+            gen = torch.Generator(device=ids.device)
+            gen.manual_seed(int(seeds[r]))
+        rows.append(make_session(model, prompt[None], cfg, tokenizer=tokenizer, generator=gen))
+    check_graph(graph, model, rows[0])
+    t0 = time.perf_counter()
+    per_row, nfe = speculative_generate_batch(fwd, rows, graph, budget)
+    if fwd.x.device.type == "cuda":
+        torch.cuda.synchronize(fwd.x.device)
+    seconds = time.perf_counter() - t0
+    seqs = fwd.x.clone()
+    for r, row in enumerate(rows):
+        seqs[r, p - int(row.prompt_len) :] = row.x[0]
+    gen_len = int(getattr(cfg, "gen_length", seqs.shape[1] - p) or (seqs.shape[1] - p))
+    tokens = [row.tolist() for row in seqs[:, p : p + gen_len].cpu()]
+    text = tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokenizer is not None and hasattr(tokenizer, "batch_decode") else None
+    stats = {
+        "batch_nfe": nfe,
+        "rows": [s.to_dict() for s in per_row],
+        "accepted_total": sum(s.accepted_total for s in per_row),
+        "baseline_equivalent_nfe": [s.baseline_equivalent_nfe for s in per_row],
+    }
+    return DiffusionResult(
+        sequences=seqs,
+        tokens=tokens,
+        nfe=nfe,
+        steps=max(s.steps for s in per_row),
         seconds=seconds,
         stats=stats,
         text=text,

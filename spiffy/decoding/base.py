@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from spiffy.decoding.config import DecodeConfig
-from spiffy.decoding.session import DecodeSession, StepInfo
+from spiffy.decoding.session import DecodeSession, StepInfo, check_state_rows, gather_cache_rows
 from spiffy.errors import ConfigError
 from spiffy.torch_utils import model_device
 
@@ -129,32 +129,32 @@ class BidirectionalSession(DecodeSession):
         with torch.no_grad():
             return self.model(input_ids, **kwargs)
 
-    def _mask_rows(self, n: int, cols: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The ``[B|N, K]`` key mask (``cols`` = key order), broadcast-compatible with ``n`` query rows."""
+    def _mask_rows(
+        self, n: int, cols: torch.Tensor | None = None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The ``[B|N, K]`` key mask (``cols`` = key order; ``rows`` = the batch row of each of ``n`` states),
+        broadcast-compatible with ``n`` query rows."""
         if self.attention_mask is None:
             return None
-        am = self.attention_mask if cols is None else self.attention_mask[:, cols]
-        return am
+        am = self.attention_mask if rows is None else self.attention_mask[rows]
+        return am if cols is None else am[:, cols]
 
-    def _check_states(self, states: torch.Tensor) -> torch.Tensor:
-        if states.dim() != 2 or states.shape[1] != self.x.shape[1]:
-            raise ConfigError(f"states must be [N, {self.x.shape[1]}], got {tuple(states.shape)}")
-        b = self.x.shape[0]
-        if states.shape[0] != b and b != 1:
-            raise ConfigError(
-                f"forward_states got {states.shape[0]} states for a batch-{b} session; several candidate states "
-                "per call need a batch-1 session"
-            )
-        return states.to(self.x.device)
+    def _check_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        states, rows = check_state_rows(states, rows, self.x)
+        return states, rows
 
-    def full_logits(self, states: torch.Tensor, use_cache: bool = False) -> tuple[torch.Tensor, Any]:
-        """Raw logits ``[N, T, V]`` of full sequences (CFG combined), and the K/V cache when ``use_cache``."""
+    def full_logits(
+        self, states: torch.Tensor, use_cache: bool = False, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """Raw logits ``[N, T, V]`` of full sequences (CFG combined), and the K/V cache when ``use_cache``.
+        ``rows``: ``[N]`` batch row of each state (padding mask and positions of that row)."""
         n = states.shape[0]
-        am = self._mask_rows(n)
-        pos = self.full_position_ids()
+        am = self._mask_rows(n, rows=rows)
+        pos = _pick_rows(self.full_position_ids(), rows)
         cfg = self.config.cfg_scale
         if cfg > 0:
-            un = torch.where(self.prompt_index, torch.full_like(states, self.mask_id), states)
+            prompt_index = _pick_rows(self.prompt_index, rows)
+            un = torch.where(prompt_index, torch.full_like(states, self.mask_id), states)
             both = torch.cat([states, un], dim=0)
             am2 = None if am is None else (am if am.shape[0] == 1 else torch.cat([am, am], dim=0))
             pos2 = None if pos is None else (pos if pos.shape[0] == 1 else torch.cat([pos, pos], dim=0))
@@ -217,15 +217,17 @@ class BidirectionalSession(DecodeSession):
         self._cache_block = block
         return self._slice_full(logits, start, self.window_end(block))
 
-    def forward_states(self, states: torch.Tensor) -> torch.Tensor:
-        """``[N, T]`` states -> ``[N, W, V]`` aligned window logits of the current block (one NFE)."""
-        states = self._check_states(states)
+    def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, T]`` states -> ``[N, W, V]`` aligned window logits of the current block (one NFE).
+        ``rows``: ``[N]`` batch row of each state (its padding, positions and cache rows); see the contract."""
+        states, rows = self._check_states(states, rows)
         if self.cache_mode == "none":
-            logits, _ = self.full_logits(states)
+            logits, _ = self.full_logits(states, rows=rows)
             self.nfe += 1
             return self._slice_full(logits, self.prompt_len, self.x.shape[1])
         if self._cache is None:
             raise ConfigError("forward_states called before begin_block; fix: call session.begin_block(block) first")
+        batch_rows = rows
         block = self._cache_block
         start, end = self.block_bounds(block)
         t = self.x.shape[1]
@@ -238,16 +240,20 @@ class BidirectionalSession(DecodeSession):
             key_cols = torch.cat(
                 [torch.arange(0, start, device=dev), torch.arange(end, t, device=dev), rows]
             )
-        am = self._mask_rows(states.shape[0], key_cols)
+        am = self._mask_rows(states.shape[0], key_cols, rows=batch_rows)
+        pos = _pick_rows(self.position_ids, batch_rows)
         out = self._model(
             states[:, rows],
             attention_mask=am,
-            position_ids=self.position_ids[:, rows],
-            past_key_values=self._cache,
+            position_ids=pos[:, rows],
+            past_key_values=gather_cache_rows(self._cache, batch_rows),
             cache_policy="read",
         )
         self.nfe += 1
         return self._align_partial(out.logits)
+
+    def begin_block_rule(self, block: int) -> None:
+        self.on_block_start(block)
 
     def end_block(self, block: int) -> None:
         self._cache = None
@@ -288,6 +294,13 @@ class BidirectionalSession(DecodeSession):
     def block_has_mask(self, block: int, x: torch.Tensor) -> bool:
         start, end = self.block_bounds(block)
         return bool((x[:, start:end] == self.mask_id).any())
+
+
+def _pick_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """Rows ``rows`` of a ``[B|1, ...]`` per-row tensor (a batch-1 tensor broadcasts and is returned as is)."""
+    if t is None or rows is None or t.shape[0] == 1:
+        return t
+    return t[rows]
 
 
 __all__ = ["BidirectionalSession", "model_device"]

@@ -49,7 +49,7 @@ import torch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.sdar_config import DEFAULT_CONFIDENCE_THRESHOLD, DEFAULT_EB_THRESHOLD, STRATEGIES, SDARDecodeConfig
 from spiffy.decoding.sdar_rule import block_causal_mask, entropy_of, num_transfer_tokens, sdar_sample, select_transfer
-from spiffy.decoding.session import BaselineStats, DecodeSession, StepInfo, run_baseline
+from spiffy.decoding.session import BaselineStats, DecodeSession, StepInfo, check_state_rows, gather_cache_rows, run_baseline
 from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError
 from spiffy.models.cache import KVCache
 from spiffy.models.loading import mask_token_id
@@ -186,8 +186,11 @@ class SDARSession(DecodeSession):
         return self.block_bounds(block)[0]
 
     # ------------------------------------------------------------------ model calls
-    def _forward(self, rows: torch.Tensor, q_start: int, store: bool) -> torch.Tensor:
-        """One model call on ``rows`` ``[N, L]`` (absolute rows ``[q_start, q_start + L)``) against the cache."""
+    def _forward(
+        self, rows: torch.Tensor, q_start: int, store: bool, batch_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One model call on ``rows`` ``[N, L]`` (absolute rows ``[q_start, q_start + L)``) against the cache
+        (``batch_rows``: ``[N]`` the cache's batch entry of each query row; read-only calls only)."""
         L = int(rows.shape[1])
         if self.cache.get_seq_length() != q_start:
             raise RuntimeError(
@@ -200,7 +203,7 @@ class SDARSession(DecodeSession):
                 rows,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=self.cache,
+                past_key_values=self.cache if batch_rows is None else gather_cache_rows(self.cache, batch_rows),
                 use_cache=True,
                 store_kv=store,
             )
@@ -234,17 +237,23 @@ class SDARSession(DecodeSession):
         self._committed = start
         return logits[:, start - pending :]
 
-    def forward_states(self, states: torch.Tensor) -> torch.Tensor:
+    def begin_block_rule(self, block: int) -> None:
+        self._block = block
+
+    def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``F`` for ``N`` candidate states: the current block's rows of each state, attending to the committed
         K/V (read-only; a batch-1 cache is broadcast to ``N``) and bidirectionally to their own block rows.
 
         Args:
-            states: ``[N, T]``. Returns: ``[N, block_length, V]`` logits (row ``i`` predicts ``block_start + i``).
+            states: ``[N, T]``. rows: ``[N]`` batch row of each state (``None``: broadcast a batch-1 cache).
+        Returns: ``[N, block_length, V]`` logits (row ``i`` predicts ``block_start + i``).
         """
         start, end = self.block_bounds(self._block)
         if self._committed != start:
             raise RuntimeError(f"forward_states for block {self._block} before its prefix was committed; call begin_block first")
-        return self._forward(states[:, start:end], start, store=False)
+        if rows is not None:
+            states, rows = check_state_rows(states, rows, self.x)
+        return self._forward(states[:, start:end], start, store=False, batch_rows=rows)
 
     # ------------------------------------------------------------------ the rule
     def transition(self, x: torch.Tensor, logits: torch.Tensor, info: StepInfo) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from spiffy.decoding.config import DecodeConfig
+from spiffy.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,23 @@ class DecodeSession(ABC):
     def window_start(self, block: int) -> int:
         """First absolute row of the window that :meth:`forward_states` returns logits for, inside ``block``."""
 
+    def begin_block_rule(self, block: int) -> None:
+        """The rule's own block-start bookkeeping (e.g. the static schedule of the block), without any model call.
+
+        Batched Spiffy keeps one batch-1 session per row for the rule (state, generator, schedule) and lets another
+        session make the forwards; it calls this on the row sessions instead of :meth:`begin_block`.
+        Default: nothing.
+        """
+
     @abstractmethod
-    def forward_states(self, states: torch.Tensor) -> torch.Tensor:
+    def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``F`` for ``N`` candidate states in one model call.
 
         Args:
-            states: ``[N, T]`` full states (only valid for batch size 1 sessions when ``N > 1``).
+            states: ``[N, T]`` full states.
+            rows: ``[N]`` long, the batch row each state belongs to (its padding mask, positions and cache rows
+                are that row's). ``None``: a batch-1 session broadcasts its row to every state; a batch-``B``
+                session takes exactly ``B`` states, one per row.
         Returns:
             ``[N, W, V]`` aligned logits of the current window (index ``i`` predicts row ``window_start + i``),
             each row computed exactly as the baseline computes ``F`` on that state. Counts one NFE.
@@ -155,6 +167,42 @@ class DecodeSession(ABC):
     def step_info(self, block: int, step: int) -> StepInfo:
         start, end = self.block_bounds(block)
         return StepInfo(block=block, block_start=start, block_end=end, step=step, window_start=self.window_start(block))
+
+
+def check_state_rows(
+    states: torch.Tensor, rows: torch.Tensor | None, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Validate the ``states`` ``[N, T]`` / ``rows`` ``[N]`` arguments of :meth:`DecodeSession.forward_states`
+    against the session state ``x`` ``[B, T]``; returns them on ``x``'s device (ConfigError when malformed)."""
+    if states.dim() != 2 or states.shape[1] != x.shape[1]:
+        raise ConfigError(f"states must be [N, {x.shape[1]}], got {tuple(states.shape)}")
+    b = x.shape[0]
+    if rows is None:
+        if states.shape[0] != b and b != 1:
+            raise ConfigError(
+                f"forward_states got {states.shape[0]} states for a batch-{b} session; fix: pass rows= (the batch "
+                "row of each state) or use a batch-1 session"
+            )
+        return states.to(x.device), None
+    rows = rows.to(device=x.device, dtype=torch.long)
+    if rows.dim() != 1 or rows.shape[0] != states.shape[0]:
+        raise ConfigError(f"rows must be [N] = [{states.shape[0]}], got {tuple(rows.shape)}")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= b):
+        raise ConfigError(f"rows must index the session's {b} batch rows, got values in [{int(rows.min())}, {int(rows.max())}]")
+    return states.to(x.device), rows
+
+
+def gather_cache_rows(cache: Any, rows: torch.Tensor | None) -> Any:
+    """``cache`` with batch entry ``n`` taken from row ``rows[n]`` (``None``: ``cache`` unchanged)."""
+    if rows is None or cache is None:
+        return cache
+    gather = getattr(cache, "gather_batch", None)
+    if gather is None:
+        raise ConfigError(
+            f"{type(cache).__name__} cannot be indexed by batch row; fix: decode with spiffy's own models "
+            "(spiffy.load_model) or one prompt at a time"
+        )
+    return gather(rows)
 
 
 @dataclass

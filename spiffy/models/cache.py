@@ -67,6 +67,20 @@ class KVCache:
                 out.values[i] = v.index_select(-2, index.to(v.device))  # type: ignore[union-attr]
         return out
 
+    def gather_batch(self, rows: torch.Tensor) -> "KVCache":
+        """A new cache whose batch entry ``n`` is this cache's batch entry ``rows[n]`` (``rows``: ``[N]`` long).
+
+        A batch-1 cache is returned as is (it already broadcasts to any query batch).
+        """
+        out = KVCache(self.num_layers)
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is None or k.shape[0] == 1:
+                out.keys[i], out.values[i] = k, v
+            else:
+                out.keys[i] = k.index_select(0, rows.to(k.device))
+                out.values[i] = v.index_select(0, rows.to(v.device))  # type: ignore[union-attr]
+        return out
+
     def clone(self) -> "KVCache":
         out = KVCache(self.num_layers)
         out.keys = [None if k is None else k.clone() for k in self.keys]

@@ -1,0 +1,146 @@
+"""Batched Spiffy: row r of a batch decodes exactly like prompt r alone (float64, tiny checkpoints, all families).
+
+Every case compares each row with the single-prompt baseline (tokens) and with single-prompt Spiffy (tokens and the
+number of forwards that served the row), over ragged left-padded prompts, every cache mode, T=0 and T>0 with
+per-row seeds, and rules whose blocks finish after different numbers of steps per row (threshold; SDAR stop tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import load_f64
+from spiffy.api import generate
+from spiffy.decoding import make_session, run_baseline
+from spiffy.errors import ConfigError
+from spiffy.selfspec.oracle import oracle_graph_from_records, record_trajectory
+from spiffy.selfspec.runtime import speculative_generate
+
+GEN, BLOCK = 16, 8
+SEEDS = [7, 11, 5]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _prompts(lengths: list[int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(5, 250, (n,), generator=g) for n in lengths]
+
+
+def _left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    p = max(len(x) for x in prompts)
+    ids = torch.full((len(prompts), p), pad_id, dtype=torch.long)
+    am = torch.zeros((len(prompts), p), dtype=torch.long)
+    for r, x in enumerate(prompts):
+        ids[r, p - len(x) :] = x
+        am[r, p - len(x) :] = 1
+    return ids, am
+
+
+def _check_batch(model, prompts: list[torch.Tensor], kw: dict, graph_rows: tuple[int, ...] = (0, 1, 2)) -> dict:
+    """Alone baseline + alone Spiffy per prompt vs one batched Spiffy call; returns figures for extra checks.
+    The oracle graph is calibrated on the alone trajectories of ``graph_rows``."""
+    records, alone = [], []
+    for r, (x, seed) in enumerate(zip(prompts, SEEDS)):
+        s = make_session(model, x[None], **{**kw, "seed": seed})
+        recs = record_trajectory(s)
+        if r in graph_rows:
+            records.extend(recs)
+        alone.append((s.x[0, len(x) : len(x) + GEN].clone(), s.nfe))
+    graph = oracle_graph_from_records(records, make_session(model, prompts[0][None], **kw).mask_id)
+    budget = len(graph.nodes)
+    spec_nfe = []
+    for x, seed, (tokens, _) in zip(prompts, SEEDS, alone):
+        s = make_session(model, x[None], **{**kw, "seed": seed})
+        st = speculative_generate(s, graph, budget=budget)
+        assert torch.equal(s.x[0, len(x) : len(x) + GEN], tokens)
+        spec_nfe.append(st.nfe)
+    ids, am = _left_pad(prompts)
+    equal = all(len(x) == len(prompts[0]) for x in prompts)
+    out = generate(
+        model, ids, attention_mask=None if equal else am, graph=graph, budget=budget, seeds=SEEDS[: len(prompts)], **kw
+    )
+    rows = out.stats["rows"]
+    for r, (tokens, base_nfe) in enumerate(alone):
+        assert out.tokens[r] == tokens.tolist(), f"row {r} differs from the prompt decoded alone for {kw}"
+        assert rows[r]["nfe"] == spec_nfe[r], f"row {r} was served by another number of forwards than alone"
+        assert rows[r]["baseline_equivalent_nfe"] == base_nfe
+    assert max(spec_nfe) <= out.nfe < sum(spec_nfe)  # one forward serves several rows
+    assert sum(r["accepted_total"] for r in rows) > 0
+    return {"out": out, "spec_nfe": spec_nfe, "alone": alone}
+
+
+def _kw(rule: str, cache: str, temp: float, **extra) -> dict:
+    kw = dict(gen_length=GEN, block_length=BLOCK, cache=cache, temperature=temp, **extra)
+    if rule == "static":
+        kw["steps"] = GEN // 2
+    else:
+        kw["threshold"] = 0.05
+    return kw
+
+
+@pytest.fixture(scope="module")
+def llada(tiny_llada):
+    return load_f64(tiny_llada, cached=True)
+
+
+@pytest.fixture(scope="module")
+def dream(tiny_dream):
+    return load_f64(tiny_dream, cached=True)
+
+
+@pytest.fixture(scope="module")
+def sdar(tiny_sdar):
+    return load_f64(tiny_sdar, cached=True)
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("rule", ["static", "threshold"])
+def test_llada_batch_equals_alone(llada, rule: str, cache: str, temp: float) -> None:
+    _check_batch(llada, _prompts([4, 7, 2]), _kw(rule, cache, temp))
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("rule", ["static", "threshold"])
+def test_dream_batch_equals_alone(dream, rule: str, cache: str, temp: float) -> None:
+    _check_batch(dream, _prompts([4, 7, 2]), _kw(rule, cache, temp, alg="entropy"))
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+@pytest.mark.parametrize("strategy", ["low_confidence_static", "low_confidence_dynamic"])
+def test_sdar_batch_equals_alone(sdar, strategy: str, temp: float) -> None:
+    kw = dict(gen_length=GEN, block_length=BLOCK, temperature=temp, strategy=strategy, denoising_steps=BLOCK // 2)
+    if strategy == "low_confidence_dynamic":
+        kw["threshold"] = 0.05
+    _check_batch(sdar, _prompts([5, 5, 5]), kw)
+
+
+def test_sdar_rows_stopping_early(sdar) -> None:
+    """Row 0 produces a stop token in its first block and stops; the others keep decoding."""
+    prompts = _prompts([5, 5, 5])
+    kw = dict(gen_length=GEN, block_length=BLOCK, temperature=0.0, denoising_steps=BLOCK)
+    probe = make_session(sdar, prompts[0][None], **{**kw, "seed": SEEDS[0]})
+    run_baseline(probe)
+    first = int(probe.x[0, probe.block_bounds(0)[0] + BLOCK - 1])
+    res = _check_batch(sdar, prompts, {**kw, "stop_token_ids": (first,)}, graph_rows=(1,))
+    assert res["out"].stats["rows"][0]["steps_per_block"][-1] == 0
+
+
+def test_batch_errors(llada, sdar) -> None:
+    prompts = _prompts([4, 6])
+    ids, am = _left_pad(prompts)
+    s = make_session(llada, prompts[0][None], gen_length=GEN, block_length=BLOCK)
+    graph = oracle_graph_from_records(record_trajectory(s), s.mask_id)
+    with pytest.raises(ConfigError, match="seeds"):
+        generate(llada, ids, attention_mask=am, graph=graph, seeds=[1], gen_length=GEN, block_length=BLOCK)
+    with pytest.raises(ConfigError, match="padded prompts"):
+        generate(sdar, ids, attention_mask=am, graph=graph, gen_length=GEN, block_length=BLOCK)
