@@ -229,7 +229,9 @@ def sdar_block_diffusion_generate(
     """Drop-in for SDAR's ``block_diffusion_generate`` (same positional/keyword arguments and defaults).
 
     Args:
-        prompt: a dict/BatchEncoding with ``"input_ids"`` ``[1, P]`` (as the reference) or the tensor itself.
+        prompt: a dict/BatchEncoding with ``"input_ids"`` ``[1, P]`` (as the reference) or the tensor itself;
+            ``[B, P]`` (equal lengths) decodes a batch (with a graph: batched Spiffy, row ``r`` equal to prompt ``r``
+            decoded alone with ``seed``, or with a seed drawn per row from the generator).
         mask_id: ``None`` = from the model config.
         seed / generator: the random source. Neither given = the device's global generator, so
             ``torch.manual_seed(K)`` before the call reproduces the official script's draws.
@@ -275,6 +277,10 @@ def sdar_block_diffusion_generate(
     session = SDARSession(model, input_ids, cfg, generator=generator)
     if graph is None:
         stats: Any = run_baseline(session)
+    elif session.x.shape[0] > 1:  # batched Spiffy: one seed per row (from seed, else drawn from the generator)
+        seeds = None if seed is None else [int(seed)] * int(session.x.shape[0])
+        out = generate(model, input_ids, cfg, graph=graph, budget=budget, seeds=seeds, generator=generator)
+        return (out.sequences, out.stats) if return_stats else out.sequences
     else:
         stats = speculative_generate(session, graph, budget, **speculative_kwargs)
     return (session.x, stats) if return_stats else session.x

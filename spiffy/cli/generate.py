@@ -125,7 +125,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default=None, metavar="DIR|ID",
                         help="diffusion LM checkpoint (LLaDA, Dream or SDAR): a directory or a Hub id ORG/NAME[@REVISION]")
-    parser.add_argument("--prompt", default="", help="prompt text, tokenized as is (see --chat); must not be empty")
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="prompt text, tokenized as is (see --chat); must not be empty. Repeat it to decode several "
+                             "prompts as one batch (with --json: one JSON object per prompt, in order)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (tokens, text, nfe, seconds, steps, config) instead of the text")
@@ -167,8 +169,10 @@ def _load_graph(path: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy generate``; returns the exit status."""
-    if not args.prompt:  # the API refuses an empty prompt too (decoding.base / ar)
+    prompts = args.prompt if isinstance(args.prompt, list) else [args.prompt or ""]
+    if not prompts or not all(prompts):  # the API refuses an empty prompt too (decoding.base / ar)
         raise ConfigError("the prompt is empty; fix: pass --prompt TEXT with at least one character")
+    args.prompt = prompts
     if getattr(args, "target", None):
         return int(run_generate(args) or 0)
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
@@ -176,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(args.model, dtype=args.dtype, device=device)
     tokenizer = load_tokenizer(args.model)
-    ids = _encode_prompt(tokenizer, args.prompt, args.chat)
+    batch = [_encode_prompt(tokenizer, p, args.chat) for p in prompts]
     cfg, extra = config_from_args(args)
     graph = None
     if args.graph:
@@ -187,24 +191,52 @@ def run(args: argparse.Namespace) -> int:
         graph = _load_graph(args.graph)
     if graph is None and args.budget is not None:
         print("spiffy generate: note: --budget has no effect without --graph", file=sys.stderr)
+    input_ids, attention_mask = _left_pad(batch, tokenizer)
     res = generate(
         model,
-        torch.tensor([ids], dtype=torch.long),
+        input_ids,
         cfg,
+        attention_mask=attention_mask,
         tokenizer=tokenizer,
         graph=graph,
         budget=args.budget,
-        progress=not args.no_progress,
+        progress=not args.no_progress and len(batch) == 1,
         **extra,
     )
-    text = res.text[0] if res.text else ""
+    for r, ids in enumerate(batch):
+        _print_row(args, res, r, ids, model, device, graph)
+    return 0
+
+
+def _left_pad(batch: list[list[int]], tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, P]`` left-padded ids and their 0/1 mask (``None`` when every prompt has the same length)."""
+    width = max(len(ids) for ids in batch)
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    pad_id = int(pad_id) if pad_id is not None else 0  # padded rows are masked out: the id never matters
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, ids in enumerate(batch):
+        input_ids[r, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        mask[r, width - len(ids) :] = 1
+    return input_ids, None if bool(mask.all()) else mask
+
+
+def _print_row(args: argparse.Namespace, res: Any, r: int, ids: list[int], model: Any, device: str, graph: Any) -> None:
+    """Print row ``r`` of a (possibly batched) result: text, or one JSON object."""
+    text = res.text[r] if res.text else ""
+    rows = res.stats.get("rows") if isinstance(res.stats, dict) else None
+    row_stats = rows[r] if rows else res.to_dict()["stats"]
+    nfe = int(row_stats.get("nfe", res.nfe)) if rows else res.nfe
+    steps = int(row_stats.get("steps", res.steps)) if rows else res.steps
     if args.json:
         payload = {
-            "tokens": res.tokens[0],
+            "tokens": res.tokens[r],
             "text": text,
-            "nfe": res.nfe,
+            "nfe": nfe,
             "seconds": res.seconds,
-            "steps": res.steps,
+            "steps": steps,
+            "batch_size": len(res.tokens),
+            "batch_nfe": res.nfe,
             "family": res.family,
             "prompt_tokens": len(ids),
             "model": str(args.model),
@@ -213,12 +245,11 @@ def run(args: argparse.Namespace) -> int:
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             "device": str(device),
             "config": res.config.to_dict() if res.config is not None else None,
-            "stats": res.to_dict()["stats"],
+            "stats": row_stats,
         }
         print(json.dumps(payload))
     else:
         print(text)
         mode = "spiffy" if graph is not None else "baseline"
-        print(f"[{res.family} {mode}] {len(res.tokens[0])} positions, {res.steps} steps, {res.nfe} NFE, "
+        print(f"[{res.family} {mode}] {len(res.tokens[r])} positions, {steps} steps, {nfe} NFE, "
               f"{res.seconds:.2f}s", file=sys.stderr)
-    return 0

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoTokenizer
 
 from spiffy.arspec import ARGenerationResult, ARSpecConfig, DFlashDrafter, speculative_generate
+from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.config import DEFAULT_TREE_BUDGET
 from spiffy.errors import CheckpointError, ConfigError, SpiffyError
 from spiffy.models.dflash import load_drafter
@@ -154,11 +155,25 @@ def run_generate(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"no tokenizer in {target_dir} ({exc}); fix: save the tokenizer next to the target") from exc
-    prompt = getattr(args, "prompt", "") or ""
+    prompts = getattr(args, "prompt", "") or ""
+    prompts = prompts if isinstance(prompts, list) else [prompts]
     chat = bool(getattr(args, "chat", False))
-    ids = _encode(tokenizer, prompt, chat)
     config = replace(config, stop_token_ids=tuple(stop_token_ids(target, tokenizer, chat)))
-    res = speculative_generate(target, drafter, ids, config, progress=not bool(getattr(args, "no_progress", False)))
+    batch = [_encode(tokenizer, p, chat) for p in prompts]
+    if len(batch) == 1:
+        results = [speculative_generate(target, drafter, batch[0], config, progress=not bool(getattr(args, "no_progress", False)))]
+    else:  # one batched run: per-row trees in one verification forward; row r equals prompt r decoded alone
+        drafters = None if drafter is None else [drafter] + [DFlashDrafter(drafter.model) for _ in batch[1:]]
+        results = speculative_generate_batch(target, drafters, batch, config)
+    for prompt, ids, res in zip(prompts, batch, results):
+        _print_row(res, args, tokenizer, prompt, ids, config, target_dir, drafter_dir, dtype, device)
+    return 0
+
+
+def _print_row(
+    res: ARGenerationResult, args: argparse.Namespace, tokenizer: Any, prompt: str, ids: list[int],
+    config: ARSpecConfig, target_dir: Any, drafter_dir: Any, dtype: torch.dtype, device: str,
+) -> None:
     sampling = config.sampling
     extra = dict(
         prompt=prompt,
@@ -174,7 +189,6 @@ def run_generate(args: argparse.Namespace) -> int:
         tokens_per_second=(len(res.tokens) / res.seconds) if res.seconds > 0 else None,
     )
     _print_result(res, args, tokenizer.decode(res.tokens, skip_special_tokens=True), extra)
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
