@@ -24,12 +24,15 @@ from spiffy.bench.common import parse_budgets
 from spiffy.bench.datasets import load_benchmark_prompts
 from spiffy.bench.dllm import run_dllm_bench
 from spiffy.bench.report import markdown_report, write_report
+from spiffy.bench.throughput import ar_methods, dllm_methods, encode_prompts, markdown_throughput, measure, parse_batch_sizes, throughput_report
 from spiffy.cli.generate import add_decoding_arguments, add_sampling_arguments, config_from_args
 from spiffy.distributed import join_data_parallel
 from spiffy.embedded import compatible_shipped_graph, embedded_model_path, resolve_graph_argument
 from spiffy.errors import ConfigError
+from spiffy.io import atomic_write_json, atomic_write_text
 from spiffy.models import load_drafter, load_model, load_tokenizer
 from spiffy.models.hub import checkpoint_dir
+from spiffy.models.prompting import stop_token_ids
 from spiffy.selfspec.graph import load_graph
 
 
@@ -48,6 +51,10 @@ def _common(p: argparse.ArgumentParser, default_budgets: str) -> None:
     p.add_argument("--dtype", default=None, help="model dtype: float32 (CPU default), float64, bfloat16, float16 or auto")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--batch-sizes", default=None, metavar="LIST",
+                   help="throughput report instead: tokens/s and latency per token of every method at each batch size "
+                        "(e.g. 1,4,16), same prompts, one run (writes throughput.json and throughput.md)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N", help="same as --batch-sizes N")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -130,6 +137,10 @@ def run_dllm(args: argparse.Namespace) -> int:
         graph_path = compatible_shipped_graph(model, model_dir, cfg, **extra)
         print(f"spiffy bench dllm: using the graph shipped with the model: {graph_path}", file=sys.stderr)
     graph = load_graph(graph_path)
+    if _batch_sizes(args):
+        methods = dllm_methods(model, tokenizer, cfg, graph, budgets, device, extra)
+        return _throughput(args, "dllm", methods, model, tokenizer, prompts, device, graph=str(graph_path),
+                           gen_length=cfg.gen_length)
     announce_cost("spiffy bench dllm", len(prompts), ["baseline"] + [f"Spiffy D*={b}" for b in budgets],
                   f"decodes of {cfg.gen_length} positions", args.warmup)
     res = run_dllm_bench(
@@ -152,6 +163,14 @@ def run_ar(args: argparse.Namespace) -> int:
     dtype = next(target.parameters()).dtype
     drafter = load_drafter(drafter_dir, dtype=dtype, device=device)
     tokenizer = load_tokenizer(target_dir)
+    if _batch_sizes(args):
+        methods = ar_methods(
+            target, drafter, budgets, max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0,
+            top_p=1.0 if args.top_p is None else args.top_p, top_k=0 if args.top_k is None else args.top_k,
+            seed=args.seed or 0, stops=stop_token_ids(target, tokenizer, not args.no_chat),
+        )
+        return _throughput(args, "ar", methods, target, tokenizer, prompts, device,
+                           max_new_tokens=args.max_new_tokens)
     announce_cost("spiffy bench ar", len(prompts), ["AR", "DFlash"] + [f"DDTree {b}" for b in budgets],
                   f"generations of up to {args.max_new_tokens} tokens", args.warmup)
     res = run_ar_bench(
@@ -164,9 +183,44 @@ def run_ar(args: argparse.Namespace) -> int:
     return _finish(args, res, "some outputs differ from plain AR")
 
 
+def _batch_sizes(args: argparse.Namespace) -> list[int]:
+    """The batch sizes of a throughput run (empty: the usual report)."""
+    if args.batch_sizes is not None and args.batch_size is not None:
+        raise ConfigError("give --batch-sizes or --batch-size, not both")
+    if args.batch_size is not None:
+        return parse_batch_sizes(str(args.batch_size))
+    return [] if args.batch_sizes is None else parse_batch_sizes(args.batch_sizes)
+
+
+def _throughput(args: argparse.Namespace, kind: str, methods: dict[str, Any], model: Any, tokenizer: Any,
+                prompts: list[Any], device: str, **meta: Any) -> int:
+    """Measure every method at every batch size; write throughput.json / throughput.md into --out (rank 0)."""
+    sizes = _batch_sizes(args)
+    encoded = encode_prompts(tokenizer, prompts, chat=not args.no_chat)
+    n = max(len(encoded), max(sizes))
+    announce_cost(f"spiffy bench {kind}", n, [f"{m} @ batch {b}" for m in methods for b in sizes], "decodes",
+                  args.warmup)
+    rows = measure(methods, encoded, sizes, device, warmup=args.warmup)
+    res = throughput_report(kind, rows, model=model, device=device,
+                            meta=dict(dataset=args.dataset, prompts=n, batch_sizes=sizes, **meta))
+    if getattr(args, "is_main_rank", True):
+        out = Path(args.out)
+        atomic_write_json(out / "throughput.json", res)
+        atomic_write_text(out / "throughput.md", markdown_throughput(res))
+        print(markdown_throughput(res))
+        print(f"wrote {out / 'throughput.json'} and {out / 'throughput.md'}", file=sys.stderr)
+    bad = [r for r in rows if r["method"] not in ("baseline",) and r["identical_to_batch_1"] < 1.0]
+    if bad:
+        print("spiffy bench: WARNING: batched outputs differ from batch 1 for "
+              + ", ".join(f"{r['method']} @ {r['batch_size']}" for r in bad), file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy bench MODE``; returns the exit status (1 when an output differs from its baseline)."""
     if args.bench_mode in ("dllm", "ar"):
+        _batch_sizes(args)  # bad --batch-sizes fail before any model is loaded
         _plots_possible(args)
     if args.bench_mode == "dllm":
         return run_dllm(args)

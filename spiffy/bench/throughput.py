@@ -1,0 +1,181 @@
+"""``spiffy bench dllm|ar --batch-sizes 1,4,16``: throughput of every method at several batch sizes, in one run.
+
+The same ``N`` prompts (the benchmark prompts, cycled up to the largest batch size) are decoded at every batch size
+``b``, ``b`` prompts per call, by every method: the dLLM baseline and Spiffy at each budget (batched Spiffy,
+:mod:`spiffy.selfspec.batch`), or plain AR, DFlash and DDTree at each budget (:mod:`spiffy.arspec.batch`).
+Reported per method and batch size:
+
+* ``tokens_per_second``: generated tokens of all ``N`` prompts / total wall time of the calls;
+* ``latency_per_token_ms``: mean over calls of (call time / tokens generated per row), i.e. how long one user waits
+  per token of their own answer;
+* ``forwards``: model calls of all calls (dLLM: NFE; AR: verification rounds of the longest row per call are not
+  tracked, so the AR report gives ``rounds`` summed over rows);
+* ``identical_to_batch_1``: the fraction of prompts whose tokens equal the batch-1 run of the same method (must be
+  1.0 for the speculative methods, whose rows are decoded exactly as alone; the dLLM baseline shares one generator
+  across a batch, so at temperature > 0 its rows differ from batch-1 runs by design).
+
+Speedups are ratios of measured wall times in this run; on a 2-core CPU the forward is compute-bound at any batch
+size, so batching helps little there and speculative gains stay roughly constant; on a GPU the forward is
+memory-bound at small batches, and speculative gains shrink as the batch grows.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from spiffy.api import generate
+from spiffy.arspec.batch import ddtree_generate_batch
+from spiffy.bench.common import environment_info
+from spiffy.bench.datasets import BenchPrompt
+from spiffy.errors import ConfigError
+from spiffy.models.prompting import prompt_token_ids
+
+#: one batched call: prompts (token-id lists) -> (token lists per row, forwards or rounds of the call)
+BatchCall = Callable[[list[list[int]]], tuple[list[list[int]], int]]
+
+
+def parse_batch_sizes(text: str | Sequence[int]) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]`` (ConfigError for empty, non-integer or < 1 entries)."""
+    items = [t.strip() for t in text.split(",")] if isinstance(text, str) else [str(t) for t in text]
+    try:
+        sizes = [int(t) for t in items if t]
+    except ValueError:
+        raise ConfigError(f"--batch-sizes {text!r} must be comma-separated integers, e.g. 1,4,16") from None
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--batch-sizes {text!r} needs at least one batch size, each >= 1; fix: e.g. 1,4,16")
+    return sizes
+
+
+def _sync(device: Any) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(methods: dict[str, BatchCall], prompts: list[list[int]], batch_sizes: Sequence[int], device: Any,
+            warmup: int = 1) -> list[dict[str, Any]]:
+    """Run every method at every batch size on the same prompts (cycled to the largest batch size)."""
+    n = max(len(prompts), max(batch_sizes))
+    work = [prompts[k % len(prompts)] for k in range(n)]
+    for _ in range(max(0, warmup)):
+        for call in methods.values():
+            call(work[:1])
+    rows: list[dict[str, Any]] = []
+    reference: dict[str, list[list[int]]] = {}
+    for name, call in methods.items():
+        for b in batch_sizes:
+            tokens: list[list[int]] = []
+            seconds, latencies, forwards = 0.0, [], 0
+            for start in range(0, n, b):
+                chunk = work[start : start + b]
+                _sync(device)
+                t0 = time.perf_counter()
+                out, calls = call(chunk)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                seconds += dt
+                forwards += calls
+                per_row = max(1, max(len(t) for t in out))
+                latencies.append(dt / per_row)
+                tokens.extend(out)
+            reference.setdefault(name, tokens)
+            ref = reference[name]
+            same = sum(1 for a, c in zip(tokens, ref) if a == c) / len(ref)
+            total = sum(len(t) for t in tokens)
+            rows.append({
+                "method": name, "batch_size": b, "prompts": n, "tokens": total, "seconds": seconds,
+                "tokens_per_second": total / seconds if seconds > 0 else None,
+                "latency_per_token_ms": 1000.0 * sum(latencies) / len(latencies), "forwards": forwards,
+                "identical_to_batch_1": same,
+            })
+    return rows
+
+
+def dllm_methods(model: Any, tokenizer: Any, config: Any, graph: Any, budgets: Sequence[int], device: Any,
+                 extra: dict[str, Any]) -> dict[str, BatchCall]:
+    """The dLLM baseline and batched Spiffy at each budget as :data:`BatchCall` s (left-padded batches)."""
+
+    def make(budget: int | None) -> BatchCall:
+        def call(batch: list[list[int]]) -> tuple[list[list[int]], int]:
+            width = max(len(ids) for ids in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
+            mask = torch.zeros_like(ids)
+            for r, row in enumerate(batch):
+                ids[r, width - len(row) :] = torch.tensor(row, dtype=torch.long, device=device)
+                mask[r, width - len(row) :] = 1
+            res = generate(model, ids, config, attention_mask=None if bool(mask.all()) else mask, tokenizer=tokenizer,
+                           graph=None if budget is None else graph, budget=budget, **extra)
+            return res.tokens, int(res.nfe)
+        return call
+
+    methods = {"baseline": make(None)}
+    methods.update({f"Spiffy D*={b}": make(b) for b in budgets})
+    return methods
+
+
+def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tokens: int, temperature: float,
+               top_p: float, top_k: int, seed: int, stops: Sequence[int]) -> dict[str, BatchCall]:
+    """Plain AR, DFlash and DDTree at each budget as :data:`BatchCall` s (``ddtree_generate_batch``)."""
+
+    def make(method: str, budget: int | None) -> BatchCall:
+        def call(batch: list[list[int]]) -> tuple[list[list[int]], int]:
+            res = ddtree_generate_batch(
+                target, None if method == "ar" else drafter, batch, method=method, budget=budget,
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                stop_token_ids=list(stops) or None,
+            )
+            return [list(r.tokens) for r in res], sum(int(r.rounds) for r in res)
+        return call
+
+    methods = {"AR": make("ar", None), "DFlash": make("dflash", None)}
+    methods.update({f"DDTree {b}": make("ddtree", b) for b in budgets})
+    return methods
+
+
+def throughput_report(kind: str, rows: list[dict[str, Any]], *, model: Any, device: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """JSON-ready report: the rows plus speedups over the plain method at the same batch size."""
+    plain = "baseline" if kind == "dllm" else "AR"
+    base = {r["batch_size"]: r for r in rows if r["method"] == plain}
+    for r in rows:
+        ref = base.get(r["batch_size"])
+        r["speedup"] = (ref["seconds"] / r["seconds"]) if ref and r["seconds"] > 0 else None
+    return {"kind": f"throughput-{kind}", "rows": rows, "environment": environment_info(model, device), **meta}
+
+
+def markdown_throughput(res: dict[str, Any]) -> str:
+    """The throughput report as a Markdown table (one row per method and batch size)."""
+    lines = [
+        f"# spiffy bench {res['kind'].split('-')[-1]}: throughput by batch size",
+        "",
+        f"{res.get('prompts', '?')} prompts from {res.get('dataset')}; every method decodes the same prompts at every "
+        "batch size. Speedup = plain method's wall time / this method's, same batch size.",
+        "",
+        "| method | batch | tokens/s | latency/token (ms) | speedup | forwards | identical to batch 1 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        tps = "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.1f}"
+        sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        lines.append(f"| {r['method']} | {r['batch_size']} | {tps} | {r['latency_per_token_ms']:.1f} | {sp} | "
+                     f"{r['forwards']} | {r['identical_to_batch_1']:.2f} |")
+    env = res.get("environment", {})
+    lines += ["", f"Environment: {', '.join(f'{k}={v}' for k, v in env.items() if not isinstance(v, dict))}"]
+    return "\n".join(lines) + "\n"
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[BenchPrompt], chat: bool) -> list[list[int]]:
+    """Token ids of the benchmark prompts (chat template when ``chat`` and available)."""
+    return [prompt_token_ids(tokenizer, p.prompt, chat=chat) for p in prompts]
+
+
+__all__ = [
+    "ar_methods",
+    "dllm_methods",
+    "encode_prompts",
+    "markdown_throughput",
+    "measure",
+    "parse_batch_sizes",
+    "throughput_report",
+]
