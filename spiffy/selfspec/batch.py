@@ -35,7 +35,7 @@ from spiffy.decoding.session import DecodeSession
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import rank_state, window_covers
 from spiffy.selfspec.pruning import SCORES, check_budget, prune
-from spiffy.selfspec.runtime import DEFAULT_BUDGET, SpeculativeStats, _instantiate_dedup, _Plan, _Walk
+from spiffy.selfspec.runtime import DEFAULT_BUDGET, SpeculativeStats, _instantiate_dedup, _Plan, _Walk, record_walk
 from spiffy.verify.backend import follow
 
 
@@ -212,13 +212,7 @@ def _iterate(
         row.session.x = walk.x
         row.P, row.P_start = walk.last_logits, walk.last_window_start
         row.step = walk.step
-        accepted = [nid for nid, stall in path if stall == 0]
-        st.reused_steps += len(path) - len(accepted)
-        st.accepted_total += len(accepted)
-        st.accepted_per_forward[len(accepted)] = st.accepted_per_forward.get(len(accepted), 0) + 1
-        for nid in accepted:
-            lvl = int(plan.nodes[nid].level)  # type: ignore[index]
-            st.accepted_per_level[lvl] = st.accepted_per_level.get(lvl, 0) + 1
+        record_walk(st, path, plan)
         st.stage_times["walk"] += time.perf_counter() - t1
 
 

@@ -218,13 +218,7 @@ def speculative_generate(
             session.x = walk.x
             P, P_start = walk.last_logits, walk.last_window_start
             step = walk.step
-            accepted = [nid for nid, stall in path if stall == 0]
-            stats.reused_steps += len(path) - len(accepted)
-            stats.accepted_total += len(accepted)
-            stats.accepted_per_forward[len(accepted)] = stats.accepted_per_forward.get(len(accepted), 0) + 1
-            for nid in accepted:
-                lvl = int(plan.nodes[nid].level)  # type: ignore[index]
-                stats.accepted_per_level[lvl] = stats.accepted_per_level.get(lvl, 0) + 1
+            record_walk(stats, path, plan)
             times["walk"] += time.perf_counter() - t0
             logits = None
         session.end_block(block)
@@ -234,6 +228,17 @@ def speculative_generate(
     stats.nfe = int(session.nfe)
     stats.baseline_equivalent_nfe = stats.nfe + stats.accepted_total + stats.reused_steps
     return stats
+
+
+def record_walk(stats: SpeculativeStats, path: list, plan: _Plan) -> None:
+    """Add one walk's accepted drafts (stall 0) and reused no-op steps to ``stats``."""
+    accepted = [nid for nid, stall in path if stall == 0]
+    stats.reused_steps += len(path) - len(accepted)
+    stats.accepted_total += len(accepted)
+    stats.accepted_per_forward[len(accepted)] = stats.accepted_per_forward.get(len(accepted), 0) + 1
+    for nid in accepted:
+        lvl = int(plan.nodes[nid].level)  # type: ignore[index]
+        stats.accepted_per_level[lvl] = stats.accepted_per_level.get(lvl, 0) + 1
 
 
 def _instantiate_dedup(
