@@ -22,7 +22,13 @@ spiffy bench dllm --graph graphs/tiny-llada-t09.json --budgets 1,3,5 --dataset h
 spiffy bench ar --budgets 16,32,64,128,256 --dataset humaneval --max-prompts 10 --max-new-tokens 64 --no-chat \
   --out runs/ar-humaneval
 
+# 4. throughput at batch sizes 1, 4 and 16: every method on the same 16 prompts, one run per mode
+spiffy bench dllm --batch-sizes 1,4,16 --budgets 3 --max-prompts 16 "${DEC_S1[@]}" --out runs/throughput-dllm
+spiffy bench ar --batch-sizes 1,4,16 --budgets 16 --max-prompts 16 --max-new-tokens 32 --out runs/throughput-ar
+
 mkdir -p examples/results
+cp runs/throughput-dllm/throughput.md examples/results/throughput-dllm.md
+cp runs/throughput-ar/throughput.md examples/results/throughput-ar.md
 cp runs/dllm-humaneval-s1/results.md examples/results/dllm-humaneval-s1.md
 cp runs/dllm-humaneval-t09/results.md examples/results/dllm-humaneval-t09.md
 cp runs/ar-humaneval/results.md examples/results/ar-humaneval.md

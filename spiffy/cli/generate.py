@@ -1,4 +1,4 @@
-"""``spiffy generate``: decode one prompt with a diffusion LM (baseline or Spiffy), or an AR target (DDTree).
+"""``spiffy generate``: decode one prompt (or a batch: ``--prompt`` repeated) with a diffusion LM (baseline or Spiffy), or an AR target (DDTree).
 
 dLLM mode: ``spiffy generate --model DIR --prompt TEXT [decoding flags] [--graph FILE --budget D] [--json]``.
 AR mode: ``spiffy generate --target DIR [--drafter DIR --method ar|dflash|ddtree --max-new-tokens N] ...``
@@ -27,7 +27,7 @@ from spiffy.models import load_model, load_tokenizer
 from spiffy.selfspec.graph import load_graph
 
 DESCRIPTION = """\
-Decode one prompt.
+Decode one prompt, or several as one batch (repeat --prompt; with --json one JSON object per prompt, in order).
 
   dLLM mode:  spiffy generate --model DIR --prompt TEXT [decoding flags] [--graph FILE --budget D] [--json]
   AR mode:    spiffy generate --target DIR [--drafter DIR --method ar|dflash|ddtree --max-new-tokens N] ...
