@@ -22,15 +22,15 @@ import torch
 
 from spiffy.bench.common import degenerate_stats
 from spiffy.bench.datasets import load_benchmark_prompts
-from spiffy.decoding import generate
+from spiffy.api import generate
+from spiffy.embedded import embedded_models_dir
 from spiffy.io import atomic_write_json
+from spiffy.models.loading import load_model, load_tokenizer
 from spiffy.train import common, sdar
 
 
 def load_for_check(model_dir: str | None, state: str | None, init: str) -> tuple[torch.nn.Module, Any, int | None]:
     """``(model float32 eval, tokenizer, training step or None)`` from a checkpoint dir or a training state."""
-    from spiffy.models.loading import load_model, load_tokenizer
-
     if model_dir:
         return load_model(model_dir, dtype="float32").eval(), load_tokenizer(model_dir), None
     model, tok = sdar.init_from_qwen3(init)
@@ -61,8 +61,6 @@ def decode_check(model: torch.nn.Module, tok: Any, prompts: list[str], gen_lengt
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spiffy.embedded import embedded_models_dir
-
     p = argparse.ArgumentParser(description="Decode check of a tiny SDAR model (NFE, output quality, held-out accuracy).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", default=None, help="SDAR checkpoint dir")

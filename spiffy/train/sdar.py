@@ -28,7 +28,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from spiffy.api import generate
+from spiffy.embedded import embedded_models_dir
 from spiffy.errors import ConfigError, MissingTokenError
+from spiffy.models.loading import load_model, load_tokenizer, save_checkpoint
+from spiffy.models.sdar import SDARConfig, SDARForCausalLM
 from spiffy.train import common
 from spiffy.train.ar import prepare_data
 
@@ -126,9 +130,6 @@ def init_from_qwen3(src: str | Path, max_positions: int | None = None) -> tuple[
     Raises :class:`MissingTokenError` when the tokenizer has no ``<|MASK|>`` and :class:`ConfigError` when the
     checkpoint is not a Qwen3 or its keys do not match the SDAR layout.
     """
-    from spiffy.models.loading import load_model, load_tokenizer
-    from spiffy.models.sdar import SDARConfig, SDARForCausalLM
-
     ar = load_model(src, dtype="float32")
     tok = load_tokenizer(src)
     c = ar.config
@@ -163,8 +164,6 @@ def init_from_qwen3(src: str | Path, max_positions: int | None = None) -> tuple[
 @torch.no_grad()
 def sample_completion(model: torch.nn.Module, tok: Any, prompt: str, gen_length: int = 32, block: int = 16) -> str:
     """Greedy SDAR decoding (one token per step) of ``prompt`` with spiffy's decoder."""
-    from spiffy.decoding import generate
-
     model.eval()
     ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
     res = generate(model, ids, gen_length=gen_length, block_length=block, temperature=0.0, tokenizer=tok)
@@ -192,8 +191,6 @@ def _eta_seconds(args: argparse.Namespace, step: int, wall_s: float) -> float:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run block-diffusion adaptation as configured by ``args``; returns the metrics dict."""
-    from spiffy.models.loading import load_model, save_checkpoint
-
     common.set_threads(args.threads)
     common.seed_everything(args.seed)
     blocks = _parse_blocks(args.blocks)
@@ -280,7 +277,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spiffy.embedded import embedded_models_dir
 
     p = argparse.ArgumentParser(description="Adapt spiffy's tiny Qwen3 into an SDAR block-diffusion LM.")
     p.add_argument("--out", required=True, help="run dir (train_state.pt, logs; final model in OUT/model)")
