@@ -18,7 +18,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from spiffy.errors import ConfigError
+import torch
+
+from spiffy.decoding import make_session
+from spiffy.errors import ConfigError, GraphMismatchError
+from spiffy.selfspec.graph import load_graph, runtime_signature
 
 #: kind -> directory name under spiffy/data/models
 EMBEDDED_NAMES: dict[str, str] = {"dllm": "tiny-llada", "ar-target": "tiny-qwen3", "ar-drafter": "tiny-qwen3-dflash-b16"}
@@ -168,14 +172,6 @@ def compatible_shipped_graph(model: Any, model_dir: str | os.PathLike[str], conf
         ConfigError: the model ships no graph, or none fits ``config`` (the message lists each graph with the
             decoding flags it needs).
     """
-    # imported here: the resolver above stays importable without torch (the CLI parses arguments first)
-    import torch
-
-    from spiffy.decoding import make_session
-    from spiffy.errors import GraphMismatchError
-    from spiffy.selfspec.calibrate import runtime_signature
-    from spiffy.selfspec.graph import load_graph
-
     shipped = shipped_graphs(model_dir)
     if not shipped:
         raise ConfigError(

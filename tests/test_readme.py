@@ -9,6 +9,7 @@ Every ``bash`` and ``python`` block of README.md is accounted for here:
   verbatim in ``.ci/run`` (which checks a non-editable install too, ``scripts/check_install.sh``);
 * the "Real checkpoints" blocks (Hub ids) run in ``tests/test_hub.py`` against an offline Hugging Face cache that
   holds tiny checkpoints under the real ids;
+* the half-precision block runs as written on the embedded models, made small the same way;
 * the retraining block is 45-minute training jobs that write into the package: its scripts must exist, be
   executable and parse (``bash -n``, ``py_compile``).
 
@@ -75,11 +76,12 @@ RETRAIN = _block_with("bash", "scripts/train_tiny_qwen3.sh")
 #: the "Real checkpoints" blocks name Hub ids: tests/test_hub.py runs them against an offline Hugging Face cache
 HUB_CLI = _block_with("bash", "GSAI-ML/LLaDA-8B-Instruct")
 HUB_PYTHON = _block_with("python", "JetLM/SDAR-8B-Chat")
+FIDELITY = _block_with("bash", "--dtype bfloat16")
 PYTHON = _block_with("python", "spiffy.load_model(\"/tmp/llada\"")
 
 
 def test_every_readme_block_is_exercised() -> None:
-    assert sorted(_blocks("bash")) == sorted([SETUP, TESTS, CLI, RETRAIN, HUB_CLI])
+    assert sorted(_blocks("bash")) == sorted([SETUP, TESTS, CLI, RETRAIN, HUB_CLI, FIDELITY])
     assert sorted(_blocks("python")) == sorted([PYTHON, HUB_PYTHON])
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     for block in (SETUP, TESTS):  # both run verbatim in CI, in a fresh virtual environment
@@ -108,6 +110,18 @@ def test_command_line_and_python_blocks_run_as_written(
     exec(compile(python_block, "README.md (python block)", "exec"), namespace)  # noqa: S102 - the README's own code
     # the block asserts Spiffy's losslessness itself; check that it really decoded both ways
     assert namespace["fast"].nfe <= namespace["base"].nfe and len(namespace["out"].tokens) > 0
+
+
+def test_half_precision_block_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bfloat16 fidelity commands on the embedded models (one prompt each): they must exit 0, which they do only
+    when every output is identical or every divergence is a proven near tie."""
+    monkeypatch.chdir(tmp_path)
+    for argv in commands(FIDELITY):
+        _run_cli(argv, capsys)
+    for name in ("ar-bf16", "dllm-bf16"):
+        assert (tmp_path / "results" / name / "results.json").is_file(), name
 
 
 def test_setup_block_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,7 +5,9 @@ process, after an untimed warm-up. Reported per method (SPEC sections 7 and 11):
 round **including the bonus token**, macro-averaged over responses (mean of each response's τ); the histogram of
 acceptance lengths (summed over rounds); time per output token **excluding prefill** (mean over responses); speedup
 = mean TPOT(AR) / mean TPOT(method) and the same against DFlash; per-stage times; the fraction of outputs identical
-to AR (must be 1.0, mismatches listed); distinct-token ratio and whitespace share of the outputs.
+to AR (mismatches listed with the position and the baseline's logit gap there, and whether that gap is a
+near tie within the dtype's rounding error, :mod:`spiffy.bench.fidelity`); distinct-token ratio and whitespace
+share of the outputs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from spiffy.bench.common import (
     warm_up,
 )
 from spiffy.bench.datasets import BenchPrompt
+from spiffy.bench.fidelity import NEAR_TIE_RULE, explain_ar_divergence
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.prompting import prompt_token_ids, stop_token_ids
@@ -156,7 +159,9 @@ def run_ar_bench(
             if same:
                 a["identical"] += 1
             else:
-                a["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(ref, r.tokens)})
+                div = explain_ar_divergence(target, ids, ref, r.tokens, greedy=float(temperature) == 0)
+                a["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(ref, r.tokens),
+                                        **(div.to_dict() if div is not None else {})})
             row["methods"][name] = {"tau": float(r.tau), "tpot": float(r.time_per_output_token),
                                     "rounds": int(r.rounds), "identical": same}
         per_prompt.append(row)
@@ -220,6 +225,9 @@ def run_ar_bench(
         "budgets": [int(b) for b in budgets],
         "methods": methods,
         "all_identical": all(m["identical_fraction"] == 1.0 for m in methods),
+        "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
+        "near_tie_rule": NEAR_TIE_RULE,
+        "all_divergences_near_ties": all(x.get("near_tie") is True for m in methods for x in m["mismatches"]),
         "per_prompt": per_prompt,
         "samples": [{"id": r["id"], "text": t[:400]} for r, t in zip(per_prompt[:3], acc["ar"]["texts"][:3])],
         "environment": {**environment_info(target, device if device is not None else getattr(target, "device", None)),

@@ -7,7 +7,13 @@ import sys
 import warnings
 from typing import Any, Callable, Iterable, Sequence
 
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from spiffy._version import __version__
 from spiffy.errors import ConfigError, PromptTooLongError
+from spiffy.torch_utils import dtype_name, model_dtype
 
 
 def parse_budgets(text: str | Sequence[int], *, minimum: int = 0) -> list[int]:
@@ -30,22 +36,8 @@ def parse_budgets(text: str | Sequence[int], *, minimum: int = 0) -> list[int]:
 
 def environment_info(model: Any = None, device: Any = None) -> dict[str, Any]:
     """Library, torch, transformers and Python versions, platform, device, dtype and CPU threads."""
-    import torch
-
-    from spiffy._version import __version__
-
-    try:
-        import transformers
-
-        tf_version: str | None = str(transformers.__version__)
-    except ImportError:  # pragma: no cover
-        tf_version = None
-    dtype = None
-    if model is not None:
-        try:
-            dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-        except (StopIteration, AttributeError):
-            dtype = None
+    model_dtype_ = model_dtype(model) if model is not None else None
+    dtype = None if model_dtype_ is None else dtype_name(model_dtype_)
     dev = str(device) if device is not None else None
     device_name = dev
     if dev is not None and dev.startswith("cuda") and torch.cuda.is_available():
@@ -55,7 +47,7 @@ def environment_info(model: Any = None, device: Any = None) -> dict[str, Any]:
     return {
         "spiffy_version": __version__,
         "torch_version": torch.__version__,
-        "transformers_version": tf_version,
+        "transformers_version": str(transformers.__version__),
         "python_version": sys.version.split()[0],
         "platform": platform.platform(),
         "device": dev,
@@ -133,8 +125,6 @@ def progress_bar(enabled: bool, total: int, desc: str) -> Any:
     """A tqdm bar over ``total`` runs on stderr, or ``None`` when not ``enabled``."""
     if not enabled:
         return None
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, leave=False)
 
 

@@ -282,6 +282,7 @@ def run_dllm_bench(
         "baseline": baseline,
         "runs": runs,
         "all_identical": all(r["identical_fraction"] == 1.0 for r in runs),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "per_prompt": per_prompt,
         "samples": [{"id": r["id"], "text": t[:400]} for r, t in zip(per_prompt[:3], base_texts[:3])],
         "environment": {**environment_info(model, device if device is not None else getattr(model, "device", None)),

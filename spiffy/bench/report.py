@@ -74,6 +74,14 @@ def _identical_cell(entry: dict[str, Any], num_prompts: Any) -> str:
     return f"**MISMATCH** {ident}" if entry["identical_fraction"] < 1.0 else ident
 
 
+def _gap_note(m: dict[str, Any]) -> str:
+    """``, baseline logit gap G (bound B): near tie`` for a mismatch explained by :mod:`spiffy.bench.fidelity`."""
+    if m.get("gap") is None:
+        return ""
+    verdict = "near tie (numerics)" if m.get("near_tie") else "NOT a near tie (a bug)"
+    return f", baseline logit gap {m['gap']:.4g} (rounding bound {m['bound']:.4g} in {m.get('dtype')}): {verdict}"
+
+
 def _tail_sections(
     lines: list[str], entries: list[dict[str, Any]], res: dict[str, Any], header: str, key: str,
     mismatch_title: str, mismatch_label: Callable[[dict[str, Any]], str],
@@ -89,7 +97,9 @@ def _tail_sections(
     mism = [(mismatch_label(e), m) for e in entries for m in e["mismatches"]]
     if mism:
         lines += ["", f"## {mismatch_title}", ""]
-        lines += [f"- {n}: prompt {m['id']}, first differing position {m['first_mismatch']}" for n, m in mism]
+        lines += [f"- {n}: prompt {m['id']}, first differing position {m['first_mismatch']}{_gap_note(m)}" for n, m in mism]
+        if res.get("near_tie_rule"):
+            lines += ["", f"Near-tie rule ({res.get('dtype')}): {res['near_tie_rule']}."]
     if res.get("skipped_prompts"):
         lines += ["", f"Skipped prompts (too long): {', '.join(s['id'] for s in res['skipped_prompts'])}"]
     return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@ mode      one step's forward                                      window
 ========  ======================================================  ==========================
 none      full sequences (batch dim), no cache                    ``[prompt_len, T)``
 prefix    rows ``x[block_start:]`` against the frozen prefix K/V   ``[block_start, T)``
-dual      rows ``x[block_start:block_end]`` against prefix+suffix  ``[block_start, block_end)``
+dual      rows ``x[block_start:block_end]`` between prefix+suffix  ``[block_start, block_end)``
 ========  ======================================================  ==========================
 
 With a cache, :meth:`BidirectionalSession.begin_block` runs one full forward that refreshes the cache and whose
@@ -212,7 +212,8 @@ class BidirectionalSession(DecodeSession):
             keep = torch.cat(
                 [torch.arange(0, start, device=self.x.device), torch.arange(end, t, device=self.x.device)]
             )
-            cache = cache.select(keep)
+            # the block's K/V go back between prefix and suffix (keys in sequence order, as Fast-dLLM)
+            cache = cache.select(keep, insert_at=start)
         self._cache = cache
         self._cache_block = block
         return self._slice_full(logits, start, self.window_end(block))
@@ -237,9 +238,7 @@ class BidirectionalSession(DecodeSession):
             key_cols = torch.arange(0, t, device=dev)
         else:
             rows = torch.arange(start, end, device=dev)
-            key_cols = torch.cat(
-                [torch.arange(0, start, device=dev), torch.arange(end, t, device=dev), rows]
-            )
+            key_cols = torch.arange(0, t, device=dev)  # the dual cache inserts the block at its place
         am = self._mask_rows(states.shape[0], key_cols, rows=batch_rows)
         pos = _pick_rows(self.position_ids, batch_rows)
         out = self._model(

@@ -13,8 +13,14 @@ batch-averaged masked count of the block. Rules (``alg``):
   drawn by ``multinomial(softmax(confidence / alg_temp))`` instead).
 
 Proposals: logits / temperature, top-p, top-k, softmax; ``T = 0`` = argmax, else one categorical draw per row.
-Threshold (Fast-dLLM ``confidence_threshold``): every masked in-block position with confidence ``>= tau`` (and at
-least the most confident) per step, until the block has no mask.
+Threshold (Fast-dLLM ``confidence_threshold``). Without a cache (Fast-dLLM ``generation_utils``): each block
+has a quota ``q = n_masked // steps_per_block`` per step; a step ranks the masked positions with ``torch.topk``
+over ``q`` plus what earlier steps left over, always takes the first and every other one with confidence
+``>= tau``, and carries the rest over; at or after the last scheduled step anything left over adds a step (quota
+0) until the block has no mask. The carry is derived from the state (``cur = R - max(S - 1 - i, 0) * q`` for
+``R`` masked rows at step ``i`` of ``S``), so the rule stays pure; it equals the official running count unless
+the model proposes the mask token itself. With a cache (``generation_utils_block``): every masked in-block
+position with confidence ``>= tau`` (and at least the most confident) per step, until the block has no mask.
 
 Cache modes (Fast-dLLM ``generation_utils_block``): the block-start full forward decodes only the block's first row
 (its correctly shifted logits are available only there); later steps run on the cached window, whose first row
@@ -63,6 +69,13 @@ class DreamSession(BidirectionalSession):
         super().__init__(model, input_ids, config, mask_id=mask_id, attention_mask=attention_mask, generator=generator)
         self.alg = config.resolved_alg
         self.timesteps = dream_timesteps(self.steps_per_block, config.eps, device=self.x.device)
+        self.threshold_quota: torch.Tensor | None = None  # [B] per-step quota of the no-cache threshold rule
+
+    def on_block_start(self, block: int) -> None:
+        if self.config.threshold is not None and self.cache_mode == "none":
+            start, end = self.block_bounds(block)
+            masked = (self.x[:, start:end] == self.mask_id).sum(dim=1)
+            self.threshold_quota = masked // self.steps_per_block
 
     def _positions(self, device: torch.device) -> torch.Tensor:
         if self.attention_mask is None:
@@ -121,7 +134,12 @@ class DreamSession(BidirectionalSession):
         mask_logits = logits[mask_w]  # [n, V] (row-major over batch, as the reference)
         if cfg.threshold is not None:
             conf, x0 = sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
-            return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, threshold=float(cfg.threshold))
+            counts = mask_w.sum(dim=1)
+            if self.cache_mode == "none":
+                assert self.threshold_quota is not None, "begin_block was not called"
+                reserve = max(self.steps_per_block - 1 - info.step, 0) * self.threshold_quota
+                counts = (counts - reserve).clamp(min=0)
+            return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, threshold=float(cfg.threshold), counts=counts)
         step, steps = info.step, self.steps_per_block
         if self.alg == "origin":
             t_ = self.timesteps[step]
@@ -155,9 +173,11 @@ class DreamSession(BidirectionalSession):
         *,
         k: int | None = None,
         threshold: float | None = None,
+        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scatter proposals ``x0 [n]`` / confidences ``conf [n]`` of the masked window rows into the frame and
-        reveal ``k`` positions (top-k, or multinomial with ``alg_temp``) or the threshold set."""
+        reveal ``k`` positions (top-k, or multinomial with ``alg_temp``) or the threshold set among the
+        ``counts [B]`` most confident."""
         b = x.shape[0]
         dev = x.device
         full_conf = torch.full((b, hi - lo), -torch.inf, dtype=conf.dtype, device=dev)
@@ -167,7 +187,7 @@ class DreamSession(BidirectionalSession):
         proposal = torch.full((b, hi - lo), self.mask_id, dtype=torch.long, device=dev)
         proposal[frame_mask] = x0
         if threshold is not None:
-            transfer = threshold_transfer(full_conf, mask_w.sum(dim=1), threshold)
+            transfer = threshold_transfer(full_conf, mask_w.sum(dim=1) if counts is None else counts, threshold)
         else:
             transfer = torch.zeros((b, hi - lo), dtype=torch.bool, device=dev)
             if k is not None and k > 0:

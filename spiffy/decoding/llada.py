@@ -8,8 +8,11 @@ mask left. One step:
    ``un + (cfg + 1) * (cond - un)``); ``logits_eos_inf`` sets the EOS logit to ``-inf``.
 2. ``x0 = argmax(exp(logits) / (-log u) ** T)`` with ``u`` float64 uniforms (``T = 0``: ``argmax(logits)``, no
    draw).
-3. Confidence: ``low_confidence`` = ``softmax(logits)[x0]`` in the logits' dtype (as the official script);
-   ``random`` = uniforms ``torch.rand((B, L))``. Non-masked rows and rows outside the block get ``-inf``.
+3. Confidence: ``low_confidence`` = ``softmax(logits)[x0]``, in the logits' dtype without cache and threshold
+   (ML-GSAI's ``generate``), in float64 with a cache or a threshold (Fast-dLLM's generators compute
+   ``softmax(logits.to(float64))``; in bfloat16 the two rank differently); ``random`` = uniforms
+   ``torch.rand((B, L))``. Non-masked rows and rows outside the block get ``-inf``. (Fast-dLLM's no-cache,
+   fixed-step ``generate`` also uses float64; there spiffy follows ML-GSAI, the original.)
 4. ``torch.topk`` per row picks the scheduled number of positions (threshold: every masked in-block position with
    confidence ``>= tau``, and always the most confident one).
 
@@ -62,6 +65,9 @@ class LLaDASession(BidirectionalSession):
         self.eos_id = eos_id
         self.eot_id = eot_id
         self.num_transfer_tokens: torch.Tensor | None = None
+        # Fast-dLLM's generators (every cache mode, and the threshold rule) rank softmax(logits.to(float64));
+        # ML-GSAI's generate ranks the softmax in the logits' dtype (bf16 ties and roundings differ)
+        self.float64_confidence = config.cache != "none" or config.threshold is not None
 
     def on_block_start(self, block: int) -> None:
         start, end = self.block_bounds(block)
@@ -99,7 +105,7 @@ class LLaDASession(BidirectionalSession):
             if temp == 0 and self.eos_id is not None:  # the reference's noisy logits alias the logits at T = 0
                 lg[:, :, self.eos_id] = -torch.inf
         if cfg.remasking == "low_confidence":
-            p = F.softmax(lg, dim=-1)
+            p = F.softmax(lg.to(torch.float64) if self.float64_confidence else lg, dim=-1)
             x0_p = torch.gather(p, -1, x0.unsqueeze(-1)).squeeze(-1)
         else:
             x0_p = torch.rand((b, hi - lo), generator=self.generator, device=x.device)[:, off : off + w]

@@ -20,13 +20,20 @@ CACHE_POLICIES: tuple[str, ...] = ("append", "read")
 
 
 class KVCache:
-    """Per-layer K/V store. ``keys[i]`` / ``values[i]`` are ``[B, H_kv, C, D]`` or ``None`` before first use."""
+    """Per-layer K/V store. ``keys[i]`` / ``values[i]`` are ``[B, H_kv, C, D]`` or ``None`` before first use.
+
+    ``insert_at`` (default ``None``: new positions come after the cached ones) places a read-only forward's new
+    K/V between cached positions ``[:insert_at]`` and ``[insert_at:]``, so a dual cache (prefix and suffix
+    cached, the block recomputed) attends over keys in sequence order, as Fast-dLLM's in-place block write
+    does; the order changes the attention's summation order, hence half-precision logits.
+    """
 
     def __init__(self, num_layers: int) -> None:
         if num_layers <= 0:
             raise ValueError(f"KVCache needs num_layers > 0, got {num_layers}")
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.insert_at: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -58,9 +65,11 @@ class KVCache:
                 self.keys[i] = k[..., :length, :]
                 self.values[i] = self.values[i][..., :length, :]  # type: ignore[index]
 
-    def select(self, index: torch.Tensor) -> "KVCache":
-        """A new cache holding only cached positions ``index`` (``[C']`` long), in that order."""
+    def select(self, index: torch.Tensor, insert_at: int | None = None) -> "KVCache":
+        """A new cache holding only cached positions ``index`` (``[C']`` long), in that order; new positions of a
+        forward on it go at ``insert_at`` (see the class docstring)."""
         out = KVCache(self.num_layers)
+        out.insert_at = insert_at
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None:
                 out.keys[i] = k.index_select(-2, index.to(k.device))
@@ -70,9 +79,10 @@ class KVCache:
     def gather_batch(self, rows: torch.Tensor) -> "KVCache":
         """A new cache whose batch entry ``n`` is this cache's batch entry ``rows[n]`` (``rows``: ``[N]`` long).
 
-        A batch-1 cache is returned as is (it already broadcasts to any query batch).
+        Batch entries of size 1 are kept as they are (they already broadcast to any query batch).
         """
         out = KVCache(self.num_layers)
+        out.insert_at = self.insert_at
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is None or k.shape[0] == 1:
                 out.keys[i], out.values[i] = k, v
@@ -83,6 +93,7 @@ class KVCache:
 
     def clone(self) -> "KVCache":
         out = KVCache(self.num_layers)
+        out.insert_at = self.insert_at
         out.keys = [None if k is None else k.clone() for k in self.keys]
         out.values = [None if v is None else v.clone() for v in self.values]
         return out

@@ -55,7 +55,8 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half rotary position embedding.
 
     ``forward(position_ids [B, L], dtype) -> (cos, sin)`` each ``[B, L, head_dim]`` in ``dtype``; angles are
-    computed in float32 (float64 when ``dtype`` is float64) whatever the model dtype.
+    computed in float32 (float64 when ``dtype`` is float64) whatever the model dtype. LLaDA asks for float32
+    tables (its official model keeps them in float32), Dream and SDAR for model-dtype tables (theirs round them).
     """
 
     def __init__(self, head_dim: int, theta: float) -> None:
@@ -94,13 +95,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, heads, L, D]`` by ``cos/sin [B, L, D]`` (broadcast over heads), computed in float32+."""
-    cdt = compute_dtype(x.dtype)
-    xf = x.to(cdt)
-    c = cos.to(cdt).unsqueeze(1)
-    s = sin.to(cdt).unsqueeze(1)
-    return (xf * c + rotate_half(xf) * s).to(x.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full_precision: bool = True) -> torch.Tensor:
+    """Rotate ``x [B, heads, L, D]`` by ``cos/sin [B, L, D]`` (broadcast over heads); returns ``x``'s dtype.
+
+    ``full_precision=True`` (LLaDA's ``rope_full_precision``): ``x`` and the tables are converted to float32
+    (float64 stays float64) and rotated there; pass tables built in that dtype, as LLaDA keeps them, or half
+    precision logits drift from the official model's by a few ulps. ``False`` (Dream, SDAR, the transformers
+    Qwen convention): the tables are cast to ``x``'s dtype and each product and the sum round in that dtype.
+    """
+    if full_precision:
+        cdt = compute_dtype(x.dtype)
+        xf = x.to(cdt)
+        return (xf * cos.to(cdt).unsqueeze(1) + rotate_half(xf) * sin.to(cdt).unsqueeze(1)).to(x.dtype)
+    c = cos.to(x.dtype).unsqueeze(1)
+    s = sin.to(x.dtype).unsqueeze(1)
+    return x * c + rotate_half(x) * s
 
 
 class SwiGLUMLP(nn.Module):
@@ -299,7 +308,9 @@ def attend(
     """Attention of ``q [B, H, L, D]`` over ``[cached ; new]`` keys, updating the cache per ``ctx.policy``.
 
     ``k``/``v`` are the new positions' rotated keys and values ``[B, H_kv, L, D]``. A cache of batch 1 is
-    broadcast against ``B``. Returns ``[B, L, H * D]``.
+    broadcast against ``B``; a cache with ``insert_at`` (read-only) gets the new keys between its cached
+    positions ``[:insert_at]`` and ``[insert_at:]`` (the mask's key columns follow that order). Returns
+    ``[B, L, H * D]``.
     """
     batch = q.shape[0]
     k_all, v_all = k, v
@@ -316,8 +327,15 @@ def attend(
                     )
                 k_old = k_old.expand(batch, *k_old.shape[1:])
                 v_old = v_old.expand(batch, *v_old.shape[1:])
-            k_all = torch.cat([k_old, k], dim=-2)
-            v_all = torch.cat([v_old, v], dim=-2)
+            insert_at = getattr(ctx.cache, "insert_at", None)
+            if insert_at is None:
+                k_all = torch.cat([k_old, k], dim=-2)
+                v_all = torch.cat([v_old, v], dim=-2)
+            else:  # keys in sequence order: [cached before ; new ; cached after]
+                if ctx.policy == "append":
+                    raise ConfigError("a cache with insert_at is read-only; fix: use cache_policy='read'")
+                k_all = torch.cat([k_old[..., :insert_at, :], k, k_old[..., insert_at:, :]], dim=-2)
+                v_all = torch.cat([v_old[..., :insert_at, :], v, v_old[..., insert_at:, :]], dim=-2)
         if ctx.policy == "append":
             stored = ctx.cache.layer(layer_idx)[0]
             if stored is not None and stored.shape[0] != batch:

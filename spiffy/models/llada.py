@@ -8,7 +8,8 @@ and checkpoint parameter names, so real ``GSAI-ML/LLaDA-8B-*`` weights load unch
 ``model.transformer.ln_f.weight``, ``model.transformer.ff_out.weight`` (absent when ``weight_tying``).
 
 Block: ``x + attn_out(attn(attn_norm(x)))`` then ``x + ff_out(silu(ff_proj(h)) * up_proj(h))`` with
-``h = ff_norm(x)``. RoPE rotate-half over ``rope_theta``, computed in float32 (float64 models: float64).
+``h = ff_norm(x)``. RoPE rotate-half over ``rope_theta``: float32 tables (float64 models: float64); with
+``rope_full_precision`` (the official default) queries/keys rotate in float32, else in the model dtype.
 Logits: position ``i`` predicts token ``i`` (no shift); width = ``embedding_size`` (defaults to ``vocab_size``).
 """
 
@@ -22,7 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from spiffy.errors import ConfigError
-from spiffy.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, apply_rotary, attend
+from spiffy.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, apply_rotary, attend, compute_dtype
 from spiffy.models.pretrained import SpiffyForwardMixin, init_weights
 
 LLADA_AUTO_MAP: dict[str, str] = {
@@ -187,6 +188,7 @@ class LLaDABlock(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.effective_n_kv_heads
         self.head_dim = d // config.n_heads
+        self.rope_full_precision = bool(config.rope_full_precision)
         qkv_bias = bool(config.include_bias or config.include_qkv_bias)
         bias = bool(config.include_bias)
         hidden = config.effective_mlp_hidden_size
@@ -207,8 +209,8 @@ class LLaDABlock(nn.Module):
         q = self.q_proj(h).view(b, length, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q = apply_rotary(q, cos, sin, self.rope_full_precision)
+        k = apply_rotary(k, cos, sin, self.rope_full_precision)
         x = x + self.attn_out(attend(q, k, v, self.layer_idx, ctx, scale=self.head_dim**-0.5))
         h = self.ff_norm(x)
         return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
@@ -237,7 +239,8 @@ class LLaDAModel(nn.Module):
         """Return ``(logits [B, L, V], hidden states or None)``."""
         t = self.transformer
         x = t["wte"](input_ids)
-        cos, sin = self.rotary_emb(ctx.position_ids, x.dtype)
+        # the official model keeps its RoPE tables in float32 (rounding them to bf16 shifts logits by ulps)
+        cos, sin = self.rotary_emb(ctx.position_ids, compute_dtype(x.dtype))
         hiddens: list[torch.Tensor] = []
         for block in t["blocks"]:
             if output_hidden_states:

@@ -58,8 +58,9 @@ class QwenStyleAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        # Qwen convention (official Dream and SDAR code): tables in the model dtype, rotation in the model dtype
+        q = apply_rotary(q.transpose(1, 2), cos, sin, full_precision=False)
+        k = apply_rotary(k.transpose(1, 2), cos, sin, full_precision=False)
         v = v.transpose(1, 2)
         out = attend(q, k, v, self.layer_idx, ctx, scale=self.head_dim**-0.5)
         return self.o_proj(out)

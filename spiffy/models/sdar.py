@@ -24,7 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from spiffy.errors import ConfigError
-from spiffy.models.layers import check_rope_scaling
+from spiffy.models.layers import ForwardContext, check_rope_scaling
 from spiffy.models.pretrained import SpiffyForwardMixin, init_weights
 from spiffy.models.qwen_style import QwenStyleLMMixin, QwenStyleStackMixin
 
@@ -38,7 +38,8 @@ SDAR_AUTO_MAP: dict[str, str] = {
 class SDARConfig(PretrainedConfig):
     """Qwen3-style SDAR config; defaults are those of SDAR-8B (Qwen3-8B: hidden 4096, 36 layers, 32/8 heads,
     head_dim 128, vocab 151936, rope_theta 1e6, RMSNorm eps 1e-6, untied head). Official SDAR configs carry no
-    ``mask_token_id``: the mask id (``<|MASK|>``, 151669) comes from the tokenizer unless set here."""
+    ``mask_token_id``: the mask id (``<|MASK|>``, 151669) comes from the tokenizer unless set here.
+    ``fuse_cross_entropy`` (default True, as official configs) is kept for the official modeling code only."""
 
     model_type = "sdar"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -68,6 +69,7 @@ class SDARConfig(PretrainedConfig):
         bos_token_id: int | None = 151643,
         eos_token_id: int | None = 151643,
         pad_token_id: int | None = None,
+        fuse_cross_entropy: bool = True,
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -90,6 +92,9 @@ class SDARConfig(PretrainedConfig):
         self.sliding_window = sliding_window
         self.max_window_layers = max_window_layers
         self.attention_dropout = attention_dropout
+        # a training switch spiffy never uses, but official SDARForCausalLM.forward reads it (AttributeError
+        # without it) and official configs carry it, so configs written here keep it
+        self.fuse_cross_entropy = fuse_cross_entropy
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
@@ -138,6 +143,29 @@ class SDARPreTrainedModel(SpiffyForwardMixin, PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         init_weights(module, float(getattr(self.config, "initializer_range", 0.02)))
+
+    def _context(self, input_ids: torch.Tensor, **kw: Any) -> ForwardContext:
+        ctx = super()._context(input_ids, **kw)  # type: ignore[misc]
+        ctx.mask = official_mask_layout(ctx.mask)
+        return ctx
+
+
+def official_mask_layout(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The visibility mask in the layout the official SDAR model hands to attention.
+
+    Official SDAR attends with no mask when every key is visible (its decoding branch) and otherwise passes
+    SDPA the ``[1, L, S]`` mask its ``generate`` builds. The CPU SDPA kernels it selects depend on that (none vs
+    4-D mask vs 3-D mask), and they round differently in half precision, so spiffy keeps the same layout: an
+    all-visible bool mask becomes ``None`` and a batch-broadcast bool ``[1, 1, L, S]`` becomes ``[1, L, S]``
+    (SDPA and the eager path broadcast it the same way). Other masks are returned unchanged.
+    """
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    if bool(mask.all()):
+        return None
+    if mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[1] == 1:
+        return mask[0]
+    return mask
 
 
 class SDARModel(QwenStyleStackMixin, SDARPreTrainedModel):
