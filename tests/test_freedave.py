@@ -63,3 +63,37 @@ def test_freedave_accepts_drafts_on_shipped_tiny_llada() -> None:
         assert spec.nfe <= base.nfe
     # measured 10 and 15 of 32 steps saved; a chain of second-ranked tokens saves 2 and 1
     assert accepted >= 4 * len(PROMPTS)
+
+
+def test_bench_dllm_freedave_rows(tiny_llada, tmp_path) -> None:
+    """``spiffy bench dllm --freedave 2,3``: FreeDave rows next to Spiffy's, same prompts, identical to the baseline."""
+    import json
+
+    from spiffy.cli.main import main
+    from spiffy.selfspec.calibrate import calibrate
+
+    model = load_model(tiny_llada, dtype="float64")
+    cfg = DecodeConfig(gen_length=8, block_length=4)
+    graph = calibrate(model, load_tokenizer(tiny_llada), ["def f(x):", "import os"], cfg, nodes=3, chat=False,
+                      progress=False)
+    graph.save(tmp_path / "g.json")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "def add(a, b):"}\n{"id": "b", "prompt": "for i in range(3):"}\n')
+    out = tmp_path / "bench"
+    rc = main(["bench", "dllm", "--model", str(tiny_llada), "--graph", str(tmp_path / "g.json"), "--budgets", "1",
+               "--freedave", "2,3", "--dataset", str(prompts), "--gen-length", "8", "--block-length", "4",
+               "--dtype", "float64", "--no-chat", "--no-progress", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [(r["method"], r["budget"], r["states_per_forward"]) for r in res["runs"]] == [
+        ("spiffy", 1, 2), ("freedave", 1, 2), ("freedave", 2, 3)]
+    base = res["baseline"]["nfe_total"]
+    for r in res["runs"]:
+        assert r["identical_fraction"] == 1.0
+        assert r["nfe_total"] + r["accepted_total"] + r["reused_steps"] == base
+    assert all(set(p["spiffy"]) == {"1", "freedave:2", "freedave:3"} for p in res["per_prompt"])
+    md = (out / "results.md").read_text()
+    assert "| freedave 2 | 1 |" in md and "| freedave 3 | 2 |" in md and "| spiffy | 1 |" in md
+    rc = main(["bench", "dllm", "--model", str(tiny_llada), "--graph", str(tmp_path / "g.json"), "--freedave", "1",
+               "--dataset", str(prompts), "--gen-length", "8", "--block-length", "4", "--no-chat", "--out", str(out)])
+    assert rc == 2  # a clear ConfigError: FreeDave needs >= 2 draft steps
