@@ -97,3 +97,28 @@ def test_bench_dllm_freedave_rows(tiny_llada, tmp_path) -> None:
     rc = main(["bench", "dllm", "--model", str(tiny_llada), "--graph", str(tmp_path / "g.json"), "--freedave", "1",
                "--dataset", str(prompts), "--gen-length", "8", "--block-length", "4", "--no-chat", "--out", str(out)])
     assert rc == 2  # a clear ConfigError: FreeDave needs >= 2 draft steps
+
+
+def test_graph_chain_cli_and_generate_freedave(tiny_llada, tmp_path, capsys) -> None:
+    """`spiffy graph chain` writes a valid chain file; `spiffy generate` with it or with freedave:K prints the
+    baseline's tokens."""
+    import json
+
+    from spiffy.cli.main import main
+    from spiffy.selfspec.graph import load_graph
+
+    flags = ["--gen-length", "8", "--block-length", "4", "--steps", "8"]
+    out = tmp_path / "chain.json"
+    assert main(["graph", "chain", "--depth", "2", "--model", str(tiny_llada), *flags, "--out", str(out)]) == 0
+    g = load_graph(out)
+    assert [n.pairs for n in g.nodes] == [((1, 1),), ((1, 1), (2, 1))]
+    assert g.calibrated_for["tokens_per_step"] == 1 and g.meta["calibration"]["method"] == "chain"
+    assert main(["graph", "chain", "--model", str(tiny_llada), "--out", str(out)]) == 2  # no --depth
+    capsys.readouterr()
+    texts = []
+    for extra in ([], ["--graph", str(out), "--budget", "2"], ["--graph", "freedave:3"]):
+        rc = main(["generate", "--model", str(tiny_llada), "--prompt", "def f(x):", *flags, "--dtype", "float64",
+                   "--json", "--no-progress", *extra])
+        assert rc == 0
+        texts.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert texts[0] == texts[1] == texts[2]
