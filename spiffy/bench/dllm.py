@@ -36,6 +36,7 @@ from spiffy.bench.datasets import BenchPrompt
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.prompting import prompt_token_ids
+from spiffy.selfspec.freedave import freedave_graph, parse_freedave_steps
 
 TOKEN_UNIT = "generated positions (gen_length per prompt, EOS padding included)"
 
@@ -87,6 +88,7 @@ def run_dllm_bench(
     graph_path: str | None = None,
     device: Any = None,
     parallel: DataParallel | None = None,
+    freedave: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Benchmark baseline vs Spiffy at each budget on ``prompts``; returns a JSON-ready results dict.
 
@@ -102,6 +104,8 @@ def run_dllm_bench(
         parallel: the data-parallel run (:func:`spiffy.distributed.data_parallel`): this rank measures prompts
             ``k % world_size == rank`` and every rank returns the same report built from all of them, in prompt
             order (timings are each rank's own). ``None``: one process.
+        freedave: FreeDave draft steps ``K`` to add as comparison rows (``K`` states per forward, like Spiffy at
+            ``D* = K - 1``): the top-k chain graph of :mod:`spiffy.selfspec.freedave` at budget ``K - 1``, same prompts.
     Returns:
         dict with ``baseline``, ``runs`` (one per budget), ``per_prompt``, ``environment`` and the run's metadata.
     Raises:
@@ -110,16 +114,20 @@ def run_dllm_bench(
     check_bench_inputs(budgets, prompts, "[1, 3, 5]")
     extra = dict(config_overrides or {})
     budgets = [int(b) for b in budgets]
+    # one row per (key, graph, budget): Spiffy rows keyed by budget, FreeDave rows by "freedave:K"
+    rows_spec: list[tuple[Any, Any, int]] = [(b, graph, b) for b in budgets]
+    for k in (parse_freedave_steps(v) for v in freedave):
+        rows_spec.append((f"freedave:{k}", freedave_graph(model, config, k, **extra), k - 1))
     base_seed = int(config.resolved_seed)
     encoded = [(p, prompt_token_ids(tokenizer, p.prompt, chat=chat)) for p in prompts]
 
-    def _run(ids: list[int], seed: int, budget: int | None) -> Any:
+    def _run(ids: list[int], seed: int, budget: int | None, row_graph: Any = graph) -> Any:
         return generate(
             model,
             torch.tensor([ids], dtype=torch.long, device=device),
             config.replace(seed=seed),
             tokenizer=tokenizer,
-            graph=None if budget is None else graph,
+            graph=None if budget is None else row_graph,
             budget=budget,
             **extra,
         )
@@ -132,7 +140,7 @@ def run_dllm_bench(
     warm_up(encoded, warmup, _warm)
     dp = parallel if parallel is not None else DataParallel(None, torch.device("cpu"))
     mine = dp.shard(len(encoded))
-    bar = progress_bar(progress and dp.is_main, len(mine) * (1 + len(budgets)), "bench dllm")
+    bar = progress_bar(progress and dp.is_main, len(mine) * (1 + len(rows_spec)), "bench dllm")
     # measure this rank's prompts; (k, (prompt, ids, ("ok", baseline, {budget: spiffy}) | ("skipped", reason)))
     measured: list[tuple[int, Any]] = []
     try:
@@ -142,14 +150,14 @@ def run_dllm_bench(
             try:
                 b_res = _slim(_run(ids, seed, None))
             except PromptTooLongError as exc:
-                skip_prompt([], prompt, exc, bar, 1 + len(budgets))
+                skip_prompt([], prompt, exc, bar, 1 + len(rows_spec))
                 measured.append((k, (prompt, ids, ("skipped", str(exc)))))
                 continue
             if bar is not None:
                 bar.update(1)
-            spiffy_runs: dict[int, SimpleNamespace] = {}
-            for b in budgets:
-                spiffy_runs[b] = _slim(_run(ids, seed, b))
+            spiffy_runs: dict[Any, SimpleNamespace] = {}
+            for key, row_graph, b in rows_spec:
+                spiffy_runs[key] = _slim(_run(ids, seed, b, row_graph))
                 if bar is not None:
                     bar.update(1)
             measured.append((k, (prompt, ids, ("ok", b_res, spiffy_runs))))
@@ -160,11 +168,11 @@ def run_dllm_bench(
     base_tokens: list[list[int]] = []
     base_texts: list[str] = []
     base = {"nfe": 0, "seconds": 0.0, "positions": 0, "steps": 0}
-    per_budget: dict[int, dict[str, Any]] = {
-        b: {"nfe": 0, "seconds": 0.0, "positions": 0, "accepted_total": 0, "reused_steps": 0, "forwards": 0,
+    per_budget: dict[Any, dict[str, Any]] = {
+        key: {"nfe": 0, "seconds": 0.0, "positions": 0, "accepted_total": 0, "reused_steps": 0, "forwards": 0,
             "drafts_evaluated": 0, "baseline_equivalent_nfe": 0, "hist": {}, "levels": {}, "stages": {},
             "identical": 0, "mismatches": [], "tokens": [], "texts": []}
-        for b in budgets
+        for key, _g, _b in rows_spec
     }
     per_prompt: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
@@ -186,9 +194,9 @@ def run_dllm_bench(
         base["steps"] += b_res.steps
         row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "positions": len(toks),
                                "baseline": {"nfe": b_res.nfe, "seconds": b_res.seconds}, "spiffy": {}}
-        for b in budgets:
-            s_res = spiffy_runs[b]
-            acc = per_budget[b]
+        for key, _g, _b in rows_spec:
+            s_res = spiffy_runs[key]
+            acc = per_budget[key]
             st = s_res.stats or {}
             s_toks = s_res.tokens[0]
             same = s_toks == toks
@@ -209,7 +217,7 @@ def run_dllm_bench(
                 acc["identical"] += 1
             else:
                 acc["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(toks, s_toks)})
-            row["spiffy"][str(b)] = {"nfe": s_res.nfe, "seconds": s_res.seconds, "identical": same,
+            row["spiffy"][str(key)] = {"nfe": s_res.nfe, "seconds": s_res.seconds, "identical": same,
                                      "accepted": int(st.get("accepted_total", 0))}
         per_prompt.append(row)
     if not per_prompt:
@@ -229,13 +237,15 @@ def run_dllm_bench(
         "degenerate": degenerate_stats(base_texts, base_tokens, specials),
     }
     runs: list[dict[str, Any]] = []
-    for b in budgets:
-        acc = per_budget[b]
+    for key, _g, b in rows_spec:
+        acc = per_budget[key]
         stages = {k: v for k, v in acc["stages"].items()}
         forwards = acc["forwards"]
         levels = sorted_hist(acc["levels"])
         runs.append({
+            "method": "freedave" if isinstance(key, str) else "spiffy",
             "budget": b,
+            "states_per_forward": b + 1,
             "nfe_total": acc["nfe"],
             "nfe_per_token": acc["nfe"] / max(1, acc["positions"]),
             "nfe_reduction": base["nfe"] / acc["nfe"] if acc["nfe"] else None,

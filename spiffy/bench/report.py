@@ -132,19 +132,33 @@ def markdown_dllm(res: dict[str, Any]) -> str:
     for r in res["runs"]:
         ident = _identical_cell(r, res["num_prompts"])
         lines.append(
-            f"| spiffy | {r['budget']} | {_f(r['nfe_per_token'], 3)} | {_f(r['nfe_reduction'])}x | "
+            f"| {_method_label(r)} | {r['budget']} | {_f(r['nfe_per_token'], 3)} | {_f(r['nfe_reduction'])}x | "
             f"{_f(r['tokens_per_s'])} | {_f(r['speedup'])}x | {_f(r['mean_accepted_per_forward'])} | {ident} | "
             f"{_f(r['degenerate']['distinct_token_ratio'], 3)} | {_f(r['degenerate']['whitespace_share'], 3)} |"
         )
-    lines += ["", "## Acceptance", "", "| budget | accepted drafts per forward (histogram) | accepted per level | per-level rate |",
+    lines += ["", "## Acceptance", "", "| run | accepted drafts per forward (histogram) | accepted per level | per-level rate |",
               "|---|---|---|---|"]
     for r in res["runs"]:
         rates = " ".join(f"{k}:{v:.2f}" for k, v in r["acceptance_rate_per_level"].items()) or "-"
-        lines.append(f"| {r['budget']} | {_hist_str(r['acceptance_histogram'])} | {_hist_str(r['accepted_per_level'])} | {rates} |")
+        lines.append(f"| {_run_label(r)} | {_hist_str(r['acceptance_histogram'])} | {_hist_str(r['accepted_per_level'])} | {rates} |")
     return _tail_sections(
-        lines, res["runs"], res, "budget", "budget", "Mismatches (speculative output differs from the baseline)",
-        lambda r: f"budget {r['budget']}",
+        lines, [dict(r, run=_run_label(r)) for r in res["runs"]], res, "run", "run",
+        "Mismatches (speculative output differs from the baseline)", lambda r: r["run"],
     )
+
+
+def _method_label(run: dict[str, Any]) -> str:
+    """``spiffy``, or ``freedave K`` (K draft steps = states per forward) for a FreeDave comparison row."""
+    if run.get("method") == "freedave":
+        return f"freedave {run.get('states_per_forward', run['budget'] + 1)}"
+    return str(run.get("method", "spiffy"))
+
+
+def _run_label(run: dict[str, Any]) -> str:
+    """``D*=3`` for a Spiffy row, ``freedave 4 (D*=3)`` for a FreeDave one."""
+    if run.get("method") == "freedave":
+        return f"{_method_label(run)} (D*={run['budget']})"
+    return f"D*={run['budget']}"
 
 
 def markdown_ar(res: dict[str, Any]) -> str:
@@ -207,7 +221,7 @@ def _save_fig(fig: Any, path: Path) -> Path:
 def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """``tradeoff.png`` and ``acceptance_histogram.png`` of a dLLM results dict."""
     plt = _pyplot()
-    runs = res["runs"]
+    runs = [r for r in res["runs"] if r.get("method", "spiffy") == "spiffy"]  # FreeDave rows: see results.md
     budgets = [r["budget"] for r in runs]
     paths: list[Path] = []
     fig, ax = plt.subplots(figsize=(6, 4))

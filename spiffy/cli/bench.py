@@ -33,6 +33,7 @@ from spiffy.io import atomic_write_json, atomic_write_text
 from spiffy.models import load_drafter, load_model, load_tokenizer
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.prompting import stop_token_ids
+from spiffy.selfspec.freedave import parse_freedave_steps
 from spiffy.selfspec.graph import load_graph
 
 
@@ -70,6 +71,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument("--graph", default=None, metavar="FILE",
                    help="calibrated draft graph: a file, or the name of a graph shipped with the model (default: the shipped "
                         "graph calibrated for these decoding flags; make one with `spiffy calibrate`)")
+    d.add_argument("--freedave", default=None, metavar="LIST",
+                   help="also run FreeDave with these draft steps K (= states per forward, like Spiffy at D* = K-1), "
+                        "e.g. 2,4,6: same run, same prompts (FreeDave is the top-k chain graph, no calibration)")
     _common(d, "1,3,5")
     add_decoding_arguments(d)
     d.set_defaults(handler=run, bench_mode="dllm")
@@ -147,12 +151,14 @@ def run_dllm(args: argparse.Namespace) -> int:
         methods = dllm_methods(model, tokenizer, cfg, graph, budgets, device, extra)
         return _throughput(args, "dllm", methods, model, tokenizer, prompts, device, graph=str(graph_path),
                            gen_length=cfg.gen_length)
-    announce_cost("spiffy bench dllm", len(prompts), ["baseline"] + [f"Spiffy D*={b}" for b in budgets],
+    freedave = [parse_freedave_steps(v) for v in (args.freedave or "").split(",") if v.strip()]
+    announce_cost("spiffy bench dllm", len(prompts),
+                  ["baseline"] + [f"Spiffy D*={b}" for b in budgets] + [f"FreeDave {k}" for k in freedave],
                   f"decodes of {cfg.gen_length} positions", args.warmup)
     res = run_dllm_bench(
         model, tokenizer, prompts, cfg, graph, budgets, config_overrides=extra, chat=not args.no_chat,
         warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
-        graph_path=str(graph_path), device=device, parallel=dp,
+        graph_path=str(graph_path), device=device, parallel=dp, freedave=freedave,
     )
     return _finish(args, res, "some speculative outputs differ from the baseline")
 

@@ -24,6 +24,7 @@ from spiffy.decoding import DecodeConfig
 from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument
 from spiffy.errors import ConfigError
 from spiffy.models import load_model, load_tokenizer
+from spiffy.selfspec.freedave import freedave_graph, is_freedave_spec, parse_freedave_steps
 from spiffy.selfspec.graph import load_graph
 
 DESCRIPTION = """\
@@ -137,7 +138,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--graph", default=None, metavar="FILE|NAME|auto",
                         help="calibrated draft graph (JSON): Spiffy speculative decoding, same tokens, fewer forwards; "
                              "a file, the name of a graph shipped with the model (e.g. tiny-llada-s1), or auto (the "
-                             "shipped graph calibrated for these decoding flags)")
+                             "shipped graph calibrated for these decoding flags), or freedave:K (FreeDave's top-k chain "
+                             "with K draft steps, no calibration)")
     parser.add_argument("--budget", type=int, default=None, metavar="D",
                         help="draft nodes kept per step with --graph (default 3); AR mode: DDTree node budget")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -184,11 +186,15 @@ def run(args: argparse.Namespace) -> int:
     cfg, extra = config_from_args(args)
     graph = None
     if args.graph:
-        if args.graph == "auto":
+        if is_freedave_spec(args.graph):  # FreeDave: the top-k chain, all of it verified per forward
+            graph = freedave_graph(model, cfg, parse_freedave_steps(args.graph), **extra)
+            args.budget = len(graph) if args.budget is None else args.budget
+        elif args.graph == "auto":
             args.graph = str(compatible_shipped_graph(model, args.model, cfg, **extra))
         else:
             args.graph = str(resolve_graph_argument(args.graph, args.model))
-        graph = _load_graph(args.graph)
+        if graph is None:
+            graph = _load_graph(args.graph)
     if graph is None and args.budget is not None:
         print("spiffy generate: note: --budget has no effect without --graph", file=sys.stderr)
     input_ids, attention_mask = _left_pad(batch, tokenizer)
