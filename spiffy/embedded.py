@@ -6,7 +6,8 @@ tokenizer). They are trained by the scripts in ``scripts/`` and copied there by 
 environment variable ``SPIFFY_EMBEDDED_DIR`` points the resolver at another directory of the same layout.
 
 Kinds: ``"dllm"`` (a LLaDA-architecture diffusion LM), ``"ar-target"`` (a Qwen3 target), ``"ar-drafter"`` (its
-DFlash drafter).
+DFlash drafter), ``"ar-dllm-drafter"`` (an SDAR diffusion LM sharing the target's tokenizer: the DEER / SpecDiff-2
+drafter).
 """
 
 from __future__ import annotations
@@ -18,13 +19,19 @@ from pathlib import Path
 from spiffy.errors import ConfigError
 
 #: kind -> directory name under spiffy/data/models
-EMBEDDED_NAMES: dict[str, str] = {"dllm": "tiny-llada", "ar-target": "tiny-qwen3", "ar-drafter": "tiny-qwen3-dflash-b16"}
+EMBEDDED_NAMES: dict[str, str] = {
+    "dllm": "tiny-llada",
+    "ar-target": "tiny-qwen3",
+    "ar-drafter": "tiny-qwen3-dflash-b16",
+    "ar-dllm-drafter": "tiny-sdar",
+}
 
 #: kind -> the training script that produces the checkpoint (relative to the repository root)
 TRAINING_SCRIPTS: dict[str, str] = {
     "dllm": "scripts/train_tiny_llada.sh",
     "ar-target": "scripts/train_tiny_qwen3.sh",
     "ar-drafter": "scripts/train_tiny_drafter.sh",
+    "ar-dllm-drafter": "scripts/train_tiny_sdar.sh",
 }
 
 #: file names a calibrated graph for the embedded dLLM may have (inside its model directory)

@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from spiffy.cli.generate_ar import add_ar_arguments, run_generate
+from spiffy.cli.generate_ar import EMBEDDED_DLLM_METHODS, add_ar_arguments, run_generate
 from spiffy.errors import ConfigError
 
 DESCRIPTION = """\
@@ -163,7 +163,7 @@ def _load_graph(path: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy generate``; returns the exit status."""
-    if getattr(args, "target", None):
+    if getattr(args, "target", None) or getattr(args, "method", None) in EMBEDDED_DLLM_METHODS:
         return int(run_generate(args) or 0)
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
         from spiffy.embedded import default_dllm_path
