@@ -19,12 +19,10 @@ from pathlib import Path
 from spiffy.errors import ConfigError
 
 #: kind -> directory name under spiffy/data/models
-EMBEDDED_NAMES: dict[str, str] = {
-    "dllm": "tiny-llada",
-    "ar-target": "tiny-qwen3",
-    "ar-drafter": "tiny-qwen3-dflash-b16",
-    "ar-dllm-drafter": "tiny-sdar",
-}
+EMBEDDED_NAMES: dict[str, str] = {"dllm": "tiny-llada", "ar-target": "tiny-qwen3", "ar-drafter": "tiny-qwen3-dflash-b16"}
+
+#: embedded checkpoints only some methods use (not needed by ``spiffy demo``): kind -> directory name
+OPTIONAL_EMBEDDED_NAMES: dict[str, str] = {"ar-dllm-drafter": "tiny-sdar"}
 
 #: kind -> the training script that produces the checkpoint (relative to the repository root)
 TRAINING_SCRIPTS: dict[str, str] = {
@@ -49,13 +47,15 @@ def embedded_models_dir() -> Path:
 
 
 def _check_kind(kind: str) -> str:
-    if kind not in EMBEDDED_NAMES:
-        raise ConfigError(f"unknown embedded model kind {kind!r}; fix: use one of {', '.join(EMBEDDED_NAMES)}")
+    if kind not in EMBEDDED_NAMES and kind not in OPTIONAL_EMBEDDED_NAMES:
+        known = ", ".join([*EMBEDDED_NAMES, *OPTIONAL_EMBEDDED_NAMES])
+        raise ConfigError(f"unknown embedded model kind {kind!r}; fix: use one of {known}")
     return kind
 
 
 def _candidate(kind: str) -> Path:
-    return embedded_models_dir() / EMBEDDED_NAMES[_check_kind(kind)]
+    _check_kind(kind)
+    return embedded_models_dir() / {**EMBEDDED_NAMES, **OPTIONAL_EMBEDDED_NAMES}[kind]
 
 
 def is_embedded_available(kind: str) -> bool:

