@@ -63,3 +63,14 @@ class GraphMismatchError(GraphError):
 
 class DrafterMismatchError(ConfigError):
     """A DFlash drafter does not fit its target (hidden size, vocabulary, target layer ids)."""
+
+
+class CheckpointNotCachedError(CheckpointError):
+    """A Hub id was named, downloads are impossible (``HF_HUB_OFFLINE=1`` or no connection) and the Hugging Face
+    cache does not hold it. ``.repo_id``, ``.revision`` and ``.cache_dir`` say what was looked for, and where."""
+
+    def __init__(self, message: str, repo_id: str, revision: str | None, cache_dir: str):
+        self.repo_id = repo_id
+        self.revision = revision
+        self.cache_dir = cache_dir
+        super().__init__(message)

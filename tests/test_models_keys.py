@@ -147,8 +147,11 @@ def test_single_file_checkpoint_loads_identically(tiny_llada: Path, tmp_path: Pa
     out = save_checkpoint(model, tmp_path / "single", max_shard_bytes=1 << 40)
     assert (out / SINGLE_FILE).is_file() and not (out / INDEX_FILE).exists()
     again = load_model(out, dtype=torch.float64)
+    for key, tensor in model.state_dict().items():  # the loaded tensors are identical
+        assert torch.equal(again.state_dict()[key], tensor), key
     ids = torch.arange(5, 20)[None]
-    torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
+    # computed floats: the two models' weights sit in differently laid-out memory, so compare with a tolerance
+    torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=1e-10, atol=1e-12)
 
 
 def test_logits_shape_and_dtype(tiny_any: tuple[str, Path]) -> None:

@@ -51,7 +51,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     modes = parser.add_subparsers(dest="bench_mode", metavar="MODE")
     d = modes.add_parser("dllm", help="diffusion LM: baseline vs Spiffy at each budget",
                          description="Baseline vs Spiffy speculative decoding of a diffusion LM, same process and prompts.")
-    d.add_argument("--model", default=None, metavar="DIR", help="LLaDA/Dream/SDAR checkpoint (default: the embedded demo dLLM)")
+    d.add_argument("--model", default=None, metavar="DIR|ID", help="LLaDA/Dream/SDAR checkpoint: directory or Hub id ORG/NAME[@REV] (default: the embedded demo dLLM)")
     d.add_argument("--graph", default=None, metavar="FILE",
                    help="calibrated draft graph (default: the graph shipped with the model, if any; make one with `spiffy calibrate`)")
     _common(d, "1,3,5")
@@ -59,8 +59,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.set_defaults(handler=run, bench_mode="dllm")
     a = modes.add_parser("ar", help="Qwen3 target: AR vs DFlash vs DDTree at each budget",
                          description="Plain AR vs vanilla DFlash vs DDTree on one Qwen3 target, same process and prompts.")
-    a.add_argument("--target", default=None, metavar="DIR", help="Qwen3 target checkpoint (default: the embedded demo target)")
-    a.add_argument("--drafter", default=None, metavar="DIR", help="DFlash drafter checkpoint (default: the embedded demo drafter)")
+    a.add_argument("--target", default=None, metavar="DIR|ID", help="Qwen3 target checkpoint: directory or Hub id (default: the embedded demo target)")
+    a.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash drafter checkpoint: directory or Hub id (default: the embedded demo drafter)")
     a.add_argument("--dllm-drafter", default=None, metavar="DIR",
                    help="dLLM drafter sharing the target's tokenizer (enables ddtree-dllm, deer, specdiff; default: the "
                         "embedded one when neither --target nor --drafter is given and it is shipped)")
@@ -111,10 +111,11 @@ def run_dllm(args: argparse.Namespace) -> int:
     from spiffy.cli.generate import config_from_args
     from spiffy.embedded import embedded_graph_path, embedded_model_path
     from spiffy.models import load_model, load_tokenizer
+    from spiffy.models.hub import checkpoint_dir
     from spiffy.selfspec.graph import load_graph
 
     budgets = parse_budgets(args.budgets)
-    model_dir = Path(args.model) if args.model else embedded_model_path("dllm")
+    model_dir = checkpoint_dir(args.model) if args.model else embedded_model_path("dllm")
     graph_path = Path(args.graph) if args.graph else embedded_graph_path(model_dir)
     if graph_path is None:
         raise ConfigError(
@@ -144,6 +145,7 @@ def run_ar(args: argparse.Namespace) -> int:
     from spiffy.bench.datasets import load_benchmark_prompts
     from spiffy.embedded import embedded_model_path, is_embedded_available
     from spiffy.models import load_model, load_tokenizer
+    from spiffy.models.hub import checkpoint_dir
 
     budgets = parse_budgets(args.budgets)
     accepts = [a.strip() for a in str(args.accept).split(",") if a.strip()]
@@ -152,11 +154,11 @@ def run_ar(args: argparse.Namespace) -> int:
         raise ConfigError(f"--accept {args.accept!r}: use a comma-separated list of {', '.join(ACCEPT_RULES)}")
     drafts = parse_budgets(args.drafts, minimum=1)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    dllm_dir = Path(args.dllm_drafter) if args.dllm_drafter else None
+    dllm_dir = checkpoint_dir(args.dllm_drafter) if args.dllm_drafter else None
     if dllm_dir is None and not args.target and not args.drafter and is_embedded_available("ar-dllm-drafter"):
         dllm_dir = embedded_model_path("ar-dllm-drafter")
-    target_dir = Path(args.target) if args.target else embedded_model_path("ar-target")
-    drafter_dir = Path(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
+    target_dir = checkpoint_dir(args.target) if args.target else embedded_model_path("ar-target")
+    drafter_dir = checkpoint_dir(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
     prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
     device = _device(args)
     target = load_model(target_dir, dtype=args.dtype, device=device)

@@ -34,7 +34,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default=None, metavar="DIR", help="diffusion LM checkpoint directory (LLaDA, Dream or SDAR)")
+    parser.add_argument("--model", default=None, metavar="DIR|ID",
+                        help="diffusion LM checkpoint (LLaDA, Dream or SDAR): a directory or a Hub id ORG/NAME[@REVISION]")
     parser.add_argument("--prompts", default="default", metavar="FILE|NAME",
                         help="calibration prompts: a JSONL file with a 'prompt' field per line, or a named set "
                              "(default, default-math, default-code; default: %(default)s)")
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         chat=not args.no_chat,
         progress=not args.no_progress,
         dataset=str(args.prompts),
-        model_name=str(args.model),
+        model_name=getattr(model, "name_or_path", None) or str(args.model),  # Hub snapshots: ORG/NAME@COMMIT
         command=canonical_command(args),
         config_overrides=extra or None,
     )

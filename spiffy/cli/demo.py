@@ -41,11 +41,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "demo", help="run a short demo on the embedded tiny models (Spiffy and DDTree, with speedups)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default=None, metavar="DIR", help="diffusion LM checkpoint (default: the embedded one)")
+    parser.add_argument("--model", default=None, metavar="DIR|ID", help="diffusion LM checkpoint, directory or Hub id (default: the embedded one)")
     parser.add_argument("--graph", default=None, metavar="FILE",
                         help="calibrated draft graph for --model (default: the shipped one; else calibrated on the fly)")
-    parser.add_argument("--target", default=None, metavar="DIR", help="Qwen3 target checkpoint (default: the embedded one)")
-    parser.add_argument("--drafter", default=None, metavar="DIR", help="DFlash drafter for --target (default: the embedded one)")
+    parser.add_argument("--target", default=None, metavar="DIR|ID", help="Qwen3 target checkpoint, directory or Hub id (default: the embedded one)")
+    parser.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash drafter for --target, directory or Hub id (default: the embedded one)")
     parser.add_argument("--only", choices=("dllm", "ar"), default=None, help="run only the diffusion or only the AR part")
     parser.add_argument("--gen-length", type=int, default=32, metavar="N", help="dLLM generated positions (default 32)")
     parser.add_argument("--block-length", type=int, default=None, metavar="B",
@@ -72,6 +72,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict[str, Path], bool, bool]:
     """Paths of the parts to run: ``({'dllm', 'target', 'drafter': path}, run_dllm, run_ar)``; raises ConfigError
     listing everything missing."""
     from spiffy.embedded import embedded_model_path, missing_message
+    from spiffy.models.hub import checkpoint_dir
 
     do_dllm = args.only in (None, "dllm")
     do_ar = args.only in (None, "ar")
@@ -86,7 +87,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict[str, Path], bool, bool]:
         if not explicit and getattr(args, "random_tiny", False):
             explicit = str(_random_tiny(kind))
         if explicit:
-            p = Path(explicit)
+            p = checkpoint_dir(explicit)  # a directory, or a Hub id ORG/NAME[@REV]
             if not (p / "config.json").is_file():
                 raise ConfigError(f"{flag} {p}: no config.json there; fix: pass a checkpoint directory")
             paths[key] = p

@@ -118,7 +118,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default=None, metavar="DIR", help="diffusion LM checkpoint directory (LLaDA, Dream or SDAR)")
+    parser.add_argument("--model", default=None, metavar="DIR|ID",
+                        help="diffusion LM checkpoint (LLaDA, Dream or SDAR): a directory or a Hub id ORG/NAME[@REVISION]")
     parser.add_argument("--prompt", default="", help="prompt text, tokenized as is (see --chat)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--json", action="store_true",

@@ -32,6 +32,7 @@ from spiffy.arspec.config import ACCEPT_RULES, DEFAULT_TREE_BUDGET, METHODS
 from spiffy.embedded import embedded_model_path
 from spiffy.errors import CheckpointError, ConfigError, SpiffyError
 from spiffy.models.ar_drafters import load_ar_drafter
+from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import load_target, read_config_dict
 from spiffy.models.prompting import stop_token_ids
 from spiffy.sampling import SamplingConfig
@@ -40,11 +41,11 @@ from spiffy.torch_utils import resolve_dtype
 __all__ = ["add_ar_arguments", "ar_config_from_args", "run_generate", "main", "load_target"]
 
 _AR_ONLY: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("--target",), dict(default=None, metavar="DIR",
-                        help="AR mode: directory of a Qwen3 target checkpoint (config.json + safetensors + tokenizer)")),
-    (("--drafter",), dict(default=None, metavar="DIR",
-                         help="AR mode: directory of a drafter for the target, DFlash or a dLLM sharing its tokenizer "
-                              "(the kind is read from its config.json; needed by every method but ar)")),
+    (("--target",), dict(default=None, metavar="DIR|ID",
+                        help="AR mode: Qwen3 target checkpoint, a directory or a Hub id ORG/NAME[@REVISION]")),
+    (("--drafter",), dict(default=None, metavar="DIR|ID",
+                         help="AR mode: drafter for the target, directory or Hub id: DFlash or a dLLM sharing its "
+                              "tokenizer (the kind is read from its config.json; needed by every method but ar)")),
     (("--method",), dict(default=None, choices=tuple(m for m in METHODS if m != "ar") + ("ar",),
                         help="AR mode decoding method: ddtree (optimal draft tree, default with --drafter), "
                              "dflash (chain of drafter argmaxes), deer (the chain from a dLLM drafter), specdiff "
@@ -163,6 +164,7 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     config = ar_config_from_args(args, method, ())  # bad flags fail before any model is loaded
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    target_dir = checkpoint_dir(target_dir)  # a directory, or a Hub id such as Qwen/Qwen3-8B
     config_file = Path(target_dir) / "config.json"
     raw = read_config_dict(target_dir) if config_file.is_file() else {}
     dtype = resolve_dtype(getattr(args, "dtype", None) or "float32", raw)

@@ -24,6 +24,7 @@ from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError
 from spiffy.models.ar_checkpoints import _mask_token_id, _random_weights, _target_config
 from spiffy.models.checkpoint import read_config_dict
 from spiffy.models.dflash import is_dflash_config, load_drafter
+from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import family_of, load_model, load_tokenizer, mask_token_id, save_checkpoint
 from spiffy.models.registry import family_spec
 from spiffy.models.sdar import SDARConfig, SDARForCausalLM
@@ -121,9 +122,10 @@ def check_dllm_compatible(drafter: nn.Module, target: nn.Module) -> None:
 
 
 def load_ar_drafter(path: str | os.PathLike, dtype: Any = None, device: Any = None) -> nn.Module:
-    """Load a drafter checkpoint of either kind: a :class:`~spiffy.models.dflash.DFlashDraftModel` or a dLLM
-    (eval mode). The kind comes from ``config.json`` (:func:`drafter_kind`)."""
-    root = Path(path)
+    """Load a drafter checkpoint of either kind (a directory or a Hub id): a
+    :class:`~spiffy.models.dflash.DFlashDraftModel` or a dLLM (eval mode). The kind comes from ``config.json``
+    (:func:`drafter_kind`)."""
+    root = checkpoint_dir(path)
     if not (root / "config.json").is_file():
         raise CheckpointError(f"no config.json in {root}; fix: --drafter must be a drafter checkpoint directory")
     kind = drafter_kind(root)

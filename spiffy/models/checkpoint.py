@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from spiffy.errors import CheckpointError, CheckpointKeyError
+from spiffy.models.hub import checkpoint_dir
 
 __all__ = ["SINGLE_FILE", "INDEX_FILE", "CONFIG_FILE", "read_config_dict", "checkpoint_files", "load_state_dict", "check_keys"]
 
@@ -25,8 +26,8 @@ CONFIG_FILE = "config.json"
 
 
 def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` of checkpoint directory ``path`` (CheckpointError if missing or invalid)."""
-    root = Path(path)
+    """The parsed ``config.json`` of checkpoint directory or Hub id ``path`` (CheckpointError if missing or invalid)."""
+    root = checkpoint_dir(path, weights=False)
     if not root.exists():
         raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist; fix the path or create one with `spiffy tiny`")
     if not root.is_dir():

@@ -35,6 +35,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from spiffy.errors import CheckpointError, DrafterMismatchError, MissingTokenError
 from spiffy.models.cache import KVCache
 from spiffy.models.checkpoint import CONFIG_FILE, check_keys, load_state_dict, read_config_dict
+from spiffy.models.hub import checkpoint_dir
 from spiffy.torch_utils import resolve_dtype
 
 __all__ = [
@@ -446,7 +447,7 @@ def load_drafter(
         CheckpointError: directory/config/weights missing or not a DFlash drafter.
         CheckpointKeyError: missing, unexpected or shape-mismatched keys (named).
     """
-    root = Path(path)
+    root = checkpoint_dir(path)  # a directory, or a Hub id such as z-lab/Qwen3-8B-DFlash-b16
     if not (root / CONFIG_FILE).is_file():
         raise CheckpointError(f"no config.json in {root}; fix: point at a DFlash drafter checkpoint directory")
     raw = read_config_dict(root)

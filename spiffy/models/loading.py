@@ -38,6 +38,7 @@ from spiffy.models.checkpoint import (
     load_state_dict,
     read_config_dict,
 )
+from spiffy.models.hub import checkpoint_dir, resolve_checkpoint
 from spiffy.models.dflash import is_dflash_config, load_drafter
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
 from spiffy.torch_utils import resolve_dtype
@@ -113,21 +114,29 @@ def load_model(
     dtype: Any = None,
     device: Any = None,
     attn_implementation: str = "sdpa",
+    revision: str | None = None,
 ) -> torch.nn.Module:
-    """Load a checkpoint directory into its model class, in eval mode.
+    """Load a checkpoint directory or Hub id into its model class, in eval mode.
 
     Args:
-        path: directory with config.json and ``model.safetensors`` or ``model.safetensors.index.json`` + shards.
+        path: directory with config.json and ``model.safetensors`` or ``model.safetensors.index.json`` + shards,
+            or a Hub id ``ORG/NAME[@REVISION]`` (resolved by :func:`spiffy.models.hub.resolve_checkpoint`).
         dtype: ``torch.dtype``, a name (``"float64"``, ``"bf16"``, ...), ``"auto"`` (config ``torch_dtype``) or
             ``None`` (float32 on CPU, ``"auto"`` on accelerators).
         device: where the weights go (default CPU).
         attn_implementation: ``"sdpa"`` (default) or ``"eager"``; never flash-attn (custom masks are needed).
+        revision: branch, tag or commit of a Hub id.
+
+    ``model.name_or_path`` is the directory, or ``ORG/NAME@COMMIT`` for a Hub snapshot (what graph files record).
 
     Raises:
-        CheckpointError: directory / config / weights missing or unreadable.
+        CheckpointError: directory / config / weights missing or unreadable; CheckpointNotCachedError: a Hub id
+            that is not cached while offline.
         CheckpointKeyError: strict key matching failed (names the keys).
         UnknownModelTypeError: unsupported ``model_type``.
     """
+    resolved = resolve_checkpoint(path, revision)
+    path = resolved.path
     data = read_config_dict(path)
     family = family_of(data)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -151,7 +160,7 @@ def load_model(
     else:
         model.load_state_dict(converted, strict=True, assign=True)
     model.eval()
-    model.name_or_path = str(path)
+    model.name_or_path = resolved.reference
     return model
 
 
@@ -161,7 +170,7 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype, device: str | torch
     Raises:
         CheckpointError: no ``config.json`` or unreadable weights; ConfigError: not a ``qwen3`` checkpoint.
     """
-    root = Path(path)
+    root = checkpoint_dir(path)  # a directory, or a Hub id such as Qwen/Qwen3-8B
     if not (root / CONFIG_FILE).is_file():
         raise CheckpointError(f"no config.json in {root}; fix: --target must be a Qwen3 checkpoint directory")
     raw = read_config_dict(root)
@@ -200,9 +209,9 @@ def _materialize_buffers(
     return model
 
 
-def load_tokenizer(path: str | os.PathLike):  # noqa: ANN201
-    """The ``PreTrainedTokenizerFast`` saved in checkpoint directory ``path`` (``tokenizer.json``)."""
-    root = Path(path)
+def load_tokenizer(path: str | os.PathLike, revision: str | None = None):  # noqa: ANN201
+    """The ``PreTrainedTokenizerFast`` saved in checkpoint directory or Hub id ``path`` (``tokenizer.json``)."""
+    root = checkpoint_dir(path, revision, weights=False)
     if not (root / "tokenizer.json").is_file():
         raise CheckpointError(
             f"no tokenizer.json in {str(root)!r}; save a fast tokenizer there (tokenizer.save_pretrained) or "

@@ -12,9 +12,9 @@ File format (``"format": "spiffy-draft-graph"``, ``"version": 1``; JSON, human r
     {
       "format": "spiffy-draft-graph",
       "version": 1,
-      "calibrated_for": {"family": ..., "model": ..., "config_fingerprint": ..., "mask_id": ..., "block_length": ...,
-                         "steps_per_block": ..., "threshold": ..., "remasking": ..., "temperature": ...,
-                         "cache": ..., "tokens_per_step": ...},
+      "calibrated_for": {"family": ..., "model": ..., ["model_revision": ...,] "config_fingerprint": ...,
+                         "mask_id": ..., "block_length": ..., "steps_per_block": ..., "threshold": ...,
+                         "remasking": ..., "temperature": ..., "cache": ..., "tokens_per_step": ...},
       "calibration": {"dataset": ..., "num_prompts": ..., "seed": ..., "i_max": ..., "j_max": ..., "max_level": ...,
                       "objective": ..., "library_version": ..., "date": ..., "command": ...},
       "graph": {"num_nodes": D, "max_level": L,
@@ -22,7 +22,9 @@ File format (``"format": "spiffy-draft-graph"``, ``"version": 1``; JSON, human r
       "projected": {"baseline_nfe": ..., "projected_nfe": ..., "reduction": ...}
     }
 
-This module needs only the standard library (networkx and matplotlib are imported when their views are used).
+``model`` is a directory path or a Hub id; for a model loaded from the Hub (or from a Hugging Face cache snapshot)
+it is ``ORG/NAME`` and ``model_revision`` the snapshot's commit. This module needs only the standard library
+(networkx and matplotlib are imported when their views are used).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from spiffy.checkpoint_ref import checkpoint_name, split_reference
 from spiffy.errors import ConfigError, GraphError, GraphMismatchError
 
 Pair = tuple[int, int]
@@ -186,6 +189,7 @@ class DraftGraph:
         self.nodes: list[DraftNode] = list(nodes)
         self.meta: dict[str, Any] = dict(meta or {})
         self.meta.setdefault("calibrated_for", {})  # the file always has both sections
+        self.meta["calibrated_for"] = _with_model_revision(self.meta["calibrated_for"])
         self.meta.setdefault("calibration", {})
         self.projected: dict[str, Any] = dict(projected or {})
         self.path: str | None = None  # file the graph was loaded from / saved to (informational)
@@ -605,8 +609,8 @@ class DraftGraph:
         lines = [f"Spiffy draft graph: {len(self.nodes)} node(s), {self.max_level()} level(s)" + (f"  [{self.path}]" if self.path else "")]
         cf = self.calibrated_for
         if cf:
-            shown = ["family", "model", "config_fingerprint", "mask_id", "block_length", "steps_per_block", "threshold",
-                     "remasking", "alg", "strategy", "temperature", "cache", "tokens_per_step"]
+            shown = ["family", "model", "model_revision", "config_fingerprint", "mask_id", "block_length",
+                     "steps_per_block", "threshold", "remasking", "alg", "strategy", "temperature", "cache", "tokens_per_step"]
             parts = [f"{k}={cf[k]}" for k in shown if k in cf]
             lines.append("calibrated for: " + ", ".join(parts))
         cal = self.meta.get("calibration")
@@ -884,12 +888,26 @@ def _same(a: Any, b: Any) -> bool:
 
 def model_name(path_or_id: Any) -> Any:
     """The name a graph's ``model`` field is compared by: the last component of a directory path or hub id
-    (``/a/b/tiny-llada`` and ``C:\\x\\tiny-llada`` -> ``tiny-llada``; ``GSAI-ML/LLaDA-8B-Instruct`` ->
+    (``/a/b/tiny-llada`` and ``C:\\x\\tiny-llada`` -> ``tiny-llada``; ``GSAI-ML/LLaDA-8B-Instruct``, with any
+    ``@REVISION``, and its cache snapshot ``.../models--GSAI-ML--LLaDA-8B-Instruct/snapshots/COMMIT`` ->
     ``LLaDA-8B-Instruct``), so the same checkpoint in another checkout or cache directory is the same model."""
-    if not isinstance(path_or_id, str):
-        return path_or_id
-    parts = [p for p in path_or_id.replace("\\", "/").split("/") if p]
-    return parts[-1] if parts else path_or_id
+    return checkpoint_name(path_or_id)
+
+
+def _with_model_revision(calibrated_for: Any) -> Any:
+    """``calibrated_for`` with a Hub reference in ``model`` (``ORG/NAME@COMMIT`` or a cache snapshot path) split
+    into ``model: ORG/NAME`` and ``model_revision: COMMIT`` (placed right after it); anything else unchanged."""
+    if not isinstance(calibrated_for, dict) or "model_revision" in calibrated_for:
+        return calibrated_for
+    model, revision = split_reference(calibrated_for.get("model"))
+    if revision is None:
+        return calibrated_for
+    out: dict[str, Any] = {}
+    for key, value in calibrated_for.items():
+        out[key] = model if key == "model" else value
+        if key == "model":
+            out["model_revision"] = revision
+    return out
 
 
 def _same_soft(field_name: str, a: Any, b: Any) -> bool:
