@@ -11,10 +11,12 @@ import torch
 from spiffy.arspec import ARSpecConfig, ContextUpdate, SamplingConfig, speculative_generate
 from spiffy.arspec.dllm_drafter import DLLMDrafter, as_drafter, drafter_block_mask
 from spiffy.arspec.drafter import DFlashDrafter
+from spiffy.embedded import embedded_model_path, is_embedded_available
 from spiffy.errors import ConfigError, DrafterMismatchError
-from spiffy.models import load_target, make_tiny_dflash, make_tiny_target
+from spiffy.models import load_target, load_tokenizer, make_tiny_dflash, make_tiny_target
 from spiffy.models.ar_drafters import drafter_kind, load_ar_drafter, make_tiny_dllm_drafter
 from spiffy.models.cache import KVCache
+from spiffy.models.sdar import block_causal_mask
 
 torch.set_num_threads(1)
 
@@ -85,6 +87,7 @@ def test_tiny_dllm_drafter_checkpoint(paths):
     model = load_ar_drafter(d, dtype=torch.float64)
     drafter = as_drafter(model)
     assert isinstance(drafter, DLLMDrafter) and drafter.block_size == BLOCK and not drafter.shifted
+    assert drafter.layout == "root"
     assert drafter.mask_token_id == cfg["drafter_config"]["mask_token_id"]
     assert isinstance(as_drafter(load_ar_drafter(paths["dflash"], dtype=torch.float64)), DFlashDrafter)
 
@@ -124,6 +127,47 @@ def test_prefix_cache_matches_a_full_forward(paths):
                  past_key_values=KVCache(model.config.num_hidden_layers), cache_policy="read").logits[0]
     torch.testing.assert_close(got, full[7:11], rtol=1e-9, atol=1e-9)
     drafter.detach()
+
+
+def _aligned(model, block: int = 4):
+    model.config.drafter_config = {"kind": "dllm", "block_size": BLOCK, "layout": "aligned", "attention_block": block,
+                                   "mask_token_id": model.config.drafter_config["mask_token_id"]}
+    return DLLMDrafter(model)
+
+
+def test_aligned_layout_cache_matches_sdar_block_causal_forward(paths):
+    """SDAR's own layout: the cache keeps complete aligned blocks; a proposal equals one uncached forward over the
+    committed context + block under SDAR's block-causal mask."""
+    model = load_ar_drafter(paths["dllm"], dtype=torch.float64)
+    drafter = _aligned(model)
+    assert drafter.layout == "aligned" and drafter.attention_block == 4
+    drafter.attach(load_target(paths["target"], torch.float64, "cpu"))
+    context = [3, 9, 27, 81, 1, 4, 16, 64, 2, 8]
+    drafter.commit(ContextUpdate(context[:5], 0, range(5)))
+    drafter.propose(context[5], 5, 3)
+    assert drafter._cache.get_seq_length() == 4  # block [0, 4) complete; position 4 stays pending
+    drafter.commit(ContextUpdate(context[5:9], 5, range(4)))
+    got = drafter.propose(context[9], 9, 4)
+    assert drafter._cache.get_seq_length() == 8
+    ids = context + [drafter.mask_token_id] * 4
+    mask = block_causal_mask(len(ids), 4, device="cpu")
+    full = model(torch.tensor([ids]), attention_mask=mask, position_ids=torch.arange(len(ids)).view(1, -1),
+                 past_key_values=KVCache(model.config.num_hidden_layers), cache_policy="read").logits[0]
+    torch.testing.assert_close(got, full[10:14], rtol=1e-9, atol=1e-9)
+    drafter.detach()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_aligned_layout_is_lossless(target, paths, prompt, temperature):
+    drafter = _aligned(load_ar_drafter(paths["dllm"], dtype=torch.float64), block=3)
+    sampling = SamplingConfig(temperature=temperature, seed=6)
+    ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=18, sampling=sampling))
+    for method in METHODS:
+        cfg = ARSpecConfig(method=method, tree_budget=8, drafts=3, max_new_tokens=18, sampling=sampling)
+        assert speculative_generate(target, drafter, prompt, cfg).tokens == ar.tokens, method
+    steps = DLLMDrafter(drafter.model, denoise_steps=2)
+    cfg = ARSpecConfig(method="deer", max_new_tokens=18, sampling=sampling)
+    assert speculative_generate(target, steps, prompt, cfg).tokens == ar.tokens
 
 
 @pytest.mark.parametrize("accept", ["coupled", "rejection"])
@@ -198,3 +242,33 @@ def test_denoise_steps_keep_the_output_lossless(target, paths, prompt):
     for method in ("deer", "ddtree"):
         cfg = ARSpecConfig(method=method, tree_budget=8, max_new_tokens=16, sampling=sampling)
         assert speculative_generate(target, drafter, prompt, cfg).tokens == ar.tokens
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not is_embedded_available("ar-dllm-drafter"), reason="the embedded dLLM drafter is not shipped")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shipped_models_float32_coupled_equals_ar(temperature):
+    target_dir = embedded_model_path("ar-target")
+    target = load_target(target_dir, torch.float32, "cpu")
+    drafters = {kind: as_drafter(load_ar_drafter(embedded_model_path(name), dtype=torch.float32))
+                for kind, name in (("dllm", "ar-dllm-drafter"), ("dflash", "ar-drafter"))}
+    prompt = load_tokenizer(target_dir)("def add(a, b):\n", add_special_tokens=False)["input_ids"]
+    sampling = SamplingConfig(temperature=temperature, seed=1)
+    ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=32, sampling=sampling))
+    for kind, drafter in drafters.items():
+        for method in METHODS:
+            cfg = ARSpecConfig(method=method, tree_budget=16, drafts=4, max_new_tokens=32, sampling=sampling)
+            assert speculative_generate(target, drafter, prompt, cfg).tokens == ar.tokens, (kind, method)
+
+
+def test_plain_sdar_checkpoint_drafts_in_its_own_layout(tiny_sdar, tiny_llada):
+    from spiffy.models.ar_drafters import DEFAULT_DLLM_BLOCK, dllm_drafter_settings
+
+    sdar = dllm_drafter_settings(load_ar_drafter(tiny_sdar, dtype=torch.float32))
+    assert (sdar.layout, sdar.block_size, sdar.attention_block, sdar.family) == ("aligned", DEFAULT_DLLM_BLOCK,
+                                                                                 DEFAULT_DLLM_BLOCK, "sdar")
+    llada = load_ar_drafter(tiny_llada, dtype=torch.float32)
+    assert dllm_drafter_settings(llada).layout == "root"
+    llada.config.drafter_config = {"layout": "aligned"}
+    with pytest.raises(ConfigError, match="SDAR only|does not fit"):
+        dllm_drafter_settings(llada)

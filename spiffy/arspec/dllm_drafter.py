@@ -14,6 +14,14 @@ denoised); the drafted block here starts at the root instead of an aligned block
 causal rather than block-causal (a pretrained SDAR sees a small shift; drafters trained by
 :mod:`spiffy.train.d2a` are trained on exactly this layout).
 
+That is the ``"root"`` layout (drafters trained by :mod:`spiffy.train.d2a`). The ``"aligned"`` layout (the default
+for a plain SDAR checkpoint) uses SDAR's own attention instead: blocks of ``attention_block`` positions aligned to
+absolute positions, bidirectional inside a block and causal across blocks (:func:`spiffy.models.sdar.block_causal_mask`).
+The cache then holds only the committed blocks that are complete; each round runs ``[committed tokens of the
+current block ; root ; MASK x depth]`` and the drafted masks of the root's block are exactly SDAR's decoding state
+(clean block prefix, masked rest). Masks beyond that block see the masks before them, which SDAR never trains on:
+they are weaker drafts.
+
 Which logits predict which position: SDAR and LLaDA are unshifted (the row at position ``p`` predicts the token
 at ``p``), so the mask rows ``root_position + 1 .. root_position + depth`` give the ``[depth, V]`` distributions;
 Dream is shifted (the row at ``p - 1`` predicts ``p``), so the rows ``root_position .. root_position + depth - 1``
@@ -36,6 +44,7 @@ from spiffy.errors import ConfigError
 from spiffy.models.ar_drafters import check_dllm_compatible, dllm_drafter_settings
 from spiffy.models.cache import KVCache
 from spiffy.models.dflash import DFlashDraftModel
+from spiffy.models.sdar import block_causal_mask
 from spiffy.torch_utils import model_device
 
 __all__ = ["DLLMDrafter", "as_drafter", "drafter_block_mask"]
@@ -78,6 +87,8 @@ class DLLMDrafter:
         self.denoise_steps = int(denoise_steps)
         self.mask_token_id = settings.mask_token_id
         self.shifted = settings.shifted
+        self.layout = settings.layout
+        self.attention_block = settings.attention_block
         self._num_layers = int(model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers")
                                else model.config.n_layers)
         self._cache: KVCache | None = None
@@ -126,10 +137,15 @@ class DLLMDrafter:
         if cached + n != int(root_position):
             raise RuntimeError(f"the root at {root_position} does not follow the committed context ({cached + n})")
         block = [int(root_token)] + [self.mask_token_id] * int(depth)
-        mask = drafter_block_mask(n, len(block), cached, self._device)
+        if self.layout == "aligned":
+            mask = block_causal_mask(n + len(block), self.attention_block, start=cached, device=self._device)
+            keep = (int(root_position) // self.attention_block) * self.attention_block  # complete committed blocks
+        else:
+            mask = drafter_block_mask(n, len(block), cached, self._device)
+            keep = cached + n
         logits = self._forward(self._pending + block, cached, mask, "append")
-        self._cache.crop(cached + n)  # keep the committed rows only
-        self._pending = []
+        self._cache.crop(keep)  # committed rows only (aligned: complete blocks only)
+        self._pending = self._pending[keep - cached :]
         first = n if self.shifted else n + 1
         out = logits[first : first + depth]
         if self.denoise_steps > 1 and depth > 1:
@@ -144,7 +160,12 @@ class DLLMDrafter:
         per_step = -(-depth // self.denoise_steps)
         current = first
         cached = self._cache.get_seq_length()  # type: ignore[union-attr]
-        mask = drafter_block_mask(0, len(block), cached, self._device)
+        tail = list(self._pending)  # aligned layout: committed rows of the current block, re-run with the block
+        if self.layout == "aligned":
+            mask = block_causal_mask(len(tail) + len(block), self.attention_block, start=cached, device=self._device)
+        else:
+            mask = drafter_block_mask(len(tail), len(block), cached, self._device)
+        offset = len(tail)
         for _step in range(self.denoise_steps - 1):
             conf = torch.softmax(current.float(), dim=-1).max(dim=-1).values.cpu()
             conf[fixed] = -1.0
@@ -155,8 +176,8 @@ class DLLMDrafter:
                 block[i + 1] = int(current[i].argmax())
             if bool(fixed.all()):
                 break
-            logits = self._forward(block, root_position, mask, "read")
-            start = 0 if self.shifted else 1
+            logits = self._forward(tail + block, root_position - offset, mask, "read")
+            start = offset + (0 if self.shifted else 1)
             current = logits[start : start + depth]
         out[~fixed] = current[~fixed]
         return out

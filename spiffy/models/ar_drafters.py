@@ -7,8 +7,11 @@ Two kinds, read from ``config.json``:
   target features.
 * ``"dllm"``: a standalone diffusion LM of a spiffy family (SDAR, LLaDA or Dream) that shares the target's
   tokenizer and vocabulary, conditioned on the committed tokens only (DEER / SpecDiff-2). Its config may carry
-  ``drafter_config = {"kind": "dllm", "block_size": B, "mask_token_id": M}``; without it any dLLM checkpoint is a
-  drafter with block size :data:`DEFAULT_DLLM_BLOCK` and the family's mask token.
+  ``drafter_config = {"kind": "dllm", "block_size": B, "mask_token_id": M, "layout": "root" | "aligned",
+  "attention_block": A}``; without it any dLLM checkpoint is a drafter with block size :data:`DEFAULT_DLLM_BLOCK`,
+  the family's mask token and the ``"aligned"`` layout for SDAR (its own block-causal attention over blocks of
+  ``A = B`` positions aligned to absolute positions, as SDAR is trained), ``"root"`` otherwise (see
+  :mod:`spiffy.arspec.dllm_drafter`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from spiffy.models.sdar import SDARConfig, SDARForCausalLM
 
 __all__ = [
     "DEFAULT_DLLM_BLOCK",
+    "DLLM_LAYOUTS",
     "DRAFTER_KINDS",
     "DLLMDrafterSettings",
     "drafter_kind",
@@ -41,6 +45,9 @@ __all__ = [
 ]
 
 DRAFTER_KINDS: tuple[str, ...] = ("dflash", "dllm")
+#: how a dLLM drafter attends (see spiffy.arspec.dllm_drafter): ``root``: causal prefix + one bidirectional block
+#: starting at the root; ``aligned``: SDAR's block-causal attention over absolute-position-aligned blocks
+DLLM_LAYOUTS: tuple[str, ...] = ("root", "aligned")
 #: drafted block length (root included) of a dLLM drafter whose config does not say
 DEFAULT_DLLM_BLOCK = 16
 
@@ -82,13 +89,18 @@ class DLLMDrafterSettings:
         mask_token_id: the id the drafted positions are filled with.
         shifted: the family reads token ``i`` from logits row ``i - 1`` (Dream).
         family: the dLLM family.
+        layout: one of :data:`DLLM_LAYOUTS`.
+        attention_block: the aligned block length of the ``aligned`` layout.
     """
 
-    def __init__(self, block_size: int, mask_token_id: int, shifted: bool, family: str) -> None:
+    def __init__(self, block_size: int, mask_token_id: int, shifted: bool, family: str, layout: str = "root",
+                 attention_block: int | None = None) -> None:
         self.block_size = int(block_size)
         self.mask_token_id = int(mask_token_id)
         self.shifted = bool(shifted)
         self.family = family
+        self.layout = layout
+        self.attention_block = int(attention_block if attention_block is not None else block_size)
 
 
 def dllm_drafter_settings(model: nn.Module) -> DLLMDrafterSettings:
@@ -103,7 +115,14 @@ def dllm_drafter_settings(model: nn.Module) -> DLLMDrafterSettings:
     mask = extra.get("mask_token_id")
     if mask is None:
         mask = mask_token_id(model)
-    return DLLMDrafterSettings(block, int(mask), spec.shifted_logits, family)
+    layout = extra.get("layout", "aligned" if family == "sdar" and not extra else "root")
+    if layout not in DLLM_LAYOUTS or (layout == "aligned" and family != "sdar"):
+        raise ConfigError(f"drafter_config.layout {layout!r} does not fit a {family} drafter; fix: use 'root'"
+                          + (" or 'aligned' (SDAR only)" if family == "sdar" else ""))
+    attention_block = int(extra.get("attention_block", block))
+    if attention_block < 1:
+        raise ConfigError(f"drafter_config.attention_block must be >= 1, got {attention_block}")
+    return DLLMDrafterSettings(block, int(mask), spec.shifted_logits, family, layout, attention_block)
 
 
 def check_dllm_compatible(drafter: nn.Module, target: nn.Module) -> None:
@@ -175,7 +194,7 @@ def make_tiny_dllm_drafter(
         pad_token_id=tcfg.get("pad_token_id"),
         mask_token_id=mask,
     )
-    cfg.drafter_config = {"kind": "dllm", "block_size": int(block_size), "mask_token_id": mask}
+    cfg.drafter_config = {"kind": "dllm", "block_size": int(block_size), "mask_token_id": mask, "layout": "root"}
     with torch.device("cpu"):
         model = SDARForCausalLM(cfg)
     _random_weights(model, seed, weight_std)

@@ -44,9 +44,8 @@ from spiffy.models.ar_drafters import check_dllm_compatible, load_ar_drafter
 from spiffy.models.loading import load_model, load_tokenizer, save_checkpoint
 from spiffy.models.sdar import SDARConfig, SDARForCausalLM
 from spiffy.train import common
-from spiffy.train.corpus import build_corpus, load_split
 from spiffy.torch_utils import model_dtype
-from spiffy.train.drafter import load_target, mask_token_of, sample_anchors, target_continue
+from spiffy.train.drafter import corpus_streams, load_target, mask_token_of, sample_anchors, target_continue
 
 __all__ = ["RECIPES", "add_arguments", "dllm_block_inputs", "recipe_loss", "sdar_from_target", "train"]
 
@@ -218,12 +217,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model = _init_model(args, target, mask_id)
     mask_id = int(model.config.drafter_config["mask_token_id"])
     model.train()
-    info = build_corpus(args.corpus, max_files=args.max_files, heldout_percent=args.heldout_percent)
-    if info.n_docs_heldout == 0:
-        raise ConfigError("the corpus has no held-out documents; fix: use more files or a larger --heldout-percent")
-    eos = tok.eos_token_id
-    train_s = common.encode_documents(tok, load_split(info.out_dir, "train"), eos, out / "data" / "train_ids.npy")
-    held_s = common.encode_documents(tok, load_split(info.out_dir, "heldout"), eos, out / "data" / "heldout_ids.npy")
+    train_s, held_s = corpus_streams(args, tok, out)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     step, extra = common.maybe_resume(args, out, model, opt, {"wall_s": 0.0})

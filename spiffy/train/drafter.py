@@ -216,11 +216,24 @@ def _batch(args: argparse.Namespace, target: torch.nn.Module, stream: common.Tok
     return target_continue(target, prompts, args.seq_len, greedy, gen, args.temperature), args.prompt_len
 
 
+def corpus_streams(args: argparse.Namespace, tok: Any, out: Path) -> tuple[common.TokenStream, common.TokenStream]:
+    """The train and held-out token streams of the prompt corpus (``--corpus``, built if missing), cached in
+    ``OUT/data``."""
+    from spiffy.train.corpus import build_corpus, load_split
+
+    info = build_corpus(args.corpus, max_files=args.max_files, heldout_percent=args.heldout_percent)
+    if info.n_docs_heldout == 0:
+        raise ConfigError("the corpus has no held-out documents; fix: use more files or a larger --heldout-percent")
+    eos = tok.eos_token_id
+    train_s = common.encode_documents(tok, load_split(info.out_dir, "train"), eos, out / "data" / "train_ids.npy")
+    held_s = common.encode_documents(tok, load_split(info.out_dir, "heldout"), eos, out / "data" / "heldout_ids.npy")
+    return train_s, held_s
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Train a drafter as configured by ``args`` (see :func:`add_arguments`); returns the metrics dict."""
     from spiffy.models.ar_checkpoints import save_drafter
     from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, load_drafter
-    from spiffy.train.corpus import build_corpus, load_split
 
     common.set_threads(args.threads)
     common.seed_everything(args.seed)
@@ -239,12 +252,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         # lm_head would map to a confident "<|MASK|>" (loss ~35); a small gain starts near uniform (loss ~ln V)
         drafter.norm.weight.fill_(args.init_norm_gain)
     drafter.train()
-    info = build_corpus(args.corpus, max_files=args.max_files, heldout_percent=args.heldout_percent)
-    if info.n_docs_heldout == 0:
-        raise ConfigError("the corpus has no held-out documents; fix: use more files or a larger --heldout-percent")
-    eos = tok.eos_token_id
-    train_s = common.encode_documents(tok, load_split(info.out_dir, "train"), eos, out / "data" / "train_ids.npy")
-    held_s = common.encode_documents(tok, load_split(info.out_dir, "heldout"), eos, out / "data" / "heldout_ids.npy")
+    train_s, held_s = corpus_streams(args, tok, out)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     step, extra = common.maybe_resume(args, out, drafter, opt, {"wall_s": 0.0})
