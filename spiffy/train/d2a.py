@@ -68,9 +68,12 @@ def sdar_from_target(target: torch.nn.Module, mask_token_id: int, block_size: in
         bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=t.pad_token_id,
         max_window_layers=int(t.num_hidden_layers), mask_token_id=int(mask_token_id),
     )
-    cfg.drafter_config = {"kind": "dllm", "block_size": int(block_size), "mask_token_id": int(mask_token_id)}
+    cfg.drafter_config = {"kind": "dllm", "block_size": int(block_size), "mask_token_id": int(mask_token_id),
+                          "layout": "root"}
     model = SDARForCausalLM(cfg).to(model_dtype(target) or torch.float32)
     state = {k: v.detach().clone() for k, v in target.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the tied head is the embedding
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise CheckpointError(f"cannot copy the target into SDAR: missing {missing[:4]}, unexpected {unexpected[:4]}")
@@ -165,7 +168,7 @@ def _init_model(args: argparse.Namespace, target: torch.nn.Module, mask_id: int)
         raise ConfigError(f"--init {args.init} is not a dLLM checkpoint of the SDAR layout; fix: pass an SDAR "
                           "checkpoint (e.g. tiny-sdar) or --init target")
     check_dllm_compatible(model, target)
-    model.config.drafter_config = {"kind": "dllm", "block_size": int(args.block_size),
+    model.config.drafter_config = {"kind": "dllm", "block_size": int(args.block_size), "layout": "root",
                                    "mask_token_id": int(getattr(model.config, "mask_token_id", None) or mask_id)}
     return model
 
