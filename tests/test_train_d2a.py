@@ -105,3 +105,14 @@ def test_smoke_run_resumes_and_writes_a_drafter(env, tmp_path, capsys):
     ar = speculative_generate(target, None, [10, 11, 12], ARSpecConfig(method="ar", max_new_tokens=10))
     assert speculative_generate(target, drafter, [10, 11, 12], ARSpecConfig(method="deer", max_new_tokens=10)).tokens \
         == ar.tokens
+
+
+def test_shifted_slot_logits_read_the_previous_row(env):
+    target = load_target(env / "target", torch.float64, "cpu")
+    model = d2a.sdar_from_target(target, mask_token_id=5, block_size=4)
+    assert model.config.drafter_config["shifted"] is True
+    assert DLLMDrafter(model).shifted  # the drafter reads the AR way too
+    inputs = d2a.dllm_block_inputs(torch.arange(20, 32)[None], torch.tensor([[3]]), 4, 5)
+    plain = d2a._slot_logits(model, inputs, 12, 1, 4)
+    shifted = d2a._slot_logits(model, inputs, 12, 1, 4, shifted=True)
+    torch.testing.assert_close(shifted[:, :, 1:], plain[:, :, :-1], rtol=0, atol=0)

@@ -8,7 +8,7 @@ Two kinds, read from ``config.json``:
 * ``"dllm"``: a standalone diffusion LM of a spiffy family (SDAR, LLaDA or Dream) that shares the target's
   tokenizer and vocabulary, conditioned on the committed tokens only (DEER / SpecDiff-2). Its config may carry
   ``drafter_config = {"kind": "dllm", "block_size": B, "mask_token_id": M, "layout": "root" | "aligned",
-  "attention_block": A}``; without it any dLLM checkpoint is a drafter with block size :data:`DEFAULT_DLLM_BLOCK`,
+  "attention_block": A, "shifted": bool}``; without it any dLLM checkpoint is a drafter with block size :data:`DEFAULT_DLLM_BLOCK`,
   the family's mask token and the ``"aligned"`` layout for SDAR (its own block-causal attention over blocks of
   ``A = B`` positions aligned to absolute positions, as SDAR is trained), ``"root"`` otherwise (see
   :mod:`spiffy.arspec.dllm_drafter`).
@@ -87,7 +87,8 @@ class DLLMDrafterSettings:
     Attributes:
         block_size: drafted block length including the root token.
         mask_token_id: the id the drafted positions are filled with.
-        shifted: the family reads token ``i`` from logits row ``i - 1`` (Dream).
+        shifted: token ``i`` is read from logits row ``i - 1`` (Dream's convention; ``drafter_config.shifted``
+            overrides the family's, e.g. for a drafter adapted from an AR target that keeps the AR reading).
         family: the dLLM family.
         layout: one of :data:`DLLM_LAYOUTS`.
         attention_block: the aligned block length of the ``aligned`` layout.
@@ -122,7 +123,8 @@ def dllm_drafter_settings(model: nn.Module) -> DLLMDrafterSettings:
     attention_block = int(extra.get("attention_block", block))
     if attention_block < 1:
         raise ConfigError(f"drafter_config.attention_block must be >= 1, got {attention_block}")
-    return DLLMDrafterSettings(block, int(mask), spec.shifted_logits, family, layout, attention_block)
+    shifted = bool(extra.get("shifted", spec.shifted_logits))
+    return DLLMDrafterSettings(block, int(mask), shifted, family, layout, attention_block)
 
 
 def check_dllm_compatible(drafter: nn.Module, target: nn.Module) -> None:

@@ -4,7 +4,9 @@ distillation (``spiffy train-drafter --recipe d2a-stage1|d2a-stage2|streak``).
 Layout (the one :class:`spiffy.arspec.DLLMDrafter` drafts with): a sequence the target generated is fed once as
 clean rows with causal attention (the committed prefix), followed by ``N`` blocks. A block anchored at position
 ``a`` is ``[x_a, MASK ...]`` at positions ``a, a + 1, ...``; it sees the clean rows ``< a`` and itself
-(bidirectionally), never another block. Slot ``k`` predicts ``x_{a+k}`` (unshifted, SDAR's convention).
+(bidirectionally), never another block. Slot ``k`` predicts ``x_{a+k}``: from its own row (unshifted, SDAR's
+convention) or, for a shifted drafter, from row ``k - 1`` (Dream's convention, kept by a drafter initialised from
+the AR target: its root row then starts out as the target's own next-token prediction).
 
 Recipes (re-implemented from the papers' descriptions):
 
@@ -52,9 +54,9 @@ __all__ = ["RECIPES", "add_arguments", "dllm_block_inputs", "recipe_loss", "sdar
 RECIPES: tuple[str, ...] = ("d2a-stage1", "d2a-stage2", "streak")
 
 
-def sdar_from_target(target: torch.nn.Module, mask_token_id: int, block_size: int) -> SDARForCausalLM:
+def sdar_from_target(target: torch.nn.Module, mask_token_id: int, block_size: int, shifted: bool = True) -> SDARForCausalLM:
     """An SDAR model holding a copy of the Qwen3 ``target``'s weights (the parameter names are the same), in the
-    target's dtype."""
+    target's dtype; ``shifted`` (default) keeps the AR reading (row ``i - 1`` predicts token ``i``)."""
     t = target.config
     rope = getattr(t, "rope_parameters", None) or {}
     cfg = SDARConfig(
@@ -69,7 +71,7 @@ def sdar_from_target(target: torch.nn.Module, mask_token_id: int, block_size: in
         max_window_layers=int(t.num_hidden_layers), mask_token_id=int(mask_token_id),
     )
     cfg.drafter_config = {"kind": "dllm", "block_size": int(block_size), "mask_token_id": int(mask_token_id),
-                          "layout": "root"}
+                          "layout": "root", "shifted": bool(shifted)}
     model = SDARForCausalLM(cfg).to(model_dtype(target) or torch.float32)
     state = {k: v.detach().clone() for k, v in target.state_dict().items()}
     if cfg.tie_word_embeddings:
@@ -106,15 +108,20 @@ def dllm_block_inputs(seqs: torch.Tensor, anchors: torch.Tensor, block: int, mas
     return {"ids": ids, "positions": positions, "mask": mask[:, None], "labels": labels}
 
 
-def _slot_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], s: int, n: int, block: int) -> torch.Tensor:
+def _slot_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], s: int, n: int, block: int,
+                 shifted: bool = False) -> torch.Tensor:
+    """``[B, N, block, V]``: the logits predicting each block slot (slot 0 of a shifted drafter: zeros, unused)."""
     out = model(inputs["ids"], attention_mask=inputs["mask"], position_ids=inputs["positions"])
     logits = out.logits[:, s:].float()
-    return logits.view(logits.shape[0], n, block, -1)
+    logits = logits.view(logits.shape[0], n, block, -1)
+    if shifted:
+        logits = torch.cat([torch.zeros_like(logits[:, :, :1]), logits[:, :, :-1]], dim=2)
+    return logits
 
 
 def recipe_loss(recipe: str, model: torch.nn.Module, seqs: torch.Tensor, anchors: torch.Tensor, block: int,
                 mask_id: int, gen: torch.Generator, *, alpha: float = 1.01, target_logits: torch.Tensor | None = None,
-                streak_ce: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
+                streak_ce: float = 0.1, shifted: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one batch under ``recipe`` (see the module docstring) and a few statistics.
 
     ``target_logits [B, S, V]`` (the target's logits on ``seqs``) is needed by ``streak``.
@@ -130,11 +137,11 @@ def recipe_loss(recipe: str, model: torch.nn.Module, seqs: torch.Tensor, anchors
         masked[:, :, 0] = False
         noisy = torch.where(masked, torch.full_like(labels, mask_id), labels)
         inputs["ids"][:, s:] = noisy.reshape(b, n * block)
-        logits = _slot_logits(model, inputs, s, n, block)
+        logits = _slot_logits(model, inputs, s, n, block, shifted)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(b, n, block)
         loss = (ce * masked / (t * (block - 1))).sum() / (b * n)
     elif recipe == "d2a-stage2":
-        logits = _slot_logits(model, inputs, s, n, block)
+        logits = _slot_logits(model, inputs, s, n, block, shifted)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(b, n, block)
         r = block - 1
         w = torch.tensor([0.0] + [alpha ** (r - i) for i in range(1, r + 1)])
@@ -142,7 +149,7 @@ def recipe_loss(recipe: str, model: torch.nn.Module, seqs: torch.Tensor, anchors
     elif recipe == "streak":
         if target_logits is None:
             raise ConfigError("the streak recipe needs the target's logits")
-        logits = _slot_logits(model, inputs, s, n, block)
+        logits = _slot_logits(model, inputs, s, n, block, shifted)
         q = torch.softmax(logits[:, :, 1:], dim=-1)
         rows = (anchors[:, :, None] + torch.arange(block - 1)).clamp(max=s - 1)  # row p-1 predicts p
         p = torch.softmax(torch.gather(target_logits.float(), 1, rows.reshape(b, -1, 1).expand(-1, -1, q.shape[-1])),
@@ -168,8 +175,10 @@ def _init_model(args: argparse.Namespace, target: torch.nn.Module, mask_id: int)
         raise ConfigError(f"--init {args.init} is not a dLLM checkpoint of the SDAR layout; fix: pass an SDAR "
                           "checkpoint (e.g. tiny-sdar) or --init target")
     check_dllm_compatible(model, target)
+    shifted = bool((getattr(model.config, "drafter_config", None) or {}).get("shifted", False))
     model.config.drafter_config = {"kind": "dllm", "block_size": int(args.block_size), "layout": "root",
-                                   "mask_token_id": int(getattr(model.config, "mask_token_id", None) or mask_id)}
+                                   "mask_token_id": int(getattr(model.config, "mask_token_id", None) or mask_id),
+                                   "shifted": shifted}
     return model
 
 
@@ -219,6 +228,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     mask_id = mask_token_of(tok, int(target.config.vocab_size), args.mask_token_id)
     model = _init_model(args, target, mask_id)
     mask_id = int(model.config.drafter_config["mask_token_id"])
+    shifted = bool(model.config.drafter_config.get("shifted", False))
     model.train()
     train_s, held_s = corpus_streams(args, tok, out)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -236,7 +246,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             with torch.no_grad():
                 t_logits = target(input_ids=seqs).logits
         loss, stats = recipe_loss(args.recipe, model, seqs, anchors, block, mask_id, gen, alpha=args.alpha,
-                                  target_logits=t_logits, streak_ce=args.streak_ce)
+                                  target_logits=t_logits, streak_ce=args.streak_ce, shifted=shifted)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -258,7 +268,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "steps": loop.step, "planned_steps": args.steps, "finished": loop.finished,
         "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []),
         "params": n_params, "heldout_tau_deer_greedy": round(ev["tau"], 3), "heldout": ev,
-        "config": {"block_size": args.block_size, "mask_token_id": mask_id},
+        "config": {"block_size": args.block_size, "mask_token_id": mask_id, "shifted": shifted},
         "train": {"batch_size": args.batch_size, "seq_len": args.seq_len, "prompt_len": args.prompt_len,
                   "num_anchors": args.num_anchors, "alpha": args.alpha, "max_masked": args.max_masked,
                   "streak_ce": args.streak_ce, "greedy_frac": args.greedy_frac, "lr": args.lr, "seed": args.seed},
