@@ -99,7 +99,8 @@ def test_smoke_run_resumes_and_writes_a_drafter(env, tmp_path, capsys):
     assert main(_argv(env, out2, "d2a-stage2", init=out / "model")) == 0
     assert json.loads((out2 / "model" / "metrics.json").read_text())["init"] == str(out / "model")
     out3 = tmp_path / "run3"
-    assert main(_argv(env, out3, "streak")) == 0
+    assert main(_argv(env, out3, "streak", "--init-layers", "1")) == 0
+    assert json.loads((out3 / "model" / "config.json").read_text())["num_hidden_layers"] == 1
     target = load_target(env / "target", torch.float64, "cpu")
     drafter = DLLMDrafter(load_ar_drafter(out3 / "model", dtype=torch.float64))
     ar = speculative_generate(target, None, [10, 11, 12], ARSpecConfig(method="ar", max_new_tokens=10))

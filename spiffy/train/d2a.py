@@ -54,26 +54,32 @@ __all__ = ["RECIPES", "add_arguments", "dllm_block_inputs", "recipe_loss", "sdar
 RECIPES: tuple[str, ...] = ("d2a-stage1", "d2a-stage2", "streak")
 
 
-def sdar_from_target(target: torch.nn.Module, mask_token_id: int, block_size: int, shifted: bool = True) -> SDARForCausalLM:
+def sdar_from_target(target: torch.nn.Module, mask_token_id: int, block_size: int, shifted: bool = True,
+                     num_layers: int | None = None) -> SDARForCausalLM:
     """An SDAR model holding a copy of the Qwen3 ``target``'s weights (the parameter names are the same), in the
-    target's dtype; ``shifted`` (default) keeps the AR reading (row ``i - 1`` predicts token ``i``)."""
+    target's dtype; ``shifted`` (default) keeps the AR reading (row ``i - 1`` predicts token ``i``);
+    ``num_layers`` keeps only the first layers (with the embedding, final norm and head): a cheaper drafter."""
     t = target.config
+    depth = int(t.num_hidden_layers) if num_layers is None else int(num_layers)
+    if not 1 <= depth <= int(t.num_hidden_layers):
+        raise ConfigError(f"--init-layers must be in 1..{t.num_hidden_layers}, got {num_layers}")
     rope = getattr(t, "rope_parameters", None) or {}
     cfg = SDARConfig(
         vocab_size=int(t.vocab_size), hidden_size=int(t.hidden_size), intermediate_size=int(t.intermediate_size),
-        num_hidden_layers=int(t.num_hidden_layers), num_attention_heads=int(t.num_attention_heads),
+        num_hidden_layers=depth, num_attention_heads=int(t.num_attention_heads),
         num_key_value_heads=int(t.num_key_value_heads),
         head_dim=int(getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads),
         max_position_embeddings=int(t.max_position_embeddings), rms_norm_eps=float(t.rms_norm_eps),
         rope_theta=float(rope.get("rope_theta", getattr(t, "rope_theta", 1e6))),
         tie_word_embeddings=bool(getattr(t, "tie_word_embeddings", False)),
         bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=t.pad_token_id,
-        max_window_layers=int(t.num_hidden_layers), mask_token_id=int(mask_token_id),
+        max_window_layers=depth, mask_token_id=int(mask_token_id),
     )
     cfg.drafter_config = {"kind": "dllm", "block_size": int(block_size), "mask_token_id": int(mask_token_id),
                           "layout": "root", "shifted": bool(shifted)}
     model = SDARForCausalLM(cfg).to(model_dtype(target) or torch.float32)
-    state = {k: v.detach().clone() for k, v in target.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in target.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < depth}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # the tied head is the embedding
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -169,7 +175,7 @@ def recipe_loss(recipe: str, model: torch.nn.Module, seqs: torch.Tensor, anchors
 
 def _init_model(args: argparse.Namespace, target: torch.nn.Module, mask_id: int) -> torch.nn.Module:
     if args.init == "target":
-        return sdar_from_target(target, mask_id, args.block_size)
+        return sdar_from_target(target, mask_id, args.block_size, num_layers=args.init_layers)
     model = load_ar_drafter(args.init, dtype=torch.float32)
     if not isinstance(model, SDARForCausalLM) and args.init != "target":
         raise ConfigError(f"--init {args.init} is not a dLLM checkpoint of the SDAR layout; fix: pass an SDAR "
@@ -264,7 +270,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     load_model(final, dtype="float32")  # the saved directory loads through the library loader
     n_params = sum(p.numel() for p in model.parameters())
     metrics = {
-        "model": "dllm-drafter", "recipe": args.recipe, "init": str(args.init), "target": str(args.target),
+        "model": "dllm-drafter", "recipe": args.recipe, "init": str(args.init), "init_layers": args.init_layers, "target": str(args.target),
         "steps": loop.step, "planned_steps": args.steps, "finished": loop.finished,
         "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []),
         "params": n_params, "heldout_tau_deer_greedy": round(ev["tau"], 3), "heldout": ev,
@@ -289,6 +295,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, metavar="DIR|target",
                    help="dLLM recipes: initial weights: an SDAR checkpoint sharing the target's vocabulary, or "
                         "'target' (an SDAR copy of the target's own weights)")
+    p.add_argument("--init-layers", type=int, default=None,
+                   help="with --init target: keep only the first N target layers (a smaller, cheaper drafter)")
     p.add_argument("--alpha", type=float, default=1.01,
                    help="d2a-stage2: position weight base, slot i of R masked gets alpha^(R-i) (the paper saw 1.05 diverge)")
     p.add_argument("--max-masked", type=int, default=96, help="d2a-stage2: R ~ U(1, max) masked tokens per step")
