@@ -31,7 +31,7 @@ def _json_run(argv: list[str], capsys) -> dict:
 def test_tiny_dllm_drafter_command(dllm_dir, tiny_qwen3, capsys):
     cfg = json.loads((dllm_dir / "config.json").read_text())
     assert cfg["model_type"] == "sdar" and cfg["drafter_config"] == {
-        "kind": "dllm", "block_size": 5, "mask_token_id": cfg["mask_token_id"]}
+        "kind": "dllm", "block_size": 5, "mask_token_id": cfg["mask_token_id"], "layout": "root"}
     assert cfg["vocab_size"] == json.loads((tiny_qwen3 / "config.json").read_text())["vocab_size"]
     assert main(["tiny", "dllm-drafter", str(dllm_dir.parent / "x")]) == 2  # --target is required
     assert "needs --target" in capsys.readouterr().err
