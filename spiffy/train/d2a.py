@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,11 +42,11 @@ import torch.nn.functional as F
 from spiffy.arspec import ARSpecConfig, DLLMDrafter, speculative_generate
 from spiffy.errors import CheckpointError, ConfigError
 from spiffy.models.ar_drafters import check_dllm_compatible, load_ar_drafter
-from spiffy.models.loading import load_model, load_tokenizer, save_checkpoint
+from spiffy.models.loading import load_model, save_checkpoint
 from spiffy.models.sdar import SDARConfig, SDARForCausalLM
 from spiffy.train import common
 from spiffy.torch_utils import model_dtype
-from spiffy.train.drafter import corpus_streams, load_target, mask_token_of, sample_anchors, target_continue
+from spiffy.train.drafter import corpus_streams, sample_anchors, start_run, target_continue
 
 __all__ = ["RECIPES", "add_arguments", "dllm_block_inputs", "recipe_loss", "sdar_from_target", "train"]
 
@@ -224,14 +223,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"unknown recipe {args.recipe!r}; fix: use one of {', '.join(RECIPES)}")
     if args.init is None:
         raise ConfigError("dLLM drafter recipes need --init DIR (a dLLM checkpoint) or --init target")
-    common.set_threads(args.threads)
-    common.seed_everything(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    target, tok = load_target(args.target)
-    if tok is None:
-        raise CheckpointError(f"no tokenizer in {args.target!r}; fix: save the tokenizer next to the target weights")
-    mask_id = mask_token_of(tok, int(target.config.vocab_size), args.mask_token_id)
+    out, target, tok, mask_id = start_run(args)
     model = _init_model(args, target, mask_id)
     mask_id = int(model.config.drafter_config["mask_token_id"])
     shifted = bool(model.config.drafter_config.get("shifted", False))

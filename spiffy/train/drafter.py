@@ -216,6 +216,19 @@ def _batch(args: argparse.Namespace, target: torch.nn.Module, stream: common.Tok
     return target_continue(target, prompts, args.seq_len, greedy, gen, args.temperature), args.prompt_len
 
 
+def start_run(args: argparse.Namespace) -> tuple[Path, torch.nn.Module, Any, int]:
+    """Threads, seeds, the run directory, the frozen target with its tokenizer, and the mask id:
+    ``(out, target, tokenizer, mask_id)``."""
+    common.set_threads(args.threads)
+    common.seed_everything(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, tok = load_target(args.target)
+    if tok is None:
+        raise CheckpointError(f"no tokenizer in {args.target!r}; fix: save the tokenizer next to the target weights")
+    return out, target, tok, mask_token_of(tok, int(target.config.vocab_size), args.mask_token_id)
+
+
 def corpus_streams(args: argparse.Namespace, tok: Any, out: Path) -> tuple[common.TokenStream, common.TokenStream]:
     """The train and held-out token streams of the prompt corpus (``--corpus``, built if missing), cached in
     ``OUT/data``."""
@@ -235,14 +248,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from spiffy.models.ar_checkpoints import save_drafter
     from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, load_drafter
 
-    common.set_threads(args.threads)
-    common.seed_everything(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    target, tok = load_target(args.target)
-    if tok is None:
-        raise CheckpointError(f"no tokenizer in {args.target!r}; fix: save the tokenizer next to the target weights")
-    mask_id = mask_token_of(tok, int(target.config.vocab_size), args.mask_token_id)
+    out, target, tok, mask_id = start_run(args)
     cfg = build_drafter_config(target.config, args.num_layers, args.block_size, args.target_layer_ids, mask_id,
                                args.intermediate)
     torch.manual_seed(args.seed)
