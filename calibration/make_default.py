@@ -3,7 +3,7 @@
 
 Usage (from the repository root)::
 
-    python calibration/make_default.py                      # reads ../shared/datasets, writes both copies
+    python calibration/make_default.py                      # reads the shipped spiffy/data/datasets, writes both copies
     python calibration/make_default.py --datasets DIR       # another copy of the benchmark files
     python calibration/make_default.py --check              # verify the committed files are up to date
 
@@ -26,6 +26,7 @@ bytes): one JSON object per line with ``prompt``, ``source`` (``"math500"`` / ``
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import sys
@@ -41,16 +42,18 @@ MBPP_TEMPLATE = "You are an expert Python programmer, and here is your task: {pr
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    with path.open(encoding="utf-8") as fh:
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as fh:
         return [json.loads(line) for line in fh if line.strip()]
 
 
 def build(datasets: Path) -> str:
-    """The default set as JSONL text."""
-    math_rows = _read_jsonl(datasets / "math500.jsonl")
-    mbpp_rows = _read_jsonl(datasets / "mbpp_sanitized.jsonl")
+    """The default set as JSONL text (``datasets``: a directory with math500.jsonl[.gz] and mbpp_sanitized.jsonl[.gz])."""
+    from spiffy.bench.datasets import dataset_file
+
+    math_rows = _read_jsonl(dataset_file("math500", datasets))
+    mbpp_rows = _read_jsonl(dataset_file("mbpp", datasets))
     if len(math_rows) != 500:
-        raise SystemExit(f"expected 500 MATH-500 rows in {datasets / 'math500.jsonl'}, found {len(math_rows)}")
+        raise SystemExit(f"expected 500 MATH-500 rows in {datasets}, found {len(math_rows)}")
     math_pick = sorted(random.Random(SEED).sample(range(len(math_rows)), PER_SOURCE))
     pool = sorted((r for r in mbpp_rows if r["task_id"] < 11 or r["task_id"] > 510), key=lambda r: r["task_id"])
     mbpp_pick = sorted(random.Random(SEED).sample(range(len(pool)), PER_SOURCE))
@@ -72,8 +75,9 @@ def build(datasets: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Regenerate spiffy's default calibration prompts (25 MATH-500 + 25 MBPP).")
-    ap.add_argument("--datasets", type=Path, default=REPO.parent / "shared" / "datasets",
-                    help="directory holding math500.jsonl and mbpp_sanitized.jsonl (default: ../shared/datasets)")
+    ap.add_argument("--datasets", type=Path, default=REPO / "spiffy" / "data" / "datasets",
+                    help="directory holding math500.jsonl[.gz] and mbpp_sanitized.jsonl[.gz] (default: the copies "
+                         "shipped in spiffy/data/datasets)")
     ap.add_argument("--check", action="store_true", help="only verify that the committed files match; exit 1 if not")
     args = ap.parse_args(argv)
     from spiffy.selfspec.prompts import write_or_check_copies

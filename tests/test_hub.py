@@ -18,7 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+import spiffy
 from hf_cache import REAL_IDS, add_snapshot, repo_folder
+from mktestdocs import grab_code_blocks
+from test_readme import commands
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import scan_cache_dir
 
@@ -28,7 +32,7 @@ from spiffy.ar.cli import load_target
 from spiffy.checkpoint_ref import checkpoint_name, hub_id_from_cache_path, parse_hub_id, split_reference
 from spiffy.cli.main import main
 from spiffy.decoding import DecodeConfig, generate, make_session
-from spiffy.decoding import runtime_signature as decoding_runtime_signature
+from spiffy.selfspec.graph import runtime_signature as decoding_runtime_signature
 from spiffy.errors import CheckpointError, CheckpointNotCachedError, ConfigError
 from spiffy.models import load_model, load_tokenizer
 from spiffy.models.hub import resolve_checkpoint
@@ -266,6 +270,32 @@ def test_cli_commands_by_id(offline, tmp_path: Path, capsys) -> None:
     assert main(["generate", "--model", "GSAI-ML/LLaDA-1.5", *common]) == 2
     err = capsys.readouterr().err
     assert "GSAI-ML/LLaDA-1.5" in err and str(offline.cache) in err
+
+
+def test_readme_real_checkpoint_blocks_run_against_the_cache(offline, tmp_path: Path, monkeypatch, capsys) -> None:
+    """The README's "Real checkpoints" commands and Python lines, as written, against the offline cache (sizes made
+    small with the flags a user would append; ``device="cuda"`` becomes the CPU where there is no GPU)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    shell = [b for b in grab_code_blocks(readme, lang="bash") if LLADA in b]
+    python = [b for b in grab_code_blocks(readme, lang="python") if REAL_IDS["sdar"] in b]
+    assert len(shell) == 1 and len(python) == 1
+    monkeypatch.chdir(tmp_path)
+    small = {  # the flags a user would append to make each command cheap
+        "calibrate": ["--max-prompts", "1", "--nodes", "3", "--gen-length", "8", "--block-length", "4"],
+        "generate-ar": ["--max-new-tokens", "6"],
+        "generate": ["--gen-length", "8", "--block-length", "4"],
+    }
+    for argv in commands(shell[0]):
+        assert argv[0] == "spiffy", argv
+        kind = "generate-ar" if argv[1] == "generate" and "--target" in argv else argv[1]
+        extra = small[kind] + ["--no-progress"]
+        code = main(argv[1:] + extra)
+        assert code == 0, (argv, capsys.readouterr().err[-2000:])
+    assert (tmp_path / "dream.json").is_file()
+    code = python[0] if torch.cuda.is_available() else python[0].replace('device="cuda"', 'device="cpu"')
+    namespace: dict = {"__name__": "readme", "spiffy": spiffy}
+    exec(compile(code, "README.md (real checkpoints)", "exec"), namespace)  # noqa: S102 - the README's own code
+    assert namespace["model"].name_or_path.startswith(LLADA + "@")
 
 
 def _spiffy(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

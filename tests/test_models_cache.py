@@ -47,7 +47,7 @@ def test_prefix_cache_equals_full_forward(bidir: torch.nn.Module) -> None:
     assert cache.get_seq_length() == prefix  # read policy left the cache alone
     # default positions are cache_len + arange(L): same result without explicit positions
     again = bidir(rest, past_key_values=cache, use_cache=False)
-    torch.testing.assert_close(again.logits, out.logits, rtol=0, atol=0)
+    torch.testing.assert_close(again.logits, out.logits, rtol=0, atol=ATOL)
 
 
 def test_prefix_cache_detects_wrong_positions(bidir: torch.nn.Module) -> None:
@@ -114,7 +114,7 @@ def test_dynamic_cache_equals_kvcache(bidir: torch.nn.Module) -> None:
     kv = KVCache(len(_layers(bidir)))
     bidir(ids[:, :9], past_key_values=kv, use_cache=True)
     b = bidir(ids[:, 9:], past_key_values=kv, use_cache=False).logits
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
     assert dyn.get_seq_length() == 9
 
 
@@ -168,7 +168,7 @@ def test_two_d_mask_for_new_positions_only(bidir: torch.nn.Module) -> None:
     long = torch.cat([torch.ones(1, 5, dtype=torch.long), short], dim=1)
     a = bidir(new, attention_mask=short, past_key_values=cache, cache_policy="read").logits
     b = bidir(new, attention_mask=long, past_key_values=cache, cache_policy="read").logits
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
 
 
 def test_hidden_states_follow_transformers_convention(bidir: torch.nn.Module) -> None:

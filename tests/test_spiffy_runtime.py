@@ -186,8 +186,9 @@ def test_observer_sees_the_baseline_trajectory(llada) -> None:
     for a, b in zip(records, seen):
         assert a.info == b.info
         assert torch.equal(a.x_before, b.x_before) and torch.equal(a.x_after, b.x_after)
-        # a draft row of the batched verification forward is bitwise the baseline's own forward
-        assert torch.equal(a.logits, b.logits)
+        # a draft row of the batched verification forward is the baseline's own forward (up to the summation
+        # order a larger batch may choose: a tolerance, not bitwise, so the test holds on every CPU)
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-12)
 
 
 def test_stats_are_consistent(llada) -> None:
@@ -262,7 +263,8 @@ def test_calibrated_graph_end_to_end(request, family: str) -> None:
         assert spec.tokens == base.tokens
         assert base.nfe - spec.nfe == spec.stats["accepted_total"] + spec.stats["reused_steps"]
         saved += base.nfe - spec.nfe
-    assert saved >= 0
+    # lossless is not enough: a graph calibrated on this model must also save forwards on other prompts
+    assert saved > 0
 
 
 def test_random_graph_is_valid_and_deterministic() -> None:

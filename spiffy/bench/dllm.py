@@ -13,10 +13,12 @@ diffusion decoders spend their steps.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
 
+from spiffy.api import generate
 from spiffy.bench.common import (
     add_counts,
     add_times,
@@ -31,7 +33,9 @@ from spiffy.bench.common import (
     warm_up,
 )
 from spiffy.bench.datasets import BenchPrompt
+from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
+from spiffy.models.prompting import prompt_token_ids
 
 TOKEN_UNIT = "generated positions (gen_length per prompt, EOS padding included)"
 
@@ -59,6 +63,12 @@ def _graph_info(graph: Any, path: str | None) -> dict[str, Any]:
     }
 
 
+def _slim(res: Any) -> SimpleNamespace:
+    """What the report needs of one :class:`~spiffy.decoding.DiffusionResult` (no tensors: it travels between ranks)."""
+    return SimpleNamespace(tokens=res.tokens, text=res.text, nfe=int(res.nfe), seconds=float(res.seconds),
+                           steps=int(res.steps), stats=dict(res.stats or {}), family=res.family)
+
+
 @torch.no_grad()
 def run_dllm_bench(
     model: Any,
@@ -76,6 +86,7 @@ def run_dllm_bench(
     dataset: str | None = None,
     graph_path: str | None = None,
     device: Any = None,
+    parallel: DataParallel | None = None,
 ) -> dict[str, Any]:
     """Benchmark baseline vs Spiffy at each budget on ``prompts``; returns a JSON-ready results dict.
 
@@ -88,14 +99,14 @@ def run_dllm_bench(
         config_overrides: family-specific options passed to ``generate`` (e.g. SDAR ``strategy``).
         warmup: untimed warm-up rounds (baseline + Spiffy at the first budget on the first prompt).
         progress: tqdm bar on stderr over the runs.
+        parallel: the data-parallel run (:func:`spiffy.distributed.data_parallel`): this rank measures prompts
+            ``k % world_size == rank`` and every rank returns the same report built from all of them, in prompt
+            order (timings are each rank's own). ``None``: one process.
     Returns:
         dict with ``baseline``, ``runs`` (one per budget), ``per_prompt``, ``environment`` and the run's metadata.
     Raises:
         ConfigError: no budgets / prompts, or no prompt fits the context.
     """
-    from spiffy.decoding import generate
-    from spiffy.models.prompting import prompt_token_ids
-
     check_bench_inputs(budgets, prompts, "[1, 3, 5]")
     extra = dict(config_overrides or {})
     budgets = [int(b) for b in budgets]
@@ -119,7 +130,32 @@ def run_dllm_bench(
         _run(ids, base_seed, budgets[0])
 
     warm_up(encoded, warmup, _warm)
-    bar = progress_bar(progress, len(encoded) * (1 + len(budgets)), "bench dllm")
+    dp = parallel if parallel is not None else DataParallel(None, torch.device("cpu"))
+    mine = dp.shard(len(encoded))
+    bar = progress_bar(progress and dp.is_main, len(mine) * (1 + len(budgets)), "bench dllm")
+    # measure this rank's prompts; (k, (prompt, ids, ("ok", baseline, {budget: spiffy}) | ("skipped", reason)))
+    measured: list[tuple[int, Any]] = []
+    try:
+        for k in mine:
+            prompt, ids = encoded[k]
+            seed = base_seed + k
+            try:
+                b_res = _slim(_run(ids, seed, None))
+            except PromptTooLongError as exc:
+                skip_prompt([], prompt, exc, bar, 1 + len(budgets))
+                measured.append((k, (prompt, ids, ("skipped", str(exc)))))
+                continue
+            if bar is not None:
+                bar.update(1)
+            spiffy_runs: dict[int, SimpleNamespace] = {}
+            for b in budgets:
+                spiffy_runs[b] = _slim(_run(ids, seed, b))
+                if bar is not None:
+                    bar.update(1)
+            measured.append((k, (prompt, ids, ("ok", b_res, spiffy_runs))))
+    finally:
+        if bar is not None:
+            bar.close()
     specials = _special_ids(tokenizer, model)
     base_tokens: list[list[int]] = []
     base_texts: list[str] = []
@@ -133,58 +169,49 @@ def run_dllm_bench(
     per_prompt: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     family = None
-    try:
-        for k, (prompt, ids) in enumerate(encoded):
-            seed = base_seed + k
-            try:
-                b_res = _run(ids, seed, None)
-            except PromptTooLongError as exc:
-                skip_prompt(skipped, prompt, exc, bar, 1 + len(budgets))
-                continue
-            family = b_res.family
-            if bar is not None:
-                bar.update(1)
-            toks = b_res.tokens[0]
-            text = b_res.text[0] if b_res.text else ""
-            base_tokens.append(toks)
-            base_texts.append(text)
-            base["nfe"] += b_res.nfe
-            base["seconds"] += b_res.seconds
-            base["positions"] += len(toks)
-            base["steps"] += b_res.steps
-            row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "positions": len(toks),
-                                   "baseline": {"nfe": b_res.nfe, "seconds": b_res.seconds}, "spiffy": {}}
-            for b in budgets:
-                s_res = _run(ids, seed, b)
-                acc = per_budget[b]
-                st = s_res.stats or {}
-                s_toks = s_res.tokens[0]
-                same = s_toks == toks
-                acc["nfe"] += s_res.nfe
-                acc["seconds"] += s_res.seconds
-                acc["positions"] += len(s_toks)
-                acc["accepted_total"] += int(st.get("accepted_total", 0))
-                acc["reused_steps"] += int(st.get("reused_steps", 0))
-                acc["forwards"] += int(st.get("forwards", 0))
-                acc["drafts_evaluated"] += int(st.get("drafts_evaluated", 0))
-                acc["baseline_equivalent_nfe"] += int(st.get("baseline_equivalent_nfe", 0))
-                add_counts(acc["hist"], st.get("accepted_per_forward", {}) or {})
-                add_counts(acc["levels"], st.get("accepted_per_level", {}) or {})
-                add_times(acc["stages"], st.get("stage_times", {}) or {})
-                acc["tokens"].append(s_toks)
-                acc["texts"].append(s_res.text[0] if s_res.text else "")
-                if same:
-                    acc["identical"] += 1
-                else:
-                    acc["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(toks, s_toks)})
-                row["spiffy"][str(b)] = {"nfe": s_res.nfe, "seconds": s_res.seconds, "identical": same,
-                                         "accepted": int(st.get("accepted_total", 0))}
-                if bar is not None:
-                    bar.update(1)
-            per_prompt.append(row)
-    finally:
-        if bar is not None:
-            bar.close()
+    # every rank's measurements in prompt order: the report does not depend on the number of processes
+    for prompt, ids, outcome in dp.gather_in_order(measured, len(encoded)):
+        if outcome[0] == "skipped":
+            skipped.append({"id": prompt.id, "reason": outcome[1]})
+            continue
+        b_res, spiffy_runs = outcome[1], outcome[2]
+        family = b_res.family
+        toks = b_res.tokens[0]
+        text = b_res.text[0] if b_res.text else ""
+        base_tokens.append(toks)
+        base_texts.append(text)
+        base["nfe"] += b_res.nfe
+        base["seconds"] += b_res.seconds
+        base["positions"] += len(toks)
+        base["steps"] += b_res.steps
+        row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "positions": len(toks),
+                               "baseline": {"nfe": b_res.nfe, "seconds": b_res.seconds}, "spiffy": {}}
+        for b in budgets:
+            s_res = spiffy_runs[b]
+            acc = per_budget[b]
+            st = s_res.stats or {}
+            s_toks = s_res.tokens[0]
+            same = s_toks == toks
+            acc["nfe"] += s_res.nfe
+            acc["seconds"] += s_res.seconds
+            acc["positions"] += len(s_toks)
+            acc["accepted_total"] += int(st.get("accepted_total", 0))
+            acc["reused_steps"] += int(st.get("reused_steps", 0))
+            acc["forwards"] += int(st.get("forwards", 0))
+            acc["drafts_evaluated"] += int(st.get("drafts_evaluated", 0))
+            acc["baseline_equivalent_nfe"] += int(st.get("baseline_equivalent_nfe", 0))
+            add_counts(acc["hist"], st.get("accepted_per_forward", {}) or {})
+            add_counts(acc["levels"], st.get("accepted_per_level", {}) or {})
+            add_times(acc["stages"], st.get("stage_times", {}) or {})
+            acc["tokens"].append(s_toks)
+            acc["texts"].append(s_res.text[0] if s_res.text else "")
+            if same:
+                acc["identical"] += 1
+            else:
+                acc["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(toks, s_toks)})
+            row["spiffy"][str(b)] = {"nfe": s_res.nfe, "seconds": s_res.seconds, "identical": same,
+                                     "accepted": int(st.get("accepted_total", 0))}
+        per_prompt.append(row)
     if not per_prompt:
         raise ConfigError(
             f"none of the {len(encoded)} prompts fits the model's context with gen_length={config.gen_length}; "
@@ -257,7 +284,8 @@ def run_dllm_bench(
         "all_identical": all(r["identical_fraction"] == 1.0 for r in runs),
         "per_prompt": per_prompt,
         "samples": [{"id": r["id"], "text": t[:400]} for r, t in zip(per_prompt[:3], base_texts[:3])],
-        "environment": environment_info(model, device if device is not None else getattr(model, "device", None)),
+        "environment": {**environment_info(model, device if device is not None else getattr(model, "device", None)),
+                        "processes": dp.world_size},
     }
 
 

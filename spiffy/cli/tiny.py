@@ -6,8 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
+from spiffy.errors import ConfigError
 from spiffy.models.ar_drafters import make_tiny_dllm_drafter
-from spiffy.models.tiny import TINY_FAMILIES
+from spiffy.models.tiny import TINY_FAMILIES, make_tiny
 
 #: AR drafters written for a --target (besides the model families)
 DRAFTER_CHOICES: tuple[str, ...] = ("dllm-drafter",)
@@ -47,8 +48,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _parse_overrides(items: list[str]) -> dict[str, object]:
-    from spiffy.errors import ConfigError
-
     out: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -63,9 +62,6 @@ def _parse_overrides(items: list[str]) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> int:
     """Build the checkpoint and print what was written."""
-    from spiffy.errors import ConfigError
-    from spiffy.models.tiny import make_tiny
-
     overrides = _parse_overrides(args.overrides)
     if args.family == "dllm-drafter":
         if args.target is None:

@@ -26,13 +26,7 @@ import torch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.session import DecodeSession, StepInfo
 from spiffy.errors import ConfigError
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    """Device of the model's first parameter (CPU for a parameterless module)."""
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
+from spiffy.torch_utils import model_device
 
 
 class BidirectionalSession(DecodeSession):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from spiffy.errors import ConfigError
+from spiffy.sampling import SamplingConfig
 
 REMASKING: tuple[str, ...] = ("low_confidence", "random")
 CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual")
@@ -79,6 +80,18 @@ class DecodeConfig:
 
     # fields that do not change the decoding rule (left out of the fingerprint)
     NON_RULE_FIELDS: ClassVar[tuple[str, ...]] = ("gen_length", "seed", "mask_id")
+    #: the CLI flag a user changes to recalibrate a draft graph for a differing ``calibrated_for`` field (named in
+    #: GraphMismatchError messages; subclasses add their own fields)
+    CLI_FLAGS: ClassVar[dict[str, str]] = {
+        "block_length": "--block-length",
+        "steps_per_block": "--steps",
+        "threshold": "--threshold",
+        "remasking": "--remasking",
+        "alg": "--alg",
+        "cache": "--cache",
+        "tokens_per_step": "--steps / --threshold",
+        "temperature": "--temperature",
+    }
     # numeric fields normalised to float in the fingerprint (subclasses may extend)
     FLOAT_FIELDS: ClassVar[tuple[str, ...]] = ("threshold", "temperature", "cfg_scale", "alg_temp", "eps", "top_p")
 
@@ -202,6 +215,11 @@ class DecodeConfig:
                 f"unknown decoding option(s) {', '.join(unknown)}; fix: use options among {', '.join(sorted(names))}"
             )
         return dataclasses.replace(self, **overrides)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """Temperature, top-p, top-k and seed as one :class:`~spiffy.sampling.SamplingConfig` (``None`` = off)."""
+        return SamplingConfig.from_loose(self.temperature, self.top_p, self.top_k, self.seed)
 
     def rule_dict(self) -> dict[str, Any]:
         """The fields that define the decoding rule (what a calibrated graph depends on), resolved.

@@ -29,6 +29,8 @@ follow the reference, so the streams agree after ``torch.manual_seed(K)`` on CPU
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -77,6 +79,13 @@ class DreamSession(BidirectionalSession):
         if self.cache_mode == "none" or step != 0:
             return False
         return self.config.threshold is not None or self.steps_per_block > 1
+
+    def rule_signature(self) -> dict[str, Any]:
+        sig = super().rule_signature()
+        if "tokens_per_step" in sig and sig["tokens_per_step"] != "dynamic":
+            # Dream's static schedule (int(n_masked * (1 - s/t)) per step) is not uniform: node sizes may vary by level
+            sig["tokens_per_step"] = None
+        return sig
 
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         if self.config.threshold is not None:

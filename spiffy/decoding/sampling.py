@@ -10,7 +10,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from spiffy.sampling import filter_logits
 
 
 def uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -44,25 +45,6 @@ def add_gumbel_noise(
     return logits64.exp() / gumbel_noise
 
 
-def top_p_logits(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus filter on ``[n, V]``: tokens outside the smallest prefix of mass ``> top_p`` (the first token always
-    kept) get the dtype's minimum."""
-    sorted_logits, sorted_indices = torch.sort(logits, descending=True)
-    cumulative = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
-    remove = cumulative > top_p
-    remove[..., 1:] = remove[..., :-1].clone()
-    remove[..., 0] = False
-    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_indices, remove)
-    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
-
-
-def top_k_logits(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Top-k filter on ``[n, V]``: logits below the k-th largest get the dtype's minimum."""
-    top_k = min(int(top_k), logits.size(-1))
-    kth = torch.topk(logits, top_k)[0][..., -1, None]
-    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
-
-
 def sample_tokens(
     logits: torch.Tensor,
     temperature: float = 0.0,
@@ -86,10 +68,15 @@ def sample_tokens(
     """
     if temperature > 0:
         logits = logits / temperature
-    if top_p is not None and top_p < 1:
-        logits = top_p_logits(logits, top_p)
-    if top_k is not None:
-        logits = top_k_logits(logits, top_k)
+    # Dream's filters: top-p then top-k, removed logits set to the dtype's minimum, the crossing token kept
+    logits = filter_logits(
+        logits,
+        top_k=0 if top_k is None else int(top_k),
+        top_p=1.0 if top_p is None else float(top_p),
+        fill="min",
+        order="p_then_k",
+        nucleus="exceeds",
+    )
     probs = torch.softmax(logits, dim=-1)
     if temperature > 0 and probs.shape[0] > 0:
         try:
@@ -111,4 +98,4 @@ def sample_tokens(
     return confidence, x0
 
 
-__all__ = ["add_gumbel_noise", "sample_tokens", "top_p_logits", "top_k_logits", "uniform"]
+__all__ = ["add_gumbel_noise", "sample_tokens", "uniform"]

@@ -34,306 +34,30 @@ Additions over the reference (documented deviations):
   hold masks after ``denoising_steps`` steps, the reference fails (IndexError) while here further steps reuse
   the last step's count until the block is complete.
 * Every random draw comes from :attr:`SDARSession.generator` (the reference uses the global RNG; passing the
-  device's default generator, as :func:`sdar_block_diffusion_generate` does without a seed, reproduces it).
+  device's default generator, as :func:`spiffy.compat.sdar_block_diffusion_generate` does without a seed,
+  reproduces it).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any
 
 import torch
 
 from spiffy.decoding.config import DecodeConfig
+from spiffy.decoding.sdar_config import DEFAULT_CONFIDENCE_THRESHOLD, DEFAULT_EB_THRESHOLD, STRATEGIES, SDARDecodeConfig
+from spiffy.decoding.sdar_rule import block_causal_mask, entropy_of, num_transfer_tokens, sdar_sample, select_transfer
 from spiffy.decoding.session import BaselineStats, DecodeSession, StepInfo, run_baseline
 from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError
 from spiffy.models.cache import KVCache
-
-STRATEGIES: tuple[str, ...] = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
-DEFAULT_CONFIDENCE_THRESHOLD = 0.85  # the reference's default for low_confidence_dynamic
-DEFAULT_EB_THRESHOLD = 0.35  # JetEngine's default entropy budget
-_ENTROPY_EPS = 1e-12
-
-
-# ---------------------------------------------------------------------------------------------------- config
-@dataclass
-class SDARDecodeConfig(DecodeConfig):
-    """:class:`~spiffy.decoding.config.DecodeConfig` plus SDAR's options.
-
-    Shared fields keep their meaning; for SDAR: ``block_length`` defaults to 4 (SDAR's training block);
-    ``threshold`` is the ``low_confidence_dynamic`` confidence threshold (strictly ``>``, as the reference);
-    ``cache`` is always SDAR's block-causal ``store_kv`` cache (``"none"``/``"prefix"`` are both normalised to
-    ``"prefix"``; ``"dual"`` is an error); ``remasking``/``cfg_scale``/Dream fields are ignored.
-
-    Attributes:
-        strategy: ``"sequential"``, ``"low_confidence_static"``, ``"low_confidence_dynamic"`` or
-            ``"entropy_bounded"``; ``None`` = dynamic when ``threshold`` is set, else static.
-        denoising_steps: steps per block (the reference's ``denoising_steps``); ``None`` = ``steps // num_blocks``
-            when ``steps`` is given, else ``block_length``. Must be in ``[1, block_length]``.
-        eb_threshold: entropy budget of ``entropy_bounded`` (nats, summed over the rows unmasked in a step).
-        overwrite_quirk: reproduce the reference's over-selection when a step's count exceeds the masks left.
-        fuse_commit: fuse each commit forward with the next block's first denoising forward (same tokens,
-            one call fewer per block).
-        stop_token_ids: stop after the block in which one of these ids appears (``None`` = never).
-    """
-
-    block_length: int | None = 4
-    cache: str = "prefix"
-    strategy: str | None = None
-    denoising_steps: int | None = None
-    eb_threshold: float = DEFAULT_EB_THRESHOLD
-    overwrite_quirk: bool = False
-    fuse_commit: bool = False
-    stop_token_ids: tuple[int, ...] | None = None
-
-    NON_RULE_FIELDS: ClassVar[tuple[str, ...]] = ("gen_length", "seed", "mask_id", "fuse_commit", "stop_token_ids")
-    FLOAT_FIELDS: ClassVar[tuple[str, ...]] = DecodeConfig.FLOAT_FIELDS + ("eb_threshold",)
-
-    def validate(self) -> None:
-        if self.cache in ("none", "prefix"):
-            self.cache = "prefix"
-        elif self.cache == "dual":
-            raise ConfigError(
-                "cache='dual' does not apply to SDAR (a block-causal model never reads future K/V); "
-                "fix: use cache='prefix' (SDAR's store_kv cache, the default)"
-            )
-        super().validate()
-        if self.strategy is not None and self.strategy not in STRATEGIES:
-            raise ConfigError(f"strategy={self.strategy!r} is unknown; fix: use one of {', '.join(STRATEGIES)}")
-        if self.denoising_steps is not None:
-            if isinstance(self.denoising_steps, bool) or not isinstance(self.denoising_steps, int):
-                raise ConfigError(f"denoising_steps must be an integer, got {self.denoising_steps!r}")
-            if self.steps is not None and self.steps != self.denoising_steps * self.num_blocks:
-                raise ConfigError(
-                    f"steps={self.steps} (total) contradicts denoising_steps={self.denoising_steps} per block "
-                    f"x {self.num_blocks} blocks; fix: pass only one of them"
-                )
-        spb = self.steps_per_block
-        bl = self.resolved_block_length
-        if not 1 <= spb <= bl:
-            raise ConfigError(
-                f"SDAR needs 1 <= denoising steps per block <= block_length, got {spb} steps for block_length={bl}; "
-                f"fix: pass denoising_steps between 1 and {bl}"
-            )
-        if isinstance(self.eb_threshold, bool) or not isinstance(self.eb_threshold, (int, float)) or not (
-            float(self.eb_threshold) >= 0.0
-        ):
-            raise ConfigError(f"eb_threshold={self.eb_threshold!r} must be a number >= 0; fix: use e.g. 0.35")
-        if self.stop_token_ids is not None:
-            ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else tuple(self.stop_token_ids)
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-                raise ConfigError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
-            self.stop_token_ids = ids
-
-    # ------------------------------------------------------------------ derived values
-    @property
-    def steps_per_block(self) -> int:
-        if self.denoising_steps is not None:
-            return int(self.denoising_steps)
-        if self.steps is not None:
-            return int(self.steps) // self.num_blocks
-        return self.resolved_block_length
-
-    @property
-    def resolved_steps(self) -> int:
-        return self.steps_per_block * self.num_blocks
-
-    @property
-    def resolved_strategy(self) -> str:
-        if self.strategy is not None:
-            return self.strategy
-        return "low_confidence_dynamic" if self.threshold is not None else "low_confidence_static"
-
-    @property
-    def resolved_threshold(self) -> float:
-        """Confidence threshold of ``low_confidence_dynamic`` (``threshold`` or the reference's 0.85)."""
-        return DEFAULT_CONFIDENCE_THRESHOLD if self.threshold is None else float(self.threshold)
-
-    @property
-    def tokens_per_step(self) -> int | str | None:
-        strategy = self.resolved_strategy
-        if strategy in ("low_confidence_dynamic", "entropy_bounded"):
-            return "dynamic"
-        bl, spb = self.resolved_block_length, self.steps_per_block
-        return bl // spb if bl % spb == 0 else None
-
-    def rule_dict(self) -> dict[str, Any]:
-        d = super().rule_dict()
-        d.pop("denoising_steps", None)
-        d["strategy"] = self.resolved_strategy
-        # only the parameters the strategy reads are part of the rule
-        d["threshold"] = self.resolved_threshold if d["strategy"] == "low_confidence_dynamic" else None
-        if d["strategy"] != "entropy_bounded":
-            d["eb_threshold"] = None
-        for name in ("remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf", "alg", "alg_temp", "eps"):
-            d.pop(name, None)  # not part of SDAR's rule
-        return d
-
-    @classmethod
-    def from_config(cls, config: DecodeConfig | None = None, **overrides: Any) -> "SDARDecodeConfig":
-        """An :class:`SDARDecodeConfig` from ``None``, a plain :class:`DecodeConfig` (shared fields copied) or an
-        :class:`SDARDecodeConfig`, with ``overrides`` applied."""
-        if config is None:
-            base: dict[str, Any] = {}
-        elif isinstance(config, SDARDecodeConfig):
-            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        elif isinstance(config, DecodeConfig):
-            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        else:
-            raise ConfigError(f"config must be a DecodeConfig, got {type(config).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ConfigError(
-                f"unknown SDAR decoding option(s) {', '.join(unknown)}; fix: use options among {', '.join(sorted(names))}"
-            )
-        base.update(overrides)
-        return cls(**base)
-
-
-# ---------------------------------------------------------------------------------------------------- rule pieces
-def num_transfer_tokens(block_length: int, steps: int) -> list[int]:
-    """The reference's ``get_num_transfer_tokens``: ``block_length // steps`` per step, plus one for the first
-    ``block_length % steps`` steps."""
-    base, rem = divmod(int(block_length), int(steps))
-    return [base + (1 if i < rem else 0) for i in range(int(steps))]
-
-
-def _top_k_filter(z: torch.Tensor, k: int) -> torch.Tensor:
-    kth = torch.topk(z, min(int(k), z.shape[-1])).values[..., -1:]
-    return torch.where(z < kth, torch.full_like(z, float("-inf")), z)
-
-
-def _top_p_filter(z: torch.Tensor, p: float) -> torch.Tensor:
-    sorted_z, order = torch.sort(z, descending=True)
-    cum = torch.cumsum(torch.softmax(sorted_z, dim=-1), dim=-1)
-    remove = cum > p
-    remove[..., 1:] = remove[..., :-1].clone()  # keep the token that crosses p
-    remove[..., 0] = False
-    drop = torch.zeros_like(remove).scatter(-1, order, remove)
-    return z.masked_fill(drop, float("-inf"))
-
-
-def sdar_sample(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SDAR's sampling step on window logits.
-
-    Args:
-        logits: ``[B, W, V]``.
-        temperature: ``0`` = greedy (argmax; probabilities at temperature 1), else ``logits / T`` when ``T != 1``.
-        top_k: keep the ``k`` largest logits (``None``/``0`` = off). top_p: nucleus mass (``None``/``1`` = off).
-        generator: source of the one ``multinomial`` draw per row (``[B * W, V]`` probabilities, one sample each).
-    Returns:
-        tokens ``[B, W]`` long, their probabilities ``[B, W]`` and the sampling distribution ``[B, W, V]``.
-    """
-    shape = logits.shape[:-1]
-    z = logits.reshape(-1, logits.shape[-1])
-    greedy = float(temperature) == 0.0
-    if not greedy and float(temperature) != 1.0:
-        z = z / temperature
-    filtered = z
-    if top_k is not None and int(top_k) > 0:
-        filtered = _top_k_filter(filtered, int(top_k))
-    if top_p is not None and float(top_p) < 1.0:
-        filtered = _top_p_filter(filtered, float(top_p))
-    probs = torch.softmax(filtered, dim=-1)
-    if greedy:
-        tokens = torch.argmax(z, dim=-1, keepdim=True)
-    else:
-        tokens = torch.multinomial(probs, num_samples=1, generator=generator)
-    token_probs = torch.gather(probs, -1, tokens)
-    return tokens.view(shape), token_probs.view(shape), probs.view(*shape, -1)
-
-
-def entropy_of(probs: torch.Tensor) -> torch.Tensor:
-    """Entropy per row as JetEngine computes it: ``-sum(p log p)`` with ``p`` clamped at 1e-12. ``[..., V] -> [...]``."""
-    p = probs.clamp_min(_ENTROPY_EPS)
-    return -(p * p.log()).sum(dim=-1)
-
-
-def select_transfer(
-    masked: torch.Tensor,
-    token_probs: torch.Tensor,
-    probs: torch.Tensor | None,
-    count: int,
-    strategy: str,
-    threshold: float,
-    eb_threshold: float,
-    overwrite_quirk: bool = False,
-) -> torch.Tensor:
-    """Which block rows take their sampled token in one step.
-
-    Args:
-        masked: ``[B, L]`` bool, rows of the block still masked.
-        token_probs: ``[B, L]`` probability of each row's sampled token (the confidence).
-        probs: ``[B, L, V]`` sampling distribution (needed by ``entropy_bounded`` only).
-        count: the schedule's count for this step.
-        strategy, threshold, eb_threshold: the rule (see module doc).
-        overwrite_quirk: use ``count`` even when fewer rows are masked (the reference's behaviour).
-    Returns:
-        ``[B, L]`` bool transfer mask.
-    """
-    transfer = torch.zeros_like(masked)
-    entropy = entropy_of(probs) if strategy == "entropy_bounded" else None
-    for r in range(masked.shape[0]):
-        m = masked[r]
-        n = int(m.sum())
-        if n == 0 and not (overwrite_quirk and strategy != "entropy_bounded"):
-            continue
-        k = int(count) if overwrite_quirk else min(int(count), n)
-        if strategy == "sequential":
-            rows = m.nonzero()[:, 0]
-            if overwrite_quirk:
-                if n == 0:
-                    raise ValueError("No mask tokens found in the current block.")
-                first = int(rows[0])
-                transfer[r, first : first + k] = True
-            else:
-                transfer[r, rows[:k]] = True
-        elif strategy in ("low_confidence_static", "low_confidence_dynamic"):
-            conf = torch.where(m, token_probs[r], -torch.inf)
-            if strategy == "low_confidence_dynamic":
-                high = conf > threshold
-                if int(high.sum()) >= k:
-                    transfer[r] = high
-                    continue
-            transfer[r, torch.topk(conf, k).indices] = True
-        elif strategy == "entropy_bounded":
-            ent = torch.where(m, entropy[r], torch.inf)  # type: ignore[index]
-            ent_sorted, order = torch.sort(ent, stable=True)
-            cum = torch.cumsum(ent_sorted, dim=0)
-            c = int(torch.searchsorted(cum, cum.new_tensor([float(eb_threshold)]), right=False)[0])
-            c = min(max(c, min(int(count), n), 1), n)
-            transfer[r, order[:c]] = True
-        else:
-            raise ConfigError(f"strategy={strategy!r} is unknown; fix: use one of {', '.join(STRATEGIES)}")
-    return transfer
-
-
-def block_causal_mask(q_start: int, q_end: int, k_end: int, block_length: int, device: torch.device | str) -> torch.Tensor:
-    """``[1, 1, q_end - q_start, k_end]`` bool (True = visible): absolute row ``i`` sees column ``j`` iff
-    ``j // block_length <= i // block_length``."""
-    qb = torch.arange(q_start, q_end, device=device) // block_length
-    kb = torch.arange(k_end, device=device) // block_length
-    return (kb[None, :] <= qb[:, None])[None, None]
-
+from spiffy.models.loading import mask_token_id
+from spiffy.models.registry import FAMILIES
+from spiffy.torch_utils import model_device
 
 def _logits_of(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:  # pragma: no cover - parameterless model
-        return torch.device("cpu")
 
 
 def _config_get(model: Any, *names: str) -> Any:
@@ -349,22 +73,18 @@ def resolve_mask_id(model: Any, mask_id: int | None = None, tokenizer: Any = Non
     """The mask id: ``mask_id`` if given, else from the model config / tokenizer (``MissingTokenError`` if none)."""
     if mask_id is not None:
         return int(mask_id)
-    try:  # H1's lookup (config first, then tokenizer)
-        from spiffy.models import mask_token_id as _lookup  # type: ignore[attr-defined]
-    except ImportError:
-        _lookup = None
-    if _lookup is not None:
-        try:
-            return int(_lookup(model, tokenizer))
-        except MissingTokenError:
-            raise
-        except Exception:  # noqa: BLE001 - fall back to the plain lookups below
-            pass
+    try:  # the registry's lookup (config first, then tokenizer)
+        return int(mask_token_id(model, tokenizer))
+    except MissingTokenError:
+        raise
+    except Exception:  # noqa: BLE001 - not a checkpoint the registry recognises: fall back to the plain lookups below
+        pass
+    mask_token = FAMILIES["sdar"].mask_token
     value = _config_get(model, "mask_token_id")
     if value is None and tokenizer is not None:
         value = getattr(tokenizer, "mask_token_id", None)
         if value is None and hasattr(tokenizer, "convert_tokens_to_ids"):
-            tid = tokenizer.convert_tokens_to_ids("<|MASK|>")
+            tid = tokenizer.convert_tokens_to_ids(mask_token)
             if tid is not None and tid != getattr(tokenizer, "unk_token_id", None):
                 value = tid
     if value is None:
@@ -413,7 +133,7 @@ class SDARSession(DecodeSession):
             raise ConfigError(
                 f"input_ids must be [B, P] with P >= 1, got shape {tuple(input_ids.shape)}; fix: pass a tokenized prompt"
             )
-        device = _model_device(model)
+        device = model_device(model)
         self.device = device
         self.mask_id = resolve_mask_id(model, cfg.mask_id if mask_id is None else mask_id, tokenizer)
         B = cfg.resolved_block_length
@@ -438,9 +158,10 @@ class SDARSession(DecodeSession):
         self.threshold = cfg.resolved_threshold
         self.steps_per_block = cfg.steps_per_block
         self.schedule = num_transfer_tokens(B, self.steps_per_block)
-        self.temperature = float(cfg.temperature)
-        self.top_k = 0 if cfg.top_k is None else int(cfg.top_k)
-        self.top_p = 1.0 if cfg.top_p is None else float(cfg.top_p)
+        sampling = cfg.sampling
+        self.temperature = float(sampling.temperature)
+        self.top_k = sampling.top_k
+        self.top_p = sampling.top_p
         self.stop_token_ids = tuple(cfg.stop_token_ids or ())
         self.fuse_commit = bool(cfg.fuse_commit)
         if generator is None:
@@ -607,95 +328,9 @@ def sdar_generate(
     return session.x, stats
 
 
-def _default_generator(device: torch.device) -> torch.Generator:
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[idx]
-    return torch.default_generator
-
-
-@torch.no_grad()
-def sdar_block_diffusion_generate(
-    model: torch.nn.Module,
-    prompt: Any,
-    mask_id: int | None = None,
-    gen_length: int = 128,
-    block_length: int = 8,
-    denoising_steps: int = 8,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    remasking_strategy: str = "low_confidence_dynamic",
-    confidence_threshold: float = 0.85,
-    stopping_criteria_idx: Sequence[int] | int | None = None,
-    *,
-    eb_threshold: float = DEFAULT_EB_THRESHOLD,
-    seed: int | None = None,
-    generator: torch.Generator | None = None,
-    fuse_commit: bool = False,
-    overwrite_quirk: bool = False,
-    graph: Any = None,
-    budget: int | None = None,
-    return_stats: bool = False,
-    **speculative_kwargs: Any,
-) -> torch.Tensor | tuple[torch.Tensor, Any]:
-    """Drop-in for SDAR's ``block_diffusion_generate`` (same positional/keyword arguments and defaults).
-
-    Args:
-        prompt: a dict/BatchEncoding with ``"input_ids"`` ``[1, P]`` (as the reference) or the tensor itself.
-        mask_id: ``None`` = from the model config.
-        seed / generator: the random source. Neither given = the device's global generator, so
-            ``torch.manual_seed(K)`` before the call reproduces the official script's draws.
-        eb_threshold: entropy budget for ``remasking_strategy="entropy_bounded"``.
-        fuse_commit, overwrite_quirk: see :class:`SDARDecodeConfig`.
-        graph, budget: a calibrated draft graph -> Spiffy speculative decoding
-            (:func:`spiffy.selfspec.runtime.speculative_generate`; same tokens, fewer model calls).
-        return_stats: also return the run's statistics (:class:`BaselineStats` or ``SpeculativeStats``).
-    Returns:
-        ``x`` ``[1, ceil((P + gen_length) / block_length) * block_length]`` (prompt, generated tokens, and masks
-        in blocks never decoded because of a stop token), like the reference; with ``return_stats`` also the stats.
-    """
-    input_ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
-    if temperature is None or temperature < 0:
-        raise ConfigError(f"temperature={temperature!r} must be >= 0; fix: use 0 for greedy decoding")
-    stops = None
-    if stopping_criteria_idx is not None:
-        stops = (int(stopping_criteria_idx),) if isinstance(stopping_criteria_idx, int) else tuple(int(t) for t in stopping_criteria_idx)
-    cfg = SDARDecodeConfig(
-        gen_length=int(gen_length),
-        block_length=int(block_length),
-        denoising_steps=int(denoising_steps),
-        temperature=float(temperature),
-        top_k=int(top_k) if top_k and int(top_k) > 0 else None,
-        top_p=float(top_p) if top_p is not None and float(top_p) < 1.0 else None,
-        strategy=remasking_strategy,
-        # the threshold only matters to (and is only validated for) low_confidence_dynamic
-        threshold=(
-            float(confidence_threshold)
-            if confidence_threshold is not None and remasking_strategy == "low_confidence_dynamic"
-            else None
-        ),
-        eb_threshold=float(eb_threshold),
-        seed=seed,
-        fuse_commit=fuse_commit,
-        overwrite_quirk=overwrite_quirk,
-        stop_token_ids=stops,
-        mask_id=mask_id,
-    )
-    model.eval()
-    if generator is None and seed is None:
-        generator = _default_generator(_model_device(model))
-    session = SDARSession(model, input_ids, cfg, generator=generator)
-    if graph is None:
-        stats: Any = run_baseline(session)
-    else:
-        from spiffy.decoding.api import _speculative_entry
-
-        stats = _speculative_entry()(session, graph, budget, **speculative_kwargs)
-    return (session.x, stats) if return_stats else session.x
-
-
 __all__ = [
+    "DEFAULT_CONFIDENCE_THRESHOLD",
+    "DEFAULT_EB_THRESHOLD",
     "STRATEGIES",
     "SDARDecodeConfig",
     "SDARSession",
@@ -704,8 +339,17 @@ __all__ = [
     "make_session",
     "num_transfer_tokens",
     "resolve_mask_id",
-    "sdar_block_diffusion_generate",
     "sdar_generate",
     "sdar_sample",
     "select_transfer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Deprecated path (one release): ``sdar_block_diffusion_generate`` now lives in :mod:`spiffy.compat`.
+
+    Imported on first use because the wrapper sits above this module (it dispatches to the speculative runtime).
+    """
+    if name == "sdar_block_diffusion_generate":
+        return getattr(importlib.import_module("spiffy.compat"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

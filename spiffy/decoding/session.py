@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+from spiffy.decoding.config import DecodeConfig
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,29 @@ class DecodeSession(ABC):
 
     def finish(self) -> None:
         """Generation-end work. Default: nothing."""
+
+    def rule_signature(self) -> dict[str, Any]:
+        """What this session's rule looks like to a calibrated draft graph: ``mask_id``, ``block_length`` and the
+        rule fields of the decoding configuration (keyed like a graph file's ``calibrated_for``). A family whose rule
+        needs another description overrides this (e.g. Dream's static schedule is not uniform per step)."""
+        sig: dict[str, Any] = {"mask_id": int(self.mask_id), "block_length": int(self.block_length)}
+        cfg = getattr(self, "config", None)
+        if isinstance(cfg, DecodeConfig):
+            rule = cfg.rule_dict()
+            sig.update(
+                {
+                    "steps_per_block": None if rule.get("tokens_per_step") == "dynamic" else cfg.steps_per_block,
+                    "threshold": rule.get("threshold"),
+                    "remasking": rule.get("remasking"),
+                    "alg": rule.get("alg"),
+                    "strategy": rule.get("strategy"),
+                    "temperature": rule.get("temperature"),
+                    "cache": rule.get("cache"),
+                    "tokens_per_step": rule.get("tokens_per_step"),
+                    "decode_fingerprint": cfg.fingerprint(),
+                }
+            )
+        return sig
 
     def step_info(self, block: int, step: int) -> StepInfo:
         start, end = self.block_bounds(block)

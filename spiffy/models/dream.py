@@ -17,7 +17,9 @@ from typing import Any
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from spiffy.models.layers import QwenStyleBackbone, QwenStyleLMMixin, check_rope_scaling, init_weights
+from spiffy.models.layers import check_rope_scaling
+from spiffy.models.pretrained import init_weights
+from spiffy.models.qwen_style import QwenStyleBackbone, QwenStyleLMMixin
 
 DREAM_AUTO_MAP: dict[str, str] = {
     "AutoConfig": "configuration_dream.DreamConfig",
@@ -95,6 +97,7 @@ class DreamPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["QwenStyleDecoderLayer"]
     _supports_sdpa = True
+    _supports_flex_attn = True  # spiffy.models.flex (our own attention, not transformers')
     supports_gradient_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -104,7 +107,7 @@ class DreamPreTrainedModel(PreTrainedModel):
 class DreamModel(QwenStyleLMMixin, DreamPreTrainedModel):
     """Dream masked-diffusion LM (``model`` backbone + ``lm_head``).
 
-    ``forward`` (:meth:`spiffy.models.layers.SpiffyForwardMixin.forward`) is bidirectional: ``input_ids [B, L]``
+    ``forward`` (:meth:`spiffy.models.pretrained.SpiffyForwardMixin.forward`) is bidirectional: ``input_ids [B, L]``
     -> ``logits [B, L, V]`` raw and **unshifted**; cache / policy / mask / position semantics as in
     :meth:`spiffy.models.llada.LLaDAModelLM.forward`.
     """

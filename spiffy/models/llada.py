@@ -22,15 +22,8 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from spiffy.errors import ConfigError
-from spiffy.models.layers import (
-    ForwardContext,
-    RMSNorm,
-    RotaryEmbedding,
-    SpiffyForwardMixin,
-    apply_rotary,
-    attend,
-    init_weights,
-)
+from spiffy.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, apply_rotary, attend
+from spiffy.models.pretrained import SpiffyForwardMixin, init_weights
 
 LLADA_AUTO_MAP: dict[str, str] = {
     "AutoConfig": "configuration_llada.LLaDAConfig",
@@ -267,6 +260,7 @@ class LLaDAPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["LLaDABlock"]
     _supports_sdpa = True
+    _supports_flex_attn = True  # spiffy.models.flex (our own attention, not transformers')
     _supports_attention_backend = False
     supports_gradient_checkpointing = False
 
@@ -277,7 +271,7 @@ class LLaDAPreTrainedModel(PreTrainedModel):
 class LLaDAModelLM(SpiffyForwardMixin, LLaDAPreTrainedModel):
     """LLaDA masked-diffusion LM.
 
-    ``forward`` (:meth:`spiffy.models.layers.SpiffyForwardMixin.forward`, the uniform spiffy forward contract) is
+    ``forward`` (:meth:`spiffy.models.pretrained.SpiffyForwardMixin.forward`, the uniform spiffy forward contract) is
     bidirectional: ``input_ids [B, L]`` -> ``logits [B, L, V]`` (raw, unshifted). ``past_key_values`` (spiffy
     KVCache or transformers DynamicCache; batch 1 broadcasts to B): the queries see ``[cached ; new]`` keys;
     ``cache_policy`` ``"append"`` stores the new K/V, ``"read"`` only reads (``store_kv`` True/False is an alias;

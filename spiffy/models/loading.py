@@ -39,6 +39,7 @@ from spiffy.models.checkpoint import (
     read_config_dict,
 )
 from spiffy.models.hub import checkpoint_dir, resolve_checkpoint
+from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config, load_drafter
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
 from spiffy.torch_utils import resolve_dtype
@@ -124,7 +125,9 @@ def load_model(
         dtype: ``torch.dtype``, a name (``"float64"``, ``"bf16"``, ...), ``"auto"`` (config ``torch_dtype``) or
             ``None`` (float32 on CPU, ``"auto"`` on accelerators).
         device: where the weights go (default CPU).
-        attn_implementation: ``"sdpa"`` (default) or ``"eager"``; never flash-attn (custom masks are needed).
+        attn_implementation: ``"sdpa"`` (default), ``"eager"`` or ``"flex_attention"`` (:mod:`spiffy.models.flex`:
+            block masks for the tree / verification / ragged-batch masks) for the in-package dLLM families; never
+            flash-attn (custom masks are needed).
         revision: branch, tag or commit of a Hub id.
 
     ``model.name_or_path`` is the directory, or ``ORG/NAME@COMMIT`` for a Hub snapshot (what graph files record).
@@ -144,7 +147,7 @@ def load_model(
     if family == "dflash":
         return load_drafter(path, dtype=torch_dtype, device=device)
     config = load_config(path, family)
-    config._attn_implementation = attn_implementation if attn_implementation in ("sdpa", "eager") else "sdpa"
+    config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS else "sdpa"
     spec = family_spec(family)
     cls = spec.model_class
     state = load_state_dict(path)
@@ -303,9 +306,8 @@ def _first_id(value: Any) -> int | None:
 def special_token_ids(model_or_config: Any, tokenizer: Any = None) -> SpecialTokenIds:
     """``eos``, ``eot`` (end of turn: LLaDA ``<|eot_id|>``, others ``<|im_end|>``), ``pad``, ``mask``, ``bos`` ids
     from the config, else the tokenizer. Never hard-coded."""
-    from spiffy.models.tokenizer import EOT_TOKENS
-
     family = family_of(model_or_config)
+    spec = family_spec(family)
     cfg = _config_as_dict(model_or_config)
     tok = _maybe_tokenizer(model_or_config, tokenizer)
     eos = _first_id(cfg.get("eos_token_id"))
@@ -317,9 +319,9 @@ def special_token_ids(model_or_config: Any, tokenizer: Any = None) -> SpecialTok
     bos = _first_id(cfg.get("bos_token_id"))
     if bos is None and tok is not None:
         bos = _first_id(tok.bos_token_id)
-    eot = _token_id(tok, EOT_TOKENS.get(family))
+    eot = _token_id(tok, spec.eot_token)
     try:
-        mask = mask_token_id(model_or_config, tok) if family_spec(family).mask_token else None
+        mask = mask_token_id(model_or_config, tok) if spec.mask_token else None
     except MissingTokenError:
         mask = None
     return SpecialTokenIds(eos=eos, eot=eot, pad=pad, mask=mask, bos=bos, family=family)
@@ -428,3 +430,25 @@ def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:
         with safe_open(str(f), framework="pt") as handle:
             keys.extend(handle.keys())
     return sorted(keys)
+
+
+__all__ = [
+    "CONFIG_FILE",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "SpecialTokenIds",
+    "check_keys",
+    "checkpoint_files",
+    "family_of",
+    "iter_checkpoint_keys",
+    "load_config",
+    "load_model",
+    "load_state_dict",
+    "load_tokenizer",
+    "mask_token_id",
+    "read_config_dict",
+    "resolve_dtype",
+    "save_checkpoint",
+    "special_token_ids",
+]

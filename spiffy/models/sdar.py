@@ -24,13 +24,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from spiffy.errors import ConfigError
-from spiffy.models.layers import (
-    QwenStyleLMMixin,
-    QwenStyleStackMixin,
-    SpiffyForwardMixin,
-    check_rope_scaling,
-    init_weights,
-)
+from spiffy.models.layers import check_rope_scaling
+from spiffy.models.pretrained import SpiffyForwardMixin, init_weights
+from spiffy.models.qwen_style import QwenStyleLMMixin, QwenStyleStackMixin
 
 SDAR_AUTO_MAP: dict[str, str] = {
     "AutoConfig": "configuration_sdar.SDARConfig",
@@ -136,6 +132,7 @@ class SDARPreTrainedModel(SpiffyForwardMixin, PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["QwenStyleDecoderLayer"]
     _supports_sdpa = True
+    _supports_flex_attn = True  # spiffy.models.flex (our own attention, not transformers')
     supports_gradient_checkpointing = False
     causal_default = True
 
@@ -202,7 +199,7 @@ class SDARModel(QwenStyleStackMixin, SDARPreTrainedModel):
 class SDARForCausalLM(QwenStyleLMMixin, SDARPreTrainedModel):
     """SDAR block-diffusion LM (``model`` + ``lm_head``).
 
-    ``forward`` (:meth:`spiffy.models.layers.SpiffyForwardMixin.forward`) is block-causal: ``input_ids [B, L]`` ->
+    ``forward`` (:meth:`spiffy.models.pretrained.SpiffyForwardMixin.forward`) is block-causal: ``input_ids [B, L]`` ->
     ``logits [B, L, V]`` (position i predicts token i). ``attention_mask``: the caller's block-causal mask
     ``[B|1, 1, L, C+L]`` (bool, float 0/1 as in the reference, or additive), a 2-D key-padding mask (combined with
     causal), or None = plain causal over ``[cache ; new]``. ``store_kv=True`` appends the new K/V to

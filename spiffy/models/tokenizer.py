@@ -23,49 +23,16 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 from spiffy.errors import ConfigError
+from spiffy.models.registry import FAMILIES, family_spec
 
-#: family -> (special tokens in id order, bos, eos, pad, mask, end-of-turn)
-_SPECIALS: dict[str, dict[str, object]] = {
-    "llada": {
-        "tokens": (
-            "<|endoftext|>",
-            "<|startoftext|>",
-            "<|mdm_mask|>",
-            "<|eot_id|>",
-            "<|start_header_id|>",
-            "<|end_header_id|>",
-        ),
-        "bos": "<|startoftext|>",
-        "eos": "<|endoftext|>",
-        "pad": "<|endoftext|>",
-        "mask": "<|mdm_mask|>",
-        "eot": "<|eot_id|>",
-    },
-    "dream": {
-        "tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"),
-        "bos": None,
-        "eos": "<|endoftext|>",
-        "pad": "<|endoftext|>",
-        "mask": "<|mask|>",
-        "eot": "<|im_end|>",
-    },
-    "sdar": {
-        "tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
-        "bos": None,
-        "eos": "<|endoftext|>",
-        "pad": "<|endoftext|>",
-        "mask": "<|MASK|>",
-        "eot": "<|im_end|>",
-    },
-}
-_SPECIALS["qwen3"] = dict(_SPECIALS["sdar"], mask=None)
-_SPECIALS["dflash"] = _SPECIALS["sdar"]
-
-#: family -> end-of-turn token (read by spiffy.models.loading.special_token_ids)
-EOT_TOKENS: dict[str, str] = {f: str(v["eot"]) for f, v in _SPECIALS.items()}
+#: family -> end-of-turn token (the family facts live in :mod:`spiffy.models.registry`)
+EOT_TOKENS: dict[str, str] = {f: str(spec.eot_token) for f, spec in FAMILIES.items()}
 #: family -> mask token string (None: no mask token)
-MASK_TOKENS: dict[str, str | None] = {f: v["mask"] for f, v in _SPECIALS.items()}  # type: ignore[misc]
+MASK_TOKENS: dict[str, str | None] = {f: spec.mask_token for f, spec in FAMILIES.items()}
 
 LLADA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -146,8 +113,8 @@ SPLIT_PATTERN = (
 
 def _family(family: str) -> str:
     fam = family.lower() if isinstance(family, str) else family
-    if fam not in _SPECIALS:
-        raise ConfigError(f"unknown tokenizer family {family!r}; supported: {', '.join(_SPECIALS)}")
+    if fam not in FAMILIES:
+        raise ConfigError(f"unknown tokenizer family {family!r}; supported: {', '.join(FAMILIES)}")
     return fam
 
 
@@ -163,12 +130,9 @@ def build_tokenizer(family: str, vocab_size: int = 512, corpus: Iterable[str] | 
     The tokenizer has ``bos/eos/pad/mask`` set per family, ``chat_template`` in the family's style, and
     ``padding_side="left"``.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     fam = _family(family)
-    spec = _SPECIALS[fam]
-    specials = list(spec["tokens"])  # type: ignore[arg-type]
+    spec = family_spec(fam)
+    specials = list(spec.special_tokens)
     minimum = 256 + len(specials)
     if vocab_size < minimum:
         raise ConfigError(f"vocab_size must be >= {minimum} (256 bytes + {len(specials)} special tokens), got {vocab_size}")
@@ -204,9 +168,8 @@ def build_tokenizer(family: str, vocab_size: int = 512, corpus: Iterable[str] | 
     # special tokens go after the learned vocabulary (high ids, as in the real checkpoints)
     tok.add_special_tokens(specials)
     kwargs: dict[str, object] = {"tokenizer_object": tok, "padding_side": "left", "clean_up_tokenization_spaces": False}
-    for role in ("bos", "eos", "pad", "mask"):
-        if spec.get(role):
-            kwargs[f"{role}_token"] = spec[role]
+    for role, token in spec.token_roles().items():
+        kwargs[f"{role}_token"] = token
     fast = PreTrainedTokenizerFast(**kwargs)
     fast.chat_template = CHAT_TEMPLATES[fam]
     return fast

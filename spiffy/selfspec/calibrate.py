@@ -18,29 +18,21 @@ import warnings
 from typing import Any, Sequence
 
 import torch
+import transformers
+from tqdm.auto import tqdm
 
 from spiffy._version import __version__
 from spiffy.decoding import DecodeConfig, make_session, run_baseline
+from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.selfspec.chains import ChainRecorder, Trajectory, all_chains, describe
-from spiffy.selfspec.graph import DraftGraph, model_config_fingerprint
+from spiffy.selfspec.graph import DraftGraph, runtime_signature
 from spiffy.selfspec.prompts import load_prompts, prompt_token_ids
 from spiffy.selfspec.select import OBJECTIVES, build_graph
+from spiffy.torch_utils import dtype_name, model_device, model_dtype
 
 DEFAULT_NODES = 10
 DEFAULT_J_MAX = 4
-
-
-def runtime_signature(model: Any, session: Any) -> dict[str, Any]:
-    """The ``calibrated_for`` values of ``model`` + ``session`` (same function the runtime check uses).
-
-    Delegates to :func:`spiffy.decoding.runtime_signature` and makes sure ``config_fingerprint`` is present.
-    """
-    from spiffy.decoding import runtime_signature as _sig
-
-    sig = dict(_sig(model, session))
-    sig.setdefault("config_fingerprint", model_config_fingerprint(model))
-    return sig
 
 
 def _model_name(model: Any) -> str | None:
@@ -49,20 +41,6 @@ def _model_name(model: Any) -> str | None:
         if isinstance(v, str) and v:
             return v
     return None
-
-
-def _device(model: Any) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
-
-
-def _dtype(model: Any) -> str:
-    try:
-        return str(next(model.parameters()).dtype).replace("torch.", "")
-    except (StopIteration, AttributeError):
-        return "unknown"
 
 
 @torch.no_grad()
@@ -86,6 +64,7 @@ def calibrate(
     command: str | None = None,
     skip_long: bool = True,
     config_overrides: dict[str, Any] | None = None,
+    parallel: DataParallel | None = None,
 ) -> DraftGraph:
     """Calibrate a draft graph for ``model`` under the decoding configuration ``config``.
 
@@ -109,6 +88,9 @@ def calibrate(
         skip_long: skip (with a warning) prompts that do not fit the model's context instead of failing.
         config_overrides: family-specific decoding options passed to :func:`spiffy.decoding.make_session`
             (e.g. SDAR's ``strategy``).
+        parallel: the data-parallel run (:func:`spiffy.distributed.data_parallel`) to share the prompts with:
+            this rank decodes prompts ``k % world_size == rank``, the trajectories are gathered in prompt order and
+            every rank builds the same graph (the same as a single process would). ``None``: one process.
     Returns:
         The calibrated :class:`DraftGraph` (``meta``: ``calibrated_for`` / ``calibration``; ``projected``).
     Raises:
@@ -142,7 +124,7 @@ def calibrate(
             raise ConfigError(f"max_prompts={max_prompts!r} must be None or an integer >= 1")
         texts = texts[:max_prompts]
 
-    device = _device(model)
+    device = model_device(model)
     encoded: list[list[int]] = []
     for k, t in enumerate(texts):
         if isinstance(t, str):
@@ -154,52 +136,61 @@ def calibrate(
         if not encoded[-1]:
             raise ConfigError(f"prompt {k} encodes to no tokens; fix: remove empty prompts")
 
+    dp = parallel if parallel is not None else DataParallel(None, device)
+    mine = dp.shard(len(encoded))
     bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
+    if progress and dp.is_main:
         bar = tqdm(total=None, desc="calibrating", unit="step", file=sys.stderr, dynamic_ncols=True)
     steps_per_prompt: int | None = None
 
-    trajectories: list[Trajectory] = []
-    signature: dict[str, Any] | None = None
-    decode_config: dict[str, Any] | None = None
-    skipped: list[int] = []
+    # per prompt k: (k, ("ok", trajectory, signature, decode_config, i_max)) or (k, ("skipped",))
+    local: list[tuple[int, tuple[Any, ...]]] = []
+    n_skipped = 0
+    sig: dict[str, Any] | None = None
     try:
-        for k, ids in enumerate(encoded):
+        for n_done, k in enumerate(mine):
+            ids = encoded[k]
             if bar is not None:
-                bar.set_postfix_str(f"prompt {k + 1}/{len(encoded)}")
+                bar.set_postfix_str(f"prompt {n_done + 1}/{len(mine)}")
             input_ids = torch.tensor([ids], dtype=torch.long, device=device)
             try:
                 session = make_session(model, input_ids, cfg, tokenizer=tokenizer, seed=seed + k, **overrides)
             except PromptTooLongError as exc:
                 if not skip_long:
                     raise
-                skipped.append(k)
+                local.append((k, ("skipped",)))
+                n_skipped += 1
                 warnings.warn(f"calibration prompt {k} skipped: {exc}", stacklevel=2)
                 if bar is not None and bar.total is not None and steps_per_prompt is not None:
                     bar.total = max(0, bar.total - steps_per_prompt)
                     bar.refresh()
                 continue
-            if signature is None:
-                signature = runtime_signature(model, session)
-                scfg = getattr(session, "config", cfg)
-                decode_config = {kk: v for kk, v in scfg.to_dict().items() if kk != "seed"} if hasattr(scfg, "to_dict") else None
-                if i_max is None:
-                    i_max = int(session.block_length)
-                if getattr(scfg, "tokens_per_step", "dynamic") != "dynamic" and hasattr(scfg, "resolved_steps"):
-                    steps_per_prompt = int(scfg.resolved_steps)
-                    if bar is not None:
-                        bar.total = steps_per_prompt * (len(encoded) - len(skipped))
-                        bar.refresh()
-            assert i_max is not None
+            scfg = getattr(session, "config", cfg)
+            if i_max is None:
+                i_max = int(session.block_length)
+            if steps_per_prompt is None and getattr(scfg, "tokens_per_step", "dynamic") != "dynamic" and hasattr(scfg, "resolved_steps"):
+                steps_per_prompt = int(scfg.resolved_steps)
+                if bar is not None:
+                    bar.total = steps_per_prompt * (len(mine) - n_skipped)
+                    bar.refresh()
             rec = ChainRecorder(int(session.mask_id), i_max, j_max, max_level, prompt=k)
             rec.attach(session)
             stats = run_baseline(session, observer=rec, progress=(lambda n: bar.update(n)) if bar is not None else None)
-            trajectories.append(rec.finish(stats.nfe))
+            if sig is None:
+                sig = runtime_signature(model, session)
+            decode_cfg = {kk: v for kk, v in scfg.to_dict().items() if kk != "seed"} if hasattr(scfg, "to_dict") else None
+            local.append((k, ("ok", rec.finish(stats.nfe), sig, decode_cfg, i_max)))
     finally:
         if bar is not None:
             bar.close()
+    # merged in prompt order: the same trajectories (and so the same graph) for any number of processes
+    results = dp.gather_in_order([(k, (k, r)) for k, r in local], len(encoded))
+    done = [r for _k, r in results if r[0] == "ok"]
+    skipped: list[int] = [k for k, r in results if r[0] == "skipped"]
+    trajectories: list[Trajectory] = [r[1] for r in done]
+    signature: dict[str, Any] | None = done[0][2] if done else None
+    decode_config: dict[str, Any] | None = done[0][3] if done else None
+    i_max = done[0][4] if done else i_max
     if not trajectories:
         raise PromptTooLongError(
             f"none of the {len(encoded)} calibration prompts fits the model's context with gen_length={cfg.gen_length}; "
@@ -224,7 +215,7 @@ def calibrate(
         "gen_length": int(cfg.gen_length),
         "config_overrides": overrides or None,
         "decode_config": decode_config,
-        "dtype": _dtype(model),
+        "dtype": dtype_name(model_dtype(model)),
         "device": device.type,
         "library_version": __version__,
         "torch_version": torch.__version__.split("+")[0],
@@ -248,12 +239,7 @@ def calibrate(
 
 
 def _transformers_version() -> str | None:
-    try:
-        import transformers
-
-        return str(transformers.__version__)
-    except ImportError:  # pragma: no cover
-        return None
+    return str(transformers.__version__)
 
 
 def _api_command(label: str, nodes: int, objective: str, max_prompts: int | None, seed: int, i_max: int, j_max: int, max_level: int | None) -> str:

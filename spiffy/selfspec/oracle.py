@@ -20,6 +20,7 @@ import torch
 from spiffy.decoding.session import DecodeSession, StepRecord, run_baseline
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import Pair, rank_state, window_covers
+from spiffy.selfspec.graph import DraftGraph
 
 Formula = tuple[int, tuple[Pair, ...]]
 
@@ -105,8 +106,6 @@ def trajectory_formulas(
 
 
 def _make_graph(formulas: Sequence[Formula], counts: Sequence[int] | None, meta: dict | None) -> Any:
-    from spiffy.selfspec.graph import DraftGraph  # written by the graph engineer (H4)
-
     return DraftGraph.from_formulas(list(formulas), meta=meta, counts=None if counts is None else list(counts))
 
 

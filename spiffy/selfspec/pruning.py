@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import Ranking, pair_probs
@@ -28,16 +28,12 @@ from spiffy.selfspec.formulas import Ranking, pair_probs
 SCORES: tuple[str, ...] = ("gm", "product", "local", "count")
 
 
-class _Node(Protocol):
-    id: int
-    level: int
-    pairs: tuple[tuple[int, int], ...]
-    parents: tuple[int, ...]
-    count: int
-
-
 class _Graph(Protocol):
+    """What the pruning reads of a :class:`~spiffy.selfspec.graph.DraftGraph`: its nodes and its children index."""
+
     nodes: list
+
+    def child_ids(self, id: int | None) -> tuple[int, ...]: ...
 
 
 def _geo_mean(values: Sequence[float]) -> float:
@@ -48,13 +44,10 @@ def _geo_mean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def _children_map(nodes: Sequence[_Node]) -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {n.id: [] for n in nodes}
-    for n in nodes:
-        for p in n.parents:
-            if p in kids:
-                kids[p].append(n.id)
-    return kids
+def check_budget(budget: Any) -> None:
+    """ConfigError unless ``budget`` (drafts kept per step) is an integer >= 0."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ConfigError(f"budget={budget!r} must be an integer >= 0; fix: pass e.g. --budget 3 (0 disables drafts)")
 
 
 def node_scores(graph: _Graph, ranking: Ranking, score: str = "gm") -> dict[int, float]:
@@ -82,12 +75,11 @@ def node_scores(graph: _Graph, ranking: Ranking, score: str = "gm") -> dict[int,
     local = {nid: _geo_mean(p) for nid, p in probs.items()}
     if score == "local":
         return local
-    kids = _children_map(nodes)
     out: dict[int, float] = {}
     for n in reversed(nodes):  # children come after parents: reverse topological order is bottom-up
         if n.id not in local:
             continue
-        child_scores = [out[c] for c in kids[n.id] if c in out]
+        child_scores = [out[c] for c in graph.child_ids(n.id) if c in out]
         if child_scores:
             out[n.id] = math.sqrt(local[n.id] * (sum(child_scores) / len(child_scores)))
         else:
@@ -108,8 +100,7 @@ def prune(graph: _Graph, ranking: Ranking, budget: int, score: str = "gm") -> li
     Raises:
         ConfigError: ``budget < 0`` or an unknown score.
     """
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise ConfigError(f"budget={budget!r} must be an integer >= 0; fix: pass e.g. --budget 3 (0 disables drafts)")
+    check_budget(budget)
     if score not in SCORES:
         raise ConfigError(f"unknown pruning score {score!r}; fix: use one of {', '.join(SCORES)}")
     if budget == 0 or not graph.nodes:
@@ -120,7 +111,6 @@ def prune(graph: _Graph, ranking: Ranking, budget: int, score: str = "gm") -> li
 def select_closed(graph: _Graph, scores: dict[int, float], budget: int) -> list[int]:
     """Greedy parent-closed top-``budget`` selection among the nodes present in ``scores``."""
     nodes = {n.id: n for n in graph.nodes}
-    kids = _children_map(list(graph.nodes))
     heap: list[tuple[float, int, int]] = []
     pushed: set[int] = set()
 
@@ -136,7 +126,7 @@ def select_closed(graph: _Graph, scores: dict[int, float], budget: int) -> list[
     while heap and len(kept) < budget:
         _, _, nid = heapq.heappop(heap)
         kept.append(nid)
-        for c in kids[nid]:
+        for c in graph.child_ids(nid):
             push(c)
     return kept
 
@@ -148,4 +138,4 @@ def is_parent_closed(graph: _Graph, kept: Sequence[int]) -> bool:
     return all(nodes[k].level == 1 or any(p in ks for p in nodes[k].parents) for k in kept)
 
 
-__all__ = ["SCORES", "node_scores", "prune", "select_closed", "is_parent_closed"]
+__all__ = ["SCORES", "check_budget", "node_scores", "prune", "select_closed", "is_parent_closed"]

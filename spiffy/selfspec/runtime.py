@@ -38,7 +38,8 @@ import torch
 from spiffy.decoding.session import DecodeSession, StepRecord, StepObserver
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import instantiate_many, rank_state, window_covers
-from spiffy.selfspec.pruning import SCORES, prune
+from spiffy.selfspec.graph import DraftGraph
+from spiffy.selfspec.pruning import SCORES, check_budget, prune
 from spiffy.verify.backend import follow
 
 DEFAULT_BUDGET = 3
@@ -100,23 +101,18 @@ class SpeculativeStats:
 
 
 class _Plan:
-    """A graph's structure in lookup form (children lists, rank caps)."""
+    """A graph's structure in lookup form (nodes by id, rank caps; children come from the graph's own index)."""
 
-    def __init__(self, graph: Any) -> None:
+    def __init__(self, graph: DraftGraph | None) -> None:
         self.nodes = {} if graph is None else {int(n.id): n for n in graph.nodes}
-        self.children: dict[int | None, list[int]] = {None: []}
-        for nid in self.nodes:
-            self.children[nid] = []
-        for nid, n in self.nodes.items():
-            if n.level == 1:
-                self.children[None].append(nid)
-            for p in n.parents:
-                if p in self.children:
-                    self.children[p].append(nid)
         pairs = [p for n in self.nodes.values() for p in n.pairs]
         self.i_max = max((i for i, _ in pairs), default=1)
         self.j_max = max((j for _, j in pairs), default=1)
         self.graph = graph
+
+    def children(self, node: int | None) -> tuple[int, ...]:
+        """Child ids of ``node`` (``None`` = the root)."""
+        return () if self.graph is None else self.graph.child_ids(node)
 
 
 def _sync(device: torch.device) -> None:
@@ -151,8 +147,7 @@ def speculative_generate(
     """
     if budget is None:
         budget = DEFAULT_BUDGET
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise ConfigError(f"budget={budget!r} must be an integer >= 0; fix: pass e.g. budget=3 (0 disables drafts)")
+    check_budget(budget)
     if score not in SCORES:
         raise ConfigError(f"unknown pruning score {score!r}; fix: use one of {', '.join(SCORES)}")
     if session.x.dim() != 2 or session.x.shape[0] != 1:
@@ -341,7 +336,7 @@ class _Walk:
         node = wnode[0]
         if torch.equal(state, self.x_before):
             return (node, wnode[1] + 1)
-        kids = [c for c in self.plan.children.get(node, []) if c in self.row_of]
+        kids = [c for c in self.plan.children(node) if c in self.row_of]
         if not kids:
             return None
         rows = self.batch[torch.tensor([self.row_of[c] for c in kids], dtype=torch.long, device=self.batch.device)]

@@ -24,6 +24,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
 from spiffy.errors import ConfigError
 from spiffy.selfspec.chains import Chain, Trajectory
 from spiffy.selfspec.graph import DraftGraph
@@ -262,10 +265,6 @@ def _exact(
     max_vars: int,
     time_limit: float,
 ) -> list[Key]:
-    import numpy as np
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
     # a chain prefix longer than D can never be fully selected
     chains = [(ch[:nodes], w) for ch, w in wc.items()]
     keys = sorted({(lvl, f) for ch, _ in chains for lvl, f in enumerate(ch, start=1)})

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from spiffy.errors import ConfigError
+from spiffy.io import replace_dir
+from spiffy.torch_utils import resolve_dtype
 from spiffy.train import common
 from spiffy.train.corpus import build_corpus, load_split
 from spiffy.train.tokenizer_train import save_tokenizer, train_tokenizer
@@ -30,8 +33,6 @@ def build_config(vocab_size: int, hidden: int = 256, layers: int = 4, heads: int
                  intermediate: int = 768, context: int = 512, eos_id: int = 0, pad_id: int = 0,
                  rope_theta: float = 10000.0):
     """A small ``Qwen3Config`` (tied embeddings, q/k norms, GQA)."""
-    from transformers import Qwen3Config
-
     if hidden % heads:
         raise ConfigError(f"hidden {hidden} not divisible by heads {heads}; fix: choose heads dividing hidden")
     return Qwen3Config(
@@ -90,8 +91,6 @@ def prepare_data(corpus_dir: str | None, out: Path, vocab_size: int, family: str
                  tokenizer_dir: str | None = None, heldout_percent: int = 5):
     """Build/reuse the corpus, train/reuse the tokenizer (``OUT/tokenizer``) and token streams; returns
     ``(tokenizer, train_stream, heldout_stream, corpus_info)``."""
-    from transformers import AutoTokenizer
-
     info = build_corpus(corpus_dir, max_files=max_files, heldout_percent=heldout_percent)
     if info.n_docs_heldout == 0 or info.n_docs_train == 0:
         raise ConfigError(f"corpus {info.out_dir!r} has an empty split ({info.n_docs_train} train, "
@@ -109,33 +108,20 @@ def prepare_data(corpus_dir: str | None, out: Path, vocab_size: int, family: str
 
 def export(model: torch.nn.Module, tok: Any, out: Path, dtype: str) -> Path:
     """``save_pretrained`` the model (cast to ``dtype``) + tokenizer into ``OUT/model`` (atomic dir swap)."""
-    import shutil
-    import tempfile
-
     final = out / "model"
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=".model."))
     clone = type(model)(model.config)
     clone.load_state_dict(model.state_dict())
-    clone = clone.to(getattr(torch, dtype))
+    clone = clone.to(resolve_dtype(dtype))
     clone.config.dtype = dtype
     clone.save_pretrained(tmp, safe_serialization=True)
     save_tokenizer(tok, tmp)
-    if final.exists():
-        old = out / ".model.old"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
+    replace_dir(tmp, final)
     return final
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run AR training as configured by ``args`` (see :func:`build_parser`); returns the metrics dict."""
-    from transformers import Qwen3ForCausalLM
-
     common.set_threads(args.threads)
     common.seed_everything(args.seed)
     out = Path(args.out)

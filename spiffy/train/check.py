@@ -6,7 +6,7 @@
 * DFlash drafter: ``spiffy.models.dflash.load_drafter``; ``ddtree_generate`` with methods ``ar``, ``dflash`` and
   ``ddtree`` on held-out-style prompts: tokens must be identical (lossless), tau (mean acceptance length incl. the
   bonus token, macro-averaged over prompts) is reported.
-* LLaDA: ``load_model`` + ``spiffy.decoding.api.generate`` (baseline, low-confidence remasking, greedy).
+* LLaDA: ``load_model`` + ``spiffy.api.generate`` (baseline, low-confidence remasking, greedy).
 """
 
 from __future__ import annotations
@@ -15,6 +15,12 @@ import argparse
 from typing import Any
 
 import torch
+
+from spiffy.api import generate
+from spiffy.arspec import ddtree_generate
+from spiffy.io import atomic_write_json
+from spiffy.models.dflash import load_drafter
+from spiffy.models.loading import load_model, load_tokenizer
 
 PROMPTS = [
     "def ",
@@ -29,16 +35,11 @@ PROMPTS = [
 def check_qwen3(path: str, drafter_path: str | None = None, max_new_tokens: int = 48,
                 budget: int = 32) -> dict[str, Any]:
     """Load the target (and drafter) with the library and return samples and acceptance statistics."""
-    from spiffy.arspec import ddtree_generate
-    from spiffy.models.loading import load_model, load_tokenizer
-
     target = load_model(path, dtype="float32")
     tok = load_tokenizer(path)
     out: dict[str, Any] = {"samples": {}}
     drafter = None
     if drafter_path:
-        from spiffy.models.dflash import load_drafter
-
         drafter = load_drafter(drafter_path, dtype="float32")
         out["acceptance"] = {}
     stop = [tok.eos_token_id]
@@ -64,9 +65,6 @@ def check_qwen3(path: str, drafter_path: str | None = None, max_new_tokens: int 
 
 def check_llada(path: str, gen_length: int = 48, block_length: int = 16) -> dict[str, Any]:
     """Load the dLLM with the library and decode a few prompts with the baseline decoder."""
-    from spiffy.decoding.api import generate
-    from spiffy.models.loading import load_model, load_tokenizer
-
     model = load_model(path, dtype="float32")
     tok = load_tokenizer(path)
     out: dict[str, Any] = {"samples": {}}
@@ -101,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
             if k in r:
                 print(f"{name} {k}: {r[k]}")
     if a.json:
-        from spiffy.train.common import atomic_write_json
-
         atomic_write_json(a.json, res)
     return 0
 

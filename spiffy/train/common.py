@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from spiffy.errors import CheckpointError, ConfigError
+from spiffy.io import atomic_torch_save, atomic_write_json, atomic_write_text, atomic_write_with
 
 TRAIN_STATE = "train_state.pt"
 
@@ -26,8 +28,6 @@ def set_threads(n: int = 1) -> None:
 
 def seed_everything(seed: int) -> None:
     """Seed python's, numpy's and torch's global generators."""
-    import random
-
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
@@ -58,55 +58,6 @@ def cosine_lr_progress(step: int, progress: float, peak: float, warmup: int, min
         return peak * (step + 1) / max(1, warmup)
     progress = min(1.0, max(0.0, progress))
     return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
-def _umask_mode(mode: int = 0o644) -> int:
-    """``mode`` filtered by the process umask (mkstemp files are 0600 otherwise)."""
-    current = os.umask(0)
-    os.umask(current)
-    return mode & ~current
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory, then ``os.replace``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write UTF-8 ``text`` to ``path`` atomically."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` atomically."""
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` to ``path`` atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def save_train_state(out_dir: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -172,10 +123,11 @@ def encode_documents(tokenizer: Any, docs: list[str], eos_id: int, cache: str | 
         pos += arr.size
     flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
     if cache is not None:
-        Path(cache).parent.mkdir(parents=True, exist_ok=True)
-        tmp = str(cache) + ".tmp.npy"
-        np.save(tmp, flat)
-        os.replace(tmp, cache)
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as fh:  # a file object: np.save would append ".npy" to a bare temp name
+                np.save(fh, flat)
+
+        atomic_write_with(cache, write)
         atomic_write_json(str(cache) + ".starts.json", starts)
     return TokenStream(torch.from_numpy(flat.astype(np.int64)), starts)
 
@@ -296,8 +248,6 @@ class TrainLoop:
 
     def __init__(self, args: Any, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
                  extra: dict[str, Any], desc: str, refresh_postfix: bool = True):
-        from tqdm import tqdm
-
         self.args, self.out, self.model, self.opt = args, out, model, opt
         self.step, self.extra = step, extra
         self.refresh_postfix = refresh_postfix

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from spiffy.errors import ConfigError
-from spiffy.train.common import atomic_write_json, atomic_write_text
+from spiffy.io import atomic_write_json, atomic_write_text
 
 # top-level stdlib directories that are not representative source code (tests, bundled tools, generated tables)
 EXCLUDED_TOP = {

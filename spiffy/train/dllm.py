@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from spiffy.errors import MissingTokenError
+from spiffy.models.llada import LLaDAConfig, LLaDAModelLM
+from spiffy.models.loading import load_model, save_checkpoint
+from spiffy.torch_utils import resolve_dtype
 from spiffy.train import common
 from spiffy.train.ar import prepare_data
 
@@ -30,8 +33,6 @@ from spiffy.train.ar import prepare_data
 def build_config(tok: Any, hidden: int = 256, layers: int = 4, heads: int = 4, mlp: int = 768, context: int = 512,
                  tie: bool = True, rope_theta: float = 10000.0):
     """A small ``LLaDAConfig`` whose special ids come from ``tok``."""
-    from spiffy.models.llada import LLaDAConfig
-
     mask = tok.convert_tokens_to_ids("<|mdm_mask|>")
     if mask is None or mask == tok.unk_token_id:
         raise MissingTokenError("tokenizer has no <|mdm_mask|>; fix: build it with tokenizer_train --family llada")
@@ -141,9 +142,6 @@ SAMPLE_PROMPTS = common.SAMPLE_PROMPTS
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run masked-diffusion training as configured by ``args``; returns the metrics dict."""
-    from spiffy.models.llada import LLaDAModelLM
-    from spiffy.models.loading import load_model, save_checkpoint
-
     common.set_threads(args.threads)
     common.seed_everything(args.seed)
     out = Path(args.out)
@@ -205,7 +203,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     final = out / "model"
     export = LLaDAModelLM(cfg)
     export.load_state_dict(model.state_dict())
-    export = export.to(getattr(torch, args.save_dtype)).eval()
+    export = export.to(resolve_dtype(args.save_dtype)).eval()
     export.config.torch_dtype = args.save_dtype
     gen_cfg = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
                "mask_token_id": mask_id}

@@ -7,7 +7,7 @@ Each family gets its special tokens and chat template in the style of the real c
 * ``qwen3`` (also used by the DFlash drafter, which shares the target's vocabulary): ``<|endoftext|>`` (EOS/pad),
   ``<|im_start|>``, ``<|im_end|>``, ``<|MASK|>`` (DFlash mask); ChatML template.
 
-Built with :func:`spiffy.models.tokenizer.build_tokenizer` (H1's conventions: special tokens after the learned
+Built with :func:`spiffy.models.tokenizer.build_tokenizer` (the library's conventions: special tokens after the learned
 vocabulary, left padding); ids are always read from the tokenizer, never hard-coded.
 Saved as ``tokenizer.json`` + ``tokenizer_config.json``, loadable with ``AutoTokenizer.from_pretrained(dir)``.
 """
@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from spiffy.errors import ConfigError
+from spiffy.io import atomic_write_bytes
+from spiffy.models.registry import family_spec
+from spiffy.models.tokenizer import build_tokenizer
+from spiffy.train.corpus import build_corpus, load_split
 
-FAMILY_SPECIALS: dict[str, list[str]] = {
-    "llada": ["<|endoftext|>", "<|startoftext|>", "<|mdm_mask|>", "<|eot_id|>", "<|start_header_id|>",
-              "<|end_header_id|>"],
-    "qwen3": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"],
-}
+#: family -> its special tokens in id order (from the family registry)
+FAMILY_SPECIALS: dict[str, list[str]] = {f: list(family_spec(f).special_tokens) for f in ("llada", "qwen3")}
 
 def train_tokenizer(texts: Iterable[str], family: str, out_dir: str | os.PathLike[str] | None = None,
                     vocab_size: int = 4096):
@@ -35,28 +37,24 @@ def train_tokenizer(texts: Iterable[str], family: str, out_dir: str | os.PathLik
     test tokenizers: specials after the learned vocabulary, left padding, the family's chat template).
     ``vocab_size`` counts everything (256 byte symbols, merges and special tokens). Saved to ``out_dir`` if given.
     """
-    from spiffy.models.tokenizer import build_tokenizer
-
     if family not in FAMILY_SPECIALS:
         raise ConfigError(f"unknown tokenizer family {family!r}; fix: use one of {sorted(FAMILY_SPECIALS)}")
     fast = build_tokenizer(family, vocab_size=vocab_size, corpus=list(texts))
     if family == "qwen3" and fast.mask_token is None:
-        fast.mask_token = "<|MASK|>"  # the DFlash drafter's mask token, so it is easy to find
+        fast.mask_token = family_spec("dflash").mask_token  # the DFlash drafter's mask token, so it is easy to find
     if out_dir is not None:
         save_tokenizer(fast, out_dir)
     return fast
 
 
 def save_tokenizer(tokenizer, out_dir: str | os.PathLike[str]) -> None:
-    """Save ``tokenizer`` into ``out_dir`` (written to a temp dir first, files then moved in with ``os.replace``)."""
-    import tempfile
-
+    """Save ``tokenizer`` into ``out_dir`` (written to a temp dir first, then each file written atomically)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".tok.") as tmp:
         tokenizer.save_pretrained(tmp)
         for f in Path(tmp).iterdir():
-            os.replace(f, out / f.name)
+            atomic_write_bytes(out / f.name, f.read_bytes())
 
 
 def special_ids(tokenizer, family: str) -> dict[str, int]:
@@ -65,8 +63,6 @@ def special_ids(tokenizer, family: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spiffy.train.corpus import build_corpus, load_split
-
     p = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer on the stdlib corpus.")
     p.add_argument("--family", choices=sorted(FAMILY_SPECIALS), required=True, help="model family (special tokens)")
     p.add_argument("--out", required=True, help="output dir for tokenizer.json + tokenizer_config.json")

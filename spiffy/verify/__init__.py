@@ -6,6 +6,7 @@ from spiffy.verify.backend import (
     compile_batched,
     compile_packed,
     compile_tree,
+    compile_tree_rows,
     follow,
     tree_ancestor_mask,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "compile_batched",
     "compile_packed",
     "compile_tree",
+    "compile_tree_rows",
     "follow",
     "tree_ancestor_mask",
 ]

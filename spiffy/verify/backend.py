@@ -287,6 +287,51 @@ def compile_tree(
     return CompiledDraft(ids.view(1, r), pos.view(1, r), _additive(full, dtype).view(1, 1, r, context_len + r), offsets)
 
 
+def compile_tree_rows(
+    trees: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    prefix_rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    context_visible: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    pad_token: int = 0,
+) -> tuple[CompiledDraft, list[int]]:
+    """One tree per batch row (batched DDTree / DFlash verification): :func:`compile_tree` of every row, padded to
+    the longest row and stacked, with a per-row view of the shared cache.
+
+    Args:
+        trees: per batch row ``(tokens [N_b], positions [N_b], parents [N_b])`` as in :func:`compile_tree`.
+        prefix_rows: per batch row ``(tokens [P_b], positions [P_b])`` real rows placed first (the root).
+        context_visible: ``[B, C]`` bool, the cached positions each batch row may see (its committed context; left
+            padding and the holes left by other rows' longer commits are ``False``).
+        dtype: mask dtype; pad_token: token id of the padding rows.
+    Returns:
+        ``(compiled, rows)``: ``input_ids`` / ``position_ids`` ``[B, R]`` and ``attention_mask [B, 1, R, C + R]``
+        (``R`` = the longest ``P_b + N_b``); batch row ``b`` occupies rows ``[0, rows[b])`` (prefix then nodes, as
+        in :func:`compile_tree`); padding rows see only themselves and are never read. ``row_offsets`` is ``None``.
+    """
+    if len(trees) != len(prefix_rows) or len(trees) != int(context_visible.shape[0]):
+        raise ValueError(f"{len(trees)} trees, {len(prefix_rows)} prefixes and {int(context_visible.shape[0])} "
+                         "context rows must match (one per batch row)")
+    dev = context_visible.device
+    context_len = int(context_visible.shape[1])
+    rows = [int(pre[0].numel()) + int(tok.numel()) for (tok, _p, _q), pre in zip(trees, prefix_rows)]
+    width = max(rows) if rows else 0
+    batch = len(trees)
+    ids = torch.full((batch, width), int(pad_token), dtype=torch.long, device=dev)
+    pos = torch.zeros(batch, width, dtype=torch.long, device=dev)
+    vis = torch.zeros(batch, width, context_len + width, dtype=torch.bool, device=dev)
+    diag = torch.arange(width, device=dev)
+    vis[:, diag, context_len + diag] = True  # padding rows see themselves (keeps their softmax finite)
+    for b, ((tok, tpos, par), pre) in enumerate(zip(trees, prefix_rows)):
+        one = compile_tree(tok, tpos, par, 0, dtype=dtype, device=dev, prefix_rows=pre)
+        r = rows[b]
+        ids[b, :r] = one.input_ids[0]
+        pos[b, :r] = one.position_ids[0]
+        pos[b, r:] = one.position_ids[0, -1]
+        vis[b, :r, context_len : context_len + r] = one.attention_mask[0, 0] == 0
+        vis[b, :r, :context_len] = context_visible[b].to(torch.bool)
+    return CompiledDraft(ids, pos, _additive(vis, dtype).view(batch, 1, width, context_len + width), None), rows
+
+
 def follow(
     root: NodeT,
     next_state: Callable[[NodeT], StateT],

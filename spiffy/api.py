@@ -1,0 +1,185 @@
+"""The public dLLM decoding API: :func:`generate`, :func:`make_session` and :class:`DiffusionResult`.
+
+``generate(model, input_ids, config)`` decodes with the family's baseline rule (``graph=None``) or with Spiffy
+self-speculation (a calibrated draft graph; same tokens, fewer model calls). Families are recognised from the
+model config's ``model_type`` (``llada``, ``Dream``, ``sdar``). Token ids (mask, EOS, EoT) come from the config or
+the tokenizer, never from constants.
+
+This module is the front door: it sits above both paths it dispatches to, the baseline sessions
+(:mod:`spiffy.decoding`) and the speculative runtime (:mod:`spiffy.selfspec`). The familiar-signature wrappers
+(LLaDA ``generate``, Dream ``diffusion_generate``, SDAR ``block_diffusion_generate``) live in :mod:`spiffy.compat`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from spiffy.decoding.config import DecodeConfig
+from spiffy.decoding.factory import family_of, make_session
+from spiffy.decoding.session import DecodeSession, StepObserver, run_baseline
+from spiffy.selfspec.graph import runtime_signature
+from spiffy.selfspec.runtime import speculative_generate
+
+
+@dataclass
+class DiffusionResult:
+    """Output of :func:`generate`.
+
+    Attributes:
+        sequences: ``[B, T]`` final states (prompt, including any left padding, then the generated positions).
+        tokens: generated ids per row (prompt excluded), ``gen_length`` of them (SDAR may decode a few more
+            positions to finish its last block: ``sequences`` keeps those).
+        nfe: model forward calls.
+        steps: denoising steps taken (accepted speculative steps included).
+        seconds: wall-clock time of the decode (model loading and tokenisation excluded).
+        stats: the run's statistics (baseline: ``nfe``, ``steps``, ``steps_per_block``; speculative: the
+            runtime's counters, e.g. accepted drafts and per-stage times).
+        text: decoded generated text per row when a tokenizer was given.
+        prompt_len: rows of the prompt in ``sequences``.
+        config: the decoding configuration used.
+        family: ``"llada"``, ``"dream"`` or ``"sdar"``.
+    """
+
+    sequences: torch.Tensor
+    tokens: list[list[int]]
+    nfe: int
+    steps: int
+    seconds: float
+    stats: dict[str, Any] = field(default_factory=dict)
+    text: list[str] | None = None
+    prompt_len: int = 0
+    config: DecodeConfig | None = None
+    family: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (no tensors)."""
+        return {
+            "tokens": self.tokens,
+            "text": self.text,
+            "nfe": self.nfe,
+            "steps": self.steps,
+            "seconds": self.seconds,
+            "family": self.family,
+            "config": None if self.config is None else self.config.to_dict(),
+            "stats": _jsonable(self.stats),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def generate(
+    model: Any,
+    input_ids: Any,
+    config: DecodeConfig | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    tokenizer: Any = None,
+    graph: Any = None,
+    budget: int | None = None,
+    observer: StepObserver | None = None,
+    progress: bool = False,
+    generator: torch.Generator | None = None,
+    **config_overrides: Any,
+) -> DiffusionResult:
+    """Decode ``input_ids`` with ``model`` (LLaDA, Dream or SDAR).
+
+    Args:
+        model: a loaded dLLM (``spiffy.load_model``).
+        input_ids: ``[B, P]`` / ``[P]`` prompt ids (or a tokenizer's BatchEncoding).
+        config: a :class:`DecodeConfig` (default one if ``None``); ``config_overrides`` (e.g. ``gen_length=64``)
+            replace fields.
+        attention_mask: ``[B, P]`` for left-padded batches (LLaDA/Dream baseline).
+        tokenizer: for special-token lookup and ``result.text``.
+        graph: ``None`` = baseline; a calibrated :class:`~spiffy.selfspec.graph.DraftGraph` = Spiffy speculative
+            decoding (identical tokens, fewer forwards; batch size 1).
+        budget: draft nodes kept per step with a graph (``None`` = the runtime's default).
+        observer: called with every :class:`~spiffy.decoding.session.StepRecord`.
+        progress: show a tqdm progress bar (steps) on stderr.
+        generator: the random generator to consume (default: seeded from ``config.seed``).
+    Returns:
+        :class:`DiffusionResult`.
+    """
+    if isinstance(input_ids, dict) or hasattr(input_ids, "keys"):
+        if attention_mask is None and "attention_mask" in input_ids:
+            attention_mask = input_ids["attention_mask"]
+        input_ids = input_ids["input_ids"]
+    session = make_session(
+        model, input_ids, config, attention_mask=attention_mask, tokenizer=tokenizer, generator=generator, **config_overrides
+    )
+    cfg = getattr(session, "config", None)
+    bar = _progress_bar(session, cfg, progress)
+    tick: Callable[[int], None] | None = (lambda n: bar.update(n)) if bar is not None else None
+    t0 = time.perf_counter()
+    try:
+        if graph is None:
+            base = run_baseline(session, observer=observer, progress=tick)
+            stats = dataclasses.asdict(base)
+            nfe, steps = base.nfe, base.steps
+        else:
+            check_graph(graph, model, session)
+            spec = speculative_generate(session, graph, budget, observer=observer, progress=tick)
+            stats = spec.to_dict() if hasattr(spec, "to_dict") else dict(vars(spec))
+            nfe, steps = int(spec.nfe), int(spec.steps)
+        if session.x.device.type == "cuda":
+            torch.cuda.synchronize(session.x.device)
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    seqs = session.x
+    p = int(session.prompt_len)
+    # SDAR aligns blocks to absolute positions, so an unaligned prompt decodes a few positions past gen_length (as
+    # the reference does); ``sequences`` keeps them, ``tokens``/``text`` report the gen_length requested.
+    gen = int(getattr(cfg, "gen_length", seqs.shape[1] - p) or (seqs.shape[1] - p))
+    tokens = [row.tolist() for row in seqs[:, p : p + gen].cpu()]
+    text = None
+    if tokenizer is not None and hasattr(tokenizer, "batch_decode"):
+        text = tokenizer.batch_decode(tokens, skip_special_tokens=True)
+    return DiffusionResult(
+        sequences=seqs,
+        tokens=tokens,
+        nfe=int(nfe),
+        steps=int(steps),
+        seconds=seconds,
+        stats=stats,
+        text=text,
+        prompt_len=p,
+        config=cfg,
+        family=family_of(model),
+    )
+
+
+def check_graph(graph: Any, model: Any, session: DecodeSession) -> None:
+    """Raise :class:`~spiffy.errors.GraphMismatchError` when ``graph`` was calibrated for another model/rule."""
+    check = getattr(graph, "check_compatible", None)
+    if callable(check):
+        check(runtime_signature(model, session))
+
+
+def _progress_bar(session: DecodeSession, cfg: Any, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    total = None
+    if isinstance(cfg, DecodeConfig) and cfg.tokens_per_step != "dynamic":
+        total = int(cfg.resolved_steps)
+    return tqdm(total=total, desc="denoising", unit="step", file=sys.stderr, leave=False)
+
+
+__all__ = ["DiffusionResult", "check_graph", "family_of", "generate", "make_session", "runtime_signature"]

@@ -1,0 +1,284 @@
+"""Familiar-signature wrappers: the official entry points of LLaDA, Dream and SDAR, on spiffy's decoders.
+
+* :func:`llada_generate`: ML-GSAI/LLaDA ``generate(model, prompt, ...)``.
+* :func:`dream_diffusion_generate`: Dream's ``model.diffusion_generate(inputs, ...)``.
+* :func:`sdar_block_diffusion_generate`: JetAstra/SDAR ``block_diffusion_generate(model, prompt, ...)``.
+
+Each keeps the official arguments and defaults and adds ``graph``/``budget`` (Spiffy self-speculation: same
+tokens, fewer model calls). Without a seed the draws come from the device's global generator, so
+``torch.manual_seed(K)`` before the call reproduces the official script.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from spiffy.api import DiffusionResult, generate
+from spiffy.decoding.config import DecodeConfig
+from spiffy.decoding.factory import as_batch
+from spiffy.decoding.sdar import DEFAULT_EB_THRESHOLD, SDARDecodeConfig, SDARSession
+from spiffy.decoding.session import StepRecord, run_baseline
+from spiffy.errors import ConfigError
+from spiffy.selfspec.runtime import speculative_generate
+from spiffy.torch_utils import model_device
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    """The device's global generator (what ``torch.manual_seed`` seeds)."""
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[idx]
+    return torch.default_generator
+
+
+@torch.no_grad()
+def llada_generate(
+    model: Any,
+    prompt: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    steps: int = 128,
+    gen_length: int = 128,
+    block_length: int = 128,
+    temperature: float = 0.0,
+    cfg_scale: float = 0.0,
+    remasking: str = "low_confidence",
+    mask_id: int | None = None,
+    logits_eos_inf: bool = False,
+    confidence_eos_eot_inf: bool = False,
+    graph: Any = None,
+    budget: int | None = None,
+    *,
+    threshold: float | None = None,
+    cache: str = "none",
+    seed: int | None = None,
+    tokenizer: Any = None,
+    return_result: bool = False,
+) -> torch.Tensor | DiffusionResult:
+    """Drop-in for ML-GSAI/LLaDA ``generate`` (same arguments and defaults; returns ``x [B, P + gen_length]``).
+
+    Without ``seed`` the draws come from the device's global generator, so ``torch.manual_seed(K)`` before the
+    call reproduces the official script (no cache). Extras: ``threshold`` (Fast-dLLM), ``cache``
+    (``"none"``/``"prefix"``/``"dual"``), ``graph``/``budget`` (Spiffy; same tokens, fewer forwards),
+    ``return_result`` (the full :class:`DiffusionResult`).
+    """
+    cfg = DecodeConfig(
+        gen_length=int(gen_length),
+        block_length=int(block_length),
+        steps=int(steps),
+        threshold=threshold,
+        remasking=remasking,
+        temperature=float(temperature),
+        cfg_scale=float(cfg_scale),
+        logits_eos_inf=bool(logits_eos_inf),
+        confidence_eos_eot_inf=bool(confidence_eos_eot_inf),
+        cache=cache,
+        seed=seed,
+        mask_id=mask_id,
+    )
+    generator = None if seed is not None else _default_generator(model_device(model))
+    res = generate(
+        model, prompt, cfg, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph, budget=budget, generator=generator
+    )
+    return res if return_result else res.sequences
+
+
+@dataclass
+class DreamGenerateOutput:
+    """What ``dream_diffusion_generate(..., return_dict_in_generate=True)`` returns (like Dream's ModelOutput)."""
+
+    sequences: torch.Tensor
+    history: tuple[torch.Tensor, ...] | None = None
+    result: DiffusionResult | None = None
+
+
+@torch.no_grad()
+def dream_diffusion_generate(
+    model: Any,
+    inputs: torch.Tensor,
+    generation_config: Any = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    max_length: int | None = None,
+    max_new_tokens: int | None = None,
+    steps: int = 512,
+    eps: float = 1e-3,
+    alg: str = "origin",
+    alg_temp: float | None = None,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    output_history: bool = False,
+    return_dict_in_generate: bool = False,
+    mask_token_id: int | None = None,
+    block_length: int | None = None,
+    threshold: float | None = None,
+    dual_cache: bool = False,
+    cache: str | None = None,
+    seed: int | None = None,
+    tokenizer: Any = None,
+    graph: Any = None,
+    budget: int | None = None,
+    **unused: Any,
+) -> torch.Tensor | DreamGenerateOutput:
+    """Drop-in for Dream's ``model.diffusion_generate(inputs, ...)`` (keyword-compatible; returns ``x`` or, with
+    ``return_dict_in_generate``, an object with ``sequences`` and ``history``).
+
+    ``gen_length`` = ``max_new_tokens``, else ``max_length - P``, else 20 (Dream's default ``max_length``). Fast-dLLM
+    extras: ``block_length``, ``threshold`` (or ``alg="confidence_threshold"``, threshold 0.9 by default),
+    ``dual_cache`` / ``cache``. A ``generation_config`` object's matching attributes are read when the keywords
+    are not given. Without ``seed`` the device's global generator is consumed.
+    """
+    if generation_config is not None:
+        def pick(name: str, current: Any, default: Any) -> Any:
+            return getattr(generation_config, name, current) if current == default else current
+
+        max_length = pick("max_length", max_length, None)
+        max_new_tokens = pick("max_new_tokens", max_new_tokens, None)
+        steps = pick("steps", steps, 512)
+        eps = pick("eps", eps, 1e-3)
+        alg = pick("alg", alg, "origin")
+        alg_temp = pick("alg_temp", alg_temp, None)
+        temperature = pick("temperature", temperature, 0.0)
+        top_p = pick("top_p", top_p, None)
+        top_k = pick("top_k", top_k, None)
+        mask_token_id = pick("mask_token_id", mask_token_id, None)
+        output_history = pick("output_history", output_history, False)
+        return_dict_in_generate = pick("return_dict_in_generate", return_dict_in_generate, False)
+    if unused:
+        known = {"generation_tokens_hook_func", "generation_logits_hook_func"}
+        bad = sorted(set(unused) - known)
+        if bad:
+            raise ConfigError(f"unknown diffusion_generate option(s) {', '.join(bad)}; fix: remove them")
+    ids = as_batch(inputs)
+    p = ids.shape[1]
+    if max_new_tokens is not None:
+        gen_length = int(max_new_tokens)
+    elif max_length is not None:
+        gen_length = int(max_length) - p
+    else:
+        gen_length = 20
+    if gen_length < 1:
+        raise ConfigError(
+            f"max_length={max_length} leaves no room after the {p}-token prompt; fix: pass max_new_tokens=N"
+        )
+    if alg == "confidence_threshold":
+        alg = "maskgit_plus"
+        threshold = 0.9 if threshold is None else threshold
+    # Fast-dLLM's block variant (block_length given) always runs with a cache; the original has none
+    mode = cache if cache is not None else ("dual" if dual_cache else ("prefix" if block_length is not None else "none"))
+    cfg = DecodeConfig(
+        gen_length=gen_length,
+        block_length=block_length,
+        steps=int(steps),
+        threshold=threshold,
+        temperature=float(temperature),
+        cache=mode,
+        seed=seed,
+        alg=alg,
+        alg_temp=alg_temp,
+        eps=float(eps),
+        top_p=top_p,
+        top_k=top_k,
+        mask_id=mask_token_id,
+    )
+    history: list[torch.Tensor] | None = [] if (output_history and return_dict_in_generate) else None
+    observer = None
+    if history is not None:
+        def observer(rec: StepRecord) -> None:
+            history.append(rec.x_after.clone())
+
+    generator = None if seed is not None else _default_generator(model_device(model))
+    res = generate(
+        model, ids, cfg, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph, budget=budget,
+        observer=observer, generator=generator,
+    )
+    if return_dict_in_generate:
+        return DreamGenerateOutput(sequences=res.sequences, history=None if history is None else tuple(history), result=res)
+    return res.sequences
+
+
+
+@torch.no_grad()
+def sdar_block_diffusion_generate(
+    model: torch.nn.Module,
+    prompt: Any,
+    mask_id: int | None = None,
+    gen_length: int = 128,
+    block_length: int = 8,
+    denoising_steps: int = 8,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    remasking_strategy: str = "low_confidence_dynamic",
+    confidence_threshold: float = 0.85,
+    stopping_criteria_idx: Sequence[int] | int | None = None,
+    *,
+    eb_threshold: float = DEFAULT_EB_THRESHOLD,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    fuse_commit: bool = False,
+    overwrite_quirk: bool = False,
+    graph: Any = None,
+    budget: int | None = None,
+    return_stats: bool = False,
+    **speculative_kwargs: Any,
+) -> torch.Tensor | tuple[torch.Tensor, Any]:
+    """Drop-in for SDAR's ``block_diffusion_generate`` (same positional/keyword arguments and defaults).
+
+    Args:
+        prompt: a dict/BatchEncoding with ``"input_ids"`` ``[1, P]`` (as the reference) or the tensor itself.
+        mask_id: ``None`` = from the model config.
+        seed / generator: the random source. Neither given = the device's global generator, so
+            ``torch.manual_seed(K)`` before the call reproduces the official script's draws.
+        eb_threshold: entropy budget for ``remasking_strategy="entropy_bounded"``.
+        fuse_commit, overwrite_quirk: see :class:`SDARDecodeConfig`.
+        graph, budget: a calibrated draft graph -> Spiffy speculative decoding
+            (:func:`spiffy.selfspec.runtime.speculative_generate`; same tokens, fewer model calls).
+        return_stats: also return the run's statistics (:class:`BaselineStats` or ``SpeculativeStats``).
+    Returns:
+        ``x`` ``[1, ceil((P + gen_length) / block_length) * block_length]`` (prompt, generated tokens, and masks
+        in blocks never decoded because of a stop token), like the reference; with ``return_stats`` also the stats.
+    """
+    input_ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    if temperature is None or temperature < 0:
+        raise ConfigError(f"temperature={temperature!r} must be >= 0; fix: use 0 for greedy decoding")
+    stops = None
+    if stopping_criteria_idx is not None:
+        stops = (int(stopping_criteria_idx),) if isinstance(stopping_criteria_idx, int) else tuple(int(t) for t in stopping_criteria_idx)
+    cfg = SDARDecodeConfig(
+        gen_length=int(gen_length),
+        block_length=int(block_length),
+        denoising_steps=int(denoising_steps),
+        temperature=float(temperature),
+        top_k=int(top_k) if top_k and int(top_k) > 0 else None,
+        top_p=float(top_p) if top_p is not None and float(top_p) < 1.0 else None,
+        strategy=remasking_strategy,
+        # the threshold only matters to (and is only validated for) low_confidence_dynamic
+        threshold=(
+            float(confidence_threshold)
+            if confidence_threshold is not None and remasking_strategy == "low_confidence_dynamic"
+            else None
+        ),
+        eb_threshold=float(eb_threshold),
+        seed=seed,
+        fuse_commit=fuse_commit,
+        overwrite_quirk=overwrite_quirk,
+        stop_token_ids=stops,
+        mask_id=mask_id,
+    )
+    model.eval()
+    if generator is None and seed is None:
+        generator = _default_generator(model_device(model))
+    session = SDARSession(model, input_ids, cfg, generator=generator)
+    if graph is None:
+        stats: Any = run_baseline(session)
+    else:
+        stats = speculative_generate(session, graph, budget, **speculative_kwargs)
+    return (session.x, stats) if return_stats else session.x
+
+
+
+__all__ = ["DreamGenerateOutput", "dream_diffusion_generate", "llada_generate", "sdar_block_diffusion_generate"]
