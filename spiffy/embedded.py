@@ -8,7 +8,8 @@ environment variable ``SPIFFY_EMBEDDED_DIR`` points the resolver at another dire
 Calibrated draft graphs travel with their model: ``<model dir>/graphs/*.json`` (see :func:`shipped_graphs`).
 
 Kinds: ``"dllm"`` (a LLaDA-architecture diffusion LM), ``"ar-target"`` (a Qwen3 target), ``"ar-drafter"`` (its
-DFlash drafter).
+DFlash drafter), ``"ar-dllm-drafter"`` (an SDAR diffusion LM sharing the target's tokenizer: the DEER / SpecDiff-2
+drafter).
 """
 
 from __future__ import annotations
@@ -27,11 +28,15 @@ from spiffy.selfspec.graph import load_graph, runtime_signature
 #: kind -> directory name under spiffy/data/models
 EMBEDDED_NAMES: dict[str, str] = {"dllm": "tiny-llada", "ar-target": "tiny-qwen3", "ar-drafter": "tiny-qwen3-dflash-b16"}
 
+#: embedded checkpoints only some methods use (not needed by ``spiffy demo``): kind -> directory name
+OPTIONAL_EMBEDDED_NAMES: dict[str, str] = {"ar-dllm-drafter": "tiny-sdar"}
+
 #: kind -> the training script that produces the checkpoint (relative to the repository root)
 TRAINING_SCRIPTS: dict[str, str] = {
     "dllm": "scripts/train_tiny_llada.sh",
     "ar-target": "scripts/train_tiny_qwen3.sh",
     "ar-drafter": "scripts/train_tiny_drafter.sh",
+    "ar-dllm-drafter": "scripts/train_tiny_sdar.sh",
 }
 
 #: subdirectory of a model directory holding its calibrated draft graphs (``*.json``)
@@ -52,13 +57,15 @@ def embedded_models_dir() -> Path:
 
 
 def _check_kind(kind: str) -> str:
-    if kind not in EMBEDDED_NAMES:
-        raise ConfigError(f"unknown embedded model kind {kind!r}; fix: use one of {', '.join(EMBEDDED_NAMES)}")
+    if kind not in EMBEDDED_NAMES and kind not in OPTIONAL_EMBEDDED_NAMES:
+        known = ", ".join([*EMBEDDED_NAMES, *OPTIONAL_EMBEDDED_NAMES])
+        raise ConfigError(f"unknown embedded model kind {kind!r}; fix: use one of {known}")
     return kind
 
 
 def _candidate(kind: str) -> Path:
-    return embedded_models_dir() / EMBEDDED_NAMES[_check_kind(kind)]
+    _check_kind(kind)
+    return embedded_models_dir() / {**EMBEDDED_NAMES, **OPTIONAL_EMBEDDED_NAMES}[kind]
 
 
 def is_embedded_available(kind: str) -> bool:

@@ -37,6 +37,9 @@ REDUCTIONS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("spiffy", "bench", "dllm"), ("--max-prompts", "1", "--warmup", "0", "--no-progress")),
     (("spiffy", "bench", "ar"), ("--max-prompts", "1", "--max-new-tokens", "16", "--warmup", "0", "--no-progress")),
     (("spiffy", "demo"), ("--max-prompts", "1", "--no-progress")),
+    (("spiffy", "train-drafter"), ("--steps", "2", "--max-files", "10", "--heldout-percent", "30", "--seq-len", "24",
+                                   "--prompt-len", "8", "--batch-size", "2", "--num-anchors", "2", "--block-size", "4",
+                                   "--eval-prompts", "1", "--eval-new-tokens", "4", "--save-dtype", "float32")),
 )
 
 
@@ -73,6 +76,7 @@ SETUP = _block_with("bash", "spiffy demo")
 TESTS = _block_with("bash", "pytest")
 CLI = _block_with("bash", "spiffy tiny llada")
 RETRAIN = _block_with("bash", "scripts/train_tiny_qwen3.sh")
+DIFFUSION_DRAFTERS = _block_with("bash", "spiffy tiny dllm-drafter")
 #: the "Real checkpoints" blocks name Hub ids: tests/test_hub.py runs them against an offline Hugging Face cache
 HUB_CLI = _block_with("bash", "GSAI-ML/LLaDA-8B-Instruct")
 HUB_PYTHON = _block_with("python", "JetLM/SDAR-8B-Chat")
@@ -81,7 +85,7 @@ PYTHON = _block_with("python", "spiffy.load_model(\"/tmp/llada\"")
 
 
 def test_every_readme_block_is_exercised() -> None:
-    assert sorted(_blocks("bash")) == sorted([SETUP, TESTS, CLI, RETRAIN, HUB_CLI, FIDELITY])
+    assert sorted(_blocks("bash")) == sorted([SETUP, TESTS, CLI, RETRAIN, HUB_CLI, FIDELITY, DIFFUSION_DRAFTERS])
     assert sorted(_blocks("python")) == sorted([PYTHON, HUB_PYTHON])
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     for block in (SETUP, TESTS):  # both run verbatim in CI, in a fresh virtual environment
@@ -137,3 +141,16 @@ def test_retrain_block_scripts_exist_and_parse() -> None:
         assert script.is_file() and script.stat().st_mode & 0o111, script
         check = [sys.executable, "-m", "py_compile"] if script.suffix == ".py" else ["bash", "-n"]
         subprocess.run([*check, str(script)], check=True)
+
+
+def test_diffusion_drafter_block_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    here = str(tmp_path) + "/"
+    for argv in commands(DIFFUSION_DRAFTERS):
+        argv = [w.replace("/tmp/", here) for w in argv]
+        if argv[:2] == ["spiffy", "train-drafter"]:
+            argv += ["--corpus", here + "corpus"]
+        _run_cli(argv, capsys)
+    assert (tmp_path / "runs" / "ar-all" / "results.json").is_file()
+    assert (tmp_path / "runs" / "d2a1" / "model" / "MODEL_CARD.md").is_file()

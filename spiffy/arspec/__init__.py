@@ -19,14 +19,23 @@ Batches: ``ddtree_generate_batch(target, drafter, [ids_a, ids_b, ...], seed=[...
 for every row; row ``b`` equals ``ddtree_generate`` of prompt ``b`` alone).
 
 ``method="dflash"`` is the vanilla DFlash chain and ``method="ar"`` plain AR decoding, on the same code path.
+A standalone diffusion LM drafts too (:class:`DLLMDrafter`; ``load_ar_drafter`` + :func:`as_drafter` pick the kind
+from the checkpoint): ``method="deer"`` (its chain) and ``method="specdiff"`` (``drafts`` sampled joint drafts as
+one tree); ``accept="rejection"`` switches to speculative sampling (:class:`RejectionRule`)::
+
+    drafter = as_drafter(load_ar_drafter("path/to/sdar-drafter", dtype="float32"))
+    cfg = ARSpecConfig(method="specdiff", drafts=4, accept="rejection", sampling=SamplingConfig(temperature=1.0, seed=0))
+    res = speculative_generate(target, drafter, input_ids, cfg)
 """
 
 from __future__ import annotations
 
 from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
-from spiffy.arspec.config import DEFAULT_TREE_BUDGET, METHODS, ARSpecConfig
+from spiffy.arspec.config import ACCEPT_RULES, DEFAULT_TREE_BUDGET, METHODS, ARSpecConfig
+from spiffy.arspec.dllm_drafter import DLLMDrafter, as_drafter
 from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter
-from spiffy.arspec.generate import DEFAULT_BUDGET, ARGenerationResult, ddtree_generate, speculative_generate
+from spiffy.arspec.generate import DEFAULT_BUDGET, ARGenerationResult, ddtree_generate, make_rule, speculative_generate
+from spiffy.arspec.rejection import RejectionRule
 from spiffy.arspec.rules import Acceptance, AcceptanceRule, CoupledRule, TargetLogits
 from spiffy.arspec.sampling import sample_keyed, sample_tokens
 from spiffy.arspec.stages import STAGES
@@ -34,6 +43,7 @@ from spiffy.arspec.tree import DraftTree, build_chain, build_ddtree, empty_tree
 from spiffy.sampling import SamplingConfig
 
 __all__ = [
+    "ACCEPT_RULES",
     "ARGenerationResult",
     "ARSpecConfig",
     "Acceptance",
@@ -43,17 +53,21 @@ __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_TREE_BUDGET",
     "DFlashDrafter",
+    "DLLMDrafter",
     "DraftTree",
     "Drafter",
     "METHODS",
+    "RejectionRule",
     "STAGES",
     "SamplingConfig",
     "TargetLogits",
+    "as_drafter",
     "build_chain",
     "build_ddtree",
     "ddtree_generate",
     "ddtree_generate_batch",
     "empty_tree",
+    "make_rule",
     "sample_keyed",
     "sample_tokens",
     "speculative_generate",

@@ -31,8 +31,8 @@ from transformers import DynamicCache
 
 from spiffy.arspec.config import ARSpecConfig
 from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter
-from spiffy.arspec.generate import DEFAULT_BUDGET, ARGenerationResult, _append_until_stop, _check_context
-from spiffy.arspec.rules import AcceptanceRule, CoupledRule, TargetLogits
+from spiffy.arspec.generate import DEFAULT_BUDGET, ARGenerationResult, _append_until_stop, _check_context, make_rule
+from spiffy.arspec.rules import AcceptanceRule, TargetLogits
 from spiffy.arspec.sampling import sample_keyed
 from spiffy.arspec.stages import StageClock, TargetRunner, build_tree, draft, sync
 from spiffy.arspec.tree import DraftTree
@@ -143,7 +143,7 @@ def speculative_generate_batch(
             state), or ``None`` for plain AR on every row.
         prompts: ``B`` token-id lists (any lengths), or a ``[B, P]`` tensor.
         configs: one :class:`ARSpecConfig` for all rows or one per row (e.g. per-row seeds or stop tokens).
-        rules: one acceptance rule per row (default: :class:`~spiffy.arspec.CoupledRule` of the row's sampling).
+        rules: one acceptance rule per row (default: the rule each row's ``config.accept`` names).
     Returns:
         One :class:`ARGenerationResult` per row, in order. Per-row: tokens, rounds, τ, acceptance lengths,
         histogram, nodes per round. Shared by the batch: ``seconds``, ``prefill_seconds`` and ``stage_times`` (wall
@@ -158,7 +158,7 @@ def speculative_generate_batch(
     drafts: list[Drafter | None] = _per_row(drafters, n, "drafters") if drafters is not None else [None] * n
     if drafters is not None and len({id(d) for d in drafts if d is not None}) < sum(d is not None for d in drafts):
         raise ConfigError("the same drafter object is used by several rows; fix: pass one drafter instance per row")
-    row_rules: list[AcceptanceRule] = list(rules) if rules is not None else [CoupledRule(c.sampling) for c in cfgs]
+    row_rules: list[AcceptanceRule] = list(rules) if rules is not None else [make_rule(c) for c in cfgs]
     if len(row_rules) != n:
         raise ConfigError(f"rules has {len(row_rules)} entries for {n} prompts")
     blocks: list[int] = []
@@ -225,8 +225,8 @@ def speculative_generate_batch(
                 roots.append((res.tokens[-1], root_pos))
                 draft_logits.append(draft(active_drafters[b], res.tokens[-1], root_pos, depth))
             clock.lap("draft")
-            for b, logits in zip(live, draft_logits):
-                trees.append(build_tree(cfgs[b], logits))
+            for b, logits, (_tok, pos) in zip(live, draft_logits, roots):
+                trees.append(build_tree(cfgs[b], logits, pos))
             clock.lap("tree_build")
             context_len = int(runner.cache.get_seq_length())
             compiled, widths = compile_tree_rows(

@@ -8,10 +8,18 @@ from typing import Iterable
 from spiffy.errors import ConfigError
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["ARSpecConfig", "METHODS", "DEFAULT_TREE_BUDGET", "stop_id_tuple"]
+__all__ = ["ARSpecConfig", "ACCEPT_RULES", "CHAIN_METHODS", "METHODS", "DEFAULT_TREE_BUDGET", "stop_id_tuple"]
 
-#: ``ddtree``: the optimal draft tree; ``dflash``: the chain of the drafter's argmaxes; ``ar``: no drafts
-METHODS: tuple[str, ...] = ("ddtree", "dflash", "ar")
+#: ``ddtree``: the optimal draft tree; ``dflash``: the chain of the drafter's argmaxes (DFlash paper); ``deer``: the
+#: same chain, from a dLLM drafter (DEER paper; sampled from the drafter under the rejection rule at T > 0);
+#: ``specdiff``: ``drafts`` joint drafts sampled from the drafter's position-wise marginals, verified together as
+#: one tree (SpecDiff-2 self-selection); ``ar``: no drafts
+METHODS: tuple[str, ...] = ("ddtree", "dflash", "deer", "specdiff", "ar")
+#: methods that verify one chain per round
+CHAIN_METHODS: tuple[str, ...] = ("dflash", "deer")
+#: ``coupled``: position-keyed coupling (equal to AR token for token); ``rejection``: speculative sampling
+#: (min(1, p/q) and the residual; equal to AR in distribution)
+ACCEPT_RULES: tuple[str, ...] = ("coupled", "rejection")
 #: DDTree nodes per round (root excluded) when none is given
 DEFAULT_TREE_BUDGET = 64
 
@@ -32,8 +40,10 @@ class ARSpecConfig:
     Attributes:
         method: one of :data:`METHODS`.
         tree_budget: ``ddtree`` only: draft-tree nodes verified per round (root excluded); ``0`` = no drafts.
-        chain_length: ``dflash`` only: drafted tokens per round; ``None`` = ``block_size - 1`` (a whole block);
-            ``0`` = no drafts.
+        chain_length: ``dflash``, ``deer``, ``specdiff``: drafted tokens per draft and round; ``None`` =
+            ``block_size - 1`` (a whole block); ``0`` = no drafts.
+        drafts: ``specdiff`` only: joint drafts sampled per round (``K``; ``0`` = no drafts).
+        accept: the acceptance rule, one of :data:`ACCEPT_RULES`.
         max_new_tokens: hard cap on generated tokens.
         stop_token_ids: generation ends right after the first generated one of these (it is kept in the output).
         block_size: drafted block length including the root (bonus) token; ``None`` = the drafter's own.
@@ -44,6 +54,8 @@ class ARSpecConfig:
     method: str = "ddtree"
     tree_budget: int = DEFAULT_TREE_BUDGET
     chain_length: int | None = None
+    drafts: int = 1
+    accept: str = "coupled"
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     block_size: int | None = None
@@ -58,6 +70,10 @@ class ARSpecConfig:
             )
         if self.chain_length is not None and int(self.chain_length) < 0:
             raise ConfigError(f"chain_length must be >= 0, got {self.chain_length}; fix: pass None for a whole block")
+        if int(self.drafts) < 0:
+            raise ConfigError(f"drafts must be >= 0, got {self.drafts}; fix: pass --drafts K with K >= 1 (e.g. 4)")
+        if self.accept not in ACCEPT_RULES:
+            raise ConfigError(f"unknown acceptance rule {self.accept!r}; fix: use one of {', '.join(ACCEPT_RULES)}")
         if int(self.max_new_tokens) < 0:
             raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.block_size is not None and int(self.block_size) < 1:
@@ -71,7 +87,9 @@ class ARSpecConfig:
         """Whether any round drafts (DDTree with budget 0 and a chain of length 0 run as plain AR)."""
         if self.method == "ddtree":
             return int(self.tree_budget) > 0
-        if self.method == "dflash":
+        if self.method == "specdiff" and int(self.drafts) == 0:
+            return False
+        if self.method in CHAIN_METHODS or self.method == "specdiff":
             return self.chain_length is None or int(self.chain_length) > 0
         return False
 
@@ -80,14 +98,24 @@ class ARSpecConfig:
         if not self.uses_drafter:
             return 0
         depth = block - 1
-        if self.method == "dflash" and self.chain_length is not None:
+        if self.method != "ddtree" and self.chain_length is not None:
             depth = min(depth, int(self.chain_length))
         return depth
 
     def reported_budget(self, block: int) -> int:
-        """Draft nodes per round as reported in results: the tree budget, the chain length, or 0 for AR."""
+        """Draft nodes per round as reported in results: the tree budget, the chain length (times the number of
+        drafts for specdiff: an upper bound, common prefixes are merged), or 0 for AR."""
         if self.method == "ddtree":
             return int(self.tree_budget)
-        if self.method == "dflash":
-            return self.draft_depth(block) if self.chain_length is not None else block - 1
+        if self.method in CHAIN_METHODS or self.method == "specdiff":
+            length = self.draft_depth(block) if self.chain_length is not None else block - 1
+            return length * (int(self.drafts) if self.method == "specdiff" else 1)
         return 0
+
+    @property
+    def samples_drafts(self) -> bool:
+        """Whether draft tokens are sampled from the drafter (specdiff always; the chain methods under the
+        rejection rule at T > 0, where sampling from ``q`` is what makes ``min(1, p/q)`` the acceptance)."""
+        if self.method == "specdiff":
+            return True
+        return self.method in CHAIN_METHODS and self.accept == "rejection" and float(self.sampling.temperature) > 0

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from spiffy.arspec.config import DEFAULT_TREE_BUDGET, METHODS, ARSpecConfig
 from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter
+from spiffy.arspec.rejection import RejectionRule
 from spiffy.arspec.rules import AcceptanceRule, CoupledRule
 from spiffy.arspec.sampling import sample_keyed
 from spiffy.arspec.stages import STAGES, StageClock, TargetRunner, build_tree, commit, compile_round, draft, prefill, sync, verify
@@ -26,7 +27,9 @@ from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.dflash import DFlashDraftModel
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["ARGenerationResult", "speculative_generate", "ddtree_generate", "METHODS", "DEFAULT_BUDGET", "STAGES"]
+__all__ = [
+    "ARGenerationResult", "speculative_generate", "ddtree_generate", "make_rule", "METHODS", "DEFAULT_BUDGET", "STAGES",
+]
 
 #: DDTree nodes per round when ``budget`` is not given (same as :data:`spiffy.arspec.config.DEFAULT_TREE_BUDGET`)
 DEFAULT_BUDGET = DEFAULT_TREE_BUDGET
@@ -126,6 +129,13 @@ def _append_until_stop(tokens: list[int], new: list[int], config: ARSpecConfig) 
     return committed, False
 
 
+def make_rule(config: ARSpecConfig) -> AcceptanceRule:
+    """The acceptance rule ``config.accept`` names, for ``config.sampling``."""
+    if config.accept == "rejection":
+        return RejectionRule(config.sampling)
+    return CoupledRule(config.sampling)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: nn.Module,
@@ -144,7 +154,7 @@ def speculative_generate(
         drafter: a :class:`~spiffy.arspec.Drafter` (ignored, may be ``None``, for ``method="ar"``).
         input_ids: the prompt, ``[P]`` or ``[1, P]`` token ids (list or tensor).
         config: method, tree budget / chain length, limits, stop tokens, sampling.
-        rule: the acceptance rule (default: :class:`~spiffy.arspec.CoupledRule` of ``config.sampling``).
+        rule: the acceptance rule (default: the one ``config.accept`` names, :func:`make_rule`).
         progress: show a tqdm bar over generated tokens on stderr.
     Returns:
         :class:`ARGenerationResult`.
@@ -162,7 +172,7 @@ def speculative_generate(
         if block < 1:
             raise ConfigError(f"block_size must be >= 1, got {block}")
     active = drafter if config.uses_drafter else None  # no drafts: run without the drafter (no hooks, no context)
-    rule = rule if rule is not None else CoupledRule(config.sampling)
+    rule = rule if rule is not None else make_rule(config)
     runner = TargetRunner.for_target(target)
     prompt = _as_prompt(input_ids, runner.device)
     n_prompt = int(prompt.shape[1])
@@ -204,7 +214,7 @@ def speculative_generate(
             depth = min(depth_cap, config.max_new_tokens - len(tokens) - 1)
             draft_logits = draft(active, root_tok, root_pos, depth)
             clock.lap("draft")
-            tree = build_tree(config, draft_logits)
+            tree = build_tree(config, draft_logits, root_pos)
             clock.lap("tree_build")
             compiled = compile_round(runner, tree, root_tok, root_pos, root_rows)
             clock.lap("compile")

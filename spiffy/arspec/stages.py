@@ -30,6 +30,7 @@ from spiffy.arspec.config import ARSpecConfig
 from spiffy.arspec.drafter import Drafter
 from spiffy.arspec.rules import TargetLogits
 from spiffy.arspec.sampling import tempered
+from spiffy.arspec.selfselect import build_sampled_tree, proposal_probs, sample_drafts
 from spiffy.arspec.tree import DraftTree, build_chain, build_ddtree, empty_tree
 from spiffy.errors import ConfigError
 from spiffy.verify import CompiledDraft, compile_tree
@@ -135,15 +136,22 @@ def draft(drafter: Drafter | None, root_token: int, root_position: int, depth: i
     return drafter.propose(root_token, root_position, depth)
 
 
-def build_tree(config: ARSpecConfig, draft_logits: torch.Tensor | None) -> DraftTree:
+def build_tree(config: ARSpecConfig, draft_logits: torch.Tensor | None, root_position: int = 0) -> DraftTree:
     """The draft structure of one round from the drafter's ``[L, V]`` logits.
 
-    ``dflash``: the argmax chain; ``ddtree``: the optimal ``tree_budget``-node tree of the drafter's distribution at
-    the sampling temperature (:func:`~spiffy.arspec.sampling.tempered`); no logits: an empty tree (plain AR).
+    ``dflash`` / ``deer``: the argmax chain, or (:attr:`ARSpecConfig.samples_drafts`: rejection rule at T > 0) one
+    draft sampled from the drafter; ``specdiff``: ``drafts`` joint drafts sampled from the drafter's position-wise
+    marginals and merged into one tree (:mod:`spiffy.arspec.selfselect`; draws keyed by ``root_position``);
+    ``ddtree``: the optimal ``tree_budget``-node tree of the drafter's distribution at the sampling temperature
+    (:func:`~spiffy.arspec.sampling.tempered`); no logits: an empty tree (plain AR).
     """
     if draft_logits is None:
         return empty_tree()
-    if config.method == "dflash":
+    if config.samples_drafts:
+        probs = proposal_probs(draft_logits, config.sampling)
+        count = int(config.drafts) if config.method == "specdiff" else 1
+        return build_sampled_tree(probs, sample_drafts(probs, count, config.sampling, root_position))
+    if config.method != "ddtree":
         return build_chain(draft_logits)
     scores = tempered(draft_logits, float(config.sampling.temperature))
     return build_ddtree(torch.log_softmax(scores, dim=-1), int(config.tree_budget))

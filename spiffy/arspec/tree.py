@@ -35,6 +35,11 @@ class DraftTree:
         parents: ``[N]`` long index of each node's parent, ``-1`` for children of the root. Parents precede children.
         depths: ``[N]`` long depth of each node (children of the root have depth 1).
         scores: ``[N]`` float cumulative log-probability of each node's prefix under the drafter.
+        samples: for trees of sampled drafts (:mod:`spiffy.arspec.selfselect`): ``{parent index or -1: [tokens]}``,
+            the i.i.d. draws below each node, in draw order, duplicates included (the rejection rule needs the
+            multiset and its order); ``None`` when the children are chosen deterministically (argmax, top-B).
+        proposal: with ``samples``: ``[D, V]`` float64 CPU probabilities the depth-``d`` draws came from (row
+            ``d - 1``).
     All tensors live on the CPU (they drive host-side bookkeeping).
     """
 
@@ -42,6 +47,8 @@ class DraftTree:
     parents: torch.Tensor
     depths: torch.Tensor
     scores: torch.Tensor
+    samples: dict[int, list[int]] | None = None
+    proposal: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:

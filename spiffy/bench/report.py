@@ -175,15 +175,19 @@ def markdown_ar(res: dict[str, Any]) -> str:
         f"- timing: {res.get('timing')}",
         *_env_lines(res.get("environment", {})),
         "",
-        "| method | budget | tau | TPOT (ms) | tokens/s | speedup vs AR | speedup vs DFlash | identical | distinct-token ratio | whitespace share |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | budget | tau | TPOT (ms) | tokens/s | speedup vs AR | speedup vs DFlash | identical | distinct-token ratio | whitespace share | drafter | rule | K | target NFE/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in res["methods"]:
         ident = _identical_cell(m, res["num_prompts"])
+        if not m.get("identical_expected", True):  # rejection rule at T > 0: equal to AR in distribution only
+            ident = f"{m['identical']}/{res['num_prompts']} (in distribution)"
         lines.append(
             f"| {m['method']} | {m['budget']} | {_f(m['tau'])} | {_f(1000 * m['tpot_s'])} | {_f(m['tokens_per_s'])} | "
             f"{_f(m['speedup_vs_ar'])}x | {_f(m['speedup_vs_dflash'])}x | {ident} | "
-            f"{_f(m['degenerate']['distinct_token_ratio'], 3)} | {_f(m['degenerate']['whitespace_share'], 3)} |"
+            f"{_f(m['degenerate']['distinct_token_ratio'], 3)} | {_f(m['degenerate']['whitespace_share'], 3)} | "
+            f"{m.get('drafter_kind', '')} | {m.get('accept', 'coupled')} | {m.get('drafts', '') if m['method'] == 'specdiff' else ''} | "
+            f"{_f(m.get('nfe_per_token'))} |"
         )
     lines += ["", "## Acceptance length per round (histogram, bonus included)", "", "| method | histogram |", "|---|---|"]
     for m in res["methods"]:
@@ -258,7 +262,8 @@ def plot_ar(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """``tradeoff.png`` and ``acceptance_histogram.png`` of an AR results dict."""
     plt = _pyplot()
     methods = res["methods"]
-    tree = [m for m in methods if m["method"] == "ddtree"]
+    tree = [m for m in methods if m["method"] == "ddtree" and m.get("drafter_kind", "dflash") == "dflash"
+            and m.get("accept", "coupled") == "coupled"]
     dflash = next((m for m in methods if m["method"] == "dflash"), None)
     paths: list[Path] = []
     fig, ax = plt.subplots(figsize=(6, 4))

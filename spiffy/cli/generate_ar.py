@@ -1,4 +1,8 @@
-"""AR mode of ``spiffy generate``: ``spiffy generate --target DIR [--drafter DIR] --method ar|dflash|ddtree ...``.
+"""AR mode of ``spiffy generate``: ``spiffy generate --target DIR [--drafter DIR] --method ar|dflash|ddtree|deer|specdiff
+[--drafts K] [--accept coupled|rejection] ...``.
+
+The drafter may be a DFlash drafter or a dLLM (the kind is read from its config.json). ``--method deer|specdiff``
+without ``--target`` / ``--drafter`` uses the embedded tiny Qwen3 target and the embedded tiny dLLM drafter.
 
 ``spiffy/cli/generate.py`` defines the flags shared with the dLLM mode (``--prompt``, ``--chat``, ``--json``,
 ``--dtype``, ``--budget``, ``--temperature``, ``--top-p``, ``--top-k``, ``--seed``) and calls
@@ -23,11 +27,12 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoTokenizer
 
-from spiffy.arspec import ARGenerationResult, ARSpecConfig, DFlashDrafter, speculative_generate
+from spiffy.arspec import ARGenerationResult, ARSpecConfig, as_drafter, speculative_generate
 from spiffy.arspec.batch import speculative_generate_batch
-from spiffy.arspec.config import DEFAULT_TREE_BUDGET
+from spiffy.arspec.config import ACCEPT_RULES, DEFAULT_TREE_BUDGET, METHODS
+from spiffy.embedded import embedded_model_path
 from spiffy.errors import CheckpointError, ConfigError, SpiffyError
-from spiffy.models.dflash import load_drafter
+from spiffy.models.ar_drafters import load_ar_drafter
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import load_target, read_config_dict
 from spiffy.models.prompting import stop_token_ids
@@ -40,10 +45,18 @@ _AR_ONLY: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--target",), dict(default=None, metavar="DIR|ID",
                         help="AR mode: Qwen3 target checkpoint, a directory or a Hub id ORG/NAME[@REVISION]")),
     (("--drafter",), dict(default=None, metavar="DIR|ID",
-                         help="AR mode: DFlash drafter for the target, directory or Hub id (needed by --method dflash/ddtree)")),
-    (("--method",), dict(default=None, choices=("ar", "dflash", "ddtree"),
+                         help="AR mode: drafter for the target, directory or Hub id: DFlash or a dLLM sharing its "
+                              "tokenizer (the kind is read from its config.json; needed by every method but ar)")),
+    (("--method",), dict(default=None, choices=tuple(m for m in METHODS if m != "ar") + ("ar",),
                         help="AR mode decoding method: ddtree (optimal draft tree, default with --drafter), "
-                             "dflash (chain of drafter argmaxes), ar (plain autoregressive, default without --drafter)")),
+                             "dflash (chain of drafter argmaxes), deer (the chain from a dLLM drafter), specdiff "
+                             "(--drafts K sampled drafts verified as one tree), ar (plain autoregressive, default "
+                             "without --drafter); deer and specdiff without --target/--drafter use the embedded models")),
+    (("--drafts",), dict(type=int, default=4, metavar="K",
+                        help="AR mode, specdiff: joint drafts sampled per round and verified together (default 4)")),
+    (("--accept",), dict(default="coupled", choices=ACCEPT_RULES,
+                        help="AR mode acceptance rule: coupled (position-keyed, equal to AR token for token; default) "
+                             "or rejection (speculative sampling min(1, p/q), equal to AR in distribution)")),
     (("--max-new-tokens",), dict(type=int, default=128, metavar="N",
                                 help="AR mode: maximum number of generated tokens (default 128)")),
     (("--tree-budget",), dict(type=int, default=None, metavar="N",
@@ -52,6 +65,9 @@ _AR_ONLY: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--chain-length",), dict(type=int, default=None, metavar="N",
                               help="AR mode, dflash: drafted tokens per round (default: the drafter's block size - 1)")),
 ]
+
+#: methods that fall back to the embedded target and dLLM drafter when neither --target nor --drafter is given
+EMBEDDED_DLLM_METHODS: tuple[str, ...] = ("deer", "specdiff")
 
 _SHARED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--prompt",), dict(default="", help="prompt text (tokenized as is unless --chat)")),
@@ -97,6 +113,8 @@ def ar_config_from_args(args: argparse.Namespace, method: str, stops: Sequence[i
         method=method,
         tree_budget=DEFAULT_TREE_BUDGET if tree_budget is None else int(tree_budget),
         chain_length=getattr(args, "chain_length", None),
+        drafts=int(getattr(args, "drafts", 4) if getattr(args, "drafts", None) is not None else 4),
+        accept=getattr(args, "accept", None) or "coupled",
         max_new_tokens=int(getattr(args, "max_new_tokens", 128)),
         stop_token_ids=tuple(stops),
         sampling=sampling,
@@ -134,12 +152,17 @@ def _print_result(res: ARGenerationResult, args: argparse.Namespace, text_out: s
 def run_generate(args: argparse.Namespace) -> int:
     """Run AR-mode generation for ``spiffy generate --target DIR ...``; prints text or one JSON object."""
     target_dir = getattr(args, "target", None)
-    if not target_dir:
-        raise ConfigError("AR mode needs --target DIR (a Qwen3 checkpoint directory)")
     drafter_dir = getattr(args, "drafter", None)
     method = getattr(args, "method", None) or ("ddtree" if drafter_dir else "ar")
+    if not target_dir and not drafter_dir and method in EMBEDDED_DLLM_METHODS:
+        target_dir = str(embedded_model_path("ar-target"))
+        drafter_dir = str(embedded_model_path("ar-dllm-drafter"))
+    if not target_dir:
+        raise ConfigError("AR mode needs --target DIR (a Qwen3 checkpoint directory)")
     if method != "ar" and not drafter_dir:
-        raise ConfigError(f"--method {method} needs --drafter DIR (a DFlash drafter); fix: add it or use --method ar")
+        raise ConfigError(
+            f"--method {method} needs --drafter DIR (a DFlash or dLLM drafter); fix: add it or use --method ar"
+        )
     config = ar_config_from_args(args, method, ())  # bad flags fail before any model is loaded
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     target_dir = checkpoint_dir(target_dir)  # a directory, or a Hub id such as Qwen/Qwen3-8B
@@ -149,8 +172,8 @@ def run_generate(args: argparse.Namespace) -> int:
     target = load_target(target_dir, dtype, device)
     drafter = None
     if method != "ar":
-        drafter = DFlashDrafter(load_drafter(drafter_dir, dtype=dtype, device=device))
-        drafter.check(target)
+        drafter = as_drafter(load_ar_drafter(drafter_dir, dtype=dtype, device=device))
+        drafter.check(target)  # type: ignore[attr-defined]
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -163,7 +186,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if len(batch) == 1:
         results = [speculative_generate(target, drafter, batch[0], config, progress=not bool(getattr(args, "no_progress", False)))]
     else:  # one batched run: per-row trees in one verification forward; row r equals prompt r decoded alone
-        drafters = None if drafter is None else [drafter] + [DFlashDrafter(drafter.model) for _ in batch[1:]]
+        drafters = None if drafter is None else [drafter] + [as_drafter(drafter.model) for _ in batch[1:]]
         results = speculative_generate_batch(target, drafters, batch, config)
     for prompt, ids, res in zip(prompts, batch, results):
         _print_row(res, args, tokenizer, prompt, ids, config, target_dir, drafter_dir, dtype, device)
@@ -180,6 +203,8 @@ def _print_row(
         prompt_tokens=len(ids),
         target=str(target_dir),
         drafter=str(drafter_dir) if drafter_dir else None,
+        accept=config.accept,
+        drafts=int(config.drafts),
         temperature=float(sampling.temperature),
         top_p=float(sampling.top_p),
         top_k=int(sampling.top_k),

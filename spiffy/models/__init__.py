@@ -19,6 +19,7 @@ stores the new K/V, ``"read"`` only reads (SDAR's ``store_kv=True/False`` is the
 from __future__ import annotations
 
 from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_target, save_drafter
+from spiffy.models.ar_drafters import drafter_kind, load_ar_drafter, make_tiny_dllm_drafter
 from spiffy.models.cache import KVCache, as_kv_cache
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, check_compatible, load_drafter
 from spiffy.models.loading import (
@@ -49,9 +50,11 @@ __all__ = [
     "as_kv_cache",
     "build_tokenizer",
     "check_compatible",
+    "drafter_kind",
     "family_of",
     "family_spec",
     "load_config",
+    "load_ar_drafter",
     "load_model",
     "load_drafter",
     "load_state_dict",
@@ -59,6 +62,7 @@ __all__ = [
     "load_tokenizer",
     "make_tiny",
     "make_tiny_dflash",
+    "make_tiny_dllm_drafter",
     "make_tiny_target",
     "mask_token_id",
     "prompt_token_ids",

@@ -216,12 +216,9 @@ def _batch(args: argparse.Namespace, target: torch.nn.Module, stream: common.Tok
     return target_continue(target, prompts, args.seq_len, greedy, gen, args.temperature), args.prompt_len
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Train a drafter as configured by ``args`` (see :func:`add_arguments`); returns the metrics dict."""
-    from spiffy.models.ar_checkpoints import save_drafter
-    from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, load_drafter
-    from spiffy.train.corpus import build_corpus, load_split
-
+def start_run(args: argparse.Namespace) -> tuple[Path, torch.nn.Module, Any, int]:
+    """Threads, seeds, the run directory, the frozen target with its tokenizer, and the mask id:
+    ``(out, target, tokenizer, mask_id)``."""
     common.set_threads(args.threads)
     common.seed_everything(args.seed)
     out = Path(args.out)
@@ -229,7 +226,29 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     target, tok = load_target(args.target)
     if tok is None:
         raise CheckpointError(f"no tokenizer in {args.target!r}; fix: save the tokenizer next to the target weights")
-    mask_id = mask_token_of(tok, int(target.config.vocab_size), args.mask_token_id)
+    return out, target, tok, mask_token_of(tok, int(target.config.vocab_size), args.mask_token_id)
+
+
+def corpus_streams(args: argparse.Namespace, tok: Any, out: Path) -> tuple[common.TokenStream, common.TokenStream]:
+    """The train and held-out token streams of the prompt corpus (``--corpus``, built if missing), cached in
+    ``OUT/data``."""
+    from spiffy.train.corpus import build_corpus, load_split
+
+    info = build_corpus(args.corpus, max_files=args.max_files, heldout_percent=args.heldout_percent)
+    if info.n_docs_heldout == 0:
+        raise ConfigError("the corpus has no held-out documents; fix: use more files or a larger --heldout-percent")
+    eos = tok.eos_token_id
+    train_s = common.encode_documents(tok, load_split(info.out_dir, "train"), eos, out / "data" / "train_ids.npy")
+    held_s = common.encode_documents(tok, load_split(info.out_dir, "heldout"), eos, out / "data" / "heldout_ids.npy")
+    return train_s, held_s
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train a drafter as configured by ``args`` (see :func:`add_arguments`); returns the metrics dict."""
+    from spiffy.models.ar_checkpoints import save_drafter
+    from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, load_drafter
+
+    out, target, tok, mask_id = start_run(args)
     cfg = build_drafter_config(target.config, args.num_layers, args.block_size, args.target_layer_ids, mask_id,
                                args.intermediate)
     torch.manual_seed(args.seed)
@@ -239,12 +258,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         # lm_head would map to a confident "<|MASK|>" (loss ~35); a small gain starts near uniform (loss ~ln V)
         drafter.norm.weight.fill_(args.init_norm_gain)
     drafter.train()
-    info = build_corpus(args.corpus, max_files=args.max_files, heldout_percent=args.heldout_percent)
-    if info.n_docs_heldout == 0:
-        raise ConfigError("the corpus has no held-out documents; fix: use more files or a larger --heldout-percent")
-    eos = tok.eos_token_id
-    train_s = common.encode_documents(tok, load_split(info.out_dir, "train"), eos, out / "data" / "train_ids.npy")
-    held_s = common.encode_documents(tok, load_split(info.out_dir, "heldout"), eos, out / "data" / "heldout_ids.npy")
+    train_s, held_s = corpus_streams(args, tok, out)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     step, extra = common.maybe_resume(args, out, drafter, opt, {"wall_s": 0.0})
