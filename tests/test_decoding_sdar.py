@@ -26,13 +26,7 @@ from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError
 STRATEGIES = ["sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is several times faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16", marks=pytest.mark.slow)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 _MODELS: dict[tuple[str, torch.dtype], tuple[torch.nn.Module, float]] = {}

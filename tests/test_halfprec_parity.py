@@ -35,12 +35,7 @@ HALF = [torch.bfloat16, torch.float16]
 GEN = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def _prompt(n: int, seed: int = 0) -> torch.Tensor:

@@ -21,12 +21,7 @@ GEN, BLOCK = 16, 8
 SEEDS = [7, 11, 5]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def _prompts(lengths: list[int]) -> list[torch.Tensor]:

@@ -19,13 +19,7 @@ from spiffy.selfspec.runtime import STAGES, speculative_generate
 GEN, BLOCK, PROMPT = 16, 8, 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny models on a shared 2-core machine: one intra-op thread is ~10x faster than two contending ones
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def _prompt(seed: int = 0) -> torch.Tensor:

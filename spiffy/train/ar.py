@@ -206,9 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_optim_arguments(p, steps=1000)
     p.add_argument("--seed", type=int, default=0, help="random seed (init and batch order)")
     common.add_run_arguments(p, max_minutes=40.0, ckpt_every=50)
-    p.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (0: only at the end)")
-    p.add_argument("--eval-windows", type=int, default=64, help="held-out windows evaluated")
-    p.add_argument("--log-every", type=int, default=10, help="log a line to OUT/train_log.jsonl every N steps")
+    common.add_eval_arguments(p, eval_windows=64)
     common.add_output_arguments(p)
     p.add_argument("--sample-tokens", type=int, default=48, help="tokens per sample completion in the report")
     return p

@@ -202,6 +202,13 @@ def add_optim_arguments(p: Any, steps: int) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
 
 
+def add_eval_arguments(p: Any, eval_windows: int = 32) -> None:
+    """The held-out evaluation and logging cadence options every trainer shares."""
+    p.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (0: only at the end)")
+    p.add_argument("--eval-windows", type=int, default=eval_windows, help="held-out windows evaluated")
+    p.add_argument("--log-every", type=int, default=10, help="log a line to OUT/train_log.jsonl every N steps")
+
+
 def add_run_arguments(p: Any, max_minutes: float, ckpt_every: int) -> None:
     """``--max-minutes``, ``--schedule``, ``--stop-after``, ``--resume``, ``--ckpt-every`` (shared run control)."""
     p.add_argument("--max-minutes", type=float, default=max_minutes, help="wall-clock budget of this invocation")
