@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from spiffy.arspec.rules import Acceptance, TargetLogits
+from spiffy.arspec.rules import Acceptance, CoupledRule, TargetLogits
 from spiffy.arspec.sampling import keyed_seed, position_key
 from spiffy.arspec.selfselect import target_probs
 from spiffy.arspec.tree import DraftTree
@@ -79,17 +79,6 @@ class RejectionRule:
         gen = torch.Generator().manual_seed(position_key(keyed_seed(self.sampling) ^ REJECTION_STREAM, position))
         return torch.rand(count, generator=gen, dtype=torch.float64).tolist()
 
-    def _greedy(self, tree: DraftTree, target: TargetLogits) -> Acceptance:
-        lookup = tree.children_lookup()
-        node, accepted = -1, []
-        while True:
-            tok = int(target.logits(node)[0].argmax())
-            child = lookup.get((node, tok))
-            if child is None:
-                return Acceptance(accepted, tok)
-            accepted.append(child)
-            node = child
-
     def accept(
         self,
         tree: DraftTree,
@@ -98,7 +87,8 @@ class RejectionRule:
         root_position: int,
     ) -> Acceptance:
         if float(self.sampling.temperature) == 0:
-            return self._greedy(tree, target)
+            # T = 0: both rules are the greedy walk (the coupled rule draws the argmax at every node)
+            return CoupledRule(self.sampling).accept(tree, target, draft_logits, root_position)
         lookup = tree.children_lookup()
         children: dict[int, list[int]] = {}
         for i, parent in enumerate(tree.parents.tolist()):
