@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from reference_sdar import reference_block_diffusion_generate as reference
+from spiffy.compat import sdar_block_diffusion_generate
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.sdar import (
     SDARDecodeConfig,
@@ -16,7 +17,6 @@ from spiffy.decoding.sdar import (
     block_causal_mask,
     make_session,
     num_transfer_tokens,
-    sdar_block_diffusion_generate,
     sdar_sample,
     select_transfer,
 )

@@ -40,7 +40,6 @@ Additions over the reference (documented deviations):
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any
 
@@ -352,13 +351,3 @@ __all__ = [
     "sdar_sample",
     "select_transfer",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """Deprecated path (one release): ``sdar_block_diffusion_generate`` now lives in :mod:`spiffy.compat`.
-
-    Imported on first use because the wrapper sits above this module (it dispatches to the speculative runtime).
-    """
-    if name == "sdar_block_diffusion_generate":
-        return getattr(importlib.import_module("spiffy.compat"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
