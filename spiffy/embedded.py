@@ -8,8 +8,8 @@ environment variable ``SPIFFY_EMBEDDED_DIR`` points the resolver at another dire
 Calibrated draft graphs travel with their model: ``<model dir>/graphs/*.json`` (see :func:`shipped_graphs`).
 
 Kinds: ``"dllm"`` (a LLaDA-architecture diffusion LM), ``"ar-target"`` (a Qwen3 target), ``"ar-drafter"`` (its
-DFlash drafter), ``"ar-dllm-drafter"`` (an SDAR diffusion LM sharing the target's tokenizer: the DEER / SpecDiff-2
-drafter).
+DFlash drafter), ``"ar-dllm-drafter"`` (an SDAR diffusion LM sharing the target's tokenizer, D2A-aligned to it: the DEER /
+SpecDiff-2 drafter).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from spiffy.selfspec.graph import load_graph, runtime_signature
 EMBEDDED_NAMES: dict[str, str] = {"dllm": "tiny-llada", "ar-target": "tiny-qwen3", "ar-drafter": "tiny-qwen3-dflash-b16"}
 
 #: embedded checkpoints only some methods use (not needed by ``spiffy demo``): kind -> directory name
-OPTIONAL_EMBEDDED_NAMES: dict[str, str] = {"ar-dllm-drafter": "tiny-sdar"}
+OPTIONAL_EMBEDDED_NAMES: dict[str, str] = {"ar-dllm-drafter": "tiny-sdar-d2a"}
 
 #: kind -> the training script that produces the checkpoint (relative to the repository root)
 TRAINING_SCRIPTS: dict[str, str] = {
     "dllm": "scripts/train_tiny_llada.sh",
     "ar-target": "scripts/train_tiny_qwen3.sh",
     "ar-drafter": "scripts/train_tiny_drafter.sh",
-    "ar-dllm-drafter": "scripts/train_tiny_sdar.sh",
+    "ar-dllm-drafter": "scripts/train_tiny_d2a_drafter.sh",
 }
 
 #: subdirectory of a model directory holding its calibrated draft graphs (``*.json``)

@@ -66,7 +66,7 @@ def test_deer_without_paths_uses_the_embedded_models(capsys):
     argv = ["generate", "--method", "deer", "--prompt", "def f(x):", "--max-new-tokens", "6", "--json", "--no-progress"]
     if is_embedded_available("ar-dllm-drafter"):
         out = _json_run(argv, capsys)
-        assert out["drafter"].endswith("tiny-sdar") and len(out["tokens"]) == 6
+        assert out["drafter"].endswith("tiny-sdar-d2a") and len(out["tokens"]) == 6
     else:
         assert main(argv) == 2
         assert "ar-dllm-drafter" in capsys.readouterr().err

@@ -41,10 +41,36 @@ def test_demo_explicit_paths_calibrates_on_the_fly(tiny_llada: Path, tiny_qwen3:
     base = re.search(r"\| baseline \| (\d+) \|", out)
     assert row and base, out
     assert int(row.group(1)) <= int(base.group(1))
-    # AR table: the three methods, all identical to AR
-    for method in ("ar", "dflash", "ddtree"):
-        assert re.search(rf"\| {method} \| \d+ \| [\d.]+ \|.*\| 1/1 \|", out), method
+    # AR table: the three methods, all identical to AR; no diffusion drafter given with an explicit target
+    for method, drafter in (("AR", "-"), ("DFlash", "DFlash"), ("DDTree", "DFlash")):
+        assert re.search(rf"\| {method} \| {drafter} \| [^|]+ \| [\d.]+ \|.*\| 1/1 \|", out), method
+    assert "| DEER" not in out
     assert "identical to their baselines" in out and "MISMATCH" not in out
+
+
+def test_demo_with_a_diffusion_drafter_adds_deer_specdiff_and_ddtree_rows(
+    tiny_qwen3: Path, tiny_drafter: Path, tmp_path: Path, capsys
+) -> None:
+    dllm = tmp_path / "dllm-drafter"
+    assert main(["tiny", "dllm-drafter", str(dllm), "--target", str(tiny_qwen3), "--set", "block_size=4"]) == 0
+    capsys.readouterr()
+    rc = main(["demo", "--only", "ar", "--target", str(tiny_qwen3), "--drafter", str(tiny_drafter),
+               "--dllm-drafter", str(dllm), "--drafts", "3", *SMALL])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    out = captured.out
+    for method, drafter, shape in (("DEER", "dLLM", "chain"), ("SpecDiff-2", "dLLM", "K=3"),
+                                   ("DDTree", "dLLM", "budget 6"), ("DDTree", "DFlash", "budget 6")):
+        assert re.search(rf"\| {method} \| {drafter} \| {shape} \| [\d.]+ \|.*\| 1/1 \|", out), (method, drafter)
+    assert f"dLLM drafter {dllm}" in out and "MISMATCH" not in out
+
+
+def test_demo_rejects_a_dflash_checkpoint_as_diffusion_drafter(tiny_qwen3: Path, tiny_drafter: Path, capsys) -> None:
+    argv = ["demo", "--only", "ar", "--target", str(tiny_qwen3), "--drafter", str(tiny_drafter), *SMALL]
+    assert main([*argv, "--dllm-drafter", str(tiny_drafter)]) == 2
+    assert "is a dflash drafter" in capsys.readouterr().err
+    assert main([*argv, "--drafts", "0"]) == 2
+    assert "--drafts must be >= 1" in capsys.readouterr().err
 
 
 def test_demo_with_graph_only_dllm(tiny_llada: Path, tmp_path: Path, capsys) -> None:
@@ -102,6 +128,7 @@ def test_random_tiny_demo_calibrates_its_own_graph(capsys) -> None:
     out = captured.out
     assert "RANDOM checkpoints" in out and "calibrated on the fly" in out
     assert re.search(r"\| Spiffy +\| \d+ \| [\d.]+x \|.*\| 1/1 \|", out), out
+    assert re.search(r"\| DEER \| dLLM \| chain \| [\d.]+ \|.*\| 1/1 \|", out), out  # a random diffusion drafter too
     assert "NFE        model forward calls" in out and "tau        tokens" in out and "identical  " in out
     assert "on a CPU" in out and "on a GPU" in out
     assert "identical to their baselines" in out

@@ -1,10 +1,11 @@
 """``spiffy demo``: a small end-to-end tour on the embedded tiny models (or checkpoints given by path).
 
 Decodes a few short code prompts with a diffusion LM (baseline vs Spiffy self-speculation) and with a Qwen3 target
-(plain AR vs DFlash vs DDTree), prints the generated text and two tables: NFE, reduction, tokens/s, speedup and the
-identical-output check; τ, speedup and the identical-output check; then a legend of the columns and a note on CPU
-versus GPU wall-clock. Without arguments it uses the models shipped
-in ``spiffy/data/models`` (see :mod:`spiffy.embedded`); ``--model --graph --target --drafter`` override them. When
+(plain AR vs DFlash vs DDTree with its DFlash drafter, and, with a diffusion drafter, DEER, SpecDiff-2 and DDTree over
+the diffusion drafter's marginals), prints the generated text and two tables: NFE, reduction, tokens/s, speedup and
+the identical-output check; τ, speedup and the identical-output check; then a legend of the columns and a note on CPU
+versus GPU wall-clock. Without arguments it uses the models shipped in ``spiffy/data/models`` (see
+:mod:`spiffy.embedded`); ``--model --graph --target --drafter --dllm-drafter`` override them. When
 no calibrated graph is available for the dLLM, one is calibrated on the fly on a few built-in code prompts (the
 output says so, and --random-tiny checkpoints always do). Takes about a minute on 2 CPU cores (README).
 """
@@ -24,9 +25,16 @@ from spiffy.bench.ar import run_ar_bench
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.bench.dllm import run_dllm_bench
 from spiffy.decoding import DecodeConfig
-from spiffy.embedded import embedded_graph_path, embedded_model_path, missing_message, resolve_graph_argument
+from spiffy.embedded import (
+    embedded_graph_path,
+    embedded_model_path,
+    is_embedded_available,
+    missing_message,
+    resolve_graph_argument,
+)
 from spiffy.errors import ConfigError
 from spiffy.models import load_drafter, load_model, load_tokenizer
+from spiffy.models.ar_drafters import drafter_kind, load_ar_drafter, make_tiny_dllm_drafter
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.tiny import make_tiny
 from spiffy.selfspec.calibrate import calibrate
@@ -60,6 +68,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="calibrated draft graph for --model (default: the shipped one; else calibrated on the fly)")
     parser.add_argument("--target", default=None, metavar="DIR|ID", help="Qwen3 target checkpoint, directory or Hub id (default: the embedded one)")
     parser.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash drafter for --target, directory or Hub id (default: the embedded one)")
+    parser.add_argument("--dllm-drafter", default=None, metavar="DIR|ID",
+                        help="diffusion drafter for --target (DEER, SpecDiff-2, DDTree over its marginals; default: the "
+                             "embedded one when shipped, else those rows are skipped)")
+    parser.add_argument("--drafts", type=int, default=4, metavar="K",
+                        help="SpecDiff-2 joint drafts sampled per round (default 4)")
     parser.add_argument("--only", choices=("dllm", "ar"), default=None, help="run only the diffusion or only the AR part")
     parser.add_argument("--gen-length", type=int, default=32, metavar="N", help="dLLM generated positions (default 32)")
     parser.add_argument("--block-length", type=int, default=None, metavar="B",
@@ -110,6 +123,10 @@ def _resolve(args: argparse.Namespace) -> tuple[dict[str, Path], bool, bool]:
             paths[key] = embedded_model_path(kind)
         except ConfigError:
             missing.append(f"  - {flag}: {missing_message(kind)}")
+    if do_ar and not missing:
+        dllm_drafter = _dllm_drafter_path(args)
+        if dllm_drafter is not None:
+            paths["dllm_drafter"] = dllm_drafter
     if missing:
         raise ConfigError(
             "spiffy demo needs checkpoints that are not available:\n" + "\n".join(missing) + "\n"
@@ -118,6 +135,26 @@ def _resolve(args: argparse.Namespace) -> tuple[dict[str, Path], bool, bool]:
             "or run only one part with --only dllm|ar"
         )
     return paths, do_dllm, do_ar
+
+
+def _dllm_drafter_path(args: argparse.Namespace) -> Path | None:
+    """The diffusion drafter of the AR part: ``--dllm-drafter``; a tiny random one with ``--random-tiny``; else the
+    embedded one when it is shipped and the target is the embedded one too (it was aligned to that target); else
+    ``None`` (the DEER / SpecDiff-2 rows are skipped)."""
+    if args.dllm_drafter:
+        path = checkpoint_dir(args.dllm_drafter)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--dllm-drafter {path}: no config.json there; fix: pass a checkpoint directory")
+        kind = drafter_kind(path)
+        if kind != "dllm":
+            raise ConfigError(f"--dllm-drafter {path} is a {kind} drafter; fix: pass a diffusion drafter (e.g. "
+                              "`spiffy tiny dllm-drafter DIR --target TARGET`), or a DFlash one with --drafter")
+        return path
+    if args.target:  # the embedded / random drafter shares only the embedded / random target's tokenizer
+        return None
+    if getattr(args, "random_tiny", False):
+        return _random_tiny("ar-dllm-drafter")
+    return embedded_model_path("ar-dllm-drafter") if is_embedded_available("ar-dllm-drafter") else None
 
 
 _RANDOM_TINY_DIR: Path | None = None
@@ -139,6 +176,11 @@ def _random_tiny(kind: str) -> Path:
         make_tiny("qwen3", target, seed=0)
     if kind == "ar-target":
         return target
+    if kind == "ar-dllm-drafter":
+        out = root / "tiny-dllm-drafter"
+        if not out.exists():
+            make_tiny_dllm_drafter(out, target, seed=0)
+        return out
     out = root / "tiny-dflash"
     if not out.exists():
         make_tiny("dflash", out, seed=0, target=target)
@@ -188,20 +230,30 @@ def _dllm_part(args: argparse.Namespace, model_dir: Path, prompts: list[Any], de
     return res
 
 
-def _ar_part(args: argparse.Namespace, target_dir: Path, drafter_dir: Path, prompts: list[Any], device: str) -> dict[str, Any]:
-    target = load_model(target_dir, dtype=args.dtype, device=device)
-    drafter = load_drafter(drafter_dir, dtype=next(target.parameters()).dtype, device=device)
-    tokenizer = load_tokenizer(target_dir)
+def _ar_part(args: argparse.Namespace, paths: dict[str, Path], prompts: list[Any], device: str) -> dict[str, Any]:
+    """AR vs DFlash vs DDTree, plus DEER / SpecDiff-2 / DDTree over the diffusion drafter when there is one."""
+    target = load_model(paths["target"], dtype=args.dtype, device=device)
+    dtype = next(target.parameters()).dtype
+    drafter = load_drafter(paths["drafter"], dtype=dtype, device=device)
+    tokenizer = load_tokenizer(paths["target"])
+    dllm_dir = paths.get("dllm_drafter")
+    dllm_drafter = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None
+    methods = ["ar", "dflash", "ddtree"] + (["deer", "specdiff", "ddtree-dllm"] if dllm_drafter is not None else [])
     return run_ar_bench(target, drafter, tokenizer, prompts, [int(args.ddtree_budget)],
                         max_new_tokens=int(args.max_new_tokens), chat=False, warmup=1,
-                        progress=not args.no_progress, target_name=str(target_dir), drafter_name=str(drafter_dir),
-                        dataset="demo", device=device)
+                        progress=not args.no_progress, target_name=str(paths["target"]),
+                        drafter_name=str(paths["drafter"]), dataset="demo", device=device,
+                        dllm_drafter=dllm_drafter, dllm_drafter_name=str(dllm_dir) if dllm_dir else None,
+                        methods=methods, drafts=[int(args.drafts)])
 
 
 LEGEND = """\
 What the tables mean:
   NFE        model forward calls (function evaluations); the dLLM baseline makes one per denoising step
   tau        tokens produced per target forward (verification round), including the bonus token; plain AR = 1
+  drafter    DFlash: a small model reading the target's hidden states; dLLM: a diffusion LM drafting a block
+             from the committed tokens alone (DEER: one chain; SpecDiff-2: K sampled drafts verified together as
+             a tree; DDTree: the best tree under the node budget from either drafter's per-position distributions)
   identical  speculative outputs equal to their baseline token for token (lossless: always all of them)
   speedup    wall-clock ratio against the baseline, measured in this process on these prompts"""
 
@@ -248,18 +300,35 @@ def format_dllm(res: dict[str, Any], prompts: list[Any]) -> str:
     return "\n".join(lines)
 
 
+#: display names of the AR-side methods
+METHOD_NAMES: dict[str, str] = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree", "deer": "DEER",
+                                "specdiff": "SpecDiff-2"}
+
+
+def _shape(m: dict[str, Any]) -> str:
+    """What a method drafts per round: a chain, ``K=`` sampled drafts, or a tree ``budget`` nodes large."""
+    if m["method"] == "specdiff":
+        return f"K={m['drafts']}"
+    if m["method"] == "ddtree":
+        return f"budget {m['budget']}"
+    return "-" if m["method"] == "ar" else "chain"
+
+
 def format_ar(res: dict[str, Any], prompts: list[Any]) -> str:
-    """Generated texts and the AR-vs-DFlash-vs-DDTree table of a demo run."""
-    lines = [f"== AR target: {res['target']} + DFlash drafter {res['drafter']}, max_new_tokens "
-             f"{res['decoding']['max_new_tokens']} ==", ""]
+    """Generated texts and the AR-vs-speculative table of a demo run (one row per method and drafter)."""
+    head = f"== AR target: {res['target']} + DFlash drafter {res['drafter']}"
+    if res.get("dllm_drafter"):
+        head += f" + dLLM drafter {res['dllm_drafter']}"
+    lines = [f"{head}, max_new_tokens {res['decoding']['max_new_tokens']} ==", ""]
     for p, s in zip(prompts, res.get("outputs", [])):
         lines += [f"--- prompt: {p.prompt!r}", p.prompt + s, ""]
-    lines += ["| method | budget | tau (incl. bonus) | tokens/s | speedup vs AR | identical to AR |",
-              "|--------|--------|-------------------|----------|---------------|-----------------|"]
+    lines += ["| method | drafter | drafts | tau (incl. bonus) | tokens/s | speedup vs AR | identical to AR |",
+              "|--------|---------|--------|-------------------|----------|---------------|-----------------|"]
     for m in res["methods"]:
         ident = f"{m['identical']}/{res['num_prompts']}" + ("" if m["identical_fraction"] == 1.0 else "  MISMATCH")
-        lines.append(f"| {m['method']} | {m['budget']} | {m['tau']:.2f} | {_num(m['tokens_per_s'])} | "
-                     f"{_x(m['speedup_vs_ar'])} | {ident} |")
+        drafter = {"none": "-", "dflash": "DFlash", "dllm": "dLLM"}.get(m["drafter_kind"], m["drafter_kind"])
+        lines.append(f"| {METHOD_NAMES.get(m['method'], m['method'])} | {drafter} | {_shape(m)} | {m['tau']:.2f} | "
+                     f"{_num(m['tokens_per_s'])} | {_x(m['speedup_vs_ar'])} | {ident} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -268,6 +337,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``spiffy demo``; returns 0, or 1 when a speculative output differs from its baseline."""
     if not 1 <= int(args.max_prompts) <= len(DEMO_PROMPTS):
         raise ConfigError(f"--max-prompts must be in 1..{len(DEMO_PROMPTS)}, got {args.max_prompts}")
+    if int(args.drafts) < 1:
+        raise ConfigError(f"--drafts must be >= 1, got {args.drafts}; fix: pass e.g. --drafts 4")
     paths, do_dllm, do_ar = _resolve(args)
     if getattr(args, "random_tiny", False):
         print("note: --random-tiny: tiny RANDOM checkpoints; outputs are gibberish and acceptance rates mean nothing, "
@@ -298,7 +369,7 @@ def _tour(args: argparse.Namespace, paths: dict[str, Path], do_dllm: bool, do_ar
         print(format_dllm(res, prompts))
         ok &= bool(res["all_identical"])
     if do_ar:
-        res = _ar_part(args, paths["target"], paths["drafter"], prompts, device)
+        res = _ar_part(args, paths, prompts, device)
         res["outputs"] = [s["text"] for s in res.get("samples", [])]
         print(format_ar(res, prompts))
         ok &= bool(res["all_identical"])
