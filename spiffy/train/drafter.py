@@ -30,14 +30,18 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache, Qwen3Config
 
-from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError
+from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError, MissingTokenError
+from spiffy.models.ar_checkpoints import save_drafter
+from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, default_target_layer_ids, load_drafter
+from spiffy.models.loading import load_model, load_tokenizer, read_config_dict
 from spiffy.train import common
+from spiffy.train.corpus import build_corpus, load_split
 
 
 def load_target(path: str | Path, dtype: torch.dtype | str = "float32"):
     """Load a Qwen3 target checkpoint dir through spiffy's loader (frozen, eval mode) and its tokenizer (or None)."""
-    from spiffy.models.loading import load_model, load_tokenizer, read_config_dict
 
     root = Path(path)
     model_type = read_config_dict(root).get("model_type")
@@ -52,7 +56,6 @@ def load_target(path: str | Path, dtype: torch.dtype | str = "float32"):
 
 def mask_token_of(tokenizer: Any, vocab_size: int, explicit: int | None = None) -> int:
     """The DFlash mask id: ``explicit``, else the tokenizer's ``<|MASK|>`` (or its mask token)."""
-    from spiffy.errors import MissingTokenError
 
     if explicit is not None:
         mid = int(explicit)
@@ -76,9 +79,7 @@ def mask_token_of(tokenizer: Any, vocab_size: int, explicit: int | None = None) 
 def build_drafter_config(target_config: Any, num_layers: int, block_size: int, target_layer_ids: Sequence[int] | None,
                          mask_token_id: int, intermediate: int | None = None):
     """A ``Qwen3Config`` for a drafter sized to the target (hidden, heads, head dim, vocab, RoPE) + DFlash extras."""
-    from transformers import Qwen3Config
 
-    from spiffy.models.dflash import default_target_layer_ids
 
     t = target_config
     n_target = int(t.num_hidden_layers)
@@ -111,7 +112,6 @@ def target_continue(target: torch.nn.Module, prompts: torch.Tensor, total_len: i
                     gen: torch.Generator, temperature: float = 1.0) -> torch.Tensor:
     """Continue ``prompts`` ``[B, P]`` with the target to ``[B, total_len]`` (KV cache). Rows with ``greedy[b]``
     take the argmax, others sample from ``softmax(logits / temperature)`` with ``gen``."""
-    from transformers import DynamicCache
 
     seq = prompts
     cache = DynamicCache(config=target.config)
@@ -232,7 +232,6 @@ def start_run(args: argparse.Namespace) -> tuple[Path, torch.nn.Module, Any, int
 def corpus_streams(args: argparse.Namespace, tok: Any, out: Path) -> tuple[common.TokenStream, common.TokenStream]:
     """The train and held-out token streams of the prompt corpus (``--corpus``, built if missing), cached in
     ``OUT/data``."""
-    from spiffy.train.corpus import build_corpus, load_split
 
     info = build_corpus(args.corpus, max_files=args.max_files, heldout_percent=args.heldout_percent)
     if info.n_docs_heldout == 0:
@@ -245,8 +244,6 @@ def corpus_streams(args: argparse.Namespace, tok: Any, out: Path) -> tuple[commo
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Train a drafter as configured by ``args`` (see :func:`add_arguments`); returns the metrics dict."""
-    from spiffy.models.ar_checkpoints import save_drafter
-    from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, load_drafter
 
     out, target, tok, mask_id = start_run(args)
     cfg = build_drafter_config(target.config, args.num_layers, args.block_size, args.target_layer_ids, mask_id,
