@@ -127,3 +127,37 @@ def test_rows_with_their_own_models_draft_alone(target, paths):
     out = draft_rows(drafters, [(9, 3)] * 4, [3, 3, 3, 3])
     assert out[3] is None and all(o.shape[0] == 3 for o in out[:3])  # type: ignore[union-attr]
     assert calls[0][0] == 1 + 2 and calls[1][0] == 1  # row 2 denoises in 2 forwards of its own
+
+
+def test_dflash_rows_draft_what_they_draft_alone(target, paths):
+    """Ragged pending target features and cached contexts -> each row's DFlash logits and cache as alone."""
+    from spiffy.arspec.drafter import DFlashDrafter
+
+    drafter = load_drafter(paths["dflash"], dtype=torch.float64)
+    calls = _count_calls(drafter)
+    width = len(drafter.target_layer_ids) * int(drafter.config.hidden_size)
+    together = [DFlashDrafter(drafter) for _ in PROMPTS]
+    alone = [DFlashDrafter(drafter) for _ in PROMPTS]
+    g = torch.Generator().manual_seed(0)
+    positions = [0] * len(PROMPTS)
+    try:
+        for d in together + alone:
+            d.attach(target)
+        for depths in ([5, 3, 4, 2], [2, 5, 5, 3]):
+            roots = []
+            for r, prompt in enumerate(PROMPTS):
+                n = len(prompt) if positions[r] == 0 else 1 + r % 3  # features of the newly committed rows
+                feats = torch.randn((1, n, width), generator=g, dtype=torch.float64)
+                together[r]._pending, alone[r]._pending = feats, feats.clone()
+                positions[r] += n
+                roots.append((3 + r, positions[r]))
+            before = calls[0]
+            got = draft_rows(together, roots, depths)
+            assert calls[0] == before + 1
+            for r, ((tok, pos), depth) in enumerate(zip(roots, depths)):
+                torch.testing.assert_close(got[r], alone[r].propose(tok, pos, depth), rtol=1e-10, atol=1e-10)
+                for k_t, k_a in zip(together[r]._cache.keys, alone[r]._cache.keys):
+                    torch.testing.assert_close(k_t, k_a, rtol=1e-10, atol=1e-10)
+    finally:
+        for d in together + alone:
+            d.detach()
