@@ -18,6 +18,11 @@ call (the prefix/dual cache refresh, SDAR's K/V commit) stays one batched call c
 each row's cache rows are always those of its own current state. Rows are independent in that call (padding is
 masked out), so synchronising changes no output, only how long a fast row idles at a block end.
 
+Layout, seeds and block-start accounting are the batched baseline's (:mod:`spiffy.decoding.batch`): a row lines up
+with the forward session by its left padding (:func:`~spiffy.decoding.batch.row_layout`; an SDAR row whose prompt
+fills whole blocks starts one batch block later than rows whose prompt ends inside a block), so batched Spiffy's rows
+equal the batched baseline's.
+
 Exactness: row ``r`` sees the same logits (up to the floating-point effect of padding; float64 tests compare
 tokens) and consumes its own generator in the same order as the prompt decoded alone, so its tokens equal the
 single-prompt Spiffy run and therefore the single-prompt baseline, at any temperature. Per-row seeds map to
@@ -100,34 +105,33 @@ def speculative_generate_batch(
     places = row_layout(forward_session, row_sessions)
     plan = _Plan(graph)
     use_drafts = budget > 0 and bool(plan.nodes)
-    all_rows = [_Row(i, s, p, budget, score) for i, (s, p) in enumerate(zip(row_sessions, places))]
+    rows = [_Row(i, s, p, budget, score) for i, (s, p) in enumerate(zip(row_sessions, places))]
     fwd = forward_session
     for block in range(fwd.num_blocks):
-        rows = [row for row in all_rows if row.block(block) >= 0]
-        for row in rows:
+        live = [row for row in rows if row.block(block) >= 0]  # rows with a block of their own here
+        for row in live:
             row.session.begin_block_rule(row.block(block))
             row.step = 0
             fwd.x[row.index, row.pad :] = row.session.x[0]
-        running = [not row.done(block) for row in rows]
+        running = [not row.done(block) for row in live]
         logits = None
-        if not all(row.stopped for row in rows):  # once every row stopped nothing is left to commit or decode
+        if not all(row.stopped for row in live):  # once every row stopped nothing is left to commit or decode
             logits = fwd.begin_block(block)
-            for row in rows:  # what the row alone makes at its block start (none once it stopped)
+            for row in live:  # what the row alone makes at its block start (none once it stopped)
                 row.nfe += row.session.begin_block_calls(row.block(block))
         if logits is not None:  # block-start logits: a plain baseline step for every running row
-            for row, run in zip(rows, running):
+            for row, run in zip(live, running):
                 if run:
                     _plain_step(row, block, logits[row.index : row.index + 1])
         while True:
-            active = [row for row in rows if not row.done(block)]
+            active = [row for row in live if not row.done(block)]
             if not active:
                 break
             _iterate(fwd, active, block, plan, use_drafts, budget, score)
-        for row in rows:
+        for row in live:
             row.session.end_block(row.block(block))
             row.stats.steps_per_block.append(row.step)
             row.stats.steps += row.step
-    rows = all_rows
     fwd.finish()
     for row in rows:
         row.session.finish()
