@@ -135,9 +135,11 @@ def test_sdar_fused_commit_rows_equal_alone(sdar, temp: float) -> None:
 
 
 def test_sdar_ragged_without_padding_rows_equal_alone(sdar) -> None:
-    """Prompts of 3 and 6 tokens share one block layout: no padding column, only the generation starts differ."""
-    out = _check_rows(sdar, _prompts([3, 6, 6]), _sdar_kw("low_confidence_dynamic", 1.0))
-    assert out.gen_starts == [3, 6, 6] and out.sequences.shape[1] == 3 * BLOCK
+    """Prompts of 3, 8 and 6 tokens end at the same block: no padding column, only the generation starts differ
+    (and the 8-token row, whose prompt fills block 0, starts decoding one block later)."""
+    out = _check_rows(sdar, _prompts([3, 8, 6]), _sdar_kw("low_confidence_dynamic", 1.0))
+    assert out.gen_starts == [3, 8, 6] and out.sequences.shape[1] == 3 * BLOCK
+    assert [len(r["steps_per_block"]) for r in out.stats["rows"]] == [3, 2, 3]
 
 
 @pytest.mark.parametrize("lengths", [[5, 5, 5], SDAR_RAGGED], ids=["equal", "ragged"])

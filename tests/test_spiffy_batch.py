@@ -117,10 +117,12 @@ def test_dream_batch_equals_alone(dream, rule: str, cache: str, temp: float) -> 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 @pytest.mark.parametrize("strategy", ["low_confidence_static", "low_confidence_dynamic"])
-@pytest.mark.parametrize("lengths", [[5, 5, 5], [5, 8, 13]], ids=["equal", "ragged"])
+@pytest.mark.parametrize(
+    "lengths", [[5, 5, 5], [5, 8, 13], [3, 8, 6]], ids=["equal", "ragged", "ragged-unpadded"]
+)
 def test_sdar_batch_equals_alone(sdar, strategy: str, temp: float, lengths: list[int]) -> None:
     """Ragged: 5 and 13 tokens leave their last prompt block unaligned, 8 fills one block (one decode block less,
-    left padded by one block beside 5)."""
+    left padded by one block beside 5); 3, 8 and 6 end in the same block (no padding, 8 starts a block later)."""
     kw = dict(gen_length=GEN, block_length=BLOCK, temperature=temp, strategy=strategy, denoising_steps=BLOCK // 2)
     if strategy == "low_confidence_dynamic":
         kw["threshold"] = 0.05
