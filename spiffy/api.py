@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from spiffy.decoding.batch import make_row_sessions, row_generators, run_baseline_batch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.factory import family_of, make_session
 from spiffy.decoding.session import DecodeSession, StepObserver, run_baseline
@@ -44,9 +45,12 @@ class DiffusionResult:
         stats: the run's statistics (baseline: ``nfe``, ``steps``, ``steps_per_block``; speculative: the
             runtime's counters, e.g. accepted drafts and per-stage times).
         text: decoded generated text per row when a tokenizer was given.
-        prompt_len: rows of the prompt in ``sequences``.
+        prompt_len: rows of the prompt in ``sequences`` (the left-padded prompt width of a batch; for an SDAR
+            batch of ragged prompts the smallest of ``gen_starts``).
         config: the decoding configuration used.
         family: ``"llada"``, ``"dream"`` or ``"sdar"``.
+        gen_starts: column of ``sequences`` where row ``r``'s generated tokens start (``prompt_len`` for every row
+            except in an SDAR batch of ragged prompts, whose rows keep their own block anchoring).
     """
 
     sequences: torch.Tensor
@@ -59,6 +63,7 @@ class DiffusionResult:
     prompt_len: int = 0
     config: DecodeConfig | None = None
     family: str = ""
+    gen_starts: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (no tensors)."""
@@ -108,21 +113,21 @@ def generate(
         input_ids: ``[B, P]`` / ``[P]`` prompt ids (or a tokenizer's BatchEncoding).
         config: a :class:`DecodeConfig` (default one if ``None``); ``config_overrides`` (e.g. ``gen_length=64``)
             replace fields.
-        attention_mask: ``[B, P]`` for left-padded batches (LLaDA/Dream baseline).
+        attention_mask: ``[B, P]`` for left-padded batches of ragged prompts.
         tokenizer: for special-token lookup and ``result.text``.
         graph: ``None`` = baseline; a calibrated :class:`~spiffy.selfspec.graph.DraftGraph` = Spiffy speculative
-            decoding (identical tokens, fewer forwards). Batches (``B > 1``, left padded for LLaDA/Dream, equal
-            lengths for SDAR) run batched Spiffy (:mod:`spiffy.selfspec.batch`): row ``r`` equals prompt ``r``
-            decoded alone with seed ``seeds[r]``. SDAR refuses padded prompts (its blocks are anchored to the
-            prompt length): batch prompts of equal length.
+            decoding (identical tokens, fewer forwards). Batches (``B > 1``, left padded) run the batched baseline
+            (:mod:`spiffy.decoding.batch`) or batched Spiffy (:mod:`spiffy.selfspec.batch`): either way row ``r``
+            equals prompt ``r`` decoded alone with its seed (see ``generator``), so the two agree row for row.
         budget: draft nodes kept per step with a graph (``None`` = the runtime's default).
-        observer: called with every :class:`~spiffy.decoding.session.StepRecord`.
-        progress: show a tqdm progress bar (steps) on stderr.
-        generator: the random generator to consume (default: seeded from ``config.seed``). Batched Spiffy gives
-            every row its own generator: from ``seeds``, else one seed per row drawn from ``generator`` in row
-            order, else ``config.seed`` for every row.
-        seeds: batched Spiffy only: ``B`` seeds, row ``r`` seeded exactly like a single-prompt call with
-            ``seed=seeds[r]``.
+        observer: called with every :class:`~spiffy.decoding.session.StepRecord` (one prompt at a time only).
+        progress: show a tqdm progress bar (steps; batches: batched model calls) on stderr.
+        generator: the random generator to consume (default: seeded from ``config.seed``). A batch gives every
+            row its own generator: from ``seeds``, else one seed per row drawn from ``generator`` in row order,
+            else ``config.seed`` for every row (:func:`spiffy.decoding.batch.row_generators`). The official
+            scripts' batched sampling (one generator for the whole batch) is the batch session's own rule:
+            ``run_baseline(make_session(model, ids, ...))``.
+        seeds: ``B`` seeds, row ``r`` seeded exactly like a single-prompt call with ``seed=seeds[r]``.
     Returns:
         :class:`DiffusionResult`.
     """
@@ -133,10 +138,12 @@ def generate(
     session = make_session(
         model, input_ids, config, attention_mask=attention_mask, tokenizer=tokenizer, generator=generator, **config_overrides
     )
-    if graph is not None and (session.x.shape[0] > 1 or seeds is not None):
+    if session.x.shape[0] > 1 or seeds is not None:
         if observer is not None:
-            raise ConfigError("observer= is not supported by batched Spiffy; fix: decode the prompts one at a time")
-        return _generate_batch(model, session, attention_mask, tokenizer, graph, budget, generator, seeds)
+            raise ConfigError("observer= is not supported with a batch; fix: decode the prompts one at a time")
+        return _generate_batch(
+            model, session, input_ids, attention_mask, tokenizer, graph, budget, generator, seeds, progress
+        )
     cfg = getattr(session, "config", None)
     bar = _progress_bar(session, cfg, progress)
     tick: Callable[[int], None] | None = (lambda n: bar.update(n)) if bar is not None else None
@@ -177,67 +184,75 @@ def generate(
         prompt_len=p,
         config=cfg,
         family=family_of(model),
+        gen_starts=[p] * int(seqs.shape[0]),
     )
 
 
 def _generate_batch(
     model: Any,
     fwd: DecodeSession,
+    input_ids: Any,
     attention_mask: torch.Tensor | None,
     tokenizer: Any,
     graph: Any,
     budget: int | None,
     generator: torch.Generator | None,
     seeds: Sequence[int] | None,
+    progress: bool,
 ) -> DiffusionResult:
-    """Batched Spiffy: ``fwd`` (the padded batch) makes the forwards, one unpadded row session per prompt decodes."""
+    """A batch: ``fwd`` (the padded batch) makes the model calls, one unpadded row session per prompt applies the
+    rule with its own generator; the baseline loop (``graph=None``) or batched Spiffy drives them."""
     cfg = fwd.config  # type: ignore[attr-defined]
     b = int(fwd.x.shape[0])
-    p = int(fwd.prompt_len)
-    if seeds is not None and len(seeds) != b:
-        raise ConfigError(f"seeds has {len(seeds)} entries for a batch of {b} prompts; fix: pass one seed per prompt")
-    if seeds is None and generator is not None:
-        # one seed per row drawn from the given generator (e.g. the global one) in row order: reproducible
-        seeds = [int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)) for _ in range(b)]
-    ids = fwd.x[:, :p]
-    am = None if attention_mask is None else attention_mask.to(ids.device).bool()
-    rows: list[DecodeSession] = []
-    for r in range(b):
-        prompt = ids[r] if am is None else ids[r][am[r]]
-        gen = None
-        if seeds is not None:
-            gen = torch.Generator(device=ids.device)
-            gen.manual_seed(int(seeds[r]))
-        rows.append(make_session(model, prompt[None], cfg, tokenizer=tokenizer, generator=gen))
-    check_graph(graph, model, rows[0])
+    gens = row_generators(b, fwd.x.device, seeds, generator)
+    rows = make_row_sessions(model, input_ids, attention_mask, cfg, gens, tokenizer=tokenizer)
+    if graph is not None:
+        check_graph(graph, model, rows[0])
+    bar = _progress_bar(fwd, None, progress)
     t0 = time.perf_counter()
-    per_row, nfe = speculative_generate_batch(fwd, rows, graph, budget)
-    if fwd.x.device.type == "cuda":
-        torch.cuda.synchronize(fwd.x.device)
+    try:
+        if graph is None:
+            base, nfe = run_baseline_batch(fwd, rows, progress=(lambda n: bar.update(n)) if bar is not None else None)
+            per_row = [dataclasses.asdict(s) for s in base]
+            stats: dict[str, Any] = {"batch_nfe": nfe, "rows": per_row}
+        else:
+            spec, nfe = speculative_generate_batch(fwd, rows, graph, budget)
+            per_row = [s.to_dict() for s in spec]
+            stats = {
+                "batch_nfe": nfe,
+                "rows": per_row,
+                "accepted_total": sum(s.accepted_total for s in spec),
+                "baseline_equivalent_nfe": [s.baseline_equivalent_nfe for s in spec],
+            }
+        if fwd.x.device.type == "cuda":
+            torch.cuda.synchronize(fwd.x.device)
+    finally:
+        if bar is not None:
+            bar.close()
     seconds = time.perf_counter() - t0
     seqs = fwd.x.clone()
+    gen_len = int(getattr(cfg, "gen_length", 0) or 0)
+    starts: list[int] = []
+    tokens: list[list[int]] = []
     for r, row in enumerate(rows):
-        seqs[r, p - int(row.prompt_len) :] = row.x[0]
-    gen_len = int(getattr(cfg, "gen_length", seqs.shape[1] - p) or (seqs.shape[1] - p))
-    tokens = [row.tolist() for row in seqs[:, p : p + gen_len].cpu()]
+        pad = int(seqs.shape[1]) - int(row.x.shape[1])
+        seqs[r, pad:] = row.x[0].to(seqs.device)
+        start = pad + int(row.prompt_len)
+        starts.append(start)
+        tokens.append(seqs[r, start : start + gen_len].tolist())
     text = tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokenizer is not None and hasattr(tokenizer, "batch_decode") else None
-    stats = {
-        "batch_nfe": nfe,
-        "rows": [s.to_dict() for s in per_row],
-        "accepted_total": sum(s.accepted_total for s in per_row),
-        "baseline_equivalent_nfe": [s.baseline_equivalent_nfe for s in per_row],
-    }
     return DiffusionResult(
         sequences=seqs,
         tokens=tokens,
         nfe=nfe,
-        steps=max(s.steps for s in per_row),
+        steps=max(int(r["steps"]) for r in per_row),
         seconds=seconds,
         stats=stats,
         text=text,
-        prompt_len=p,
+        prompt_len=int(fwd.prompt_len),
         config=cfg,
         family=family_of(model),
+        gen_starts=starts,
     )
 
 

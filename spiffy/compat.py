@@ -6,7 +6,10 @@
 
 Each keeps the official arguments and defaults and adds ``graph``/``budget`` (Spiffy self-speculation: same
 tokens, fewer model calls). Without a seed the draws come from the device's global generator, so
-``torch.manual_seed(K)`` before the call reproduces the official script.
+``torch.manual_seed(K)`` before the call reproduces the official script for one prompt. A batch decodes every row
+as that prompt alone (:func:`spiffy.api.generate`): ``seed`` seeds every row, else one seed per row is drawn from
+the global generator; with or without a graph the rows are the same. (The official scripts' batched stream, one
+generator shared by the rows, is the batch session's own rule: ``run_baseline(make_session(...))``.)
 """
 
 from __future__ import annotations
@@ -185,6 +188,11 @@ def dream_diffusion_generate(
         mask_id=mask_token_id,
     )
     history: list[torch.Tensor] | None = [] if (output_history and return_dict_in_generate) else None
+    if history is not None and ids.shape[0] > 1:
+        raise ConfigError(
+            "output_history is not available for a batch (its rows decode independently, each as if alone); "
+            "fix: decode the prompts one at a time to get each one's history"
+        )
     observer = None
     if history is not None:
         def observer(rec: StepRecord) -> None:
@@ -230,8 +238,9 @@ def sdar_block_diffusion_generate(
 
     Args:
         prompt: a dict/BatchEncoding with ``"input_ids"`` ``[1, P]`` (as the reference) or the tensor itself;
-            ``[B, P]`` (equal lengths) decodes a batch (with a graph: batched Spiffy, row ``r`` equal to prompt ``r``
-            decoded alone with ``seed``, or with a seed drawn per row from the generator).
+            ``[B, P]`` decodes a batch (left padded with the dict's ``"attention_mask"`` for ragged prompts): row
+            ``r`` equals prompt ``r`` decoded alone with ``seed``, or with a seed drawn per row from the generator,
+            with or without a graph (:func:`spiffy.api.generate`).
         mask_id: ``None`` = from the model config.
         seed / generator: the random source. Neither given = the device's global generator, so
             ``torch.manual_seed(K)`` before the call reproduces the official script's draws.
@@ -242,9 +251,12 @@ def sdar_block_diffusion_generate(
         return_stats: also return the run's statistics (:class:`BaselineStats` or ``SpeculativeStats``).
     Returns:
         ``x`` ``[1, ceil((P + gen_length) / block_length) * block_length]`` (prompt, generated tokens, and masks
-        in blocks never decoded because of a stop token), like the reference; with ``return_stats`` also the stats.
+        in blocks never decoded because of a stop token), like the reference (a batch: one such row per prompt,
+        right-aligned to the longest); with ``return_stats`` also the stats.
     """
-    input_ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    keyed = isinstance(prompt, dict) or hasattr(prompt, "keys")
+    input_ids = prompt["input_ids"] if keyed else prompt
+    attention_mask = prompt.get("attention_mask") if keyed and hasattr(prompt, "get") else None
     if temperature is None or temperature < 0:
         raise ConfigError(f"temperature={temperature!r} must be >= 0; fix: use 0 for greedy decoding")
     stops = None
@@ -274,13 +286,16 @@ def sdar_block_diffusion_generate(
     model.eval()
     if generator is None and seed is None:
         generator = _default_generator(model_device(model))
-    session = SDARSession(model, input_ids, cfg, generator=generator)
+    ids = as_batch(input_ids)
+    if ids.shape[0] > 1:  # a batch: one seed per row (from seed, else drawn from the generator), rows as if alone
+        seeds = None if seed is None else [int(seed)] * int(ids.shape[0])
+        out = generate(
+            model, ids, cfg, attention_mask=attention_mask, graph=graph, budget=budget, seeds=seeds, generator=generator
+        )
+        return (out.sequences, out.stats) if return_stats else out.sequences
+    session = SDARSession(model, ids, cfg, generator=generator)
     if graph is None:
         stats: Any = run_baseline(session)
-    elif session.x.shape[0] > 1:  # batched Spiffy: one seed per row (from seed, else drawn from the generator)
-        seeds = None if seed is None else [int(seed)] * int(session.x.shape[0])
-        out = generate(model, input_ids, cfg, graph=graph, budget=budget, seeds=seeds, generator=generator)
-        return (out.sequences, out.stats) if return_stats else out.sequences
     else:
         stats = speculative_generate(session, graph, budget, **speculative_kwargs)
     return (session.x, stats) if return_stats else session.x

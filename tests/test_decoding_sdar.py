@@ -350,8 +350,10 @@ def test_runtime_errors(sdar):
     prompt = sdar["prompts"][8]
     with pytest.raises(ConfigError, match="multiple of block_length"):
         sdar_block_diffusion_generate(model, prompt, mask, gen_length=10, block_length=4, denoising_steps=4)
-    with pytest.raises(ConfigError, match="padded"):
-        make_session(model, prompt, gen_length=8, attention_mask=torch.tensor([[0] + [1] * 7]), mask_id=mask)
+    with pytest.raises(ConfigError, match="left padded"):
+        make_session(model, prompt, gen_length=8, attention_mask=torch.tensor([[1] * 7 + [0]]), mask_id=mask)
+    with pytest.raises(ConfigError, match="all padding"):
+        make_session(model, prompt, gen_length=8, attention_mask=torch.zeros((1, 8), dtype=torch.long), mask_id=mask)
     with pytest.raises(PromptTooLongError):
         make_session(model, prompt, gen_length=int(model.config.max_position_embeddings), block_length=4, mask_id=mask)
     saved = getattr(model.config, "mask_token_id", None)

@@ -1,8 +1,9 @@
 """Batched Spiffy: row r of a batch decodes exactly like prompt r alone (float64, tiny checkpoints, all families).
 
-Every case compares each row with the single-prompt baseline (tokens) and with single-prompt Spiffy (tokens and the
-number of forwards that served the row), over ragged left-padded prompts, every cache mode, T=0 and T>0 with
-per-row seeds, and rules whose blocks finish after different numbers of steps per row (threshold; SDAR stop tokens).
+Every case compares each row with the single-prompt baseline (tokens), with single-prompt Spiffy (tokens and the
+number of forwards that served the row) and with the same row of the batched baseline, over ragged left-padded
+prompts (SDAR too: rows keep their own block anchoring), every cache mode, T=0 and T>0 with per-row seeds, and rules
+whose blocks finish after different numbers of steps per row (threshold; SDAR stop tokens).
 """
 
 from __future__ import annotations
@@ -63,11 +64,15 @@ def _check_batch(model, prompts: list[torch.Tensor], kw: dict, graph_rows: tuple
         model, ids, attention_mask=None if equal else am, graph=graph, budget=budget, seeds=SEEDS[: len(prompts)], **kw
     )
     rows = out.stats["rows"]
+    base = generate(model, ids, attention_mask=None if equal else am, seeds=SEEDS[: len(prompts)], **kw)
     for r, (tokens, base_nfe) in enumerate(alone):
         assert out.tokens[r] == tokens.tolist(), f"row {r} differs from the prompt decoded alone for {kw}"
+        assert base.tokens[r] == out.tokens[r], f"row {r} of batched Spiffy differs from the batched baseline's"
+        assert base.stats["rows"][r]["nfe"] == base_nfe
         assert rows[r]["nfe"] == spec_nfe[r], f"row {r} was served by another number of forwards than alone"
         assert rows[r]["baseline_equivalent_nfe"] == base_nfe
     assert max(spec_nfe) <= out.nfe < sum(spec_nfe)  # one forward serves several rows
+    assert torch.equal(base.sequences, out.sequences)
     assert sum(r["accepted_total"] for r in rows) > 0
     return {"out": out, "spec_nfe": spec_nfe, "alone": alone}
 
@@ -112,16 +117,22 @@ def test_dream_batch_equals_alone(dream, rule: str, cache: str, temp: float) -> 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 @pytest.mark.parametrize("strategy", ["low_confidence_static", "low_confidence_dynamic"])
-def test_sdar_batch_equals_alone(sdar, strategy: str, temp: float) -> None:
+@pytest.mark.parametrize(
+    "lengths", [[5, 5, 5], [5, 8, 13], [3, 8, 6]], ids=["equal", "ragged", "ragged-unpadded"]
+)
+def test_sdar_batch_equals_alone(sdar, strategy: str, temp: float, lengths: list[int]) -> None:
+    """Ragged: 5 and 13 tokens leave their last prompt block unaligned, 8 fills one block (one decode block less,
+    left padded by one block beside 5); 3, 8 and 6 end in the same block (no padding, 8 starts a block later)."""
     kw = dict(gen_length=GEN, block_length=BLOCK, temperature=temp, strategy=strategy, denoising_steps=BLOCK // 2)
     if strategy == "low_confidence_dynamic":
         kw["threshold"] = 0.05
-    _check_batch(sdar, _prompts([5, 5, 5]), kw)
+    _check_batch(sdar, _prompts(lengths), kw)
 
 
-def test_sdar_rows_stopping_early(sdar) -> None:
+@pytest.mark.parametrize("lengths", [[5, 5, 5], [5, 8, 13]], ids=["equal", "ragged"])
+def test_sdar_rows_stopping_early(sdar, lengths: list[int]) -> None:
     """Row 0 produces a stop token in its first block and stops; the others keep decoding."""
-    prompts = _prompts([5, 5, 5])
+    prompts = _prompts(lengths)
     kw = dict(gen_length=GEN, block_length=BLOCK, temperature=0.0, denoising_steps=BLOCK)
     probe = make_session(sdar, prompts[0][None], **{**kw, "seed": SEEDS[0]})
     run_baseline(probe)
@@ -137,8 +148,8 @@ def test_batch_errors(llada, sdar) -> None:
     graph = oracle_graph_from_records(record_trajectory(s), s.mask_id)
     with pytest.raises(ConfigError, match="seeds"):
         generate(llada, ids, attention_mask=am, graph=graph, seeds=[1], gen_length=GEN, block_length=BLOCK)
-    with pytest.raises(ConfigError, match="padded prompts"):
-        generate(sdar, ids, attention_mask=am, graph=graph, gen_length=GEN, block_length=BLOCK)
+    with pytest.raises(ConfigError, match="left"):  # right padding: SDAR rows are laid out from the left padding
+        generate(sdar, ids, attention_mask=am.flip(1), graph=graph, gen_length=GEN, block_length=BLOCK)
 
 
 def test_familiar_wrappers_take_batches(llada, sdar) -> None:

@@ -17,7 +17,8 @@ The target's K/V cache is one rectangular ``DynamicCache`` of ``B`` rows with a 
 
 Drafters are per row. :class:`~spiffy.arspec.DFlashDrafter` rows share one set of target feature hooks and read
 their own batch row; any other :class:`~spiffy.arspec.Drafter` is attached on its own (standalone drafters never
-look at target rows). Drafting itself runs row by row (one drafter forward per row and round).
+look at target rows). Rows whose drafters share one model draft in one drafter forward per round
+(:func:`spiffy.arspec.batch_draft.draft_rows`); other drafters propose row by row.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from spiffy.arspec.batch_draft import draft_rows
 from spiffy.arspec.config import ARSpecConfig
 from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter
 from spiffy.arspec.generate import DEFAULT_BUDGET, ARGenerationResult, _append_until_stop, _check_context, make_rule
 from spiffy.arspec.rules import AcceptanceRule, TargetLogits
 from spiffy.arspec.sampling import sample_keyed
-from spiffy.arspec.stages import StageClock, TargetRunner, build_tree, draft, sync
+from spiffy.arspec.stages import StageClock, TargetRunner, build_tree, sync
 from spiffy.arspec.tree import DraftTree
 from spiffy.errors import ConfigError
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks
@@ -217,13 +219,12 @@ def speculative_generate_batch(
 
         while live:
             clock.start()
-            roots, trees, draft_logits = [], [], []
+            roots, trees, depths = [], [], []
             for b in live:
                 res, cfg = results[b], cfgs[b]
-                root_pos = len(rows[b]) + len(res.tokens) - 1
-                depth = min(cfg.draft_depth(blocks[b]), cfg.max_new_tokens - len(res.tokens) - 1)
-                roots.append((res.tokens[-1], root_pos))
-                draft_logits.append(draft(active_drafters[b], res.tokens[-1], root_pos, depth))
+                roots.append((res.tokens[-1], len(rows[b]) + len(res.tokens) - 1))
+                depths.append(min(cfg.draft_depth(blocks[b]), cfg.max_new_tokens - len(res.tokens) - 1))
+            draft_logits = draft_rows([active_drafters[b] for b in live], roots, depths)
             clock.lap("draft")
             for b, logits, (_tok, pos) in zip(live, draft_logits, roots):
                 trees.append(build_tree(cfgs[b], logits, pos))

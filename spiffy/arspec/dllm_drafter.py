@@ -34,6 +34,7 @@ the step that fixed it. One step (the default) gives the position-wise marginals
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from spiffy.models.dflash import DFlashDraftModel
 from spiffy.models.sdar import block_causal_mask
 from spiffy.torch_utils import model_device
 
-__all__ = ["DLLMDrafter", "as_drafter", "drafter_block_mask"]
+__all__ = ["DLLMDrafter", "DraftPass", "as_drafter", "drafter_block_mask"]
 
 
 def drafter_block_mask(n_committed: int, n_block: int, cache_len: int, device: torch.device | str) -> torch.Tensor:
@@ -63,6 +64,20 @@ def drafter_block_mask(n_committed: int, n_block: int, cache_len: int, device: t
     visible = k <= q
     visible[n_committed:, :] = True
     return visible[None, None]
+
+
+@dataclass(frozen=True)
+class DraftPass:
+    """One row's drafting forward: ``ids`` at positions ``start ..`` (``start`` = cached positions) under ``mask``
+    ``[1, 1, Q, start + Q]`` (True = visible); afterwards the cache keeps positions ``[0, keep)``, and logits rows
+    ``first .. first + depth - 1`` are the ``[depth, V]`` draft."""
+
+    ids: list[int]
+    start: int
+    mask: torch.Tensor
+    keep: int
+    first: int
+    depth: int
 
 
 class DLLMDrafter:
@@ -127,9 +142,8 @@ class DLLMDrafter:
         out = self.model(x, attention_mask=mask, position_ids=pos, past_key_values=self._cache, cache_policy=policy)
         return out.logits[0]
 
-    def propose(self, root_token: int, root_position: int, depth: int) -> torch.Tensor:
-        """``[depth, V]`` logits for positions ``root_position + 1 .. root_position + depth`` (one forward, or
-        ``denoise_steps``)."""
+    def draft_pass(self, root_token: int, root_position: int, depth: int) -> DraftPass:
+        """The first drafting forward of a round, as data (``propose`` runs it; a batched round shares it)."""
         if self._cache is None:
             raise RuntimeError("DLLMDrafter.propose before attach()")
         cached = self._cache.get_seq_length()
@@ -143,13 +157,28 @@ class DLLMDrafter:
         else:
             mask = drafter_block_mask(n, len(block), cached, self._device)
             keep = cached + n
-        logits = self._forward(self._pending + block, cached, mask, "append")
-        self._cache.crop(keep)  # committed rows only (aligned: complete blocks only)
-        self._pending = self._pending[keep - cached :]
         first = n if self.shifted else n + 1
-        out = logits[first : first + depth]
+        return DraftPass(self._pending + block, cached, mask, keep, first, int(depth))
+
+    def absorb(self, step: DraftPass, keys: list[torch.Tensor | None], values: list[torch.Tensor | None]) -> None:
+        """After ``step`` ran in a forward shared with other rows: append the kept committed rows' K/V (per layer
+        ``[1, H, keep - start, D]``) to the cache and drop them from the pending tokens, as :meth:`propose` does."""
+        assert self._cache is not None, "absorb before attach()"
+        for i, (k, v) in enumerate(zip(keys, values)):
+            if k is not None and v is not None and k.shape[-2] > 0:
+                self._cache.append(i, k, v)
+        self._pending = self._pending[step.keep - step.start :]
+
+    def propose(self, root_token: int, root_position: int, depth: int) -> torch.Tensor:
+        """``[depth, V]`` logits for positions ``root_position + 1 .. root_position + depth`` (one forward, or
+        ``denoise_steps``)."""
+        step = self.draft_pass(root_token, root_position, depth)
+        logits = self._forward(step.ids, step.start, step.mask, "append")
+        self._cache.crop(step.keep)  # type: ignore[union-attr]  # committed rows only (aligned: complete blocks)
+        self._pending = self._pending[step.keep - step.start :]
+        out = logits[step.first : step.first + depth]
         if self.denoise_steps > 1 and depth > 1:
-            out = self._denoise(block, root_position, out.clone())
+            out = self._denoise(step.ids[len(step.ids) - depth - 1 :], root_position, out.clone())
         return out
 
     def _denoise(self, block: list[int], root_position: int, first: torch.Tensor) -> torch.Tensor:

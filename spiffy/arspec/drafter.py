@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from spiffy.errors import ConfigError
+from spiffy.models.cache import KVCache
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, check_compatible
 
 __all__ = ["ContextUpdate", "Drafter", "DFlashDrafter"]
@@ -157,6 +158,22 @@ class DFlashDrafter:
         hidden = self.model(self._pending, self._embed(block), positions, past_key_values=self._cache)  # type: ignore[misc]
         self._pending = self._pending[:, :0]  # the new context is in the drafter's cache now
         return self.model.compute_logits(hidden[0, 1:], self._head)
+
+    def batch_inputs(self) -> tuple[torch.Tensor, KVCache, nn.Module, nn.Module]:
+        """What a drafting forward shared with other rows (:mod:`spiffy.arspec.batch_draft`) needs from this row:
+        the pending context features ``[1, N, F]``, the context cache, the target's embeddings and ``lm_head``."""
+        if self._hooks is None or self._pending is None or self._cache is None:
+            raise RuntimeError("DFlashDrafter.batch_inputs before attach() and the prompt's commit()")
+        return self._pending, self._cache, self._embed, self._head  # type: ignore[return-value]
+
+    def batch_absorb(self, keys: list[torch.Tensor | None], values: list[torch.Tensor | None]) -> None:
+        """After a shared drafting forward: append this row's new context K/V (per layer ``[1, H, N, D]``, ``None``
+        for none) to its cache, as :meth:`propose` would have, and clear the pending context."""
+        assert self._cache is not None and self._pending is not None, "batch_absorb before batch_inputs"
+        for i, (k, v) in enumerate(zip(keys, values)):
+            if k is not None and v is not None and k.shape[-2] > 0:
+                self._cache.append(i, k, v)
+        self._pending = self._pending[:, :0]
 
     def commit(self, update: ContextUpdate) -> None:
         """Queue the committed rows' target features as the next draft's new context (block K/V are never

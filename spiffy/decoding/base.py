@@ -251,6 +251,9 @@ class BidirectionalSession(DecodeSession):
         self.nfe += 1
         return self._align_partial(out.logits)
 
+    def begin_block_calls(self, block: int) -> int:
+        return 0 if self.cache_mode == "none" else 1
+
     def begin_block_rule(self, block: int) -> None:
         self.on_block_start(block)
 

@@ -22,6 +22,20 @@ Reproduces the semantics of SDAR's official ``block_diffusion_generate`` (JetAst
 * With ``stop_token_ids``, decoding stops after the first block whose completion leaves one of them in
   ``x[:, P:]`` (later blocks stay masked), as the reference's ``stopping_criteria_idx`` does.
 
+Prompts of different lengths (``attention_mask`` ``[B, P]``, 0 = left padding) are laid out so that every row keeps
+its own block anchoring. Row ``r`` alone (``p_r`` tokens) has blocks at multiples of ``B`` from position 0 and ends
+at ``total_r = ceil((p_r + gen_length) / B) * B``; in the batch its row is right-aligned to the longest layout ``T``
+and left padded by ``pad_r = T - total_r`` columns. ``pad_r`` is a whole number of blocks (both lengths are), so
+the row's blocks are the batch's blocks shifted by ``pad_r / B``: one block-causal mask, one cache, one window per
+step serve every row. Padding columns are hidden from every key (a padding query sees only itself, which keeps its
+discarded output finite), and positions are the row's own (``column - pad_r``), so each row computes what it
+computes alone (up to floating-point rounding). Rows with an unaligned prompt have one decode block more than
+aligned ones (their first decode block holds their prompt's tail); an aligned row's first batch block is then its
+last prompt block, which has no masked row to decode. This padding (rather than anchoring blocks per row at other
+columns) keeps every model call rectangular and the K/V commit one call for all rows. Equal-length prompts, and
+ragged prompts whose layouts happen to match, need no padding (``pad_r = 0``); only the generation start
+(``gen_starts``) differs per row.
+
 Additions over the reference (documented deviations):
 
 * ``temperature == 0`` is greedy: argmax of the logits; confidences/entropies come from the softmax of the
@@ -94,6 +108,30 @@ def resolve_mask_id(model: Any, mask_id: int | None = None, tokenizer: Any = Non
     return int(value)
 
 
+def _prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Tokens of each row's prompt: ``P`` each without a mask, else the row's 1s (ConfigError unless padding is on
+    the left and every row keeps a token)."""
+    b, p = int(input_ids.shape[0]), int(input_ids.shape[1])
+    if attention_mask is None:
+        return [p] * b
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (b, p):
+        raise ConfigError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, expected [{b}, {p}] like input_ids; "
+            "fix: pass the tokenizer's 2-D attention mask"
+        )
+    am = attention_mask.to(torch.bool).cpu()
+    lengths = [int(n) for n in am.sum(dim=1)]
+    for r, n in enumerate(lengths):
+        if n == 0:
+            raise ConfigError(f"prompt {r} is all padding; fix: give every prompt at least one token")
+        if not bool(am[r, p - n :].all()):
+            raise ConfigError(
+                f"prompt {r} is not left padded (its attention_mask has 0s after 1s); fix: pad prompts on the left "
+                "(tokenizer.padding_side='left')"
+            )
+    return lengths
+
+
 # ---------------------------------------------------------------------------------------------------- session
 class SDARSession(DecodeSession):
     """One SDAR generation (see the module doc for the exact semantics).
@@ -101,16 +139,18 @@ class SDARSession(DecodeSession):
     Args:
         model: an SDAR causal LM taking ``(input_ids, attention_mask=4-D bool, position_ids, past_key_values,
             use_cache, store_kv)`` and returning ``.logits [B, L, V]``.
-        input_ids: ``[B, P]`` prompt ids (no padding; ``B > 1`` decodes equal-length prompts side by side,
-            speculative decoding needs ``B == 1``).
+        input_ids: ``[B, P]`` prompt ids (``B > 1``: left padded when ``attention_mask`` says so; single-session
+            speculative decoding needs ``B == 1``, batched decoding uses :mod:`spiffy.decoding.batch`).
         config: an :class:`SDARDecodeConfig` (a plain :class:`DecodeConfig` is converted).
         mask_id: overrides the config's / model's mask id. tokenizer: used to find the mask id if needed.
         generator: the generator every draw consumes (default: a new one on the model's device seeded with
             ``config.resolved_seed``).
+        attention_mask: optional ``[B, P]`` 0/1 prompt mask (0 = left padding); see the module docstring.
 
     Attributes beyond :class:`DecodeSession`: ``cache`` (the committed K/V, batch ``B``), ``first_block`` (index
-    of the first decode block in absolute block units, ``P // block_length``), ``total_length``, ``schedule``
-    (per-step counts), ``stopped`` (a stop token was produced), ``config``.
+    of the first decode block in absolute block units, ``P // block_length`` without padding), ``total_length``,
+    ``schedule`` (per-step counts), ``stopped`` (a stop token was produced), ``config``, ``pads`` (left padding
+    columns per row), ``gen_starts`` (column of each row's first generated position; ``prompt_len`` is the smallest).
     """
 
     def __init__(
@@ -122,6 +162,7 @@ class SDARSession(DecodeSession):
         mask_id: int | None = None,
         tokenizer: Any = None,
         generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> None:
         cfg = config if isinstance(config, SDARDecodeConfig) else SDARDecodeConfig.from_config(config)
         self.config = cfg
@@ -136,13 +177,18 @@ class SDARSession(DecodeSession):
         self.device = device
         self.mask_id = resolve_mask_id(model, cfg.mask_id if mask_id is None else mask_id, tokenizer)
         B = cfg.resolved_block_length
-        P = int(input_ids.shape[1])
-        self.prompt_len = P
+        lengths = _prompt_lengths(input_ids, attention_mask)
+        P = max(lengths)
         self.block_length = B
-        self.first_block = P // B
-        total_blocks = math.ceil((P + cfg.gen_length) / B)
+        # each row alone: blocks anchored at position 0, ending at a whole block; the batch right-aligns the rows
+        row_blocks = [math.ceil((n + cfg.gen_length) / B) for n in lengths]
+        total_blocks = max(row_blocks)
         self.total_length = total_blocks * B
-        self.num_blocks = total_blocks - self.first_block
+        self.num_blocks = max(nb - n // B for nb, n in zip(row_blocks, lengths))
+        self.first_block = total_blocks - self.num_blocks
+        self.pads = [(total_blocks - nb) * B for nb in row_blocks]
+        self.gen_starts = [pad + n for pad, n in zip(self.pads, lengths)]
+        self.prompt_len = min(self.gen_starts)
         max_pos = _config_get(model, "max_position_embeddings", "max_sequence_length")
         if max_pos is not None and self.total_length > int(max_pos):
             raise PromptTooLongError(
@@ -151,8 +197,21 @@ class SDARSession(DecodeSession):
                 f"or lower gen_length to at most {max(0, (int(max_pos) // B) * B - P) // B * B}"
             )
         x = torch.full((input_ids.shape[0], self.total_length), self.mask_id, dtype=torch.long, device=device)
-        x[:, :P] = input_ids.to(device)
+        ids = input_ids.to(device)
+        pad_id = int(_config_get(model, "pad_token_id") or 0)  # hidden from every key: its value never matters
+        for r, (pad, n) in enumerate(zip(self.pads, lengths)):
+            x[r, :pad] = pad_id
+            x[r, pad : pad + n] = ids[r, ids.shape[1] - n :]
         self.x = x
+        padded = any(self.pads)
+        # [B, T] keys that are real tokens, and per-row position offsets; None without padding (the plain layout)
+        self.key_mask: torch.Tensor | None = None
+        self.position_offsets: torch.Tensor | None = None
+        if padded:
+            cols = torch.arange(self.total_length, device=device)
+            offsets = torch.tensor(self.pads, dtype=torch.long, device=device)
+            self.key_mask = cols[None, :] >= offsets[:, None]
+            self.position_offsets = offsets
         self.strategy = cfg.resolved_strategy
         self.threshold = cfg.resolved_threshold
         self.steps_per_block = cfg.steps_per_block
@@ -197,6 +256,16 @@ class SDARSession(DecodeSession):
             )
         mask = block_causal_mask(q_start, q_start + L, q_start + L, self.block_length, rows.device)
         positions = torch.arange(q_start, q_start + L, device=rows.device)[None, :].expand(rows.shape[0], L)
+        if self.key_mask is not None and self.position_offsets is not None:
+            keys = self.key_mask[:, : q_start + L]
+            offsets = self.position_offsets
+            if batch_rows is not None:
+                keys, offsets = keys[batch_rows], offsets[batch_rows]
+            # padding keys hidden; every query sees itself, so a padding query's (discarded) output stays finite
+            own = torch.zeros((L, q_start + L), dtype=torch.bool, device=rows.device)
+            own[torch.arange(L, device=rows.device), torch.arange(q_start, q_start + L, device=rows.device)] = True
+            mask = (mask & keys[:, None, None, :]) | own[None, None]
+            positions = (positions - offsets[:, None]).clamp(min=0)
         with torch.no_grad():
             out = self.model(
                 rows,
@@ -235,6 +304,13 @@ class SDARSession(DecodeSession):
         self.cache.crop(start)
         self._committed = start
         return logits[:, start - pending :]
+
+    def begin_block_calls(self, block: int) -> int:
+        if self.stopped:
+            return 0
+        # a fused commit always calls the model; a plain one only when rows precede the block (not the first
+        # block of a prompt shorter than one block)
+        return 1 if self.fuse_commit or self.block_bounds(block)[0] > 0 else 0
 
     def begin_block_rule(self, block: int) -> None:
         self._block = block
@@ -288,12 +364,15 @@ class SDARSession(DecodeSession):
         return not bool((x[:, s:e] == self.mask_id).any())
 
     def end_block(self, block: int) -> None:
-        """Apply the stop rule: any stop id in ``x[:, prompt_len:]`` ends the generation."""
+        """Apply the stop rule: any stop id in a row's generated positions (``x[r, gen_starts[r]:]``) ends the
+        generation (of the whole batch, as the reference's batched loop)."""
         if self.stopped or not self.stop_token_ids:
             return
-        gen = self.x[:, self.prompt_len :]
-        if any(bool((gen == t).any()) for t in self.stop_token_ids):
-            self.stopped = True
+        stops = torch.tensor(self.stop_token_ids, device=self.x.device)
+        for r, start in enumerate(self.gen_starts):
+            if bool(torch.isin(self.x[r, start:], stops).any()):
+                self.stopped = True
+                return
 
     # ------------------------------------------------------------------ helpers
     def generated(self) -> torch.Tensor:
@@ -313,15 +392,11 @@ def make_session(
 ) -> SDARSession:
     """An :class:`SDARSession` for ``input_ids`` ``[B, P]``; ``config`` (or defaults) with ``overrides`` applied.
 
-    ``attention_mask`` (``[B, P]``) is accepted only without padding: SDAR's reference decodes unpadded prompts.
+    ``attention_mask`` (``[B, P]``, 0 = left padding) lays ragged prompts out with per-row block anchoring (module
+    docstring); the rows of such a batch equal the prompts alone when decoded by :mod:`spiffy.decoding.batch`.
     """
-    if attention_mask is not None and not bool((attention_mask != 0).all()):
-        raise ConfigError(
-            "SDAR decoding does not support padded prompts (the reference decodes one unpadded prompt); "
-            "fix: decode prompts of different lengths one at a time"
-        )
     cfg = SDARDecodeConfig.from_config(config, **overrides)
-    return SDARSession(model, input_ids, cfg, tokenizer=tokenizer, generator=generator)
+    return SDARSession(model, input_ids, cfg, tokenizer=tokenizer, generator=generator, attention_mask=attention_mask)
 
 
 def sdar_generate(

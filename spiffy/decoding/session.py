@@ -96,6 +96,11 @@ class DecodeSession(ABC):
     def window_start(self, block: int) -> int:
         """First absolute row of the window that :meth:`forward_states` returns logits for, inside ``block``."""
 
+    def begin_block_calls(self, block: int) -> int:
+        """Model calls :meth:`begin_block` makes for ``block`` on this session's current state (batched decoding
+        counts them for each row session, which never calls the model itself). Default: none."""
+        return 0
+
     def begin_block_rule(self, block: int) -> None:
         """The rule's own block-start bookkeeping (e.g. the static schedule of the block), without any model call.
 

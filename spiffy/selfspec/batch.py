@@ -18,6 +18,11 @@ call (the prefix/dual cache refresh, SDAR's K/V commit) stays one batched call c
 each row's cache rows are always those of its own current state. Rows are independent in that call (padding is
 masked out), so synchronising changes no output, only how long a fast row idles at a block end.
 
+Layout, seeds and block-start accounting are the batched baseline's (:mod:`spiffy.decoding.batch`): a row lines up
+with the forward session by its left padding (:func:`~spiffy.decoding.batch.row_layout`; an SDAR row whose prompt
+fills whole blocks starts one batch block later than rows whose prompt ends inside a block), so batched Spiffy's rows
+equal the batched baseline's.
+
 Exactness: row ``r`` sees the same logits (up to the floating-point effect of padding; float64 tests compare
 tokens) and consumes its own generator in the same order as the prompt decoded alone, so its tokens equal the
 single-prompt Spiffy run and therefore the single-prompt baseline, at any temperature. Per-row seeds map to
@@ -31,6 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
+from spiffy.decoding.batch import RowPlace, is_stopped, row_layout
 from spiffy.decoding.session import DecodeSession
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import rank_state, window_covers
@@ -42,10 +48,11 @@ from spiffy.verify.backend import follow
 class _Row:
     """Per-row progress: the row session, its left padding in the forward session and its counters."""
 
-    def __init__(self, index: int, session: DecodeSession, pad: int, budget: int, score: str) -> None:
+    def __init__(self, index: int, session: DecodeSession, place: RowPlace, budget: int, score: str) -> None:
         self.index = index  # batch row in the forward session
         self.session = session
-        self.pad = pad
+        self.pad = place.pad
+        self.block_offset = place.block_offset
         self.stats = SpeculativeStats(budget=budget, score=score)
         self.P: torch.Tensor | None = None  # [1, W, V] latest distribution
         self.P_start = 0
@@ -55,30 +62,16 @@ class _Row:
     @property
     def stopped(self) -> bool:
         """The row's generation ended before its last block (SDAR stop tokens)."""
-        return bool(getattr(self.session, "stopped", False))
+        return is_stopped(self.session)
 
-    def done(self, block: int) -> bool:
-        return self.session.block_finished(block, self.step, self.session.x)
+    def block(self, forward_block: int) -> int:
+        """The row's own block at the forward session's ``forward_block`` (negative: the row's prompt still covers
+        that block, as an SDAR row with a block-aligned prompt beside unaligned ones)."""
+        return forward_block - self.block_offset
 
-
-def _check_layout(forward_session: DecodeSession, rows: Sequence[DecodeSession]) -> list[int]:
-    """Left padding of every row in the forward session (ConfigError when the layouts do not line up)."""
-    b = int(forward_session.x.shape[0])
-    if len(rows) != b:
-        raise ConfigError(f"{len(rows)} row sessions for a batch-{b} forward session; fix: one row session per prompt")
-    pads = []
-    for r, sess in enumerate(rows):
-        if sess.x.dim() != 2 or sess.x.shape[0] != 1:
-            raise ConfigError(f"row session {r} must be batch 1, got x of shape {tuple(sess.x.shape)}")
-        pad = int(forward_session.x.shape[1]) - int(sess.x.shape[1])
-        if pad < 0 or int(forward_session.prompt_len) - int(sess.prompt_len) != pad:
-            raise ConfigError(f"row session {r} does not line up with the forward session (left padding {pad})")
-        if sess.num_blocks != forward_session.num_blocks or sess.block_length != forward_session.block_length:
-            raise ConfigError(f"row session {r} has another block layout than the forward session")
-        if not torch.equal(forward_session.x[r, pad:], sess.x[0].to(forward_session.x.device)):
-            raise ConfigError(f"row session {r}'s prompt differs from row {r} of the forward session")
-        pads.append(pad)
-    return pads
+    def done(self, forward_block: int) -> bool:
+        blk = self.block(forward_block)
+        return blk < 0 or self.session.block_finished(blk, self.step, self.session.x)
 
 
 def speculative_generate_batch(
@@ -109,35 +102,34 @@ def speculative_generate_batch(
     check_budget(budget)
     if score not in SCORES:
         raise ConfigError(f"unknown pruning score {score!r}; fix: use one of {', '.join(SCORES)}")
-    pads = _check_layout(forward_session, row_sessions)
+    places = row_layout(forward_session, row_sessions)
     plan = _Plan(graph)
     use_drafts = budget > 0 and bool(plan.nodes)
-    rows = [_Row(i, s, p, budget, score) for i, (s, p) in enumerate(zip(row_sessions, pads))]
+    rows = [_Row(i, s, p, budget, score) for i, (s, p) in enumerate(zip(row_sessions, places))]
     fwd = forward_session
     for block in range(fwd.num_blocks):
-        for r, row in enumerate(rows):
-            row.session.begin_block_rule(block)
+        live = [row for row in rows if row.block(block) >= 0]  # rows with a block of their own here
+        for row in live:
+            row.session.begin_block_rule(row.block(block))
             row.step = 0
-            fwd.x[r, row.pad :] = row.session.x[0]
-        running = [not row.done(block) for row in rows]
+            fwd.x[row.index, row.pad :] = row.session.x[0]
+        running = [not row.done(block) for row in live]
         logits = None
-        if not all(row.stopped for row in rows):  # once every row stopped nothing is left to commit or decode
-            nfe0 = fwd.nfe
+        if not all(row.stopped for row in live):  # once every row stopped nothing is left to commit or decode
             logits = fwd.begin_block(block)
-            for row in rows:
-                if not row.stopped:  # a stopped row alone makes no block-start forward either
-                    row.nfe += fwd.nfe - nfe0
+            for row in live:  # what the row alone makes at its block start (none once it stopped)
+                row.nfe += row.session.begin_block_calls(row.block(block))
         if logits is not None:  # block-start logits: a plain baseline step for every running row
-            for row, run in zip(rows, running):
+            for row, run in zip(live, running):
                 if run:
                     _plain_step(row, block, logits[row.index : row.index + 1])
         while True:
-            active = [row for row in rows if not row.done(block)]
+            active = [row for row in live if not row.done(block)]
             if not active:
                 break
             _iterate(fwd, active, block, plan, use_drafts, budget, score)
-        for row in rows:
-            row.session.end_block(block)
+        for row in live:
+            row.session.end_block(row.block(block))
             row.stats.steps_per_block.append(row.step)
             row.stats.steps += row.step
     fwd.finish()
@@ -150,7 +142,7 @@ def speculative_generate_batch(
 
 def _plain_step(row: _Row, block: int, logits: torch.Tensor) -> None:
     t0 = time.perf_counter()
-    info = row.session.step_info(block, row.step)
+    info = row.session.step_info(row.block(block), row.step)
     row.session.x = row.session.transition(row.session.x, logits, info)
     row.P, row.P_start = logits, info.window_start
     row.step += 1
@@ -166,7 +158,7 @@ def _iterate(
     drafts: list[tuple[torch.Tensor, dict[int, int]]] = []
     for idx, row in enumerate(active):
         sess = row.session
-        info = sess.step_info(block, row.step)
+        info = sess.step_info(row.block(block), row.step)
         x = sess.x
         draft_states: torch.Tensor | None = None
         row_of: dict[int, int] = {}
@@ -207,7 +199,7 @@ def _iterate(
         st.drafts_evaluated += n - 1
         row.nfe += 1
         t1 = time.perf_counter()
-        walk = _Walk(row.session, block, row.step, states, row_out, row_of, plan, None, None)
+        walk = _Walk(row.session, row.block(block), row.step, states, row_out, row_of, plan, None, None)
         path, _ = follow((None, 0), walk.next_state, walk.child_matching)
         row.session.x = walk.x
         row.P, row.P_start = walk.last_logits, walk.last_window_start
