@@ -348,6 +348,8 @@ def attend(
     k_all = repeat_kv(k_all, n_rep)
     v_all = repeat_kv(v_all, n_rep)
     mask = ctx.mask
+    if mask is not None and mask.device != q.device:  # layers placed on several devices (device_map)
+        mask = mask.to(q.device)
     if mask is not None and torch.is_floating_point(mask):
         mask = mask.to(q.dtype)
     if ctx.attn_implementation == "eager":

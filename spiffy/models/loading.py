@@ -41,10 +41,13 @@ from spiffy.models.checkpoint import (
 from spiffy.models.hub import checkpoint_dir, resolve_checkpoint
 from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config, load_drafter
+from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device, qwen3_from_pretrained
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
 from spiffy.torch_utils import resolve_dtype
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+#: attention implementations of the transformers Qwen3 target that take the tree masks of verification
+TARGET_ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flex_attention")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -116,6 +119,9 @@ def load_model(
     device: Any = None,
     attn_implementation: str = "sdpa",
     revision: str | None = None,
+    device_map: DeviceMap | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    max_memory: Mapping[Any, Any] | None = None,
 ) -> torch.nn.Module:
     """Load a checkpoint directory or Hub id into its model class, in eval mode.
 
@@ -129,6 +135,11 @@ def load_model(
             block masks for the tree / verification / ragged-batch masks) for the in-package dLLM families; never
             flash-attn (custom masks are needed).
         revision: branch, tag or commit of a Hub id.
+        device_map: place the model across devices with accelerate (:mod:`spiffy.models.placement`): ``"auto"``
+            (GPUs, then CPU, then disk, capped by ``max_memory``), one device (``"cpu"``, ``"cuda:1"``: the same as
+            ``device``) or a dict ``{module name: device | "cpu" | "disk"}``. ``device`` is ignored then.
+        offload_folder: where weights mapped to ``"disk"`` are written (default: a temporary directory).
+        max_memory: per-device caps for the automatic maps, e.g. ``{0: "20GiB", "cpu": "64GiB"}``.
 
     ``model.name_or_path`` is the directory, or ``ORG/NAME@COMMIT`` for a Hub snapshot (what graph files record).
 
@@ -142,14 +153,23 @@ def load_model(
     path = resolved.path
     data = read_config_dict(path)
     family = family_of(data)
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device, device_map = placement_device(device, device_map)
     torch_dtype = resolve_dtype(dtype, data, device)
     if family == "dflash":
-        return load_drafter(path, dtype=torch_dtype, device=device)
+        return load_drafter(path, dtype=torch_dtype, device=device, device_map=device_map,
+                            offload_folder=offload_folder, max_memory=max_memory)
     config = load_config(path, family)
     config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS else "sdpa"
     spec = family_spec(family)
     cls = spec.model_class
+    if device_map is not None:
+        if family == "qwen3":  # transformers' own class: its from_pretrained drives accelerate
+            model = qwen3_from_pretrained(path, torch_dtype, config._attn_implementation, device_map,
+                                           offload_folder, max_memory)
+        else:
+            model = dispatch_checkpoint(lambda: cls(config), path, device_map, torch_dtype, offload_folder, max_memory)
+        model.name_or_path = resolved.reference
+        return model
     state = load_state_dict(path)
     with torch.device("meta"):
         model = cls(config)
@@ -167,11 +187,24 @@ def load_model(
     return model
 
 
-def load_target(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    """Load a Qwen3 target checkpoint directory for AR speculative decoding (sdpa attention, eval mode).
+def load_target(
+    path: str | os.PathLike,
+    dtype: torch.dtype,
+    device: str | torch.device | None = None,
+    device_map: DeviceMap | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    max_memory: Mapping[Any, Any] | None = None,
+    attn_implementation: str = "sdpa",
+) -> torch.nn.Module:
+    """Load a Qwen3 target checkpoint directory for AR speculative decoding (eval mode).
+
+    ``device_map`` / ``offload_folder`` / ``max_memory`` place it across devices (see :func:`load_model`);
+    ``attn_implementation`` is ``"sdpa"`` (default), ``"eager"`` or ``"flex_attention"`` (the tree masks of
+    verification become flex block masks); flash-attn cannot take tree masks.
 
     Raises:
-        CheckpointError: no ``config.json`` or unreadable weights; ConfigError: not a ``qwen3`` checkpoint.
+        CheckpointError: no ``config.json`` or unreadable weights; ConfigError: not a ``qwen3`` checkpoint, or an
+            attention implementation that cannot take tree masks.
     """
     root = checkpoint_dir(path)  # a directory, or a Hub id such as Qwen/Qwen3-8B
     if not (root / CONFIG_FILE).is_file():
@@ -182,8 +215,17 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype, device: str | torch
             f"--target {root} has model_type {raw.get('model_type')!r}; AR mode needs a Qwen3 target "
             "(model_type 'qwen3'); fix: pass a Qwen3 checkpoint, or use --model for diffusion LMs"
         )
+    if attn_implementation not in TARGET_ATTN_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"attn_implementation {attn_implementation!r} cannot verify draft trees (they need a custom mask); "
+            f"fix: use one of {TARGET_ATTN_IMPLEMENTATIONS}"
+        )
+    device, device_map = placement_device(device, device_map)
+    if device_map is not None:
+        return qwen3_from_pretrained(root, dtype, attn_implementation, device_map, offload_folder, max_memory)
     try:
-        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation="sdpa", local_files_only=True)
+        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation=attn_implementation,
+                                                 local_files_only=True)
     except OSError as exc:
         raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
     return model.to(device).eval()
