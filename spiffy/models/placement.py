@@ -126,8 +126,14 @@ def resolve_device_map(
         if device_map != "sequential":
             memory = get_balanced_memory(model, max_memory=memory, no_split_module_classes=no_split, dtype=dtype,
                                          low_zero=device_map == "balanced_low_0")
-        return dict(accelerate.infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split,
-                                                     dtype=dtype))
+        placed = dict(accelerate.infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split,
+                                                       dtype=dtype))
+        if set(placed.values()) == {"disk"}:
+            raise ConfigError(
+                f"device_map={device_map!r} with max_memory={dict(max_memory or {})} leaves room for nothing but disk; "
+                "fix: raise max_memory so that at least the input embedding fits on a device"
+            )
+        return placed
     if not isinstance(device_map, Mapping):
         raise ConfigError(f"device_map must be a string, a device or a dict, got {type(device_map).__name__}")
     placed = {str(k): v for k, v in device_map.items()}
