@@ -39,6 +39,7 @@ from spiffy.models.checkpoint import (
     read_config_dict,
 )
 from spiffy.models.hub import checkpoint_dir, resolve_checkpoint
+from spiffy.models.flex import target_attention
 from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config, load_drafter
 from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device, qwen3_from_pretrained
@@ -46,8 +47,6 @@ from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
 from spiffy.torch_utils import resolve_dtype
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-#: attention implementations of the transformers Qwen3 target that take the tree masks of verification
-TARGET_ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flex_attention")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -159,7 +158,10 @@ def load_model(
         return load_drafter(path, dtype=torch_dtype, device=device, device_map=device_map,
                             offload_folder=offload_folder, max_memory=max_memory)
     config = load_config(path, family)
-    config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS else "sdpa"
+    if family == "qwen3":  # transformers' class: flex_attention is spiffy's kernel registered with transformers
+        config._attn_implementation = target_attention(attn_implementation)
+    else:
+        config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS else "sdpa"
     spec = family_spec(family)
     cls = spec.model_class
     if device_map is not None:
@@ -215,17 +217,12 @@ def load_target(
             f"--target {root} has model_type {raw.get('model_type')!r}; AR mode needs a Qwen3 target "
             "(model_type 'qwen3'); fix: pass a Qwen3 checkpoint, or use --model for diffusion LMs"
         )
-    if attn_implementation not in TARGET_ATTN_IMPLEMENTATIONS:
-        raise ConfigError(
-            f"attn_implementation {attn_implementation!r} cannot verify draft trees (they need a custom mask); "
-            f"fix: use one of {TARGET_ATTN_IMPLEMENTATIONS}"
-        )
+    impl = target_attention(attn_implementation)
     device, device_map = placement_device(device, device_map)
     if device_map is not None:
-        return qwen3_from_pretrained(root, dtype, attn_implementation, device_map, offload_folder, max_memory)
+        return qwen3_from_pretrained(root, dtype, impl, device_map, offload_folder, max_memory)
     try:
-        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation=attn_implementation,
-                                                 local_files_only=True)
+        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation=impl, local_files_only=True)
     except OSError as exc:
         raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
     return model.to(device).eval()
