@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -28,6 +28,7 @@ __all__ = [
     "load_state_dict",
     "check_keys",
     "stored_dtype",
+    "iter_checkpoint_keys",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -148,3 +149,15 @@ def check_keys(
     )
     if missing or unexpected or mismatch:
         raise CheckpointKeyError(str(path), missing, unexpected, mismatch)
+
+
+def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:
+    """Parameter names stored in a checkpoint (without loading tensors)."""
+    files, weight_map = checkpoint_files(path)
+    if weight_map is not None:
+        return sorted(weight_map)
+    keys: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            keys.extend(handle.keys())
+    return sorted(keys)

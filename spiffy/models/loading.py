@@ -19,10 +19,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
@@ -35,10 +34,12 @@ from spiffy.models.checkpoint import (
     _alias_groups,
     check_keys,
     checkpoint_files,
+    iter_checkpoint_keys,
     load_state_dict,
     read_config_dict,
 )
 from spiffy.models.hub import checkpoint_dir, resolve_checkpoint
+from spiffy.models.flash import FLASH, require_flash_attn
 from spiffy.models.flex import target_attention
 from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config, load_drafter
@@ -130,9 +131,10 @@ def load_model(
         dtype: ``torch.dtype``, a name (``"float64"``, ``"bf16"``, ...), ``"auto"`` (config ``torch_dtype``) or
             ``None`` (float32 on CPU, ``"auto"`` on accelerators).
         device: where the weights go (default CPU).
-        attn_implementation: ``"sdpa"`` (default), ``"eager"`` or ``"flex_attention"`` (:mod:`spiffy.models.flex`:
-            block masks for the tree / verification / ragged-batch masks) for the in-package dLLM families; never
-            flash-attn (custom masks are needed).
+        attn_implementation: ``"sdpa"`` (default), ``"eager"``, ``"flex_attention"`` (:mod:`spiffy.models.flex`:
+            block masks for the tree / verification / ragged-batch masks; the Qwen3 target gets spiffy's flex kernel
+            through transformers' AttentionInterface) or, for the dLLM families only, ``"flash_attention_2"``
+            (:mod:`spiffy.models.flash`: flash-attn for mask-free calls, SDPA for masked ones; needs flash-attn).
         revision: branch, tag or commit of a Hub id.
         device_map: place the model across devices with accelerate (:mod:`spiffy.models.placement`): ``"auto"``
             (GPUs, then CPU, then disk, capped by ``max_memory``), one device (``"cpu"``, ``"cuda:1"``: the same as
@@ -147,6 +149,7 @@ def load_model(
             that is not cached while offline.
         CheckpointKeyError: strict key matching failed (names the keys).
         UnknownModelTypeError: unsupported ``model_type``.
+        MissingDependencyError: ``device_map`` without accelerate, ``flash_attention_2`` without flash-attn.
     """
     resolved = resolve_checkpoint(path, revision)
     path = resolved.path
@@ -161,7 +164,11 @@ def load_model(
     if family == "qwen3":  # transformers' class: flex_attention is spiffy's kernel registered with transformers
         config._attn_implementation = target_attention(attn_implementation)
     else:
-        config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS else "sdpa"
+        if attn_implementation == FLASH:
+            require_flash_attn()  # at load time, naming the fix, rather than at the first forward
+        # built as SDPA: transformers' init-time flash check is for its own kernels; ours routes mask-free calls
+        # to flash-attn itself (the config is switched after loading)
+        config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS[:3] else "sdpa"
     spec = family_spec(family)
     cls = spec.model_class
     if device_map is not None:
@@ -170,8 +177,7 @@ def load_model(
                                            offload_folder, max_memory)
         else:
             model = dispatch_checkpoint(lambda: cls(config), path, device_map, torch_dtype, offload_folder, max_memory)
-        model.name_or_path = resolved.reference
-        return model
+        return _finish(model, resolved.reference, attn_implementation)
     state = load_state_dict(path)
     with torch.device("meta"):
         model = cls(config)
@@ -184,8 +190,14 @@ def load_model(
         model = _materialize_buffers(model, config, device, torch_dtype, converted)
     else:
         model.load_state_dict(converted, strict=True, assign=True)
-    model.eval()
-    model.name_or_path = resolved.reference
+    return _finish(model.eval(), resolved.reference, attn_implementation)
+
+
+def _finish(model: torch.nn.Module, reference: str, attn_implementation: str) -> torch.nn.Module:
+    """Record where the model came from; switch a dLLM to flash-attn routing once it is built."""
+    model.name_or_path = reference
+    if attn_implementation == FLASH and family_of(model) != "qwen3":
+        model.config._attn_implementation = FLASH
     return model
 
 
@@ -457,18 +469,6 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:
-    """Parameter names stored in a checkpoint (without loading tensors)."""
-    files, weight_map = checkpoint_files(path)
-    if weight_map is not None:
-        return sorted(weight_map)
-    keys: list[str] = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            keys.extend(handle.keys())
-    return sorted(keys)
 
 
 __all__ = [
