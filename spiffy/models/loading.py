@@ -4,7 +4,7 @@
   own modules; ``"qwen3"`` -> transformers' ``Qwen3ForCausalLM``; a config with ``dflash_config`` or
   architectures ``["DFlashDraftModel"]`` -> :func:`spiffy.models.dflash.load_drafter`). Reads ``model.safetensors``
   or a sharded ``model.safetensors.index.json`` (:mod:`spiffy.models.checkpoint`), with strict key matching.
-* :func:`load_target` - a Qwen3 target for AR speculative decoding (transformers' class, sdpa attention).
+* :func:`load_target` (from :mod:`spiffy.models.target`) - a Qwen3 target for AR speculative decoding.
 * :func:`save_checkpoint` - config.json (with the official ``auto_map``), sharded safetensors + index, optional
   tokenizer and generation config, written to a temporary directory and renamed into place.
 * :func:`load_tokenizer`, :func:`family_of`, :func:`mask_token_id`, :func:`special_token_ids`.
@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import torch
 from safetensors.torch import save_file
-from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 from spiffy.errors import CheckpointError, ConfigError, MissingTokenError, UnknownModelTypeError
 from spiffy.io import replace_dir
@@ -45,6 +45,7 @@ from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config, load_drafter
 from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device, qwen3_from_pretrained
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
+from spiffy.models.target import load_target
 from spiffy.torch_utils import resolve_dtype
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -199,45 +200,6 @@ def _finish(model: torch.nn.Module, reference: str, attn_implementation: str) ->
     if attn_implementation == FLASH and family_of(model) != "qwen3":
         model.config._attn_implementation = FLASH
     return model
-
-
-def load_target(
-    path: str | os.PathLike,
-    dtype: torch.dtype,
-    device: str | torch.device | None = None,
-    device_map: DeviceMap | None = None,
-    offload_folder: str | os.PathLike | None = None,
-    max_memory: Mapping[Any, Any] | None = None,
-    attn_implementation: str = "sdpa",
-) -> torch.nn.Module:
-    """Load a Qwen3 target checkpoint directory for AR speculative decoding (eval mode).
-
-    ``device_map`` / ``offload_folder`` / ``max_memory`` place it across devices (see :func:`load_model`);
-    ``attn_implementation`` is ``"sdpa"`` (default), ``"eager"`` or ``"flex_attention"`` (the tree masks of
-    verification become flex block masks); flash-attn cannot take tree masks.
-
-    Raises:
-        CheckpointError: no ``config.json`` or unreadable weights; ConfigError: not a ``qwen3`` checkpoint, or an
-            attention implementation that cannot take tree masks.
-    """
-    root = checkpoint_dir(path)  # a directory, or a Hub id such as Qwen/Qwen3-8B
-    if not (root / CONFIG_FILE).is_file():
-        raise CheckpointError(f"no config.json in {root}; fix: --target must be a Qwen3 checkpoint directory")
-    raw = read_config_dict(root)
-    if raw.get("model_type") != "qwen3":
-        raise ConfigError(
-            f"--target {root} has model_type {raw.get('model_type')!r}; AR mode needs a Qwen3 target "
-            "(model_type 'qwen3'); fix: pass a Qwen3 checkpoint, or use --model for diffusion LMs"
-        )
-    impl = target_attention(attn_implementation)
-    device, device_map = placement_device(device, device_map)
-    if device_map is not None:
-        return qwen3_from_pretrained(root, dtype, impl, device_map, offload_folder, max_memory)
-    try:
-        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation=impl, local_files_only=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
-    return model.to(device).eval()
 
 
 def _materialize_buffers(

@@ -41,6 +41,7 @@ __all__ = [
     "is_dispatched",
     "placement_device",
     "qwen3_from_pretrained",
+    "qwen3_tensor_parallel",
     "require_accelerate",
     "resolve_device_map",
     "tied_linear",
@@ -200,6 +201,29 @@ def qwen3_from_pretrained(
         raise ConfigError(f"device_map {device_map!r} cannot place {root}: {exc}; fix the map") from exc
     return model.eval()
 
+
+def qwen3_tensor_parallel(root: str | os.PathLike, dtype: torch.dtype, attn_implementation: str, tp_plan: Any) -> nn.Module:
+    """A transformers ``Qwen3ForCausalLM`` sharded over the ranks of a ``torchrun`` launch (``tp_plan="auto"``: the
+    model's own plan; weights become DTensors, each rank holding its slice of every projection).
+
+    Raises:
+        ConfigError: not launched by torchrun (no ``WORLD_SIZE``), or a transformers without ``DistributedConfig``.
+    """
+    if "WORLD_SIZE" not in os.environ:
+        raise ConfigError("tp_plan needs a torch.distributed launch; fix: run under torchrun --nproc-per-node N "
+                          "(every rank runs the same generation) or drop tp_plan")
+    try:
+        from transformers import DistributedConfig  # noqa: PLC0415 - newer transformers only
+    except ImportError as exc:
+        raise ConfigError("this transformers has no DistributedConfig; fix: pip install -U transformers") from exc
+    try:
+        model = Qwen3ForCausalLM.from_pretrained(
+            str(root), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+            distributed_config=DistributedConfig(tp_plan=tp_plan),
+        )
+    except OSError as exc:
+        raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
+    return model.eval()
 
 def tied_linear(hidden: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``F.linear(hidden, module.weight)`` on the weight's execution device (a tied LM head: the embedding's weight
