@@ -8,6 +8,8 @@ The target's flex path is spiffy's flex kernel registered with transformers' Att
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -79,7 +81,8 @@ def test_tree_verification_logits_match_sdpa(models, monkeypatch):
     assert len(built) == 2  # one block mask per forward, reused by both layers (and by the explicit check above)
 
 
-@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+@pytest.mark.parametrize("method", [pytest.param("ar", marks=pytest.mark.slow),
+                                    pytest.param("dflash", marks=pytest.mark.slow), "ddtree"])
 def test_flex_target_decodes_like_sdpa(models, method):
     prompt = torch.randint(0, 250, (6,), generator=torch.Generator().manual_seed(11)).tolist()
     ref = ddtree_generate(models["sdpa"], models["drafter"], prompt, method=method, budget=12, max_new_tokens=14)
@@ -97,6 +100,7 @@ def test_flex_target_batched_ragged_like_sdpa(models):
     assert [r.acceptance_lengths for r in got] == [r.acceptance_lengths for r in ref]
 
 
+@pytest.mark.slow
 def test_float32_tokens_equal(paths):
     target, drafter = paths
     sdpa = load_target(target, torch.float32, "cpu")
@@ -105,3 +109,28 @@ def test_float32_tokens_equal(paths):
     prompt = [9, 8, 7, 6, 5]
     assert ddtree_generate(flex, d, prompt, budget=12, max_new_tokens=12).tokens == \
         ddtree_generate(sdpa, d, prompt, budget=12, max_new_tokens=12).tokens
+
+
+@torch.no_grad()
+def test_same_shape_different_trees_each_match_sdpa(models):
+    """Two verification forwards of the same shape, one after the other, with different trees: the block mask reused
+    across calls must follow the mask's contents, not only its shape."""
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 250, (1, 5), generator=gen)
+    tokens = torch.randint(0, 250, (4,), generator=gen)
+    root = (torch.tensor([int(tokens[0])]), torch.tensor([5]))
+    trees = ((torch.tensor([-1, 0, 1, 2]), torch.tensor([1, 2, 3, 4])),  # a chain
+             (torch.tensor([-1, -1, -1, 0]), torch.tensor([1, 1, 1, 2])))  # a bush
+    logits: dict[str, list[torch.Tensor]] = {}
+    for name in ("sdpa", "flex"):
+        model = models[name]
+        cache = DynamicCache(config=model.config)
+        model(prompt, past_key_values=cache, use_cache=True)
+        logits[name] = []
+        for parents, depths in trees:
+            compiled = compile_tree(tokens, depths + 5, parents, context_len=5, dtype=torch.float64, prefix_rows=root)
+            logits[name].append(model(compiled.input_ids, position_ids=compiled.position_ids,
+                                      attention_mask=compiled.attention_mask, past_key_values=copy.deepcopy(cache),
+                                      use_cache=True).logits)
+    for got, ref in zip(logits["flex"], logits["sdpa"]):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
