@@ -229,3 +229,29 @@ def test_cli_generate_with_device_map(ar_paths, tmp_path, capsys):
     placed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert placed["tokens"] == plain["tokens"] and len(plain["tokens"]) > 0
     assert cli_main(["generate", "--model", str(ar_paths["dllm"]), "--prompt", "x", "--offload-folder", "d"]) == 2
+
+
+def test_cli_generate_dllm_with_device_map(tiny_sdar, tmp_path, capsys):
+    common = ["generate", "--model", str(tiny_sdar), "--prompt", "def f(x):", "--gen-length", "8", "--block-length",
+              "4", "--dtype", "float32", "--json", "--no-progress"]
+    assert cli_main(common) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli_main(common + ["--device-map", json.dumps(SDAR_MAP), "--offload-folder", str(tmp_path)]) == 0
+    placed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert placed["tokens"] == plain["tokens"] and placed["nfe"] == plain["nfe"]
+
+
+def test_cli_bench_ar_with_device_map(ar_paths, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "def add(a, b):"}) + "\n")
+    common = ["bench", "ar", "--target", str(ar_paths["target"]), "--drafter", str(ar_paths["dflash"]), "--budgets",
+              "4", "--dataset", str(prompts), "--max-prompts", "1", "--max-new-tokens", "8", "--warmup", "0",
+              "--dtype", "float32", "--no-chat", "--no-progress", "--no-plots"]
+    assert cli_main(common + ["--out", str(tmp_path / "plain")]) == 0
+    assert cli_main(common + ["--out", str(tmp_path / "placed"), "--device-map", json.dumps(TARGET_MAP),
+                              "--offload-folder", str(tmp_path / "off")]) == 0
+    plain, placed = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("plain", "placed"))
+    assert placed["all_identical"] is True
+    for a, b in zip(plain["methods"], placed["methods"]):
+        assert (a["name"], a["tokens_total"], a["tau_per_response"]) == (b["name"], b["tokens_total"],
+                                                                        b["tau_per_response"])
