@@ -17,6 +17,7 @@ import torch
 
 from spiffy.api import generate
 from spiffy.arspec import ARSpecConfig, as_drafter, ddtree_generate, speculative_generate
+from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.cli.main import main as cli_main
 from spiffy.cli.placement import parse_device_map, parse_max_memory
 from spiffy.decoding import DecodeConfig
@@ -255,3 +256,13 @@ def test_cli_bench_ar_with_device_map(ar_paths, tmp_path):
     for a, b in zip(plain["methods"], placed["methods"]):
         assert (a["name"], a["tokens_total"], a["tau_per_response"]) == (b["name"], b["tokens_total"],
                                                                         b["tau_per_response"])
+
+
+def test_batched_ragged_ddtree_equals_plain_load(ar_models):
+    plain, placed = ar_models
+    prompts = [[5, 6, 7, 8, 9, 10], [3, 4], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
+    cfg = ARSpecConfig(method="ddtree", tree_budget=10, max_new_tokens=10)
+    ref = speculative_generate_batch(plain["target"], [as_drafter(plain["dflash"]) for _ in prompts], prompts, cfg)
+    got = speculative_generate_batch(placed["target"], [as_drafter(placed["dflash"]) for _ in prompts], prompts, cfg)
+    assert [r.tokens for r in got] == [r.tokens for r in ref]
+    assert [r.acceptance_lengths for r in got] == [r.acceptance_lengths for r in ref]
