@@ -87,7 +87,8 @@ def ar_models(ar_paths, tmp_path_factory):
     }
     placed = {
         "target": load_target(ar_paths["target"], torch.float32, device_map=TARGET_MAP, offload_folder=off / "t"),
-        "dflash": load_drafter(ar_paths["dflash"], dtype=torch.float32, device_map=DFLASH_MAP, offload_folder=off / "d"),
+        "dflash": load_drafter(ar_paths["dflash"], dtype=torch.float32, device_map=DFLASH_MAP,
+                               offload_folder=off / "d"),
         "dllm": load_ar_drafter(ar_paths["dllm"], dtype=torch.float32, device_map=SDAR_MAP, offload_folder=off / "s"),
     }
     return plain, placed

@@ -48,7 +48,10 @@ def flash_applicable(q: torch.Tensor) -> bool:
 
 def flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, causal: bool) -> torch.Tensor:
     """``q [B, H, L, D]`` over ``k``/``v [B, H_kv, S, D]`` (grouped-query heads handled by the kernel), no mask;
-    ``causal``: query ``i`` sees keys ``<= i + S - L`` (the last ``L`` keys are the queries). Returns ``[B, L, H * D]``."""
+    ``causal``: query ``i`` sees keys ``<= i + S - L`` (the last ``L`` keys are the queries).
+
+    Returns ``[B, L, H * D]``.
+    """
     kernel = require_flash_attn()
     kwargs: dict[str, Any] = {"softmax_scale": scale, "causal": causal}
     out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs)  # [B, L, H, D]

@@ -446,6 +446,7 @@ __all__ = [
     "load_config",
     "load_model",
     "load_state_dict",
+    "load_target",
     "load_tokenizer",
     "mask_token_id",
     "read_config_dict",

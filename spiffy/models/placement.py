@@ -184,8 +184,8 @@ def qwen3_from_pretrained(
     offload_folder: str | os.PathLike | None,
     max_memory: Mapping[Any, Any] | None,
 ) -> torch.nn.Module:
-    """A transformers ``Qwen3ForCausalLM`` loaded by its ``from_pretrained`` with a ``device_map`` (it drives accelerate: shard-wise reads, hooks, disk
-    offload into ``offload_folder``)."""
+    """A transformers ``Qwen3ForCausalLM`` loaded by its ``from_pretrained`` with a ``device_map`` (it drives
+    accelerate: shard-wise reads, hooks, disk offload into ``offload_folder``)."""
     require_accelerate()
     if isinstance(device_map, str) and device_map not in AUTO_DEVICE_MAPS:
         raise ConfigError(f"unknown device_map {device_map!r}; fix: use one of {AUTO_DEVICE_MAPS}, a device or a dict")
@@ -202,7 +202,9 @@ def qwen3_from_pretrained(
     return model.eval()
 
 
-def qwen3_tensor_parallel(root: str | os.PathLike, dtype: torch.dtype, attn_implementation: str, tp_plan: Any) -> nn.Module:
+def qwen3_tensor_parallel(
+    root: str | os.PathLike, dtype: torch.dtype, attn_implementation: str, tp_plan: Any
+) -> nn.Module:
     """A transformers ``Qwen3ForCausalLM`` sharded over the ranks of a ``torchrun`` launch (``tp_plan="auto"``: the
     model's own plan; weights become DTensors, each rank holding its slice of every projection).
 
@@ -225,6 +227,7 @@ def qwen3_tensor_parallel(root: str | os.PathLike, dtype: torch.dtype, attn_impl
         raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
     return model.eval()
 
+
 def tied_linear(hidden: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``F.linear(hidden, module.weight)`` on the weight's execution device (a tied LM head: the embedding's weight
     used outside the embedding's own forward).
@@ -240,7 +243,7 @@ def tied_linear(hidden: torch.Tensor, module: nn.Module) -> torch.Tensor:
                 "the tied LM head's embedding is offloaded inside a larger block of the device_map; fix: give the "
                 "input embedding its own device_map entry (e.g. 'model.embed_tokens': 'cpu')"
             )
-        return F.linear(hidden.to(weight.device), weight) if hidden.device != weight.device else F.linear(hidden, weight)
+        return F.linear(hidden.to(weight.device), weight)  # a no-op move when already there
     from accelerate.utils import align_module_device  # noqa: PLC0415 - only reached for accelerate-placed models
 
     device = execution_device(module)

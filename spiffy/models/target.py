@@ -57,7 +57,8 @@ def load_target(
     if device_map is not None:
         return qwen3_from_pretrained(root, dtype, impl, device_map, offload_folder, max_memory)
     try:
-        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation=impl, local_files_only=True)
+        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation=impl,
+                                                 local_files_only=True)
     except OSError as exc:
         raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
     return model.to(device).eval()
