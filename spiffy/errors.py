@@ -53,6 +53,10 @@ class CheckpointKeyError(CheckpointError):
         super().__init__("; ".join(parts))
 
 
+class MissingDependencyError(SpiffyError, ImportError):
+    """An optional dependency a requested feature needs is not installed (the message names the pip extra)."""
+
+
 class GraphError(SpiffyError, ValueError):
     """A draft-graph file or object is malformed (schema, levels, subsets, parent closure, cycles)."""
 

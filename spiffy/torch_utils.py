@@ -11,7 +11,7 @@ import torch
 
 from spiffy.errors import ConfigError
 
-__all__ = ["DTYPE_NAMES", "model_device", "model_dtype", "dtype_name", "resolve_dtype"]
+__all__ = ["DTYPE_NAMES", "execution_device", "model_device", "model_dtype", "dtype_name", "resolve_dtype"]
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -28,12 +28,45 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
-def model_device(model: Any) -> torch.device:
-    """Device of the model's first parameter (CPU for a parameterless or non-module object)."""
-    try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError):
+def _hook_device(module: Any) -> torch.device | None:
+    """The execution device of an accelerate hook on ``module`` (``None`` when it has none)."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])  # SequentialHook holds several
+    for h in hooks:
+        dev = getattr(h, "execution_device", None)
+        if dev is not None:
+            return torch.device(dev) if not isinstance(dev, int) else torch.device("cuda", dev)
+    return None
+
+
+def execution_device(module: Any) -> torch.device:
+    """Where ``module`` computes: for a model placed with a ``device_map`` (accelerate hooks) the execution device
+    of its first weight-holding submodule (the hook may sit on that submodule or on an enclosing block), whose
+    weights may be offloaded (then they sit on ``meta``); otherwise the device of its first parameter. For a whole
+    model this is where its inputs go (the embedding's device). CPU for a parameterless or non-module object."""
+    if not hasattr(module, "named_modules"):
         return torch.device("cpu")
+    hooked: dict[str, torch.device] = {}  # module name -> its hook's execution device
+    for name, sub in module.named_modules():
+        dev = _hook_device(sub)
+        if dev is not None:
+            hooked[name] = dev
+        own = next(iter(sub.parameters(recurse=False)), None)
+        if own is None:
+            continue
+        parts = name.split(".") if name else []
+        for cut in range(len(parts), -1, -1):  # nearest hooked ancestor (or the module itself)
+            found = hooked.get(".".join(parts[:cut]))
+            if found is not None:
+                return found
+        return own.device
+    return torch.device("cpu")
+
+
+def model_device(model: Any) -> torch.device:
+    """Where the model's inputs go: :func:`execution_device` (the first parameter's device, or its accelerate
+    execution device when the model was placed with a ``device_map``). CPU for a parameterless object."""
+    return execution_device(model)
 
 
 def model_dtype(model: Any) -> torch.dtype | None:

@@ -46,7 +46,7 @@ from spiffy.models.ar_drafters import check_dllm_compatible, dllm_drafter_settin
 from spiffy.models.cache import KVCache
 from spiffy.models.dflash import DFlashDraftModel
 from spiffy.models.sdar import block_causal_mask
-from spiffy.torch_utils import model_device
+from spiffy.torch_utils import execution_device, model_device
 
 __all__ = ["DLLMDrafter", "DraftPass", "as_drafter", "drafter_block_mask"]
 
@@ -117,11 +117,11 @@ class DLLMDrafter:
 
     def attach(self, target: nn.Module) -> None:
         self.check(target)
-        device = target.get_input_embeddings().weight.device
+        device = execution_device(target.get_input_embeddings())  # its weight may be offloaded (device_map)
         if self._device != device:
             raise ConfigError(
                 f"the drafter is on {self._device} but the target on {device}; "
-                "fix: load both on the same device (load_ar_drafter(..., device=...))"
+                "fix: load the drafter on the device of the target's input embedding (load_ar_drafter(..., device=...))"
             )
         self._cache = KVCache(self._num_layers)
         self._pending = []

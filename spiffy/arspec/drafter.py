@@ -30,6 +30,7 @@ from torch import nn
 from spiffy.errors import ConfigError
 from spiffy.models.cache import KVCache
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, check_compatible
+from spiffy.torch_utils import execution_device
 
 __all__ = ["ContextUpdate", "Drafter", "DFlashDrafter"]
 
@@ -125,11 +126,11 @@ class DFlashDrafter:
     def _bind(self, target: nn.Module, hooks: TargetFeatureHooks | None) -> None:
         self.check(target)
         embed = target.get_input_embeddings()
-        device = embed.weight.device
+        device = execution_device(embed)  # the embedding's weight may be offloaded (device_map)
         if self.model.device != device:
             raise ConfigError(
                 f"the drafter is on {self.model.device} but the target on {device}; "
-                "fix: load both on the same device (load_drafter(..., device=...))"
+                "fix: load the drafter on the device of the target's input embedding (load_drafter(..., device=...))"
             )
         self._embed = embed
         self._head = target.lm_head

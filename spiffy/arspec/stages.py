@@ -33,6 +33,7 @@ from spiffy.arspec.sampling import tempered
 from spiffy.arspec.selfselect import build_sampled_tree, proposal_probs, sample_drafts
 from spiffy.arspec.tree import DraftTree, build_chain, build_ddtree, empty_tree
 from spiffy.errors import ConfigError
+from spiffy.torch_utils import execution_device
 from spiffy.verify import CompiledDraft, compile_tree
 
 __all__ = [
@@ -108,8 +109,8 @@ class TargetRunner:
                 f"the target uses attn_implementation={impl!r}, which cannot take the tree attention mask; "
                 "fix: load the target with attn_implementation='sdpa' (or 'eager')"
             )
-        weight = target.get_input_embeddings().weight
-        return cls(backbone, head, weight.device, weight.dtype, DynamicCache(config=target.config))
+        embed = target.get_input_embeddings()  # inputs and masks go to its device (its weight may be offloaded)
+        return cls(backbone, head, execution_device(embed), embed.weight.dtype, DynamicCache(config=target.config))
 
     @property
     def context_len(self) -> int:

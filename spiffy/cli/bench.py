@@ -29,6 +29,7 @@ from spiffy.bench.dllm import run_dllm_bench
 from spiffy.bench.report import markdown_report, write_report
 from spiffy.bench.throughput import ar_methods, dllm_methods, encode_prompts, markdown_throughput, measure, parse_batch_sizes, throughput_report
 from spiffy.cli.generate import add_decoding_arguments, add_sampling_arguments, config_from_args
+from spiffy.cli.placement import add_placement_arguments, placement_kwargs
 from spiffy.distributed import join_data_parallel
 from spiffy.embedded import compatible_shipped_graph, embedded_model_path, is_embedded_available, resolve_graph_argument
 from spiffy.errors import ConfigError
@@ -38,6 +39,7 @@ from spiffy.models.hub import checkpoint_dir
 from spiffy.models.prompting import stop_token_ids
 from spiffy.selfspec.freedave import parse_freedave_steps
 from spiffy.selfspec.graph import load_graph
+from spiffy.torch_utils import model_device
 
 
 def _common(p: argparse.ArgumentParser, default_budgets: str) -> None:
@@ -54,6 +56,7 @@ def _common(p: argparse.ArgumentParser, default_budgets: str) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--dtype", default=None, help="model dtype: float32 (CPU default), float64, bfloat16, float16 or auto")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    add_placement_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--batch-sizes", default=None, metavar="LIST",
                    help="throughput report instead: tokens/s and latency per token of every method at each batch size "
@@ -152,7 +155,9 @@ def run_dllm(args: argparse.Namespace) -> int:
     cfg, extra = config_from_args(args)
     dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
     args.is_main_rank, device = dp.is_main, str(dp.device)
-    model = load_model(model_dir, dtype=args.dtype, device=device)
+    placement = placement_kwargs(args)
+    model = load_model(model_dir, dtype=args.dtype, device=device, **placement)
+    device = str(model_device(model)) if placement else device  # inputs go where the embedding computes
     tokenizer = load_tokenizer(model_dir)
     if graph_path is None:  # the graph shipped with the model for these decoding flags
         graph_path = compatible_shipped_graph(model, model_dir, cfg, **extra)
@@ -191,7 +196,9 @@ def run_ar(args: argparse.Namespace) -> int:
     prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
     dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
     args.is_main_rank, device = dp.is_main, str(dp.device)
-    target = load_model(target_dir, dtype=args.dtype, device=device)
+    placement = placement_kwargs(args)
+    target = load_model(target_dir, dtype=args.dtype, device=device, **placement)
+    device = str(model_device(target)) if placement else device  # drafters and inputs: the embedding's device
     dtype = next(target.parameters()).dtype
     drafter = load_drafter(drafter_dir, dtype=dtype, device=device)
     dllm = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None

@@ -20,12 +20,14 @@ import torch
 
 from spiffy.api import generate
 from spiffy.cli.generate_ar import EMBEDDED_DLLM_METHODS, add_ar_arguments, run_generate
+from spiffy.cli.placement import add_placement_arguments, placement_kwargs
 from spiffy.decoding import DecodeConfig
 from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument
 from spiffy.errors import ConfigError
 from spiffy.models import load_model, load_tokenizer
 from spiffy.selfspec.freedave import freedave_graph, is_freedave_spec, parse_freedave_steps
 from spiffy.selfspec.graph import load_graph
+from spiffy.torch_utils import model_device
 
 DESCRIPTION = """\
 Decode one prompt, or several as one batch (repeat --prompt; with --json one JSON object per prompt, in order).
@@ -143,6 +145,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=int, default=None, metavar="D",
                         help="draft nodes kept per step with --graph (default 3); AR mode: DDTree node budget")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_placement_arguments(parser)
     add_decoding_arguments(parser)
     add_ar_arguments(parser)
     parser.set_defaults(handler=run)
@@ -180,7 +183,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
         args.model = default_dllm_path(" or --target DIR for AR mode")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(args.model, dtype=args.dtype, device=device)
+    placement = placement_kwargs(args)
+    model = load_model(args.model, dtype=args.dtype, device=device, **placement)
+    if placement:  # inputs go where the model's embedding computes
+        device = str(model_device(model))
     tokenizer = load_tokenizer(args.model)
     batch = [_encode_prompt(tokenizer, p, args.chat) for p in prompts]
     cfg, extra = config_from_args(args)

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from spiffy.arspec import ARGenerationResult, ARSpecConfig, as_drafter, speculative_generate
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.config import ACCEPT_RULES, DEFAULT_TREE_BUDGET, METHODS
+from spiffy.cli.placement import add_placement_arguments, placement_kwargs
 from spiffy.embedded import embedded_model_path
 from spiffy.errors import CheckpointError, ConfigError, SpiffyError
 from spiffy.models.ar_drafters import load_ar_drafter
@@ -37,7 +38,7 @@ from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import load_target, read_config_dict
 from spiffy.models.prompting import stop_token_ids
 from spiffy.sampling import SamplingConfig
-from spiffy.torch_utils import resolve_dtype
+from spiffy.torch_utils import model_device, resolve_dtype
 
 __all__ = ["add_ar_arguments", "ar_config_from_args", "run_generate", "main", "load_target"]
 
@@ -169,7 +170,10 @@ def run_generate(args: argparse.Namespace) -> int:
     config_file = Path(target_dir) / "config.json"
     raw = read_config_dict(target_dir) if config_file.is_file() else {}
     dtype = resolve_dtype(getattr(args, "dtype", None) or "float32", raw)
-    target = load_target(target_dir, dtype, device)
+    placement = placement_kwargs(args)
+    target = load_target(target_dir, dtype, device, **placement)
+    if placement:  # the drafter and the inputs go where the target's embedding computes
+        device = str(model_device(target))
     drafter = None
     if method != "ar":
         drafter = as_drafter(load_ar_drafter(drafter_dir, dtype=dtype, device=device))
@@ -221,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spiffy-ar", description="AR-mode generation with DDTree / DFlash / AR")
     add_ar_arguments(parser, shared=True)
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    add_placement_arguments(parser)
     args = parser.parse_args(argv)
     try:
         return run_generate(args)

@@ -142,17 +142,18 @@ def check_dllm_compatible(drafter: nn.Module, target: nn.Module) -> None:
         raise DrafterMismatchError(f"the drafter's mask id {mask} is outside its vocabulary of {v_draft}")
 
 
-def load_ar_drafter(path: str | os.PathLike, dtype: Any = None, device: Any = None) -> nn.Module:
+def load_ar_drafter(path: str | os.PathLike, dtype: Any = None, device: Any = None, **placement: Any) -> nn.Module:
     """Load a drafter checkpoint of either kind (a directory or a Hub id): a
     :class:`~spiffy.models.dflash.DFlashDraftModel` or a dLLM (eval mode). The kind comes from ``config.json``
-    (:func:`drafter_kind`)."""
+    (:func:`drafter_kind`). ``placement``: ``device_map`` / ``offload_folder`` / ``max_memory`` (accelerate
+    placement, see :func:`spiffy.models.loading.load_model`)."""
     root = checkpoint_dir(path)
     if not (root / "config.json").is_file():
         raise CheckpointError(f"no config.json in {root}; fix: --drafter must be a drafter checkpoint directory")
     kind = drafter_kind(root)
     if kind == "dflash":
-        return load_drafter(root, dtype=dtype, device=device)
-    return load_model(root, dtype=dtype, device=device)
+        return load_drafter(root, dtype=dtype, device=device, **placement)
+    return load_model(root, dtype=dtype, device=device, **placement)
 
 
 def make_tiny_dllm_drafter(

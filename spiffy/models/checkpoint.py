@@ -10,15 +10,26 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from spiffy.errors import CheckpointError, CheckpointKeyError
 from spiffy.models.hub import checkpoint_dir
 
-__all__ = ["SINGLE_FILE", "INDEX_FILE", "CONFIG_FILE", "read_config_dict", "checkpoint_files", "load_state_dict", "check_keys"]
+__all__ = [
+    "SINGLE_FILE",
+    "INDEX_FILE",
+    "CONFIG_FILE",
+    "read_config_dict",
+    "checkpoint_files",
+    "load_state_dict",
+    "check_keys",
+    "stored_dtype",
+    "iter_checkpoint_keys",
+]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -97,6 +108,18 @@ def load_state_dict(path: str | os.PathLike, device: Any = "cpu") -> dict[str, t
     return state
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def stored_dtype(path: str | os.PathLike) -> torch.dtype:
+    """The dtype of the first tensor stored in a checkpoint (read from its header, no weights loaded)."""
+    files, _ = checkpoint_files(path)
+    with safe_open(str(files[0]), framework="pt") as handle:
+        keys = list(handle.keys())
+        name = handle.get_slice(keys[0]).get_dtype() if keys else "F32"
+    return _SAFETENSORS_DTYPES.get(name, torch.float32)
+
+
 def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
     """State-dict names grouped by shared tensor (tied weights): groups of size > 1 only."""
     by_id: dict[int, list[str]] = {}
@@ -126,3 +149,15 @@ def check_keys(
     )
     if missing or unexpected or mismatch:
         raise CheckpointKeyError(str(path), missing, unexpected, mismatch)
+
+
+def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:
+    """Parameter names stored in a checkpoint (without loading tensors)."""
+    files, weight_map = checkpoint_files(path)
+    if weight_map is not None:
+        return sorted(weight_map)
+    keys: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            keys.extend(handle.keys())
+    return sorted(keys)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +34,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from spiffy.errors import CheckpointError, DrafterMismatchError, MissingTokenError
 from spiffy.models.cache import KVCache
-from spiffy.models.checkpoint import CONFIG_FILE, check_keys, load_state_dict, read_config_dict
+from spiffy.models.checkpoint import CONFIG_FILE, check_keys, load_state_dict, read_config_dict, stored_dtype
 from spiffy.models.hub import checkpoint_dir
-from spiffy.torch_utils import resolve_dtype
+from spiffy.models.placement import dispatch_checkpoint, placement_device
+from spiffy.torch_utils import execution_device, resolve_dtype
 
 __all__ = [
     "DFlashDraftModel",
@@ -235,7 +236,8 @@ class DFlashDraftModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        """Where the drafter computes (its accelerate execution device when placed with a ``device_map``)."""
+        return execution_device(self)
 
     def new_cache(self) -> KVCache:
         """An empty context K/V cache for :meth:`forward` (one entry per drafter layer)."""
@@ -279,11 +281,12 @@ class DFlashDraftModel(nn.Module):
                 f"position_ids cover {position_ids.shape[1]} rows but context + block = "
                 f"{n_ctx} + {noise_embedding.shape[1]}"
             )
-        ctx = self.project_context(target_hidden.to(self.dtype)) if n_ctx else noise_embedding.new_zeros(b, 0, noise_embedding.shape[-1])
+        # target features come from the target's layers, which may sit on other devices (device_map)
+        x = noise_embedding.to(self.device, self.dtype)
+        ctx = self.project_context(target_hidden.to(x.device, self.dtype)) if n_ctx else x.new_zeros(b, 0, x.shape[-1])
         if ctx.shape[0] != b:
             ctx = ctx.expand(b, -1, -1)
-        x = noise_embedding.to(self.dtype)
-        cos, sin = self.rotary_emb(x, position_ids)
+        cos, sin = self.rotary_emb(x, position_ids.to(x.device))
         window_mask = None
         if any(self.sliding_layers):
             cached = 0 if past_key_values is None else past_key_values.get_seq_length(0)
@@ -357,7 +360,8 @@ class TargetFeatureHooks:
         missing = [i for i in self.layer_ids if i not in self._out]
         if missing:
             raise RuntimeError(f"no features captured for target layers {missing}: run a target forward first")
-        return torch.cat([self._out[i] for i in self.layer_ids], dim=-1)
+        first = self._out[self.layer_ids[0]].device  # layers may sit on several devices (device_map)
+        return torch.cat([self._out[i].to(first) for i in self.layer_ids], dim=-1)
 
     def clear(self) -> None:
         self._out.clear()
@@ -431,7 +435,12 @@ def check_compatible(drafter: DFlashDraftModel, target: nn.Module) -> None:
 
 
 def load_drafter(
-    path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None
+    path: str | os.PathLike,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    device_map: Any = None,
+    offload_folder: str | os.PathLike | None = None,
+    max_memory: Mapping[Any, Any] | None = None,
 ) -> DFlashDraftModel:
     """Load a DFlash drafter checkpoint directory with strict key matching.
 
@@ -443,6 +452,8 @@ def load_drafter(
         dtype: parameter dtype (``torch.dtype`` or a name like ``"float64"``/``"bf16"``); ``None``/``"auto"`` keeps
             the stored tensors' dtype.
         device: where to put the model.
+        device_map, offload_folder, max_memory: accelerate placement, as for
+            :func:`spiffy.models.loading.load_model` (module names ``fc``, ``layers.{i}``, ``norm``, ...).
     Raises:
         CheckpointError: directory/config/weights missing or not a DFlash drafter.
         CheckpointKeyError: missing, unexpected or shape-mismatched keys (named).
@@ -461,6 +472,13 @@ def load_drafter(
     cfg.pop("auto_map", None)
     config = Qwen3Config(**cfg)
     drafter_settings(config)  # config problems (no mask id, no layer ids) first, before reading any weights
+    device, device_map = placement_device(device, device_map)
+    if device_map is not None:
+        keep = dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto")
+        want = stored_dtype(root) if keep else resolve_dtype(dtype)
+        model = dispatch_checkpoint(lambda: DFlashDraftModel(config), root, device_map, want, offload_folder,
+                                    max_memory, no_split=["DFlashDecoderLayer"])
+        return model.eval()
     state = load_state_dict(root)
     if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
         want = next(iter(state.values())).dtype if state else torch.float32

@@ -3,7 +3,8 @@
 * :class:`RMSNorm` - root-mean-square norm, computed in at least float32 (float64 stays float64).
 * :class:`RotaryEmbedding` / :func:`apply_rotary` - rotate-half RoPE, angles computed in at least float32.
 * :func:`attend` - attention of new queries over ``[cached keys ; new keys]`` with an optional mask, through
-  torch SDPA (default) or a plain eager path; grouped-query attention supported; never flash-attn.
+  torch SDPA (default), a plain eager path, flex_attention, or flash-attn for mask-free calls only; grouped-query
+  attention supported.
 * :class:`ForwardContext` / :func:`prepare_forward` - the uniform forward contract of the three families: cache
   policy resolution (``cache_policy`` / SDAR's ``store_kv`` / ``use_cache``), default position ids, attention-mask
   normalisation (2-D key padding, 3-D/4-D bool, 0/1 or additive float).
@@ -23,9 +24,10 @@ from torch import nn
 
 from spiffy.errors import ConfigError
 from spiffy.models.cache import CACHE_POLICIES, KVCache, as_kv_cache
+from spiffy.models.flash import FLASH, flash_applicable, flash_attend
 from spiffy.models.flex import flex_attend
 
-ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flex_attention")
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flex_attention", FLASH)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -142,7 +144,9 @@ class ForwardContext:
         position_ids: ``[B|1, L]`` long.
         mask: ``None`` (everything visible), a bool ``[B|1, 1, L, C+L]`` (True = visible) or an additive float
             mask of that shape; fully hidden query rows have already been made finite.
-        attn_implementation: ``"sdpa"`` or ``"eager"``.
+        attn_implementation: ``"sdpa"``, ``"eager"``, ``"flex_attention"`` or ``"flash_attention_2"`` (mask-free
+            calls only, :mod:`spiffy.models.flash`; masked ones use SDPA).
+        plain_causal: ``mask`` is the family's default causal mask (no mask was passed): flash-attn can run it.
     """
 
     cache: Any
@@ -152,6 +156,7 @@ class ForwardContext:
     position_ids: torch.Tensor
     mask: torch.Tensor | None
     attn_implementation: str = "sdpa"
+    plain_causal: bool = False
 
 
 def resolve_cache_policy(
@@ -286,7 +291,8 @@ def prepare_forward(
     mask = normalize_attention_mask(attention_mask, batch, length, cache_len, dtype, device, causal_default)
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         attn_implementation = "sdpa"
-    return ForwardContext(cache, cache_out, policy, cache_len, position_ids, mask, attn_implementation)
+    plain_causal = attention_mask is None and causal_default
+    return ForwardContext(cache, cache_out, policy, cache_len, position_ids, mask, attn_implementation, plain_causal)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -344,10 +350,16 @@ def attend(
                     "cache_policy='read' (store_kv=False) for several drafts sharing one prefix"
                 )
             ctx.cache.append(layer_idx, k, v)
+    if ctx.attn_implementation == FLASH and flash_applicable(q):
+        in_order = getattr(ctx.cache, "insert_at", None) is None  # keys in sequence order: causal = bottom-right
+        if ctx.mask is None or (ctx.plain_causal and in_order):
+            return flash_attend(q, k_all, v_all, scale, causal=ctx.mask is not None)
     n_rep = q.shape[1] // k_all.shape[1]
     k_all = repeat_kv(k_all, n_rep)
     v_all = repeat_kv(v_all, n_rep)
     mask = ctx.mask
+    if mask is not None and mask.device != q.device:  # layers placed on several devices (device_map)
+        mask = mask.to(q.device)
     if mask is not None and torch.is_floating_point(mask):
         mask = mask.to(q.dtype)
     if ctx.attn_implementation == "eager":

@@ -24,6 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from spiffy.errors import ConfigError
 from spiffy.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, apply_rotary, attend, compute_dtype
+from spiffy.models.placement import tied_linear
 from spiffy.models.pretrained import SpiffyForwardMixin, init_weights
 
 LLADA_AUTO_MAP: dict[str, str] = {
@@ -250,7 +251,7 @@ class LLaDAModel(nn.Module):
         if output_hidden_states:
             hiddens.append(x)
         if self.config.weight_tying:
-            logits = F.linear(x, t["wte"].weight)
+            logits = tied_linear(x, t["wte"])  # the embedding may sit elsewhere (device_map)
         else:
             logits = t["ff_out"](x)
         if self.config.scale_logits:

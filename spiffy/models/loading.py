@@ -4,7 +4,7 @@
   own modules; ``"qwen3"`` -> transformers' ``Qwen3ForCausalLM``; a config with ``dflash_config`` or
   architectures ``["DFlashDraftModel"]`` -> :func:`spiffy.models.dflash.load_drafter`). Reads ``model.safetensors``
   or a sharded ``model.safetensors.index.json`` (:mod:`spiffy.models.checkpoint`), with strict key matching.
-* :func:`load_target` - a Qwen3 target for AR speculative decoding (transformers' class, sdpa attention).
+* :func:`load_target` (from :mod:`spiffy.models.target`) - a Qwen3 target for AR speculative decoding.
 * :func:`save_checkpoint` - config.json (with the official ``auto_map``), sharded safetensors + index, optional
   tokenizer and generation config, written to a temporary directory and renamed into place.
 * :func:`load_tokenizer`, :func:`family_of`, :func:`mask_token_id`, :func:`special_token_ids`.
@@ -19,12 +19,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 from spiffy.errors import CheckpointError, ConfigError, MissingTokenError, UnknownModelTypeError
 from spiffy.io import replace_dir
@@ -35,13 +34,18 @@ from spiffy.models.checkpoint import (
     _alias_groups,
     check_keys,
     checkpoint_files,
+    iter_checkpoint_keys,
     load_state_dict,
     read_config_dict,
 )
 from spiffy.models.hub import checkpoint_dir, resolve_checkpoint
+from spiffy.models.flash import FLASH, require_flash_attn
+from spiffy.models.flex import target_attention
 from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config, load_drafter
+from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device, qwen3_from_pretrained
 from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
+from spiffy.models.target import load_target
 from spiffy.torch_utils import resolve_dtype
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -116,6 +120,9 @@ def load_model(
     device: Any = None,
     attn_implementation: str = "sdpa",
     revision: str | None = None,
+    device_map: DeviceMap | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    max_memory: Mapping[Any, Any] | None = None,
 ) -> torch.nn.Module:
     """Load a checkpoint directory or Hub id into its model class, in eval mode.
 
@@ -125,10 +132,16 @@ def load_model(
         dtype: ``torch.dtype``, a name (``"float64"``, ``"bf16"``, ...), ``"auto"`` (config ``torch_dtype``) or
             ``None`` (float32 on CPU, ``"auto"`` on accelerators).
         device: where the weights go (default CPU).
-        attn_implementation: ``"sdpa"`` (default), ``"eager"`` or ``"flex_attention"`` (:mod:`spiffy.models.flex`:
-            block masks for the tree / verification / ragged-batch masks) for the in-package dLLM families; never
-            flash-attn (custom masks are needed).
+        attn_implementation: ``"sdpa"`` (default), ``"eager"``, ``"flex_attention"`` (:mod:`spiffy.models.flex`:
+            block masks for the tree / verification / ragged-batch masks; the Qwen3 target gets spiffy's flex kernel
+            through transformers' AttentionInterface) or, for the dLLM families only, ``"flash_attention_2"``
+            (:mod:`spiffy.models.flash`: flash-attn for mask-free calls, SDPA for masked ones; needs flash-attn).
         revision: branch, tag or commit of a Hub id.
+        device_map: place the model across devices with accelerate (:mod:`spiffy.models.placement`): ``"auto"``
+            (GPUs, then CPU, then disk, capped by ``max_memory``), one device (``"cpu"``, ``"cuda:1"``: the same as
+            ``device``) or a dict ``{module name: device | "cpu" | "disk"}``. ``device`` is ignored then.
+        offload_folder: where weights mapped to ``"disk"`` are written (default: a temporary directory).
+        max_memory: per-device caps for the automatic maps, e.g. ``{0: "20GiB", "cpu": "64GiB"}``.
 
     ``model.name_or_path`` is the directory, or ``ORG/NAME@COMMIT`` for a Hub snapshot (what graph files record).
 
@@ -137,19 +150,35 @@ def load_model(
             that is not cached while offline.
         CheckpointKeyError: strict key matching failed (names the keys).
         UnknownModelTypeError: unsupported ``model_type``.
+        MissingDependencyError: ``device_map`` without accelerate, ``flash_attention_2`` without flash-attn.
     """
     resolved = resolve_checkpoint(path, revision)
     path = resolved.path
     data = read_config_dict(path)
     family = family_of(data)
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device, device_map = placement_device(device, device_map)
     torch_dtype = resolve_dtype(dtype, data, device)
     if family == "dflash":
-        return load_drafter(path, dtype=torch_dtype, device=device)
+        return load_drafter(path, dtype=torch_dtype, device=device, device_map=device_map,
+                            offload_folder=offload_folder, max_memory=max_memory)
     config = load_config(path, family)
-    config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS else "sdpa"
+    if family == "qwen3":  # transformers' class: flex_attention is spiffy's kernel registered with transformers
+        config._attn_implementation = target_attention(attn_implementation)
+    else:
+        if attn_implementation == FLASH:
+            require_flash_attn()  # at load time, naming the fix, rather than at the first forward
+        # built as SDPA: transformers' init-time flash check is for its own kernels; ours routes mask-free calls
+        # to flash-attn itself (the config is switched after loading)
+        config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS[:3] else "sdpa"
     spec = family_spec(family)
     cls = spec.model_class
+    if device_map is not None:
+        if family == "qwen3":  # transformers' own class: its from_pretrained drives accelerate
+            model = qwen3_from_pretrained(path, torch_dtype, config._attn_implementation, device_map,
+                                           offload_folder, max_memory)
+        else:
+            model = dispatch_checkpoint(lambda: cls(config), path, device_map, torch_dtype, offload_folder, max_memory)
+        return _finish(model, resolved.reference, attn_implementation)
     state = load_state_dict(path)
     with torch.device("meta"):
         model = cls(config)
@@ -162,31 +191,15 @@ def load_model(
         model = _materialize_buffers(model, config, device, torch_dtype, converted)
     else:
         model.load_state_dict(converted, strict=True, assign=True)
-    model.eval()
-    model.name_or_path = resolved.reference
+    return _finish(model.eval(), resolved.reference, attn_implementation)
+
+
+def _finish(model: torch.nn.Module, reference: str, attn_implementation: str) -> torch.nn.Module:
+    """Record where the model came from; switch a dLLM to flash-attn routing once it is built."""
+    model.name_or_path = reference
+    if attn_implementation == FLASH and family_of(model) != "qwen3":
+        model.config._attn_implementation = FLASH
     return model
-
-
-def load_target(path: str | os.PathLike, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    """Load a Qwen3 target checkpoint directory for AR speculative decoding (sdpa attention, eval mode).
-
-    Raises:
-        CheckpointError: no ``config.json`` or unreadable weights; ConfigError: not a ``qwen3`` checkpoint.
-    """
-    root = checkpoint_dir(path)  # a directory, or a Hub id such as Qwen/Qwen3-8B
-    if not (root / CONFIG_FILE).is_file():
-        raise CheckpointError(f"no config.json in {root}; fix: --target must be a Qwen3 checkpoint directory")
-    raw = read_config_dict(root)
-    if raw.get("model_type") != "qwen3":
-        raise ConfigError(
-            f"--target {root} has model_type {raw.get('model_type')!r}; AR mode needs a Qwen3 target "
-            "(model_type 'qwen3'); fix: pass a Qwen3 checkpoint, or use --model for diffusion LMs"
-        )
-    try:
-        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation="sdpa", local_files_only=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
-    return model.to(device).eval()
 
 
 def _materialize_buffers(
@@ -420,18 +433,6 @@ def save_checkpoint(
     return out
 
 
-def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:
-    """Parameter names stored in a checkpoint (without loading tensors)."""
-    files, weight_map = checkpoint_files(path)
-    if weight_map is not None:
-        return sorted(weight_map)
-    keys: list[str] = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            keys.extend(handle.keys())
-    return sorted(keys)
-
-
 __all__ = [
     "CONFIG_FILE",
     "DEFAULT_MAX_SHARD_BYTES",
@@ -445,6 +446,7 @@ __all__ = [
     "load_config",
     "load_model",
     "load_state_dict",
+    "load_target",
     "load_tokenizer",
     "mask_token_id",
     "read_config_dict",

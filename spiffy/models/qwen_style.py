@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spiffy.errors import ConfigError
 from spiffy.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attend
+from spiffy.models.placement import tied_linear
 from spiffy.models.pretrained import SpiffyForwardMixin
 
 
@@ -188,7 +188,7 @@ class QwenStyleLMMixin(SpiffyForwardMixin):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         h, hiddens = self.model.run(input_ids, ctx, output_hidden_states)  # type: ignore[attr-defined]
         if self.config.tie_word_embeddings:  # type: ignore[attr-defined]
-            logits = F.linear(h, self.model.embed_tokens.weight)  # type: ignore[attr-defined]
+            logits = tied_linear(h, self.model.embed_tokens)  # type: ignore[attr-defined]
         else:
             logits = self.lm_head(h)  # type: ignore[attr-defined]
         return logits, hiddens
