@@ -49,13 +49,16 @@ class StepInfo:
 class StepRecord:
     """What an observer sees at every transition (used by calibration).
 
-    ``x_before``/``x_after``: ``[B, T]``; ``logits``: ``[B, W, V]`` aligned window logits that drove the step.
+    ``x_before``/``x_after``: ``[B, T]``; ``logits``: ``[B, W, V]`` aligned window logits that drove the step;
+    ``probs``: ``[B, W, V]`` ``softmax(logits)`` as the transition computed it for its confidences
+    (:meth:`DecodeSession.transition_probs`), ``None`` when it computed none.
     """
 
     info: StepInfo
     x_before: torch.Tensor
     logits: torch.Tensor
     x_after: torch.Tensor
+    probs: torch.Tensor | None = None
 
 
 StepObserver = Callable[[StepRecord], None]
@@ -137,6 +140,23 @@ class DecodeSession(ABC):
 
     def end_block(self, block: int) -> None:
         """Block-end work (counted in :attr:`nfe` if it calls the model). Default: nothing."""
+
+    def publish_probs(self, logits: torch.Tensor, probs: torch.Tensor) -> None:
+        """Called by a transition that computed ``probs = softmax(logits)`` (unmodified logits, float32 or float64)
+        for its confidences, so that ranking the next drafts reuses them instead of a second softmax over the
+        vocabulary. Kept until the next transition (one ``[B, W, V]`` tensor)."""
+        self._published_probs = (logits, probs)
+
+    def transition_probs(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """``softmax(logits)`` as the last transition computed it, when that transition was driven by exactly this
+        ``logits`` tensor (the same object) and published them (:meth:`publish_probs`); else ``None``.
+
+        Spiffy ranks the latest distribution with these probabilities (calibration sees the same ones in
+        :attr:`StepRecord.probs`), so ranking costs no softmax of its own."""
+        published = getattr(self, "_published_probs", None)
+        if published is None or published[0] is not logits:
+            return None
+        return published[1]
 
     def finish(self) -> None:
         """Generation-end work. Default: nothing."""
@@ -234,7 +254,7 @@ def run_baseline(session: DecodeSession, observer: StepObserver | None = None, p
             info = session.step_info(block, step)
             x_next = session.transition(session.x, logits, info)
             if observer is not None:
-                observer(StepRecord(info=info, x_before=session.x, logits=logits, x_after=x_next))
+                observer(StepRecord(info, session.x, logits, x_next, session.transition_probs(logits)))
             session.x = x_next
             logits = None
             step += 1

@@ -173,7 +173,8 @@ def _iterate(
         if use_drafts and row.P is not None and window_covers(row.P_start, int(row.P.shape[1]), info.block_start, info.block_end):
             t0 = time.perf_counter()
             ranking = rank_state(
-                row.P[0], x[0], info.block_start, info.block_end, row.P_start, plan.i_max, plan.j_max, mask_id=sess.mask_id
+                row.P[0], x[0], info.block_start, info.block_end, row.P_start, plan.i_max, plan.j_max,
+                mask_id=sess.mask_id, probs=sess.transition_probs(row.P),
             )
             t1 = time.perf_counter()
             kept = prune(plan.graph, ranking, budget, score)
