@@ -80,11 +80,10 @@ def top_ranked(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     cand_rows = picked[:, 0].index_select(0, hit[:, 0])
     cand_cols = picked[:, 1].index_select(0, hit[:, 0]) * s + hit[:, 1]
     cand_vals = blocks[hit[:, 0], hit[:, 1]]
-    if tail.shape[1]:
-        tail_hit = (tail >= bound).nonzero()  # [m', 2] (row, offset)
-        cand_rows = torch.cat([cand_rows, tail_hit[:, 0]])
-        cand_cols = torch.cat([cand_cols, tail_hit[:, 1] + head_len])
-        cand_vals = torch.cat([cand_vals, tail[tail_hit[:, 0], tail_hit[:, 1]]])
+    tail_hit = (tail >= bound).nonzero()  # [m', 2] (row, offset); run even when empty: a fixed sync count
+    cand_rows = torch.cat([cand_rows, tail_hit[:, 0]])
+    cand_cols = torch.cat([cand_cols, tail_hit[:, 1] + head_len])
+    cand_vals = torch.cat([cand_vals, tail[tail_hit[:, 0], tail_hit[:, 1]]])
 
     # within a row the candidates come in ascending column order (head chunks, then the tail), and both sorts are
     # stable: equal values keep that order

@@ -189,11 +189,10 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
             rows = picked[:, 0].index_select(0, hit[:, 0])
             cols = picked[:, 1].index_select(0, hit[:, 0]) * width + hit[:, 1]
             cand = blocks[hit[:, 0], hit[:, 1]]
-            if tail.shape[1]:
-                tail_hit = (tail.double() >= bar).nonzero()
-                rows = torch.cat([rows, tail_hit[:, 0]])
-                cols = torch.cat([cols, tail_hit[:, 1] + head_len])
-                cand = torch.cat([cand, tail[tail_hit[:, 0], tail_hit[:, 1]]])
+            tail_hit = (tail.double() >= bar).nonzero()  # run even when empty: a fixed sync count
+            rows = torch.cat([rows, tail_hit[:, 0]])
+            cols = torch.cat([cols, tail_hit[:, 1] + head_len])
+            cand = torch.cat([cand, tail[tail_hit[:, 0], tail_hit[:, 1]]])
             # per depth, columns ascending (head chunks, then the tail); stable sorts keep that order for ties
             order = torch.sort(cand, descending=True, stable=True).indices
             order = order.index_select(0, torch.sort(rows.index_select(0, order), stable=True).indices)

@@ -45,12 +45,26 @@ class StepInfo:
     window_start: int
 
 
+@dataclass(frozen=True)
+class TransitionProbs:
+    """What a transition computed that ranking drafts can reuse.
+
+    Attributes:
+        probs: ``[B, W, V]`` ``softmax(logits)`` (unmodified logits; float32 or float64).
+        top1: ``[B, W]`` the maximum of ``probs`` over the vocabulary, when the transition already has it (greedy
+            low-confidence remasking: the confidence of the argmax proposal); ``None`` otherwise.
+    """
+
+    probs: torch.Tensor
+    top1: torch.Tensor | None = None
+
+
 @dataclass
 class StepRecord:
     """What an observer sees at every transition (used by calibration).
 
     ``x_before``/``x_after``: ``[B, T]``; ``logits``: ``[B, W, V]`` aligned window logits that drove the step;
-    ``probs``: ``[B, W, V]`` ``softmax(logits)`` as the transition computed it for its confidences
+    ``probs``: ``softmax(logits)`` as the transition computed it for its confidences
     (:meth:`DecodeSession.transition_probs`), ``None`` when it computed none.
     """
 
@@ -58,7 +72,7 @@ class StepRecord:
     x_before: torch.Tensor
     logits: torch.Tensor
     x_after: torch.Tensor
-    probs: torch.Tensor | None = None
+    probs: TransitionProbs | None = None
 
 
 StepObserver = Callable[[StepRecord], None]
@@ -141,15 +155,15 @@ class DecodeSession(ABC):
     def end_block(self, block: int) -> None:
         """Block-end work (counted in :attr:`nfe` if it calls the model). Default: nothing."""
 
-    def publish_probs(self, logits: torch.Tensor, probs: torch.Tensor) -> None:
-        """Called by a transition that computed ``probs = softmax(logits)`` (unmodified logits, float32 or float64)
-        for its confidences, so that ranking the next drafts reuses them instead of a second softmax over the
-        vocabulary. Kept until the next transition (one ``[B, W, V]`` tensor)."""
-        self._published_probs = (logits, probs)
+    def publish_probs(self, logits: torch.Tensor, probs: torch.Tensor, top1: torch.Tensor | None = None) -> None:
+        """Called by a transition that computed ``probs = softmax(logits)`` ``[B, W, V]`` (unmodified logits,
+        float32 or float64) for its confidences, and possibly their maximum ``top1`` ``[B, W]``, so that ranking the
+        next drafts reuses them instead of a second pass over the vocabulary. Kept until the next transition."""
+        self._published_probs = (logits, TransitionProbs(probs, top1))
 
-    def transition_probs(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """``softmax(logits)`` as the last transition computed it, when that transition was driven by exactly this
-        ``logits`` tensor (the same object) and published them (:meth:`publish_probs`); else ``None``.
+    def transition_probs(self, logits: torch.Tensor) -> TransitionProbs | None:
+        """The :class:`TransitionProbs` of the last transition, when it was driven by exactly this ``logits`` tensor
+        (the same object) and published them (:meth:`publish_probs`); else ``None``.
 
         Spiffy ranks the latest distribution with these probabilities (calibration sees the same ones in
         :attr:`StepRecord.probs`), so ranking costs no softmax of its own."""

@@ -22,6 +22,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from spiffy.decoding.session import TransitionProbs
 from spiffy.errors import ConfigError
 from spiffy.topk import top_ranked
 
@@ -86,7 +87,7 @@ def rank_state(
     j_max: int,
     *,
     mask_id: int,
-    probs: torch.Tensor | None = None,
+    probs: TransitionProbs | torch.Tensor | None = None,
 ) -> Ranking:
     """Rank the masked positions of a block and their tokens under ``P``.
 
@@ -98,9 +99,10 @@ def rank_state(
         i_max: at most this many position ranks are kept (``>= 1``).
         j_max: at most this many token ranks per position are kept (``>= 1``).
         mask_id: the family's mask token id.
-        probs: ``softmax(P_window)`` already computed by the baseline transition that ``P`` drove
-            (``[W, V]`` or ``[1, W, V]``, float32 or float64; see
-            :meth:`~spiffy.decoding.session.DecodeSession.transition_probs`): ranked as given, no softmax here.
+        probs: ``softmax(P_window)`` already computed by the baseline transition that ``P`` drove (a
+            :class:`~spiffy.decoding.session.TransitionProbs`, or the ``[W, V]`` / ``[1, W, V]`` tensor; float32 or
+            float64; see :meth:`~spiffy.decoding.session.DecodeSession.transition_probs`): ranked as given, no
+            softmax here; with its ``top1``, the block's rows are not read again either.
     Returns:
         :class:`Ranking` with ``I = min(i_max, masked count)`` positions and ``J = min(j_max, V)`` tokens each.
         Probabilities are ``probs`` when given, else a softmax of the logits in float64 (float64 logits) or float32
@@ -136,11 +138,16 @@ def rank_state(
             block_end=block_end,
         )
     if probs is not None:
-        given = probs[0] if probs.dim() == 3 else probs
+        known_top1 = probs.top1 if isinstance(probs, TransitionProbs) else None
+        tensor = probs.probs if isinstance(probs, TransitionProbs) else probs
+        given = tensor[0] if tensor.dim() == 3 else tensor
         if tuple(given.shape) != (w, v):
-            raise ConfigError(f"probs must match P_window's [W, V] = [{w}, {v}], got {tuple(probs.shape)}")
+            raise ConfigError(f"probs must match P_window's [W, V] = [{w}, {v}], got {tuple(tensor.shape)}")
         block_probs = given[block_start - window_start : block_end - window_start]  # [block, V] view, no copy
-        top1 = block_probs.amax(dim=-1).index_select(0, masked - block_start)  # [M]
+        if known_top1 is not None:
+            top1 = known_top1.reshape(-1).index_select(0, masked - window_start)  # [M], no pass over V
+        else:
+            top1 = block_probs.amax(dim=-1).index_select(0, masked - block_start)  # [M]
         rows_of = masked - block_start
     else:
         cdtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
