@@ -158,8 +158,13 @@ class DecodeSession(ABC):
     def publish_probs(self, logits: torch.Tensor, probs: torch.Tensor, top1: torch.Tensor | None = None) -> None:
         """Called by a transition that computed ``probs = softmax(logits)`` ``[B, W, V]`` (unmodified logits,
         float32 or float64) for its confidences, and possibly their maximum ``top1`` ``[B, W]``, so that ranking the
-        next drafts reuses them instead of a second pass over the vocabulary. Kept until the next transition."""
+        next drafts reuses them instead of a second pass over the vocabulary. Kept until the next transition or
+        :meth:`forget_transition_probs`."""
         self._published_probs = (logits, TransitionProbs(probs, top1))
+
+    def forget_transition_probs(self) -> None:
+        """Drop the published probabilities (called before a forward, so they do not sit in memory during it)."""
+        self._published_probs = None
 
     def transition_probs(self, logits: torch.Tensor) -> TransitionProbs | None:
         """The :class:`TransitionProbs` of the last transition, when it was driven by exactly this ``logits`` tensor
@@ -264,6 +269,7 @@ def run_baseline(session: DecodeSession, observer: StepObserver | None = None, p
         step = 0
         while not session.block_finished(block, step, session.x):
             if logits is None:
+                session.forget_transition_probs()  # the observer has seen them: free them before the forward
                 logits = session.forward_states(session.x)
             info = session.step_info(block, step)
             x_next = session.transition(session.x, logits, info)

@@ -193,6 +193,8 @@ def _iterate(
         owners.extend([r] * int(states.shape[0]))
     t0 = time.perf_counter()
     batch_rows = torch.tensor(owners, dtype=torch.long, device=fwd.x.device)
+    for row in active:  # ranked already: not held during the forward
+        row.session.forget_transition_probs()
     out = fwd.forward_states(torch.cat(packed, dim=0), rows=batch_rows)  # [sum N_r, W, V]
     if out.device.type == "cuda":
         torch.cuda.synchronize(out.device)

@@ -206,6 +206,7 @@ def speculative_generate(
             # 2. one forward for the real state and every distinct draft
             t0 = time.perf_counter()
             batch = x if draft_states is None else torch.cat([x, draft_states], dim=0)
+            session.forget_transition_probs()  # ranked already: not held during the forward
             out = session.forward_states(batch)  # [N, W, V]
             _sync(device)
             times["verify"] += time.perf_counter() - t0
