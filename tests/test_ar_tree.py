@@ -174,3 +174,68 @@ def test_compiled_mask_is_ancestor_visibility(case, ctx_len, root_pos):
     assert torch.equal(visible[:, ctx_len:], expected)
     hidden = mask[~visible]
     assert bool((hidden == torch.finfo(torch.float64).min).all())
+
+
+def _oracle_tree(lp: torch.Tensor, budget: int) -> tuple[list[int], list[int], list[int], list[float]]:
+    """The straightforward DDTree: every depth's full ranking (value descending, ties by token id ascending, one
+    stable sort), top ``K = min(B, V)`` of each, and the textbook best-first heap over rank tuples."""
+    import heapq
+
+    depth_limit, vocab = lp.shape
+    k = min(budget, vocab)
+    vals_t, ids_t = torch.sort(lp, dim=-1, descending=True, stable=True)
+    vals, ids = vals_t[:, :k].double().tolist(), ids_t[:, :k].tolist()
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores: list[float] = []
+    heap = [(-vals[0][0], (0,), 0, -1, 0.0)]
+    while heap and len(tokens) < budget:
+        neg, ranks, d, parent, parent_score = heapq.heappop(heap)
+        node, r = len(tokens), ranks[-1]
+        tokens.append(ids[d][r])
+        parents.append(parent)
+        depths.append(d + 1)
+        scores.append(-neg)
+        if r + 1 < k:
+            heapq.heappush(heap, (-(parent_score + vals[d][r + 1]), ranks[:-1] + (r + 1,), d, parent, parent_score))
+        if d + 1 < depth_limit:
+            heapq.heappush(heap, (-(-neg + vals[d + 1][0]), ranks + (0,), d + 1, node, -neg))
+    return tokens, parents, depths, scores
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_builder_equals_heap_oracle_on_random_logits(seed):
+    """The builder (comb bound, only reachable ranks) builds exactly the oracle's tree: same nodes, same order, same
+    scores, same tie-breaks, for budgets 1..1024, vocabularies on both sides of the chunked path, with ties."""
+    g = torch.Generator().manual_seed(seed)
+    for case in range(4):
+        depth = int(torch.randint(1, 17, (1,), generator=g))
+        vocab = int(torch.randint(2, 3000, (1,), generator=g)) if case else int(torch.randint(2, 40, (1,), generator=g))
+        scale = float(torch.rand(1, generator=g)) * 8
+        logits = torch.randn(depth, vocab, generator=g) * scale
+        if case % 2:  # many exact ties: integer logits (and identical rows when the scale is 0)
+            logits = torch.round(logits)
+        lp = torch.log_softmax(logits, dim=-1)
+        for budget in (1, 2, 5, 16, 31, 64, 100, 256, 513, 1024):
+            tree = build_ddtree(lp, budget)
+            tokens, parents, depths, scores = _oracle_tree(lp, budget)
+            assert tree.tokens.tolist() == tokens, (seed, case, depth, vocab, budget)
+            assert tree.parents.tolist() == parents
+            assert tree.depths.tolist() == depths
+            assert tree.scores.tolist() == scores
+
+
+def test_fast_builder_equals_oracle_with_filtered_rows():
+    """-inf log-probabilities (a top-k filtered drafter) and a bound that is not finite take the full-ranking path
+    and still match the oracle."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 2000, generator=g) * 3
+    keep = torch.topk(logits, 20, dim=-1).indices
+    filtered = torch.full_like(logits, float("-inf")).scatter(1, keep, logits.gather(1, keep))
+    lp = torch.log_softmax(filtered, dim=-1)
+    for budget in (8, 64, 200):  # 200 > the 120 finite comb prefixes of depth 1 alone
+        tree = build_ddtree(lp, budget)
+        tokens, parents, depths, scores = _oracle_tree(lp, budget)
+        assert (tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()) == (tokens, parents, depths)
+        assert tree.scores.tolist() == scores

@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "spiffy.torch_utils": 0,
     "spiffy.checkpoint_ref": 0,
     "spiffy.sampling": 1,
+    "spiffy.topk": 1,
     "spiffy.verify": 1,
     "spiffy.distributed": 1,
     "spiffy.models": 2,

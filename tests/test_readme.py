@@ -10,6 +10,8 @@ Every ``bash`` and ``python`` block of README.md is accounted for here:
 * the "Real checkpoints" blocks (Hub ids) run in ``tests/test_hub.py`` against an offline Hugging Face cache that
   holds tiny checkpoints under the real ids;
 * the half-precision block runs as written on the embedded models, made small the same way;
+* the overheads block (``spiffy bench overheads``) runs as written with a small vocabulary, two budgets and one
+  repeat appended;
 * the retraining block is 45-minute training jobs that write into the package: its scripts must exist, be
   executable and parse (``bash -n``, ``py_compile``).
 
@@ -18,6 +20,7 @@ A README block that fits none of these fails the test, so a new command cannot g
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -37,6 +40,8 @@ REDUCTIONS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("spiffy", "bench", "dllm"), ("--max-prompts", "1", "--warmup", "0", "--no-progress")),
     (("spiffy", "bench", "ar"), ("--max-prompts", "1", "--max-new-tokens", "16", "--warmup", "0", "--no-progress")),
     (("spiffy", "demo"), ("--max-prompts", "1", "--no-progress")),
+    (("spiffy", "bench", "overheads"), ("--vocab", "4096", "--budgets", "16,32", "--repeats", "1", "--no-memory",
+                                        "--no-plots", "--no-steady-allocator")),
     (("spiffy", "train-drafter"), ("--steps", "2", "--max-files", "10", "--heldout-percent", "30", "--seq-len", "24",
                                    "--prompt-len", "8", "--batch-size", "2", "--num-anchors", "2", "--block-size", "4",
                                    "--eval-prompts", "1", "--eval-new-tokens", "4", "--save-dtype", "float32")),
@@ -77,6 +82,7 @@ TESTS = _block_with("bash", "pytest")
 CLI = _block_with("bash", "spiffy tiny llada")
 RETRAIN = _block_with("bash", "scripts/train_tiny_qwen3.sh")
 DIFFUSION_DRAFTERS = _block_with("bash", "spiffy tiny dllm-drafter")
+OVERHEADS = _block_with("bash", "spiffy bench overheads")
 #: the "Real checkpoints" blocks name Hub ids: tests/test_hub.py runs them against an offline Hugging Face cache
 HUB_CLI = _block_with("bash", "GSAI-ML/LLaDA-8B-Instruct")
 HUB_PYTHON = _block_with("python", "JetLM/SDAR-8B-Chat")
@@ -85,7 +91,7 @@ PYTHON = _block_with("python", "spiffy.load_model(\"/tmp/llada\"")
 
 
 def test_every_readme_block_is_exercised() -> None:
-    assert sorted(_blocks("bash")) == sorted([SETUP, TESTS, CLI, RETRAIN, HUB_CLI, FIDELITY, DIFFUSION_DRAFTERS])
+    assert sorted(_blocks("bash")) == sorted([SETUP, TESTS, CLI, RETRAIN, HUB_CLI, FIDELITY, DIFFUSION_DRAFTERS, OVERHEADS])
     assert sorted(_blocks("python")) == sorted([PYTHON, HUB_PYTHON])
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     for block in (SETUP, TESTS):  # both run verbatim in CI, in a fresh virtual environment
@@ -154,3 +160,14 @@ def test_diffusion_drafter_block_runs_as_written(tmp_path: Path, monkeypatch: py
         _run_cli(argv, capsys)
     assert (tmp_path / "runs" / "ar-all" / "results.json").is_file()
     assert (tmp_path / "runs" / "d2a1" / "model" / "MODEL_CARD.md").is_file()
+
+
+def test_overheads_block_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    argvs = commands(OVERHEADS)
+    assert [a[:3] for a in argvs] == [["spiffy", "bench", "overheads"]]
+    out = _run_cli(argvs[0], capsys)
+    assert "## DDTree" in out and "nothing accepted" in out
+    written = list(tmp_path.rglob("results.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["ddtree"]["vocab"] == 4096

@@ -61,6 +61,12 @@ def test_compile_tree_equals_compile_packed_and_ancestor_visibility(tree, ctx):
     assert bool(visible[0, ctx + 1 :].logical_not().all())  # the root never sees draft rows
     assert torch.equal(visible[1:, ctx + 1 :], _brute_ancestors(parents)) if n else True
     assert torch.equal(tree_ancestor_mask(par), _brute_ancestors(parents))
+    depth = [0] * n  # the known-depth walk (no host sync per level) gives the same mask, and so does compile_tree
+    for i, p in enumerate(parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    assert torch.equal(tree_ancestor_mask(par, max(depth, default=0)), _brute_ancestors(parents))
+    known = compile_tree(tok, pos, par, context_len=ctx, dtype=torch.float64, prefix_rows=root, max_depth=max(depth, default=0))
+    assert torch.equal(known.attention_mask, fast.attention_mask)
 
 
 def test_self_visibility_spans_never_see_each_other():

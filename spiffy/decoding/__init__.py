@@ -14,7 +14,7 @@ from typing import Any
 
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.factory import family_of, make_session
-from spiffy.decoding.session import BaselineStats, DecodeSession, StepInfo, StepRecord, run_baseline
+from spiffy.decoding.session import BaselineStats, DecodeSession, StepInfo, StepRecord, TransitionProbs, run_baseline
 
 #: names that moved above this package (deprecated here for one release) -> their module
 _MOVED: dict[str, str] = {
@@ -33,6 +33,7 @@ __all__ = [
     "DreamGenerateOutput",
     "StepInfo",
     "StepRecord",
+    "TransitionProbs",
     "dream_diffusion_generate",
     "family_of",
     "generate",

@@ -107,6 +107,9 @@ class LLaDASession(BidirectionalSession):
         if cfg.remasking == "low_confidence":
             p = F.softmax(lg.to(torch.float64) if self.float64_confidence else lg, dim=-1)
             x0_p = torch.gather(p, -1, x0.unsqueeze(-1)).squeeze(-1)
+            if lg is logits and p.dtype in (torch.float32, torch.float64):  # the plain softmax of the logits
+                # greedy: x0 is the argmax, so its confidence is the row's top-1 probability
+                self.publish_probs(logits, p, x0_p if temp == 0 else None)
         else:
             x0_p = torch.rand((b, hi - lo), generator=self.generator, device=x.device)[:, off : off + w]
         mask_w = self.block_mask_in_window(x, info, w)

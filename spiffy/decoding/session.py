@@ -45,17 +45,34 @@ class StepInfo:
     window_start: int
 
 
+@dataclass(frozen=True)
+class TransitionProbs:
+    """What a transition computed that ranking drafts can reuse.
+
+    Attributes:
+        probs: ``[B, W, V]`` ``softmax(logits)`` (unmodified logits; float32 or float64).
+        top1: ``[B, W]`` the maximum of ``probs`` over the vocabulary, when the transition already has it (greedy
+            low-confidence remasking: the confidence of the argmax proposal); ``None`` otherwise.
+    """
+
+    probs: torch.Tensor
+    top1: torch.Tensor | None = None
+
+
 @dataclass
 class StepRecord:
     """What an observer sees at every transition (used by calibration).
 
-    ``x_before``/``x_after``: ``[B, T]``; ``logits``: ``[B, W, V]`` aligned window logits that drove the step.
+    ``x_before``/``x_after``: ``[B, T]``; ``logits``: ``[B, W, V]`` aligned window logits that drove the step;
+    ``probs``: ``softmax(logits)`` as the transition computed it for its confidences
+    (:meth:`DecodeSession.transition_probs`), ``None`` when it computed none.
     """
 
     info: StepInfo
     x_before: torch.Tensor
     logits: torch.Tensor
     x_after: torch.Tensor
+    probs: TransitionProbs | None = None
 
 
 StepObserver = Callable[[StepRecord], None]
@@ -142,6 +159,28 @@ class DecodeSession(ABC):
 
     def end_block(self, block: int) -> None:
         """Block-end work (counted in :attr:`nfe` if it calls the model). Default: nothing."""
+
+    def publish_probs(self, logits: torch.Tensor, probs: torch.Tensor, top1: torch.Tensor | None = None) -> None:
+        """Called by a transition that computed ``probs = softmax(logits)`` ``[B, W, V]`` (unmodified logits,
+        float32 or float64) for its confidences, and possibly their maximum ``top1`` ``[B, W]``, so that ranking the
+        next drafts reuses them instead of a second pass over the vocabulary. Kept until the next transition or
+        :meth:`forget_transition_probs`."""
+        self._published_probs = (logits, TransitionProbs(probs, top1))
+
+    def forget_transition_probs(self) -> None:
+        """Drop the published probabilities (called before a forward, so they do not sit in memory during it)."""
+        self._published_probs = None
+
+    def transition_probs(self, logits: torch.Tensor) -> TransitionProbs | None:
+        """The :class:`TransitionProbs` of the last transition, when it was driven by exactly this ``logits`` tensor
+        (the same object) and published them (:meth:`publish_probs`); else ``None``.
+
+        Spiffy ranks the latest distribution with these probabilities (calibration sees the same ones in
+        :attr:`StepRecord.probs`), so ranking costs no softmax of its own."""
+        published = getattr(self, "_published_probs", None)
+        if published is None or published[0] is not logits:
+            return None
+        return published[1]
 
     def finish(self) -> None:
         """Generation-end work. Default: nothing."""
@@ -235,11 +274,12 @@ def run_baseline(session: DecodeSession, observer: StepObserver | None = None, p
         step = 0
         while not session.block_finished(block, step, session.x):
             if logits is None:
+                session.forget_transition_probs()  # the observer has seen them: free them before the forward
                 logits = session.forward_states(session.x)
             info = session.step_info(block, step)
             x_next = session.transition(session.x, logits, info)
             if observer is not None:
-                observer(StepRecord(info=info, x_before=session.x, logits=logits, x_after=x_next))
+                observer(StepRecord(info, session.x, logits, x_next, session.transition_probs(logits)))
             session.x = x_next
             logits = None
             step += 1

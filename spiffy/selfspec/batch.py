@@ -165,7 +165,8 @@ def _iterate(
         if use_drafts and row.P is not None and window_covers(row.P_start, int(row.P.shape[1]), info.block_start, info.block_end):
             t0 = time.perf_counter()
             ranking = rank_state(
-                row.P[0], x[0], info.block_start, info.block_end, row.P_start, plan.i_max, plan.j_max, mask_id=sess.mask_id
+                row.P[0], x[0], info.block_start, info.block_end, row.P_start, plan.i_max, plan.j_max,
+                mask_id=sess.mask_id, probs=sess.transition_probs(row.P),
             )
             t1 = time.perf_counter()
             kept = prune(plan.graph, ranking, budget, score)
@@ -184,6 +185,8 @@ def _iterate(
         owners.extend([r] * int(states.shape[0]))
     t0 = time.perf_counter()
     batch_rows = torch.tensor(owners, dtype=torch.long, device=fwd.x.device)
+    for row in active:  # ranked already: not held during the forward
+        row.session.forget_transition_probs()
     out = fwd.forward_states(torch.cat(packed, dim=0), rows=batch_rows)  # [sum N_r, W, V]
     if out.device.type == "cuda":
         torch.cuda.synchronize(out.device)

@@ -116,7 +116,7 @@ class ChainRecorder:
         self.i_max, self.j_max, self.max_level = i_max, j_max, max_level
         self.prompt = prompt
         self.refreshed: set[int] = set()
-        self._prev: tuple[torch.Tensor, int] | None = None
+        self._prev: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
         self._n = 0
         self._blocks: list[int] = []
         self._unmasked: list[list[tuple[int, int]]] = []  # per step: (row, token) unmasked
@@ -149,9 +149,11 @@ class ChainRecorder:
         n = self._n
         bs, be = int(info.block_start), int(info.block_end)
         if self._prev is not None and not (info.step == 0 and info.block in self.refreshed):
-            p_logits, p_start = self._prev
+            p_logits, p_start, p_probs = self._prev
             if window_covers(p_start, int(p_logits.shape[1]), bs, be):
-                r = rank_state(p_logits[0], x0[0], bs, be, p_start, self.i_max, self.j_max, mask_id=self.mask_id)
+                r = rank_state(
+                    p_logits[0], x0[0], bs, be, p_start, self.i_max, self.j_max, mask_id=self.mask_id, probs=p_probs
+                )
                 rows = r.rows.tolist()
                 toks = r.token_ids.tolist()
                 self._starts.append(
@@ -179,7 +181,7 @@ class ChainRecorder:
         self._blocks.append(int(info.block))
         self._unmasked.append(new)
         self._bad.append(bad)
-        self._prev = (record.logits.detach(), int(info.window_start))
+        self._prev = (record.logits.detach(), int(info.window_start), record.probs)
         self._n += 1
 
     def finish(self, nfe: int = 0) -> Trajectory:

@@ -22,7 +22,9 @@ from typing import Iterable, Sequence
 
 import torch
 
+from spiffy.decoding.session import TransitionProbs
 from spiffy.errors import ConfigError
+from spiffy.topk import top_ranked
 
 Pair = tuple[int, int]
 
@@ -75,27 +77,6 @@ def window_covers(window_start: int, window_len: int, block_start: int, block_en
     return window_start <= block_start and block_end <= window_start + window_len
 
 
-def _topj_lower_id_ties(probs: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``j`` entries of every row of ``probs`` (``[I, V]``), ordered by value descending then id ascending.
-
-    ``torch.topk`` leaves the order of equal values unspecified; when any tie touches the selected entries
-    (checked on the top ``j + 1`` values), the affected rows are re-ranked with a stable full sort.
-    """
-    n, v = probs.shape
-    k = min(j + 1, v)
-    vals, ids = torch.topk(probs, k, dim=-1, largest=True, sorted=True)
-    if k > 1:
-        tied = (vals[:, 1:] == vals[:, :-1]).any(dim=-1)  # [I]
-        if bool(tied.any()):
-            rows = tied.nonzero().squeeze(1)
-            s_vals, s_ids = torch.sort(probs[rows], dim=-1, descending=True, stable=True)
-            vals = vals.clone()
-            ids = ids.clone()
-            vals[rows] = s_vals[:, :k]
-            ids[rows] = s_ids[:, :k]
-    return ids[:, :j], vals[:, :j]
-
-
 def rank_state(
     P_window: torch.Tensor,
     x: torch.Tensor,
@@ -106,6 +87,7 @@ def rank_state(
     j_max: int,
     *,
     mask_id: int,
+    probs: TransitionProbs | torch.Tensor | None = None,
 ) -> Ranking:
     """Rank the masked positions of a block and their tokens under ``P``.
 
@@ -117,9 +99,15 @@ def rank_state(
         i_max: at most this many position ranks are kept (``>= 1``).
         j_max: at most this many token ranks per position are kept (``>= 1``).
         mask_id: the family's mask token id.
+        probs: ``softmax(P_window)`` already computed by the baseline transition that ``P`` drove (a
+            :class:`~spiffy.decoding.session.TransitionProbs`, or the ``[W, V]`` / ``[1, W, V]`` tensor; float32 or
+            float64; see :meth:`~spiffy.decoding.session.DecodeSession.transition_probs`): ranked as given, no
+            softmax here; with its ``top1``, the block's rows are not read again either.
     Returns:
         :class:`Ranking` with ``I = min(i_max, masked count)`` positions and ``J = min(j_max, V)`` tokens each.
-        Probabilities are a softmax of the logits in float64 (float64 logits) or float32 (any other dtype).
+        Probabilities are ``probs`` when given, else a softmax of the logits in float64 (float64 logits) or float32
+        (any other dtype). Costs one pass over the block's rows (their top-1 probabilities) and a top-``J`` of the
+        ``I`` kept rows, whatever the vocabulary; host synchronisations: a constant few.
     Raises:
         ConfigError: bad caps, or the window does not cover the block.
     """
@@ -149,12 +137,25 @@ def rank_state(
             block_start=block_start,
             block_end=block_end,
         )
-    cdtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    probs = torch.softmax(logits.index_select(0, masked - window_start).to(cdtype), dim=-1)  # [M, V]
-    top1 = probs.max(dim=-1).values
+    if probs is not None:
+        known_top1 = probs.top1 if isinstance(probs, TransitionProbs) else None
+        tensor = probs.probs if isinstance(probs, TransitionProbs) else probs
+        given = tensor[0] if tensor.dim() == 3 else tensor
+        if tuple(given.shape) != (w, v):
+            raise ConfigError(f"probs must match P_window's [W, V] = [{w}, {v}], got {tuple(tensor.shape)}")
+        block_probs = given[block_start - window_start : block_end - window_start]  # [block, V] view, no copy
+        if known_top1 is not None:
+            top1 = known_top1.reshape(-1).index_select(0, masked - window_start)  # [M], no pass over V
+        else:
+            top1 = block_probs.amax(dim=-1).index_select(0, masked - block_start)  # [M]
+        rows_of = masked - block_start
+    else:
+        cdtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        block_probs = torch.softmax(logits.index_select(0, masked - window_start).to(cdtype), dim=-1)  # [M, V]
+        top1 = block_probs.amax(dim=-1)
+        rows_of = torch.arange(m, device=dev)
     order = torch.sort(top1, descending=True, stable=True).indices[: min(i_max, m)]  # ties -> lower row
-    probs = probs.index_select(0, order)
-    ids, vals = _topj_lower_id_ties(probs, j)
+    vals, ids = top_ranked(block_probs.index_select(0, rows_of.index_select(0, order)), j)  # ties -> lower id
     return Ranking(
         rows=masked.index_select(0, order),
         token_ids=ids,

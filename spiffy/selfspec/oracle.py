@@ -77,6 +77,7 @@ def trajectory_formulas(
             i_max or (info.block_end - info.block_start),
             j_max or v,
             mask_id=mask_id,
+            probs=prev.probs,
         )
         rows = ranking.rows.tolist()
         rank_of_row = {r: k + 1 for k, r in enumerate(rows)}

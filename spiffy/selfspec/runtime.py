@@ -172,7 +172,7 @@ def speculative_generate(
                 t0 = time.perf_counter()
                 x_next = session.transition(session.x, logits, info)
                 if observer is not None:
-                    observer(StepRecord(info=info, x_before=session.x, logits=logits, x_after=x_next))
+                    observer(StepRecord(info, session.x, logits, x_next, session.transition_probs(logits)))
                 session.x = x_next
                 P, P_start = logits, info.window_start
                 logits = None
@@ -190,7 +190,8 @@ def speculative_generate(
             if use_drafts and P is not None and window_covers(P_start, int(P.shape[1]), info.block_start, info.block_end):
                 t0 = time.perf_counter()
                 ranking = rank_state(
-                    P[0], x[0], info.block_start, info.block_end, P_start, plan.i_max, plan.j_max, mask_id=session.mask_id
+                    P[0], x[0], info.block_start, info.block_end, P_start, plan.i_max, plan.j_max,
+                    mask_id=session.mask_id, probs=session.transition_probs(P),  # the transition's own softmax
                 )
                 t1 = time.perf_counter()
                 kept = prune(plan.graph, ranking, budget, score)
@@ -205,6 +206,7 @@ def speculative_generate(
             # 2. one forward for the real state and every distinct draft
             t0 = time.perf_counter()
             batch = x if draft_states is None else torch.cat([x, draft_states], dim=0)
+            session.forget_transition_probs()  # ranked already: not held during the forward
             out = session.forward_states(batch)  # [N, W, V]
             _sync(device)
             times["verify"] += time.perf_counter() - t0
@@ -323,7 +325,7 @@ class _Walk:
         logits = self._logits(wnode[0])
         x_next = self.session.transition(self.x, logits, info)
         if self.observer is not None:
-            self.observer(StepRecord(info=info, x_before=self.x, logits=logits, x_after=x_next))
+            self.observer(StepRecord(info, self.x, logits, x_next, self.session.transition_probs(logits)))
         self.x_before = self.x
         self.x = x_next
         self.last_logits = logits

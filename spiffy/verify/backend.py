@@ -101,11 +101,14 @@ class CompiledDraft:
         return slice(self.row_offsets[node], self.row_offsets[node + 1])
 
 
-def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+def tree_ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
     """Ancestor-or-self visibility of a tree.
 
     Args:
         parents: ``[N]`` long, parent index of each node, ``-1`` for children of the root; parents precede children.
+        max_depth: the tree's depth when the caller knows it (children of the root have depth 1): the walk up the
+            parents then runs exactly that many vectorised steps with no host synchronisation; ``None`` stops when
+            every walk has reached the root (one synchronisation per level).
     Returns:
         ``[N, N]`` bool, ``out[i, j]`` = node ``j`` is ``i`` or an ancestor of ``i``.
     """
@@ -114,14 +117,13 @@ def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return vis
     rows = torch.arange(n, device=parents.device)
-    cur = rows.clone()
-    alive = torch.ones(n, dtype=torch.bool, device=parents.device)
-    for _ in range(n):  # at most depth iterations; exits early
-        vis[rows[alive], cur[alive]] = True
-        nxt = torch.where(alive, parents[cur.clamp(min=0)], torch.full_like(cur, -1))
-        alive = nxt >= 0
-        cur = nxt
-        if not bool(alive.any()):
+    cur = rows.clone()  # each node's current ancestor-or-self on the walk up; -1 once past the root
+    for _ in range(n if max_depth is None else int(max_depth)):  # a depth-d node has d entries (itself + d - 1)
+        alive = cur >= 0
+        col = cur.clamp(min=0)
+        vis[rows, col] = vis[rows, col] | alive  # no boolean indexing: no data-dependent shape
+        cur = torch.where(alive, parents[col], torch.full_like(cur, -1))
+        if max_depth is None and not bool((cur >= 0).any()):
             break
     return vis
 
@@ -243,6 +245,7 @@ def compile_tree(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     prefix_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_depth: int | None = None,
 ) -> CompiledDraft:
     """Vectorised :func:`compile_packed` for trees whose nodes are single tokens (DDTree).
 
@@ -257,6 +260,7 @@ def compile_tree(
         dtype: mask dtype.
         device: target device (default: ``tokens.device``).
         prefix_rows: optional ``(tokens [P], positions [P])`` real rows (the root) placed first; every node sees them.
+        max_depth: the tree's depth if known (see :func:`tree_ancestor_mask`: no per-level host synchronisation).
     Returns:
         :class:`CompiledDraft` with ``input_ids [1, R]``, ``position_ids [1, R]``, ``attention_mask [1, 1, R, C+R]``
         (``R = P + N``) and ``row_offsets`` = ``[0, P, P+1, ..., P+N]`` (prefix rows as node 0 when given).
@@ -273,7 +277,7 @@ def compile_tree(
     n_pre = 0 if prefix_rows is None else int(prefix_rows[0].numel())
     r = n_pre + n
     vis = torch.zeros(r, r, dtype=torch.bool, device=dev)
-    vis[n_pre:, n_pre:] = tree_ancestor_mask(parents)
+    vis[n_pre:, n_pre:] = tree_ancestor_mask(parents, max_depth)
     if n_pre:
         vis[:n_pre, :n_pre] = True
         vis[n_pre:, :n_pre] = True
