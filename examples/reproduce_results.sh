@@ -24,7 +24,7 @@ spiffy bench ar --budgets 16,32,64,128,256 --dataset humaneval --max-prompts 10 
 
 # 4. throughput at batch sizes 1, 4 and 16: every method on the same 16 prompts, one run per mode
 spiffy bench dllm --batch-sizes 1,4,16 --budgets 3 --max-prompts 16 "${DEC_S1[@]}" --out runs/throughput-dllm
-spiffy bench ar --batch-sizes 1,4,16 --budgets 16 --max-prompts 16 --max-new-tokens 32 --out runs/throughput-ar
+spiffy bench ar --batch-sizes 1,4,16 --budgets 16 --drafts 4 --max-prompts 16 --max-new-tokens 32 --out runs/throughput-ar
 
 mkdir -p examples/results
 cp runs/throughput-dllm/throughput.md examples/results/throughput-dllm.md

@@ -76,6 +76,23 @@ def test_ar_throughput(tiny_qwen3: Path, prompt_file: Path, tmp_path: Path) -> N
     assert all(r["identical_to_batch_1"] == 1.0 for r in res["rows"])
 
 
+def test_ar_throughput_with_a_diffusion_drafter(tiny_qwen3: Path, prompt_file: Path, tmp_path: Path) -> None:
+    from spiffy.models.tiny import make_tiny
+
+    drafter = make_tiny("dflash", tmp_path / "drafter", seed=0, target=str(tiny_qwen3), block_size=4)
+    dllm = tmp_path / "dllm"
+    assert main(["tiny", "dllm-drafter", str(dllm), "--target", str(tiny_qwen3), "--set", "block_size=4"]) == 0
+    out = tmp_path / "ar"
+    rc = main(["bench", "ar", "--target", str(tiny_qwen3), "--drafter", str(drafter), "--dllm-drafter", str(dllm),
+               "--budgets", "6", "--drafts", "3", "--dataset", str(prompt_file), "--max-prompts", "3",
+               "--max-new-tokens", "6", "--dtype", "float64", "--temperature", "1", "--no-chat", "--no-progress",
+               "--warmup", "0", "--batch-sizes", "1,3", "--out", str(out)])
+    assert rc == 0
+    res = _check(out, ["AR", "DFlash", "DDTree 6", "DEER", "SpecDiff-2 K=3", "DDTree 6 (dLLM)"], [1, 3], 3)
+    # T = 1: every row keeps its seeded draws whatever the batch, so batch 3 repeats batch 1 token for token
+    assert all(r["identical_to_batch_1"] == 1.0 for r in res["rows"]), res["rows"]
+
+
 def test_parse_batch_sizes() -> None:
     assert parse_batch_sizes("1,4,16") == [1, 4, 16] and parse_batch_sizes([2]) == [2]
     for bad in ("", "0", "a,b"):

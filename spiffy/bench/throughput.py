@@ -2,7 +2,8 @@
 
 The same ``N`` prompts (the benchmark prompts, cycled up to the largest batch size) are decoded at every batch size
 ``b``, ``b`` prompts per call, by every method: the dLLM baseline and Spiffy at each budget (batched Spiffy,
-:mod:`spiffy.selfspec.batch`), or plain AR, DFlash and DDTree at each budget (:mod:`spiffy.arspec.batch`).
+:mod:`spiffy.selfspec.batch`), or plain AR, DFlash and DDTree at each budget (:mod:`spiffy.arspec.batch`) and, with a
+diffusion drafter, DEER, SpecDiff-2 at each draft count and DDTree over the diffusion drafter's marginals.
 Reported per method and batch size:
 
 * ``tokens_per_second``: generated tokens of all ``N`` prompts / total wall time of the calls;
@@ -11,8 +12,7 @@ Reported per method and batch size:
 * ``forwards``: model calls of all calls (dLLM: NFE; AR: verification rounds of the longest row per call are not
   tracked, so the AR report gives ``rounds`` summed over rows);
 * ``identical_to_batch_1``: the fraction of prompts whose tokens equal the batch-1 run of the same method (must be
-  1.0 for the speculative methods, whose rows are decoded exactly as alone; the dLLM baseline shares one generator
-  across a batch, so at temperature > 0 its rows differ from batch-1 runs by design).
+  1.0 for every method: each row is decoded exactly as that prompt alone, with its own random generator).
 
 Speedups are ratios of measured wall times in this run; on a 2-core CPU the forward is compute-bound at any batch
 size, so batching helps little there and speculative gains stay roughly constant; on a GPU the forward is
@@ -27,11 +27,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from spiffy.api import generate
-from spiffy.arspec.batch import ddtree_generate_batch
+from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
+from spiffy.arspec.config import ARSpecConfig
+from spiffy.arspec.dllm_drafter import as_drafter
 from spiffy.bench.common import environment_info
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.errors import ConfigError
 from spiffy.models.prompting import prompt_token_ids
+from spiffy.sampling import SamplingConfig
 
 #: one batched call: prompts (token-id lists) -> (token lists per row, forwards or rounds of the call)
 BatchCall = Callable[[list[list[int]]], tuple[list[list[int]], int]]
@@ -116,8 +119,12 @@ def dllm_methods(model: Any, tokenizer: Any, config: Any, graph: Any, budgets: S
 
 
 def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tokens: int, temperature: float,
-               top_p: float, top_k: int, seed: int, stops: Sequence[int]) -> dict[str, BatchCall]:
-    """Plain AR, DFlash and DDTree at each budget as :data:`BatchCall` s (``ddtree_generate_batch``)."""
+               top_p: float, top_k: int, seed: int, stops: Sequence[int], dllm_drafter: Any = None,
+               drafts: Sequence[int] = (4,)) -> dict[str, BatchCall]:
+    """Plain AR, DFlash and DDTree at each budget as :data:`BatchCall` s (``ddtree_generate_batch``); with a
+    ``dllm_drafter`` (a loaded diffusion drafter model) also DEER, SpecDiff-2 at each of ``drafts`` and DDTree over
+    its marginals at each budget (``speculative_generate_batch``, one fresh drafter wrapper per row)."""
+    sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=int(seed))
 
     def make(method: str, budget: int | None) -> BatchCall:
         def call(batch: list[list[int]]) -> tuple[list[list[int]], int]:
@@ -129,8 +136,21 @@ def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tok
             return [list(r.tokens) for r in res], sum(int(r.rounds) for r in res)
         return call
 
+    def make_dllm(config: ARSpecConfig) -> BatchCall:
+        def call(batch: list[list[int]]) -> tuple[list[list[int]], int]:
+            res = speculative_generate_batch(target, [as_drafter(dllm_drafter) for _ in batch], batch, config)
+            return [list(r.tokens) for r in res], sum(int(r.rounds) for r in res)
+        return call
+
     methods = {"AR": make("ar", None), "DFlash": make("dflash", None)}
     methods.update({f"DDTree {b}": make("ddtree", b) for b in budgets})
+    if dllm_drafter is not None:
+        common = dict(max_new_tokens=int(max_new_tokens), stop_token_ids=tuple(int(t) for t in stops), sampling=sampling)
+        methods["DEER"] = make_dllm(ARSpecConfig(method="deer", **common))  # type: ignore[arg-type]
+        methods.update({f"SpecDiff-2 K={k}": make_dllm(ARSpecConfig(method="specdiff", drafts=int(k), **common))  # type: ignore[arg-type]
+                        for k in drafts})
+        methods.update({f"DDTree {b} (dLLM)": make_dllm(ARSpecConfig(method="ddtree", tree_budget=int(b), **common))  # type: ignore[arg-type]
+                        for b in budgets})
     return methods
 
 

@@ -232,7 +232,8 @@ def run_ar(args: argparse.Namespace) -> int:
         methods = ar_methods(
             target, drafter, budgets, max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0,
             top_p=1.0 if args.top_p is None else args.top_p, top_k=0 if args.top_k is None else args.top_k,
-            seed=args.seed or 0, stops=stop_token_ids(target, tokenizer, not args.no_chat),
+            seed=args.seed or 0, stops=stop_token_ids(target, tokenizer, not args.no_chat), dllm_drafter=dllm,
+            drafts=drafts,
         )
         return _throughput(args, "ar", methods, target, tokenizer, prompts, device,
                            max_new_tokens=args.max_new_tokens)
