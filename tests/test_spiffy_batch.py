@@ -11,6 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batch_cases import BLOCK, GEN, SEEDS
+from batch_cases import decode_kwargs as _kw
+from batch_cases import ragged_prompts as _prompts
 from conftest import load_f64
 from spiffy.api import generate
 from spiffy.decoding import make_session, run_baseline
@@ -18,16 +21,9 @@ from spiffy.errors import ConfigError
 from spiffy.selfspec.oracle import oracle_graph_from_records, record_trajectory
 from spiffy.selfspec.runtime import speculative_generate
 
-GEN, BLOCK = 16, 8
-SEEDS = [7, 11, 5]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
-
-
-def _prompts(lengths: list[int]) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(5, 250, (n,), generator=g) for n in lengths]
 
 
 def _left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,15 +71,6 @@ def _check_batch(model, prompts: list[torch.Tensor], kw: dict, graph_rows: tuple
     assert torch.equal(base.sequences, out.sequences)
     assert sum(r["accepted_total"] for r in rows) > 0
     return {"out": out, "spec_nfe": spec_nfe, "alone": alone}
-
-
-def _kw(rule: str, cache: str, temp: float, **extra) -> dict:
-    kw = dict(gen_length=GEN, block_length=BLOCK, cache=cache, temperature=temp, **extra)
-    if rule == "static":
-        kw["steps"] = GEN // 2
-    else:
-        kw["threshold"] = 0.05
-    return kw
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,25 @@
+"""Shared cases of the batched-decoding tests (baseline rows and Spiffy rows): ragged prompts and decoding kwargs."""
+
+from __future__ import annotations
+
+import torch
+
+#: generated positions and block length of every batched case; per-row seeds of the T > 0 cases
+GEN, BLOCK = 16, 8
+SEEDS = [7, 11, 5]
+
+
+def ragged_prompts(lengths: list[int]) -> list[torch.Tensor]:
+    """Random prompts (token ids 5..249, fixed seed) of the given lengths."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(5, 250, (n,), generator=g) for n in lengths]
+
+
+def decode_kwargs(rule: str, cache: str, temp: float, **extra) -> dict:
+    """``generate`` kwargs of one case: ``rule`` "static" (two tokens per step) or "threshold" (0.05)."""
+    kw = dict(gen_length=GEN, block_length=BLOCK, cache=cache, temperature=temp, **extra)
+    if rule == "static":
+        kw["steps"] = GEN // 2
+    else:
+        kw["threshold"] = 0.05
+    return kw
