@@ -76,3 +76,18 @@ def test_mix_batch_and_prefix_parsing():
     for bad in ("a,b", "9,3", "1,2,3"):
         with pytest.raises(ConfigError):
             teacher.parse_prefix_range(bad)
+
+
+def test_min_distinct_drops_looping_windows(tiny_qwen3, stream):
+    ratios = teacher.tail_distinct_ratio(torch.tensor([[1, 1, 1, 1], [1, 2, 3, 4], [5, 1, 2, 1]]), 3)
+    assert torch.allclose(ratios, torch.tensor([1 / 3, 1.0, 2 / 3]))
+    model = load_model(tiny_qwen3, dtype="float32").eval()
+    plain = teacher.generate_teacher_windows(model, stream, 12, 24, 4, 8, seed=0, batch=4)
+    tail = teacher.tail_distinct_ratio(plain, 16)
+    threshold = float(tail.median())
+    assert bool((tail < threshold).any())  # the unfiltered windows include some below the threshold
+    kept = teacher.generate_teacher_windows(model, stream, 6, 24, 4, 8, seed=0, batch=4, min_distinct=threshold)
+    assert kept.shape == (6, 24) and bool((teacher.tail_distinct_ratio(kept, 16) >= threshold).all())
+    with pytest.raises(ConfigError, match="min-distinct"):
+        teacher.generate_teacher_windows(model, stream, 2, 24, 4, 8, seed=0, batch=4, min_distinct=1.01,
+                                         max_batches=2)

@@ -248,7 +248,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.teacher:
         teacher_w, teacher_info = teacher.load_or_generate(
             out, args.teacher, train_s, args.teacher_windows, args.context,
-            teacher.parse_prefix_range(args.teacher_prefix), args.seed, model.config.vocab_size)
+            teacher.parse_prefix_range(args.teacher_prefix), args.seed, model.config.vocab_size,
+            args.teacher_min_distinct)
         print(f"teacher windows {tuple(teacher_w.shape)} ({teacher_info['generation_s']} s to generate)", flush=True)
     model.train()
     mask_id = int(model.config.mask_token_id)
@@ -349,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mix in windows of corpus prefixes continued greedily by this AR model (same tokenizer)")
     p.add_argument("--teacher-windows", type=int, default=2048, help="number of teacher windows generated")
     p.add_argument("--teacher-prefix", default="16,160", help="corpus prefix length range MIN,MAX of teacher windows")
+    p.add_argument("--teacher-min-distinct", type=float, default=0.0,
+                   help="drop teacher windows whose last 64 tokens have a lower distinct-token ratio (loops); 0: keep all")
     p.add_argument("--teacher-frac", type=float, default=0.5, help="fraction of every batch's rows from the teacher")
     p.add_argument("--card-script", default="scripts/train_tiny_sdar.sh", help="reproduce script named in the card")
     common.add_run_arguments(p, max_minutes=90.0, ckpt_every=50)
