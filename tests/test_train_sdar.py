@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from spiffy.decoding.sdar import block_causal_mask
+from spiffy.errors import ConfigError
 from spiffy.models.loading import load_model
 from spiffy.models.tiny import make_tiny
 from spiffy.train import sdar
@@ -85,3 +86,27 @@ def test_train_lowers_loss_resumes_and_exports(corpus, qwen3_tied, tmp_path):
     split = load_model(tmp_path / "r2" / "model", dtype="float32").state_dict()
     for k, v in model.state_dict().items():
         torch.testing.assert_close(split[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_continue_from_state_with_teacher_windows(corpus, qwen3_tied, tmp_path):
+    first = sdar.train(_args(corpus, qwen3_tied, tmp_path / "a", "--steps", "6"))
+    extra = ["--steps", "4", "--start-from", str(tmp_path / "a" / "train_state.pt"), "--teacher", str(qwen3_tied),
+             "--teacher-windows", "6", "--teacher-prefix", "4,12", "--teacher-frac", "0.5"]
+    cont = sdar.train(_args(corpus, qwen3_tied, tmp_path / "b", *extra))
+    # the continued run starts from the first run's final weights (same held-out figures), not from the Qwen3 copy
+    for key, value in first["heldout_masked"].items():
+        assert cont["heldout_masked_init"][key]["ce"] == pytest.approx(value["ce"], abs=1e-3)
+    assert cont["heldout_masked_init"]["b8_mask_0.5"]["ce"] < first["heldout_masked_init"]["b8_mask_0.5"]["ce"] - 0.3
+    info = cont["train"]["teacher"]
+    assert info["count"] == 6 and info["prefix"] == [4, 12] and info["frac"] == 0.5
+    assert (tmp_path / "b" / "data" / "teacher_windows.pt").is_file()
+    assert "continued greedily" in (tmp_path / "b" / "MODEL_CARD.md").read_text()
+    # an exported checkpoint directory is a valid starting point too; a Qwen3 directory is not
+    from_dir = sdar.train(_args(corpus, qwen3_tied, tmp_path / "c", "--steps", "0", "--save-dtype", "float32",
+                                "--start-from", str(tmp_path / "a" / "model")))
+    assert from_dir["heldout_masked_init"]["b8_mask_0.5"]["ce"] == pytest.approx(
+        first["heldout_masked"]["b8_mask_0.5"]["ce"], abs=1e-3)
+    with pytest.raises(ConfigError, match="SDAR"):
+        sdar.train(_args(corpus, qwen3_tied, tmp_path / "d", "--steps", "0", "--start-from", str(qwen3_tied)))
+    with pytest.raises(ConfigError, match="neither"):
+        sdar.train(_args(corpus, qwen3_tied, tmp_path / "e", "--steps", "0", "--start-from", str(tmp_path / "nope")))

@@ -14,6 +14,11 @@ the decoder reads ``logits[:, i]`` for block position ``i``). A fraction ``--pro
 prefix of every block clean (a prompt ending inside the first decode block, as with unaligned prompts).
 ``--blocks 16,32`` draws the block length per step.
 
+Continued adaptation: ``--start-from`` (an SDAR checkpoint or a training state of this trainer) replaces the Qwen3
+copy by those weights (fresh optimizer and schedule). ``--teacher AR_DIR`` mixes windows of low-entropy text into
+every batch (``--teacher-frac`` of the rows): training-corpus prefixes continued greedily by the AR model
+(:mod:`spiffy.train.teacher`), which makes the dLLM confident where the text is predictable.
+
 Resumable (``--resume``), time-boxed (``--max-minutes``); the model is written with
 :func:`spiffy.models.loading.save_checkpoint` into ``OUT/model`` plus ``metrics.json`` and ``MODEL_CARD.md``.
 """
@@ -33,7 +38,7 @@ from spiffy.embedded import embedded_models_dir
 from spiffy.errors import ConfigError, MissingTokenError
 from spiffy.models.loading import load_model, load_tokenizer, save_checkpoint
 from spiffy.models.sdar import SDARConfig, SDARForCausalLM
-from spiffy.train import common
+from spiffy.train import common, teacher
 from spiffy.train.ar import prepare_data
 
 MASK_TOKEN = "<|MASK|>"
@@ -171,6 +176,31 @@ def sample_completion(model: torch.nn.Module, tok: Any, prompt: str, gen_length:
     return res.text[0] if res.text else tok.decode(res.tokens[0])
 
 
+def load_start_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load ``path``'s weights into ``model`` (strict): a training state of this trainer (``train_state.pt``, its
+    ``model`` entry) or an SDAR checkpoint directory. Raises :class:`ConfigError` when neither fits."""
+    path = Path(path)
+    if path.is_file():
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if not isinstance(state, dict) or "model" not in state:
+            raise ConfigError(f"--start-from {str(path)!r} is not a training state (no 'model' entry); fix: pass "
+                              "a train_state.pt of spiffy.train.sdar or an SDAR checkpoint directory")
+        weights = state["model"]
+    elif (path / "config.json").is_file():
+        src = load_model(path, dtype="float32")
+        if getattr(src.config, "model_type", None) != "sdar":
+            raise ConfigError(f"--start-from {str(path)!r} is a {src.config.model_type!r} model; fix: pass an SDAR "
+                              "checkpoint")
+        weights = src.state_dict()
+    else:
+        raise ConfigError(f"--start-from {str(path)!r} is neither a training state file nor a checkpoint directory")
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        raise ConfigError(f"--start-from {str(path)!r} does not match the architecture of --init; fix: start from "
+                          f"a model adapted from the same Qwen3 checkpoint ({exc})") from exc
+
+
 def _parse_blocks(text: str) -> tuple[int, ...]:
     try:
         blocks = tuple(int(b) for b in text.split(","))
@@ -179,6 +209,16 @@ def _parse_blocks(text: str) -> tuple[int, ...]:
     if not blocks or any(b <= 0 for b in blocks):
         raise ConfigError(f"--blocks {text!r} must list positive block lengths")
     return blocks
+
+
+def _teacher_sentence(args: argparse.Namespace, info: dict[str, Any] | None) -> str:
+    """The model card's account of ``--start-from`` and the teacher mix (empty for a plain run)."""
+    text = f", continuing from `{args.start_from}`" if args.start_from else ""
+    if info:
+        text += (f", {args.teacher_frac:.0%} of every batch's rows being {info['count']} windows of low-entropy text "
+                 f"(corpus prefixes of {info['prefix'][0]}-{info['prefix'][1]} tokens continued greedily by "
+                 f"`{Path(args.teacher).name}`)")
+    return text
 
 
 def _eta_seconds(args: argparse.Namespace, step: int, wall_s: float) -> float:
@@ -200,8 +240,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = init_from_qwen3(args.init, args.max_positions)
+    if args.start_from:
+        load_start_weights(model, args.start_from)
     _, train_s, held_s, info = prepare_data(args.corpus, out, len(tok), "qwen3", args.max_files, args.init,
                                             heldout_percent=args.heldout_percent)
+    teacher_w, teacher_info = None, None
+    if args.teacher:
+        teacher_w, teacher_info = teacher.load_or_generate(
+            out, args.teacher, train_s, args.teacher_windows, args.context,
+            teacher.parse_prefix_range(args.teacher_prefix), args.seed, model.config.vocab_size,
+            args.teacher_min_distinct)
+        print(f"teacher windows {tuple(teacher_w.shape)} ({teacher_info['generation_s']} s to generate)", flush=True)
     model.train()
     mask_id = int(model.config.mask_token_id)
     opt = common.adamw_decay_groups(model, args.lr, args.weight_decay)
@@ -216,6 +265,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         lr = loop.set_lr()
         gen = common.step_generator(args.seed, loop.step)
         x0 = common.sample_windows(train_s, args.batch_size, args.context, gen)
+        if teacher_w is not None:
+            x0 = teacher.mix_batch(x0, teacher_w, args.teacher_frac, gen)
         blk = blocks[int(torch.randint(0, len(blocks), (1,), generator=gen))]
         loss, correct, n = block_diffusion_loss(model, x0, blk, mask_id, gen, args.eps, args.prompt_frac)
         opt.zero_grad(set_to_none=True)
@@ -238,7 +289,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ev = evaluate(model, held_w, mask_id, blocks)
     samples = {p: sample_completion(model, tok, p, args.sample_tokens, min(blocks)) for p in common.SAMPLE_PROMPTS}
     metrics = {
-        "model": "tiny-sdar", "init": str(args.init), "steps": step, "planned_steps": args.steps,
+        "model": "tiny-sdar", "init": str(args.init), "start_from": args.start_from, "steps": step, "planned_steps": args.steps,
         "finished": loop.finished, "wall_s_total": round(float(extra["wall_s"]), 1),
         "invocations": extra.get("invocations", []), "train_tokens_seen": int(extra["tokens"]),
         "heldout_masked": ev, "heldout_masked_init": extra.get("init_heldout"), "params": n_params,
@@ -248,7 +299,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                    "mask_token_id": mask_id},
         "train": {"batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup, "seed": args.seed,
                   "schedule": args.schedule, "max_minutes": args.max_minutes, "blocks": list(blocks),
-                  "eps": args.eps, "prompt_frac": args.prompt_frac, "weight_decay": args.weight_decay},
+                  "eps": args.eps, "prompt_frac": args.prompt_frac, "weight_decay": args.weight_decay,
+                  "teacher": teacher_info and {**teacher_info, "frac": args.teacher_frac}},
         "corpus": {"python": info.python_version, "files_train": info.n_files_train,
                    "files_heldout": info.n_files_heldout, "train_tokens": len(train_s), "heldout_tokens": len(held_s)},
         "save_dtype": args.save_dtype, "samples_greedy": samples, "torch": torch.__version__,
@@ -258,7 +310,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             f"tokenizer, mask token {MASK_TOKEN} = {mask_id}) and trained with the block-diffusion objective "
             f"(blocks {', '.join(map(str, blocks))}, +{args.prompt_frac:.0%} prompt rows) for {step} steps "
             f"({metrics['wall_s_total']/60:.1f} min, 1 CPU thread) on the Python {info.python_version} standard "
-            f"library's .py sources. Weights stored in {args.save_dtype}. Reproduce with `scripts/train_tiny_sdar.sh`.")
+            f"library's .py sources{_teacher_sentence(args, teacher_info)}. Weights stored in {args.save_dtype}. "
+            f"Reproduce with `{args.card_script}`.")
     final = out / "model"
     export = type(model)(model.config)
     export.load_state_dict(model.state_dict())
@@ -290,6 +343,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eps", type=float, default=1e-3, help="minimum mask probability")
     p.add_argument("--prompt-frac", type=float, default=0.2, help="fraction of rows with a clean prefix in every block")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--start-from", default=None, metavar="STATE|DIR",
+                   help="continue from these weights (a train_state.pt of this trainer or an SDAR checkpoint) "
+                        "instead of the Qwen3 copy; fresh optimizer and schedule")
+    p.add_argument("--teacher", default=None, metavar="AR_DIR",
+                   help="mix in windows of corpus prefixes continued greedily by this AR model (same tokenizer)")
+    p.add_argument("--teacher-windows", type=int, default=2048, help="number of teacher windows generated")
+    p.add_argument("--teacher-prefix", default="16,160", help="corpus prefix length range MIN,MAX of teacher windows")
+    p.add_argument("--teacher-min-distinct", type=float, default=0.0,
+                   help="drop teacher windows whose last 64 tokens have a lower distinct-token ratio (loops); 0: keep all")
+    p.add_argument("--teacher-frac", type=float, default=0.5, help="fraction of every batch's rows from the teacher")
+    p.add_argument("--card-script", default="scripts/train_tiny_sdar.sh", help="reproduce script named in the card")
     common.add_run_arguments(p, max_minutes=90.0, ckpt_every=50)
     common.add_eval_arguments(p)
     common.add_output_arguments(p)
