@@ -6,7 +6,7 @@ Resumable (``--resume`` restores weights, optimizer and step from ``OUT/train_st
 
 Example::
 
-    python -m spiffy.train.ar --out /work/train_runs/tiny-qwen3 --steps 1200 --max-minutes 40
+    python -m spiffy.train.ar --out runs/tiny-qwen3 --steps 1200 --max-minutes 40
 """
 
 from __future__ import annotations
