@@ -28,7 +28,7 @@ from spiffy.selfspec.graph import load_graph, runtime_signature
 #: kind -> directory name under spiffy/data/models
 EMBEDDED_NAMES: dict[str, str] = {"dllm": "tiny-llada", "ar-target": "tiny-qwen3", "ar-drafter": "tiny-qwen3-dflash-b16"}
 
-#: embedded checkpoints only some methods use (not needed by ``spiffy demo``): kind -> directory name
+#: embedded checkpoints only some methods use (``spiffy demo`` adds their rows when shipped and runs without them)
 OPTIONAL_EMBEDDED_NAMES: dict[str, str] = {"ar-dllm-drafter": "tiny-sdar-d2a"}
 
 #: kind -> the training script that produces the checkpoint (relative to the repository root)
