@@ -36,7 +36,7 @@ from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter
 from spiffy.arspec.generate import DEFAULT_BUDGET, ARGenerationResult, _append_until_stop, _check_context, make_rule
 from spiffy.arspec.rules import AcceptanceRule, TargetLogits
 from spiffy.arspec.sampling import sample_keyed
-from spiffy.arspec.stages import StageClock, TargetRunner, build_tree, sync
+from spiffy.arspec.stages import StageClock, TargetRunner, build_tree, cache_tensors_with_index, sync
 from spiffy.arspec.tree import DraftTree
 from spiffy.errors import ConfigError
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks
@@ -109,16 +109,9 @@ def _commit_rows(cache: Any, valid: torch.Tensor, context_len: int, keep: list[l
     dev = valid.device
     src = torch.tensor([[context_len + r for r in k] + [context_len + k[0]] * (width - len(k)) for k in keep],
                        dtype=torch.long)
-    on_device: dict[torch.device, torch.Tensor] = {}
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if t is None or t.numel() == 0:
-                continue
-            idx = on_device.setdefault(t.device, src.to(t.device))
-            index = idx.view(idx.shape[0], 1, width, 1).expand(t.shape[0], t.shape[1], width, t.shape[3])
-            gathered = t.gather(2, index)
-            t[:, :, context_len : context_len + width] = gathered
+    for t, idx in cache_tensors_with_index(cache, src):
+        index = idx.view(idx.shape[0], 1, width, 1).expand(t.shape[0], t.shape[1], width, t.shape[3])
+        t[:, :, context_len : context_len + width] = t.gather(2, index)
     extra = int(cache.get_seq_length()) - (context_len + width)
     if extra > 0:
         cache.crop(-extra)  # transformers 5.x: a negative count of positions to drop

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -191,6 +191,23 @@ def verify(runner: TargetRunner, compiled: CompiledDraft) -> TargetLogits:
     return TargetLogits(out.last_hidden_state[0], runner.lm_head)
 
 
+def cache_tensors_with_index(cache: Any, index: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Every non-empty K or V tensor of a transformers cache, with ``index`` (a host tensor) on that tensor's device.
+
+    The index is copied once per device, not once per layer (a placed model's layers may sit on several devices).
+    """
+    on_device: dict[torch.device, torch.Tensor] = {}
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is None or t.numel() == 0:
+                continue
+            idx = on_device.get(t.device)
+            if idx is None:
+                idx = on_device[t.device] = index.to(t.device)
+            yield t, idx
+
+
 def compact_cache(cache: Any, start: int, rows: Sequence[int]) -> None:
     """Keep cached positions ``[0, start)`` and ``start + rows`` (in that order); drop the rest of the window."""
     total = int(cache.get_seq_length())
@@ -198,16 +215,8 @@ def compact_cache(cache: Any, start: int, rows: Sequence[int]) -> None:
     keep = len(rows)
     if list(rows) != list(range(keep)):
         cpu_src = torch.tensor([start + r for r in rows], dtype=torch.long)
-        on_device: dict[torch.device, torch.Tensor] = {}
-        for layer in cache.layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name, None)
-                if t is None or t.numel() == 0:
-                    continue
-                src = on_device.get(t.device)
-                if src is None:  # one copy of the row indices per device, not one per layer
-                    src = on_device[t.device] = cpu_src.to(t.device)
-                t[..., start : start + keep, :] = t.index_select(-2, src)
+        for t, src in cache_tensors_with_index(cache, cpu_src):
+            t[..., start : start + keep, :] = t.index_select(-2, src)
     if window > keep:
         cache.crop(-(window - keep))  # transformers 5.x: a negative count of positions to drop
 
