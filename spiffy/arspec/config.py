@@ -8,13 +8,15 @@ from typing import Iterable
 from spiffy.errors import ConfigError
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["ARSpecConfig", "ACCEPT_RULES", "CHAIN_METHODS", "METHODS", "DEFAULT_TREE_BUDGET", "stop_id_tuple"]
+__all__ = ["ARSpecConfig", "ACCEPT_RULES", "CHAIN_METHODS", "METHODS", "METHOD_LABELS", "DEFAULT_TREE_BUDGET", "stop_id_tuple"]
 
 #: ``ddtree``: the optimal draft tree; ``dflash``: the chain of the drafter's argmaxes (DFlash paper); ``deer``: the
 #: same chain, from a dLLM drafter (DEER paper; sampled from the drafter under the rejection rule at T > 0);
 #: ``specdiff``: ``drafts`` joint drafts sampled from the drafter's position-wise marginals, verified together as
 #: one tree (SpecDiff-2 self-selection); ``ar``: no drafts
 METHODS: tuple[str, ...] = ("ddtree", "dflash", "deer", "specdiff", "ar")
+#: how reports and tables name each method (the papers' spellings)
+METHOD_LABELS: dict[str, str] = {"ddtree": "DDTree", "dflash": "DFlash", "deer": "DEER", "specdiff": "SpecDiff-2", "ar": "AR"}
 #: methods that verify one chain per round
 CHAIN_METHODS: tuple[str, ...] = ("dflash", "deer")
 #: ``coupled``: position-keyed coupling (equal to AR token for token); ``rejection``: speculative sampling

@@ -27,8 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from spiffy.api import generate
-from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
-from spiffy.arspec.config import ARSpecConfig
+from spiffy.arspec.batch import speculative_generate_batch
+from spiffy.arspec.config import METHOD_LABELS, ARSpecConfig
 from spiffy.arspec.dllm_drafter import as_drafter
 from spiffy.bench.common import environment_info
 from spiffy.bench.datasets import BenchPrompt
@@ -121,42 +121,38 @@ def dllm_methods(model: Any, tokenizer: Any, config: Any, graph: Any, budgets: S
 def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tokens: int, temperature: float,
                top_p: float, top_k: int, seed: int, stops: Sequence[int], dllm_drafter: Any = None,
                drafts: Sequence[int] = (4,)) -> dict[str, BatchCall]:
-    """Plain AR, DFlash and DDTree at each budget as :data:`BatchCall` s (``ddtree_generate_batch``); with a
-    ``dllm_drafter`` (a loaded diffusion drafter model) also DEER, SpecDiff-2 at each of ``drafts`` and DDTree over
-    its marginals at each budget (``speculative_generate_batch``, one fresh drafter wrapper per row)."""
+    """Plain AR, DFlash and DDTree at each budget as :data:`BatchCall` s (``speculative_generate_batch``, one fresh
+    drafter wrapper per row); with a ``dllm_drafter`` (a loaded diffusion drafter model) also DEER, SpecDiff-2 at each
+    of ``drafts`` and DDTree over its marginals at each budget."""
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=int(seed))
+    common = dict(max_new_tokens=int(max_new_tokens), stop_token_ids=tuple(int(t) for t in stops), sampling=sampling)
 
-    def make(method: str, budget: int | None) -> BatchCall:
+    def make(config: ARSpecConfig, model: Any) -> BatchCall:
+        """``config`` on every row of a call, each row with its own wrapper of the drafter ``model`` (``None``:
+        plain AR)."""
         def call(batch: list[list[int]]) -> tuple[list[list[int]], int]:
-            res = ddtree_generate_batch(
-                target, None if method == "ar" else drafter, batch, method=method, budget=budget,
-                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                stop_token_ids=list(stops) or None,
-            )
+            drafters = None if model is None else [as_drafter(model) for _ in batch]
+            res = speculative_generate_batch(target, drafters, batch, config)
             return [list(r.tokens) for r in res], sum(int(r.rounds) for r in res)
         return call
 
-    def make_dllm(config: ARSpecConfig) -> BatchCall:
-        def call(batch: list[list[int]]) -> tuple[list[list[int]], int]:
-            res = speculative_generate_batch(target, [as_drafter(dllm_drafter) for _ in batch], batch, config)
-            return [list(r.tokens) for r in res], sum(int(r.rounds) for r in res)
-        return call
-
-    methods = {"AR": make("ar", None), "DFlash": make("dflash", None)}
-    methods.update({f"DDTree {b}": make("ddtree", b) for b in budgets})
+    label = METHOD_LABELS
+    methods = {label["ar"]: make(ARSpecConfig(method="ar", **common), None),  # type: ignore[arg-type]
+               label["dflash"]: make(ARSpecConfig(method="dflash", **common), drafter)}  # type: ignore[arg-type]
+    methods.update({f"{label['ddtree']} {b}": make(ARSpecConfig(method="ddtree", tree_budget=int(b), **common), drafter)  # type: ignore[arg-type]
+                    for b in budgets})
     if dllm_drafter is not None:
-        common = dict(max_new_tokens=int(max_new_tokens), stop_token_ids=tuple(int(t) for t in stops), sampling=sampling)
-        methods["DEER"] = make_dllm(ARSpecConfig(method="deer", **common))  # type: ignore[arg-type]
-        methods.update({f"SpecDiff-2 K={k}": make_dllm(ARSpecConfig(method="specdiff", drafts=int(k), **common))  # type: ignore[arg-type]
+        methods[label["deer"]] = make(ARSpecConfig(method="deer", **common), dllm_drafter)  # type: ignore[arg-type]
+        methods.update({f"{label['specdiff']} K={k}": make(ARSpecConfig(method="specdiff", drafts=int(k), **common), dllm_drafter)  # type: ignore[arg-type]
                         for k in drafts})
-        methods.update({f"DDTree {b} (dLLM)": make_dllm(ARSpecConfig(method="ddtree", tree_budget=int(b), **common))  # type: ignore[arg-type]
+        methods.update({f"{label['ddtree']} {b} (dLLM)": make(ARSpecConfig(method="ddtree", tree_budget=int(b), **common), dllm_drafter)  # type: ignore[arg-type]
                         for b in budgets})
     return methods
 
 
 def throughput_report(kind: str, rows: list[dict[str, Any]], *, model: Any, device: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """JSON-ready report: the rows plus speedups over the plain method at the same batch size."""
-    plain = "baseline" if kind == "dllm" else "AR"
+    plain = "baseline" if kind == "dllm" else METHOD_LABELS["ar"]
     base = {r["batch_size"]: r for r in rows if r["method"] == plain}
     for r in rows:
         ref = base.get(r["batch_size"])

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from spiffy.arspec.config import METHOD_LABELS
 from spiffy.bench.ar import run_ar_bench
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.bench.dllm import run_dllm_bench
@@ -300,11 +301,6 @@ def format_dllm(res: dict[str, Any], prompts: list[Any]) -> str:
     return "\n".join(lines)
 
 
-#: display names of the AR-side methods
-METHOD_NAMES: dict[str, str] = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree", "deer": "DEER",
-                                "specdiff": "SpecDiff-2"}
-
-
 def _shape(m: dict[str, Any]) -> str:
     """What a method drafts per round: a chain, ``K=`` sampled drafts, or a tree ``budget`` nodes large."""
     if m["method"] == "specdiff":
@@ -327,7 +323,7 @@ def format_ar(res: dict[str, Any], prompts: list[Any]) -> str:
     for m in res["methods"]:
         ident = f"{m['identical']}/{res['num_prompts']}" + ("" if m["identical_fraction"] == 1.0 else "  MISMATCH")
         drafter = {"none": "-", "dflash": "DFlash", "dllm": "dLLM"}.get(m["drafter_kind"], m["drafter_kind"])
-        lines.append(f"| {METHOD_NAMES.get(m['method'], m['method'])} | {drafter} | {_shape(m)} | {m['tau']:.2f} | "
+        lines.append(f"| {METHOD_LABELS.get(m['method'], m['method'])} | {drafter} | {_shape(m)} | {m['tau']:.2f} | "
                      f"{_num(m['tokens_per_s'])} | {_x(m['speedup_vs_ar'])} | {ident} |")
     lines.append("")
     return "\n".join(lines)
