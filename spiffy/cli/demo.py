@@ -115,10 +115,7 @@ def _resolve(args: argparse.Namespace) -> tuple[dict[str, Path], bool, bool]:
         if not explicit and getattr(args, "random_tiny", False):
             explicit = str(_random_tiny(kind))
         if explicit:
-            p = checkpoint_dir(explicit)  # a directory, or a Hub id ORG/NAME[@REV]
-            if not (p / "config.json").is_file():
-                raise ConfigError(f"{flag} {p}: no config.json there; fix: pass a checkpoint directory")
-            paths[key] = p
+            paths[key] = _checkpoint(flag, explicit)
             continue
         try:
             paths[key] = embedded_model_path(kind)
@@ -138,14 +135,21 @@ def _resolve(args: argparse.Namespace) -> tuple[dict[str, Path], bool, bool]:
     return paths, do_dllm, do_ar
 
 
+def _checkpoint(flag: str, value: str) -> Path:
+    """The checkpoint directory a flag names (a directory, or a Hub id ORG/NAME[@REV]); ConfigError without a
+    config.json there."""
+    path = checkpoint_dir(value)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{flag} {path}: no config.json there; fix: pass a checkpoint directory")
+    return path
+
+
 def _dllm_drafter_path(args: argparse.Namespace) -> Path | None:
     """The diffusion drafter of the AR part: ``--dllm-drafter``; a tiny random one with ``--random-tiny``; else the
     embedded one when it is shipped and the target is the embedded one too (it was aligned to that target); else
     ``None`` (the DEER / SpecDiff-2 rows are skipped)."""
     if args.dllm_drafter:
-        path = checkpoint_dir(args.dllm_drafter)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"--dllm-drafter {path}: no config.json there; fix: pass a checkpoint directory")
+        path = _checkpoint("--dllm-drafter", args.dllm_drafter)
         kind = drafter_kind(path)
         if kind != "dllm":
             raise ConfigError(f"--dllm-drafter {path} is a {kind} drafter; fix: pass a diffusion drafter (e.g. "
