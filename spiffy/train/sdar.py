@@ -38,7 +38,8 @@ from spiffy.embedded import embedded_models_dir
 from spiffy.errors import ConfigError, MissingTokenError
 from spiffy.models.loading import load_model, load_tokenizer, save_checkpoint
 from spiffy.models.sdar import SDARConfig, SDARForCausalLM
-from spiffy.train import common, teacher
+from spiffy.train import common, functions, teacher
+from spiffy.train.corpus import load_split
 from spiffy.train.ar import prepare_data
 
 MASK_TOKEN = "<|MASK|>"
@@ -63,11 +64,12 @@ def training_mask(length: int, block: int, device: torch.device | str | None = N
 
 
 def noise_blocks(x0: torch.Tensor, block: int, mask_id: int, gen: torch.Generator, eps: float = 1e-3,
-                 prompt_frac: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 prompt_frac: float = 0.0, clean_prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block forward noise of ``x0 [B, L]``: returns ``xt [B, L]`` and ``masked [B, L]`` (bool).
 
     Every block has its own ratio ``(1 - eps) * U(0, 1) + eps``; prompt rows (probability ``prompt_frac``) keep the
-    first ``o_b ~ U{0..block-1}`` positions of every block ``b`` clean.
+    first ``o_b ~ U{0..block-1}`` positions of every block ``b`` clean; ``clean_prefix [B]`` (function rows'
+    prompt lengths, 0 elsewhere) keeps the first ``clean_prefix[r]`` positions of row ``r`` clean.
     """
     b, length = x0.shape
     nb = length // block
@@ -77,6 +79,8 @@ def noise_blocks(x0: torch.Tensor, block: int, mask_id: int, gen: torch.Generato
     offsets = torch.randint(0, block, (b, nb), generator=gen).repeat_interleave(block, dim=1)
     in_block = (torch.arange(length) % block)[None, :]
     masked &= ~(prompt_rows[:, None] & (in_block < offsets))
+    if clean_prefix is not None:
+        masked &= torch.arange(length)[None, :] >= clean_prefix[:, None]
     xt = torch.where(masked, torch.full_like(x0, mask_id), x0)
     return xt, masked
 
@@ -93,9 +97,10 @@ def noisy_logits(model: torch.nn.Module, xt: torch.Tensor, x0: torch.Tensor, blo
 
 
 def block_diffusion_loss(model: torch.nn.Module, x0: torch.Tensor, block: int, mask_id: int, gen: torch.Generator,
-                         eps: float, prompt_frac: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         eps: float, prompt_frac: float, clean_prefix: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean CE over masked positions of ``x0 [B, L]``: returns (loss, #correct masked predictions, #masked)."""
-    xt, masked = noise_blocks(x0, block, mask_id, gen, eps, prompt_frac)
+    xt, masked = noise_blocks(x0, block, mask_id, gen, eps, prompt_frac, clean_prefix)
     logits = noisy_logits(model, xt, x0, block).float()
     n = masked.sum().clamp(min=1)
     loss = F.cross_entropy(logits[masked], x0[masked], reduction="sum") / n
@@ -211,13 +216,17 @@ def _parse_blocks(text: str) -> tuple[int, ...]:
     return blocks
 
 
-def _teacher_sentence(args: argparse.Namespace, info: dict[str, Any] | None) -> str:
-    """The model card's account of ``--start-from`` and the teacher mix (empty for a plain run)."""
+def _teacher_sentence(args: argparse.Namespace, info: dict[str, Any] | None, fn_info: dict[str, Any] | None = None) -> str:
+    """The model card's account of ``--start-from``, the teacher mix and the function rows (empty for a plain run)."""
     text = f", continuing from `{args.start_from}`" if args.start_from else ""
     if info:
         text += (f", {args.teacher_frac:.0%} of every batch's rows being {info['count']} windows of low-entropy text "
                  f"(corpus prefixes of {info['prefix'][0]}-{info['prefix'][1]} tokens continued greedily by "
                  f"`{Path(args.teacher).name}`)")
+    if fn_info:
+        text += (f", {args.functions_frac:.0%} of every batch's rows being function completions ({fn_info['rows']} "
+                 f"documented functions of the training split: the def line and docstring as a clean prompt, the body "
+                 f"(median {fn_info['answer_tokens_median']:.0f} tokens), then end-of-text to the window's end)")
     return text
 
 
@@ -251,6 +260,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             teacher.parse_prefix_range(args.teacher_prefix), args.seed, model.config.vocab_size,
             args.teacher_min_distinct)
         print(f"teacher windows {tuple(teacher_w.shape)} ({teacher_info['generation_s']} s to generate)", flush=True)
+    fn_rows, fn_lens, fn_info = None, None, None
+    if args.functions_frac > 0:
+        fn_rows, fn_lens, fn_info = functions.load_or_build(
+            out, tok, load_split(info.out_dir, "train"), args.context, args.functions_max_prompt,
+            int(tok.eos_token_id), args.seed, args.functions_max_answer)
+        print(f"function rows {fn_info}", flush=True)
     model.train()
     mask_id = int(model.config.mask_token_id)
     opt = common.adamw_decay_groups(model, args.lr, args.weight_decay)
@@ -267,8 +282,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         x0 = common.sample_windows(train_s, args.batch_size, args.context, gen)
         if teacher_w is not None:
             x0 = teacher.mix_batch(x0, teacher_w, args.teacher_frac, gen)
+        clean = None
+        if fn_rows is not None:
+            x0, clean = functions.mix_rows(x0, fn_rows, fn_lens, args.functions_frac, gen)
         blk = blocks[int(torch.randint(0, len(blocks), (1,), generator=gen))]
-        loss, correct, n = block_diffusion_loss(model, x0, blk, mask_id, gen, args.eps, args.prompt_frac)
+        loss, correct, n = block_diffusion_loss(model, x0, blk, mask_id, gen, args.eps, args.prompt_frac, clean)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -300,7 +318,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "train": {"batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup, "seed": args.seed,
                   "schedule": args.schedule, "max_minutes": args.max_minutes, "blocks": list(blocks),
                   "eps": args.eps, "prompt_frac": args.prompt_frac, "weight_decay": args.weight_decay,
-                  "teacher": teacher_info and {**teacher_info, "frac": args.teacher_frac}},
+                  "teacher": teacher_info and {**teacher_info, "frac": args.teacher_frac},
+                  "functions": fn_info and {**fn_info, "frac": args.functions_frac,
+                                            "max_prompt": args.functions_max_prompt,
+                                            "max_answer": args.functions_max_answer}},
         "corpus": {"python": info.python_version, "files_train": info.n_files_train,
                    "files_heldout": info.n_files_heldout, "train_tokens": len(train_s), "heldout_tokens": len(held_s)},
         "save_dtype": args.save_dtype, "samples_greedy": samples, "torch": torch.__version__,
@@ -310,7 +331,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             f"tokenizer, mask token {MASK_TOKEN} = {mask_id}) and trained with the block-diffusion objective "
             f"(blocks {', '.join(map(str, blocks))}, +{args.prompt_frac:.0%} prompt rows) for {step} steps "
             f"({metrics['wall_s_total']/60:.1f} min, 1 CPU thread) on the Python {info.python_version} standard "
-            f"library's .py sources{_teacher_sentence(args, teacher_info)}. Weights stored in {args.save_dtype}. "
+            f"library's .py sources{_teacher_sentence(args, teacher_info, fn_info)}. Weights stored in {args.save_dtype}. "
             f"Reproduce with `{args.card_script}`.")
     final = out / "model"
     export = type(model)(model.config)
@@ -353,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher-min-distinct", type=float, default=0.0,
                    help="drop teacher windows whose last 64 tokens have a lower distinct-token ratio (loops); 0: keep all")
     p.add_argument("--teacher-frac", type=float, default=0.5, help="fraction of every batch's rows from the teacher")
+    p.add_argument("--functions-frac", type=float, default=0.0,
+                   help="fraction of every batch's rows that are function completions (def line + docstring as a "
+                        "clean prompt, the body, then end-of-text to the window's end; spiffy.train.functions)")
+    p.add_argument("--functions-max-prompt", type=int, default=160, help="longest function prompt kept (tokens)")
+    p.add_argument("--functions-max-answer", type=int, default=0,
+                   help="longest function body kept (tokens; 0: all, bodies longer than the window are cut)")
     p.add_argument("--card-script", default="scripts/train_tiny_sdar.sh", help="reproduce script named in the card")
     common.add_run_arguments(p, max_minutes=90.0, ckpt_every=50)
     common.add_eval_arguments(p)
