@@ -139,12 +139,98 @@ def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
 #: chunk widths for the comb bound, widest first; a row needs at least :data:`_MIN_CHUNKS` of them
 _CHUNK_WIDTHS: tuple[int, ...] = (64, 32, 16)
 _MIN_CHUNKS = 8
+#: the comb is thinned to about this many scores per budget node (:func:`_comb_bound`)
+_COMB_PER_NODE = 4
+#: up to this many comb scores the bound is selected on the host, beyond it on the device
+_HOST_COMB_MAX = 256
+#: up to this many candidate tokens they are ranked on the host, beyond it on the device
+_HOST_RANK_MAX = 128
 
 
-def _bar_margin(lb: float, reach: torch.Tensor) -> torch.Tensor:
-    """How far below ``LB - U_{d-1}`` the per-depth bar goes: far above float64 rounding of the sums involved,
-    far below the spacing of float32 log-probabilities, so it only ever admits a few more tokens."""
-    return 1e-9 * (1.0 + abs(lb) + reach.abs())
+def _bar_margin_scale(depth_limit: int, dtype: torch.dtype) -> float:
+    """How far below ``LB - U_{d-1}`` the per-depth bar goes, relative to ``1 + |LB| + |U_{d-1}|``.
+
+    The device-side bound sums (``torch.cumsum``, the comb) are rounded in ``dtype``, the heap's in float64 in its
+    own order: they differ by at most about ``L + 1`` rounding steps of ``dtype``, and the bar itself is rounded to
+    ``dtype``. The margin is several times that (and at least ``1e-9``) and far below the gaps between the
+    log-probabilities that matter, so it only ever admits a few more tokens, never drops one the heap could pop.
+    """
+    return max(8.0 * (depth_limit + 2) * torch.finfo(dtype).eps, 1e-9)
+
+
+def _comb_bound(chunk_max: torch.Tensor, best: torch.Tensor, budget: int) -> tuple[float, list[float]]:
+    """``(LB, U)``: a lower bound of the ``budget``-th best score and ``U_{d-1}`` per depth (``U_0 = 0``).
+
+    Args:
+        chunk_max: ``[L, C]`` chunk maxima; ``best``: ``[L]`` row maxima (both in the working dtype).
+    Only a lower bound of ``S_B`` is needed, so the comb is thinned first: each row's chunks are split into ``G``
+    disjoint groups with ``L * G`` about ``4 B`` (contiguous runs of chunks when ``G`` is small, every ``G``-th
+    chunk when it is large: the reduction that vectorises), and a group keeps its best chunk. A group's maximum is
+    still one prefix's comb score, so the ``B``-th best of the ``L * G`` group scores is a lower bound. Few scores
+    go to the host and are summed there exactly as the heap sums (float64, its order); more are summed and selected
+    on the device. Either way one host synchronisation.
+    """
+    depth_limit, n_chunks = int(chunk_max.shape[0]), int(chunk_max.shape[1])
+    groups = min(n_chunks, max(1, -(-_COMB_PER_NODE * budget // depth_limit)))
+    folded = chunk_max
+    if groups < n_chunks:
+        runs = n_chunks // groups
+        head = chunk_max[:, : runs * groups]
+        if groups >= 64:
+            folded = head.view(depth_limit, runs, groups).amax(dim=1)
+        else:
+            folded = head.view(depth_limit, groups, runs).amax(dim=2)
+    if depth_limit * groups <= _HOST_COMB_MAX:
+        rows = torch.cat([best.unsqueeze(1), folded], dim=1).tolist()  # [L, 1 + G]
+        reach = [0.0]
+        for row in rows[:-1]:
+            reach.append(reach[-1] + row[0])
+        comb = sorted((u + v for u, row in zip(reach, rows) for v in row[1:]), reverse=True)
+        return comb[budget - 1], reach
+    reach_t = torch.nn.functional.pad(best[:-1], (1, 0)).cumsum(0)  # [L]
+    comb_t = (folded + reach_t.unsqueeze(1)).view(-1)  # [L * G]
+    lb_t = torch.topk(comb_t, budget, sorted=False).values.min()
+    summary = torch.cat([best, lb_t.view(1)]).tolist()
+    reach = [0.0]
+    for m in summary[: depth_limit - 1]:
+        reach.append(reach[-1] + m)
+    return summary[-1], reach
+
+
+def _rank_on_host(vals: list[float], rows: list[int], cols: list[int], depth_limit: int, k: int
+                  ) -> tuple[list[list[float]], list[list[int]]]:
+    """Per depth, the candidates by value descending, equal values by column ascending, at most ``k``."""
+    per_depth: list[list[tuple[float, int]]] = [[] for _ in range(depth_limit)]
+    for v, r, c in zip(vals, rows, cols):
+        per_depth[r].append((-v, c))
+    values: list[list[float]] = []
+    tokens: list[list[int]] = []
+    for entries in per_depth:
+        entries.sort()
+        del entries[k:]
+        values.append([-nv for nv, _ in entries])
+        tokens.append([c for _, c in entries])
+    return values, tokens
+
+
+def _rank_on_device(cand: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, depth_limit: int, k: int
+                    ) -> tuple[list[list[float]], list[list[int]]]:
+    """:func:`_rank_on_host` with two stable sorts on the device (``cand`` / ``rows`` / ``cols``: ``[m]``, each
+    depth's entries in ascending column order), for many candidates."""
+    order = torch.sort(cand, descending=True, stable=True).indices
+    order = order.index_select(0, torch.sort(rows.index_select(0, order), stable=True).indices)
+    counts_and_ids = torch.cat([torch.bincount(rows, minlength=depth_limit), cols.index_select(0, order)])
+    flat_vals = cand.index_select(0, order).tolist()
+    packed = counts_and_ids.tolist()
+    values: list[list[float]] = []
+    tokens: list[list[int]] = []
+    start = depth_limit
+    for c in packed[:depth_limit]:
+        stop = start + min(c, k)
+        values.append(flat_vals[start - depth_limit : stop - depth_limit])
+        tokens.append(packed[start:stop])
+        start += c
+    return values, tokens
 
 
 def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list[list[float]], list[list[int]]]:
@@ -155,58 +241,53 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
         budget: the tree's node budget ``B`` (``>= 1``).
         k: the rank cap per depth (``min(B, V)``).
     Returns:
-        ``(values, tokens)``: ``values[d]`` the log-probabilities (Python floats of the float64 conversion) and
-        ``tokens[d]`` the token ids of depth ``d + 1``'s ranks, a prefix of that depth's full ranking (every
+        ``(values, tokens)``: ``values[d]`` the log-probabilities (Python floats, exact conversions of the entries)
+        and ``tokens[d]`` the token ids of depth ``d + 1``'s ranks, a prefix of that depth's full ranking (every
         token at least as probable as a listed one is listed, up to ``k``); depth 1 is never empty.
 
-    See the module docstring for the bound. Small vocabularies, and rows whose bound is not finite (``-inf``
-    log-probabilities everywhere but a few tokens), take the top ``k`` of every depth instead.
+    See the module docstring for the bound. Host synchronisations: five (the bound, two ``nonzero``, two lists).
+    Small vocabularies, and rows whose bound is not finite (``-inf`` log-probabilities everywhere but a few
+    tokens), take the top ``k`` of every depth instead.
     """
     depth_limit, vocab = int(logprobs.shape[0]), int(logprobs.shape[1])
     width = next((s for s in _CHUNK_WIDTHS if vocab // s >= _MIN_CHUNKS), None)
     if width is not None and depth_limit * (vocab // width) >= budget:
         x = logprobs.contiguous()
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
         n_chunks = vocab // width
         head_len = n_chunks * width
         chunks = x.as_strided((depth_limit, n_chunks, width), (vocab, width, 1))  # [L, C, w]
-        chunk_max = chunks.amax(dim=-1)  # [L, C]
-        tail = x[:, head_len:]  # [L, < w]
-        best = chunk_max.amax(dim=-1)
-        if tail.shape[1]:
-            best = torch.maximum(best, tail.amax(dim=-1))
-        # U_{d-1}: the argmax chain's scores, added in the heap's order (float64 Python sums)
-        reach_list = [0.0]
-        for m in best.double().tolist()[:-1]:
-            reach_list.append(reach_list[-1] + m)
-        reach = torch.tensor(reach_list, dtype=torch.float64, device=x.device).unsqueeze(1)  # [L, 1]
-        comb = (reach + chunk_max.double()).reshape(-1)  # [L * C] scores of distinct prefixes
-        lb = float(torch.topk(comb, budget, sorted=False).values.min())
+        chunk_max = chunks.amax(dim=-1).to(work)  # [L, C]
+        best = chunk_max.amax(dim=-1)  # [L] each depth's best log-probability
+        tail = None
+        if head_len < vocab:  # the last columns, padded to one more block of w (-inf never clears a bar)
+            tail = torch.nn.functional.pad(x[:, head_len:], (0, head_len + width - vocab), value=float("-inf"))
+            best = torch.maximum(best, tail.amax(dim=-1).to(work))
+        lb, reach = _comb_bound(chunk_max, best, budget)
         if math.isfinite(lb):
-            bar = lb - reach - _bar_margin(lb, reach)  # [L, 1] float64: a token below it is never popped
-            picked = (chunk_max.double() >= bar).nonzero()  # [n, 2] (depth, chunk), chunks ascending
-            blocks = chunks[picked[:, 0], picked[:, 1]]  # [n, w]
-            hit = (blocks.double() >= bar.index_select(0, picked[:, 0])).nonzero()  # [m, 2] (block, offset)
-            rows = picked[:, 0].index_select(0, hit[:, 0])
-            cols = picked[:, 1].index_select(0, hit[:, 0]) * width + hit[:, 1]
-            cand = blocks[hit[:, 0], hit[:, 1]]
-            tail_hit = (tail.double() >= bar).nonzero()  # run even when empty: a fixed sync count
-            rows = torch.cat([rows, tail_hit[:, 0]])
-            cols = torch.cat([cols, tail_hit[:, 1] + head_len])
-            cand = torch.cat([cand, tail[tail_hit[:, 0], tail_hit[:, 1]]])
-            # per depth, columns ascending (head chunks, then the tail); stable sorts keep that order for ties
-            order = torch.sort(cand, descending=True, stable=True).indices
-            order = order.index_select(0, torch.sort(rows.index_select(0, order), stable=True).indices)
-            counts = torch.bincount(rows, minlength=depth_limit).tolist()
-            flat_vals = cand.index_select(0, order).double().tolist()
-            flat_ids = cols.index_select(0, order).tolist()
-            values: list[list[float]] = []
-            tokens: list[list[int]] = []
-            start = 0
-            for c in counts:
-                values.append(flat_vals[start : start + min(c, k)])
-                tokens.append(flat_ids[start : start + min(c, k)])
-                start += c
-            return values, tokens
+            scale = _bar_margin_scale(depth_limit, work)
+            bar = torch.tensor([lb - u - scale * (1.0 + abs(lb) + abs(u)) for u in reach], dtype=work,
+                               device=x.device).unsqueeze(1)  # [L, 1]: a token below it is never popped
+            picked = (chunk_max >= bar).nonzero()  # [n, 2] (depth, chunk), row-major
+            rows, chunk = picked.unbind(1)
+            blocks = chunks[rows, chunk]  # [n, w]
+            first_col = chunk * width
+            if tail is not None:  # every depth's tail block, after the picked ones
+                blocks = torch.cat([blocks, tail])
+                rows = torch.cat([rows, torch.arange(depth_limit, device=x.device)])
+                first_col = torch.cat([first_col, torch.full((depth_limit,), head_len, device=x.device)])
+            hit = (blocks >= bar.index_select(0, rows)).nonzero()  # [m, 2] (block, offset)
+            block, offset = hit.unbind(1)
+            rows = rows.index_select(0, block)
+            cols = first_col.index_select(0, block).add_(offset)
+            cand = blocks[block, offset]
+            # each depth's entries are in ascending column order here (the tail blocks come last and hold the
+            # last columns); both rankings keep that order between equal values
+            if int(hit.shape[0]) <= _HOST_RANK_MAX:
+                where = torch.cat([rows, cols]).tolist()
+                m = len(where) // 2
+                return _rank_on_host(cand.tolist(), where[:m], where[m:], depth_limit, k)
+            return _rank_on_device(cand, rows, cols, depth_limit, k)
     vals_t, idx_t = top_ranked(logprobs, k)
     return vals_t.double().cpu().tolist(), idx_t.cpu().tolist()
 
