@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -109,42 +110,70 @@ def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
         return empty_tree()
     k = min(int(budget), vocab)
     vals, idx = ranked_candidates(logprobs, int(budget), k)
+    sizes = [len(v) for v in vals]
+    # a node's rank tuple (r_1, ..., r_n) as the integer sum of (r_i + 1) * base ** (L - i): tuples and integers
+    # order alike (a prefix before its extensions), and a sibling / first child is one addition away
+    base = k + 1
+    place = [base ** (depth_limit - 1 - i) for i in range(depth_limit)]
+    last_depth = depth_limit - 1
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
     scores: list[float] = []
-    # heap entry: (-score, rank tuple, depth index (0-based), parent node index, parent score)
-    heap: list[tuple[float, tuple[int, ...], int, int, float]] = [(-vals[0][0], (0,), 0, -1, 0.0)]
+    # heap entry: (-score, rank key, rank, depth index (0-based), parent node index, parent score); rank keys are
+    # distinct, so entries never compare past them
+    heap: list[tuple[float, int, int, int, int, float]] = [(-vals[0][0], place[0], 0, 0, -1, 0.0)]
     while heap and len(tokens) < budget:
-        neg, ranks, d, parent, parent_score = heapq.heappop(heap)
+        neg, key, r, d, parent, parent_score = heapq.heappop(heap)
         node = len(tokens)
-        r = ranks[-1]
         score = -neg
         tokens.append(idx[d][r])
         parents.append(parent)
         depths.append(d + 1)
         scores.append(score)
-        if r + 1 < len(vals[d]):  # next sibling (ranks beyond the list can never be popped)
-            heapq.heappush(heap, (-(parent_score + vals[d][r + 1]), ranks[:-1] + (r + 1,), d, parent, parent_score))
-        if d + 1 < depth_limit and vals[d + 1]:  # first child
-            heapq.heappush(heap, (-(score + vals[d + 1][0]), ranks + (0,), d + 1, node, score))
-    return DraftTree(
-        torch.tensor(tokens, dtype=torch.long),
-        torch.tensor(parents, dtype=torch.long),
-        torch.tensor(depths, dtype=torch.long),
-        torch.tensor(scores, dtype=torch.float64),
-    )
+        if r + 1 < sizes[d]:  # next sibling (ranks beyond the list can never be popped)
+            heapq.heappush(heap, (-(parent_score + vals[d][r + 1]), key + place[d], r + 1, d, parent, parent_score))
+        if d < last_depth and sizes[d + 1]:  # first child
+            heapq.heappush(heap, (-(score + vals[d + 1][0]), key + place[d + 1], 0, d + 1, node, score))
+    return DraftTree(_long_tensor(tokens), _long_tensor(parents), _long_tensor(depths),
+                     torch.frombuffer(array("d", scores), dtype=torch.float64).clone())
+
+
+def _long_tensor(values: list[int]) -> torch.Tensor:
+    """``[n]`` long CPU tensor of a non-empty list (through a packed buffer: several times faster than
+    ``torch.tensor`` on a list)."""
+    return torch.frombuffer(array("q", values), dtype=torch.long).clone()
+
+
+def _host_tensor(values: list[float], dtype: torch.dtype) -> torch.Tensor:
+    """``[n]`` float32 / float64 CPU tensor of a non-empty list of Python floats (rounded to nearest)."""
+    if dtype == torch.float64:
+        return torch.frombuffer(array("d", values), dtype=torch.float64).clone()
+    return torch.frombuffer(array("f", values), dtype=torch.float32).clone()
 
 
 #: chunk widths for the comb bound, widest first; a row needs at least :data:`_MIN_CHUNKS` of them
-_CHUNK_WIDTHS: tuple[int, ...] = (64, 32, 16)
+_CHUNK_WIDTHS: tuple[int, ...] = (256, 128, 64, 32, 16)
 _MIN_CHUNKS = 8
+#: a chunk wider than 64 columns is used only while ``width * budget`` (about the columns read again) stays below this
+_WIDE_READ_LIMIT = 16384
 #: the comb is thinned to about this many scores per budget node (:func:`_comb_bound`)
 _COMB_PER_NODE = 4
 #: up to this many comb scores the bound is selected on the host, beyond it on the device
-_HOST_COMB_MAX = 256
+_HOST_COMB_MAX = 1024
 #: up to this many candidate tokens they are ranked on the host, beyond it on the device
 _HOST_RANK_MAX = 128
+
+
+def _chunk_width(vocab: int, budget: int) -> int | None:
+    """The chunk width of the maximum pass (``None``: too few columns, rank whole rows instead).
+
+    Wide chunks make the pass cheaper (fewer, longer reductions) but every chunk that clears a bar is read again
+    whole, about ``budget`` of them: widths above 64 are kept for small budgets. A width that divides the vocabulary
+    (no tail block to handle apart) is preferred to a wider one.
+    """
+    usable = [s for s in _CHUNK_WIDTHS if vocab // s >= _MIN_CHUNKS and (s <= 64 or s * budget <= _WIDE_READ_LIMIT)]
+    return next((s for s in usable if vocab % s == 0), usable[0] if usable else None)
 
 
 def _bar_margin_scale(depth_limit: int, dtype: torch.dtype) -> float:
@@ -158,43 +187,57 @@ def _bar_margin_scale(depth_limit: int, dtype: torch.dtype) -> float:
     return max(8.0 * (depth_limit + 2) * torch.finfo(dtype).eps, 1e-9)
 
 
-def _comb_bound(chunk_max: torch.Tensor, best: torch.Tensor, budget: int) -> tuple[float, list[float]]:
-    """``(LB, U)``: a lower bound of the ``budget``-th best score and ``U_{d-1}`` per depth (``U_0 = 0``).
+def _comb_summary(chunk_max: torch.Tensor, tail_max: torch.Tensor | None, budget: int) -> torch.Tensor:
+    """``[L, S]`` maxima of disjoint column sets that together cover each row, ``L * S`` about ``4 B``.
 
-    Args:
-        chunk_max: ``[L, C]`` chunk maxima; ``best``: ``[L]`` row maxima (both in the working dtype).
-    Only a lower bound of ``S_B`` is needed, so the comb is thinned first: each row's chunks are split into ``G``
-    disjoint groups with ``L * G`` about ``4 B`` (contiguous runs of chunks when ``G`` is small, every ``G``-th
-    chunk when it is large: the reduction that vectorises), and a group keeps its best chunk. A group's maximum is
-    still one prefix's comb score, so the ``B``-th best of the ``L * G`` group scores is a lower bound. Few scores
-    go to the host and are summed there exactly as the heap sums (float64, its order); more are summed and selected
-    on the device. Either way one host synchronisation.
+    Each row's ``C`` chunk maxima are split into ``G`` groups (contiguous runs of chunks when ``G`` is small, every
+    ``G``-th chunk when it is large: the reduction that vectorises) and a group keeps its best; the chunks left over
+    by the split and the tail block's maximum are appended as they are.
     """
     depth_limit, n_chunks = int(chunk_max.shape[0]), int(chunk_max.shape[1])
     groups = min(n_chunks, max(1, -(-_COMB_PER_NODE * budget // depth_limit)))
-    folded = chunk_max
+    parts = [chunk_max]
     if groups < n_chunks:
         runs = n_chunks // groups
         head = chunk_max[:, : runs * groups]
         if groups >= 64:
-            folded = head.view(depth_limit, runs, groups).amax(dim=1)
+            parts = [head.view(depth_limit, runs, groups).amax(dim=1)]
         else:
-            folded = head.view(depth_limit, groups, runs).amax(dim=2)
-    if depth_limit * groups <= _HOST_COMB_MAX:
-        rows = torch.cat([best.unsqueeze(1), folded], dim=1).tolist()  # [L, 1 + G]
+            parts = [head.view(depth_limit, groups, runs).amax(dim=2)]
+        if runs * groups < n_chunks:
+            parts.append(chunk_max[:, runs * groups :])
+    if tail_max is not None:
+        parts.append(tail_max.unsqueeze(1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _comb_bound(summary: torch.Tensor, budget: int) -> tuple[float, list[float]]:
+    """``(LB, U)`` from :func:`_comb_summary`: a lower bound of the ``budget``-th best score (``-inf`` when fewer
+    than ``budget`` comb scores are finite) and ``U_{d-1}`` per depth (``U_0 = 0``).
+
+    Every summary entry is the best log-probability of its own column set, so ``U_{d-1}`` plus it is the score of a
+    distinct prefix (the argmax chain to depth ``d - 1``, then that token) and the ``B``-th best of these scores is
+    at most ``S_B``; the row maximum is each depth's best log-probability. Few scores go to the host and are summed
+    there exactly as the heap sums (float64, in its order); more are summed and selected on the device (the bar's
+    margin covers that rounding). Either way one host synchronisation.
+    """
+    depth_limit = int(summary.shape[0])
+    if summary.numel() <= _HOST_COMB_MAX:
+        rows = summary.tolist()
         reach = [0.0]
         for row in rows[:-1]:
-            reach.append(reach[-1] + row[0])
-        comb = sorted((u + v for u, row in zip(reach, rows) for v in row[1:]), reverse=True)
+            reach.append(reach[-1] + max(row))
+        comb = sorted((u + v for u, row in zip(reach, rows) for v in row), reverse=True)
         return comb[budget - 1], reach
+    best = summary.amax(dim=1)  # [L]
     reach_t = torch.nn.functional.pad(best[:-1], (1, 0)).cumsum(0)  # [L]
-    comb_t = (folded + reach_t.unsqueeze(1)).view(-1)  # [L * G]
+    comb_t = (summary + reach_t.unsqueeze(1)).view(-1)
     lb_t = torch.topk(comb_t, budget, sorted=False).values.min()
-    summary = torch.cat([best, lb_t.view(1)]).tolist()
+    summary_row = torch.cat([best, lb_t.view(1)]).tolist()
     reach = [0.0]
-    for m in summary[: depth_limit - 1]:
+    for m in summary_row[: depth_limit - 1]:
         reach.append(reach[-1] + m)
-    return summary[-1], reach
+    return summary_row[-1], reach
 
 
 def _rank_on_host(vals: list[float], rows: list[int], cols: list[int], depth_limit: int, k: int
@@ -250,7 +293,7 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
     tokens), take the top ``k`` of every depth instead.
     """
     depth_limit, vocab = int(logprobs.shape[0]), int(logprobs.shape[1])
-    width = next((s for s in _CHUNK_WIDTHS if vocab // s >= _MIN_CHUNKS), None)
+    width = _chunk_width(vocab, budget)
     if width is not None and depth_limit * (vocab // width) >= budget:
         x = logprobs.contiguous()
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -258,36 +301,34 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
         head_len = n_chunks * width
         chunks = x.as_strided((depth_limit, n_chunks, width), (vocab, width, 1))  # [L, C, w]
         chunk_max = chunks.amax(dim=-1).to(work)  # [L, C]
-        best = chunk_max.amax(dim=-1)  # [L] each depth's best log-probability
-        tail = None
+        tail = tail_max = None
         if head_len < vocab:  # the last columns, padded to one more block of w (-inf never clears a bar)
             tail = torch.nn.functional.pad(x[:, head_len:], (0, head_len + width - vocab), value=float("-inf"))
-            best = torch.maximum(best, tail.amax(dim=-1).to(work))
-        lb, reach = _comb_bound(chunk_max, best, budget)
+            tail_max = tail.amax(dim=-1).to(work)
+        lb, reach = _comb_bound(_comb_summary(chunk_max, tail_max, budget), budget)
         if math.isfinite(lb):
             scale = _bar_margin_scale(depth_limit, work)
-            bar = torch.tensor([lb - u - scale * (1.0 + abs(lb) + abs(u)) for u in reach], dtype=work,
-                               device=x.device).unsqueeze(1)  # [L, 1]: a token below it is never popped
-            picked = (chunk_max >= bar).nonzero()  # [n, 2] (depth, chunk), row-major
-            rows, chunk = picked.unbind(1)
+            bar = _host_tensor([lb - u - scale * (1.0 + abs(lb) + abs(u)) for u in reach], work).to(x.device)
+            bar = bar.unsqueeze(1)  # [L, 1]: a token below it is never popped
+            rows, chunk = torch.nonzero(chunk_max >= bar, as_tuple=True)  # [n] (depth, chunk), row-major
             blocks = chunks[rows, chunk]  # [n, w]
-            first_col = chunk * width
-            if tail is not None:  # every depth's tail block, after the picked ones
+            if tail is not None:  # every depth's tail block (chunk index C), after the picked ones
                 blocks = torch.cat([blocks, tail])
                 rows = torch.cat([rows, torch.arange(depth_limit, device=x.device)])
-                first_col = torch.cat([first_col, torch.full((depth_limit,), head_len, device=x.device)])
-            hit = (blocks >= bar.index_select(0, rows)).nonzero()  # [m, 2] (block, offset)
-            block, offset = hit.unbind(1)
-            rows = rows.index_select(0, block)
-            cols = first_col.index_select(0, block).add_(offset)
+                chunk = torch.cat([chunk, torch.full((depth_limit,), n_chunks, device=x.device)])
+            block, offset = torch.nonzero(blocks >= bar.index_select(0, rows), as_tuple=True)  # [m]
             cand = blocks[block, offset]
             # each depth's entries are in ascending column order here (the tail blocks come last and hold the
             # last columns); both rankings keep that order between equal values
-            if int(hit.shape[0]) <= _HOST_RANK_MAX:
-                where = torch.cat([rows, cols]).tolist()
-                m = len(where) // 2
-                return _rank_on_host(cand.tolist(), where[:m], where[m:], depth_limit, k)
-            return _rank_on_device(cand, rows, cols, depth_limit, k)
+            n, m = int(rows.shape[0]), int(block.shape[0])
+            if m <= _HOST_RANK_MAX:
+                where = torch.cat([rows, chunk, block, offset]).tolist()
+                picked_rows, picked_chunks = where[:n], where[n : 2 * n]
+                hit_rows = [picked_rows[b] for b in where[2 * n : 2 * n + m]]
+                cols = [picked_chunks[b] * width + o for b, o in zip(where[2 * n : 2 * n + m], where[2 * n + m :])]
+                return _rank_on_host(cand.tolist(), hit_rows, cols, depth_limit, k)
+            cols = chunk.index_select(0, block).mul_(width).add_(offset)
+            return _rank_on_device(cand, rows.index_select(0, block), cols, depth_limit, k)
     vals_t, idx_t = top_ranked(logprobs, k)
     return vals_t.double().cpu().tolist(), idx_t.cpu().tolist()
 
