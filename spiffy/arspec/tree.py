@@ -146,10 +146,9 @@ def _long_tensor(values: list[int]) -> torch.Tensor:
 
 
 def _host_tensor(values: list[float], dtype: torch.dtype) -> torch.Tensor:
-    """``[n]`` float32 / float64 CPU tensor of a non-empty list of Python floats (rounded to nearest)."""
-    if dtype == torch.float64:
-        return torch.frombuffer(array("d", values), dtype=torch.float64).clone()
-    return torch.frombuffer(array("f", values), dtype=torch.float32).clone()
+    """``[n]`` float32 / float64 CPU tensor of a non-empty list of Python floats (rounded to nearest), sharing the
+    packed buffer it was read from (the tensor keeps the buffer alive)."""
+    return torch.frombuffer(array("d" if dtype == torch.float64 else "f", values), dtype=dtype)
 
 
 #: chunk widths for the comb bound, widest first; a row needs at least :data:`_MIN_CHUNKS` of them
@@ -300,7 +299,9 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
         n_chunks = vocab // width
         head_len = n_chunks * width
         chunks = x.as_strided((depth_limit, n_chunks, width), (vocab, width, 1))  # [L, C, w]
-        chunk_max = chunks.amax(dim=-1).to(work)  # [L, C]
+        chunk_max = chunks.amax(dim=-1)  # [L, C]
+        if chunk_max.dtype != work:
+            chunk_max = chunk_max.to(work)
         tail = tail_max = None
         if head_len < vocab:  # the last columns, padded to one more block of w (-inf never clears a bar)
             tail = torch.nn.functional.pad(x[:, head_len:], (0, head_len + width - vocab), value=float("-inf"))
@@ -308,8 +309,9 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
         lb, reach = _comb_bound(_comb_summary(chunk_max, tail_max, budget), budget)
         if math.isfinite(lb):
             scale = _bar_margin_scale(depth_limit, work)
-            bar = _host_tensor([lb - u - scale * (1.0 + abs(lb) + abs(u)) for u in reach], work).to(x.device)
-            bar = bar.unsqueeze(1)  # [L, 1]: a token below it is never popped
+            bar = _host_tensor([lb - u - scale * (1.0 + abs(lb) + abs(u)) for u in reach], work).view(depth_limit, 1)
+            if x.device.type != "cpu":
+                bar = bar.to(x.device)  # [L, 1]: a token below it is never popped
             rows, chunk = torch.nonzero(chunk_max >= bar, as_tuple=True)  # [n] (depth, chunk), row-major
             blocks = chunks[rows, chunk]  # [n, w]
             if tail is not None:  # every depth's tail block (chunk index C), after the picked ones
