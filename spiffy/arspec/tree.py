@@ -17,14 +17,21 @@ as probable as its parent (a probability-1 token).
 
 Only the ranks the heap can reach are materialised. Let ``U_d`` be the score of the argmax chain down to depth
 ``d`` (the best score at that depth). Any ``B`` distinct prefixes bound the ``B``-th best score ``S_B`` from below;
-the builder takes the "comb" of prefixes (argmax chain to depth ``d - 1``, then the maximum of one column chunk of
-depth ``d``), whose scores need only the chunk maxima of one vectorised pass, and calls the ``B``-th best of them
-``LB``. A token at depth ``d`` can only enter the tree if ``U_{d-1} + log q_d(v) >= S_B >= LB``, so each depth keeps
-the tokens above ``LB - U_{d-1}`` (capped at ``K``), read again only inside the chunks whose maximum clears that
-bar (about ``B`` chunks over all depths, instead of ``K`` tokens at every depth). Scores are the same
-float64 sums, added in the same order, as the heap's, and the bar is lowered by a small margin, so the excluded
-tokens are exactly ones the heap would never pop: the tree is identical to the one built from the full top-``K``
-of every depth.
+the builder takes a "comb" of prefixes (argmax chain to depth ``d - 1``, then the best token of one column set of
+depth ``d``: the maxima of disjoint groups of column chunks, about ``4 B`` of them in all), whose scores need only
+the chunk maxima of one vectorised pass, and calls the ``B``-th best of them ``LB``. A token at depth ``d`` can only
+enter the tree if ``U_{d-1} + log q_d(v) >= S_B >= LB``, so each depth keeps the tokens above ``LB - U_{d-1}``
+(capped at ``K``), read again only inside the chunks whose maximum clears that bar (about ``B`` chunks over all
+depths, instead of ``K`` tokens at every depth). ``U`` is summed in float64 in the heap's order; the bar is lowered
+by a margin far above the rounding of the bound's sums and far below the gaps between log-probabilities, so the
+excluded tokens are exactly ones the heap would never pop: the tree is identical to the one built from the full
+top-``K`` of every depth. The log-probabilities are used exactly as given (their float32 / float64 values, no
+renormalisation), so the tree is a function of the ``logprobs`` tensor alone.
+
+Costs (one CPU thread, ``L = 16``, ``V = 151,936``): one pass of chunk maxima over ``[L, V]`` (chunks of 128 or
+256 columns for small budgets, where about ``B`` chunks are read again, 64 otherwise), then a fixed handful of
+small tensor operations and five host synchronisations, then the heap in Python (``O(B log B)``; rank tuples are
+kept as integers with the same order, see :func:`build_ddtree`).
 """
 
 from __future__ import annotations
@@ -168,11 +175,13 @@ def _chunk_width(vocab: int, budget: int) -> int | None:
     """The chunk width of the maximum pass (``None``: too few columns, rank whole rows instead).
 
     Wide chunks make the pass cheaper (fewer, longer reductions) but every chunk that clears a bar is read again
-    whole, about ``budget`` of them: widths above 64 are kept for small budgets. A width that divides the vocabulary
-    (no tail block to handle apart) is preferred to a wider one.
+    whole, about ``budget`` of them: widths above 64 are kept for small budgets. A width of at least 64 that divides
+    the vocabulary (no tail block to handle apart) is preferred to a wider one.
     """
     usable = [s for s in _CHUNK_WIDTHS if vocab // s >= _MIN_CHUNKS and (s <= 64 or s * budget <= _WIDE_READ_LIMIT)]
-    return next((s for s in usable if vocab % s == 0), usable[0] if usable else None)
+    if not usable:
+        return None
+    return next((s for s in usable if s >= 64 and vocab % s == 0), usable[0])
 
 
 def _bar_margin_scale(depth_limit: int, dtype: torch.dtype) -> float:
