@@ -163,7 +163,7 @@ _CHUNK_WIDTHS: tuple[int, ...] = (256, 128, 64, 32, 16)
 _MIN_CHUNKS = 8
 #: a chunk wider than 64 columns is used only while ``width * budget`` (about the columns read again) stays below this
 _WIDE_READ_LIMIT = 16384
-#: the comb is thinned to about this many scores per budget node (:func:`_comb_bound`)
+#: the comb is thinned to about this many scores per budget node (:func:`_comb_summary`)
 _COMB_PER_NODE = 4
 #: up to this many comb scores the bound is selected on the host, beyond it on the device
 _HOST_COMB_MAX = 1024
