@@ -168,7 +168,7 @@ _COMB_PER_NODE = 4
 #: up to this many comb scores the bound is selected on the host, beyond it on the device
 _HOST_COMB_MAX = 1024
 #: up to this many candidate tokens they are ranked on the host, beyond it on the device
-_HOST_RANK_MAX = 128
+_HOST_RANK_MAX = 256
 
 
 def _chunk_width(vocab: int, budget: int) -> int | None:
