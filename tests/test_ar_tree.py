@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -239,3 +240,51 @@ def test_fast_builder_equals_oracle_with_filtered_rows():
         tokens, parents, depths, scores = _oracle_tree(lp, budget)
         assert (tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()) == (tokens, parents, depths)
         assert tree.scores.tolist() == scores
+
+
+def test_fast_builder_equals_oracle_on_every_path(monkeypatch):
+    """Real-sized rows: wide and narrow chunks, vocabularies with and without a tail block, the bound selected on
+    the host and on the device, candidates ranked on the host and on the device, float32 / float64 / bfloat16
+    log-probabilities (bfloat16: many exact ties): always the oracle's tree, node for node, with the same scores."""
+    import spiffy.arspec.tree as tree_module
+    from spiffy.bench.synthetic import synthetic_draft_logits
+
+    used: set[str] = set()
+
+    def spy(name, record):
+        real = getattr(tree_module, name)
+
+        def wrapped(*args):
+            used.add(record(*args))
+            return real(*args)
+
+        monkeypatch.setattr(tree_module, name, wrapped)
+
+    spy("_comb_bound", lambda summary, budget: f"bound on {'host' if summary.numel() <= 1024 else 'device'}")
+    spy("_rank_on_host", lambda *args: "rank on host")
+    spy("_rank_on_device", lambda *args: "rank on device")
+    widths: set[int | None] = set()
+    for vocab, depth, dtype, seed in ((30_000, 16, torch.float32, 0), (30_011, 12, torch.float64, 1),
+                                      (20_480, 16, torch.bfloat16, 2), (4_099, 9, torch.float32, 3)):
+        logits = synthetic_draft_logits(depth, vocab, seed=seed)
+        if seed % 2:  # exact ties between tokens (and between prefixes across depths)
+            logits = torch.round(logits * 2) / 2
+        # a depth's best token in its last column (the tail block when the chunks do not divide V) or its first
+        logits[0::2, -1] = logits[0::2].amax(dim=-1) + 0.5
+        logits[1::2, 0] = logits[1::2].amax(dim=-1) + 0.5
+        lp = torch.log_softmax(logits.double(), dim=-1).to(dtype)
+        for budget in (1, 3, 16, 64, 100, 300, 1024):
+            widths.add(tree_module._chunk_width(vocab, budget))
+            tree = build_ddtree(lp, budget)
+            tokens, parents, depths, scores = _oracle_tree(lp, budget)
+            assert tree.tokens.tolist() == tokens, (vocab, dtype, budget)
+            assert tree.parents.tolist() == parents and tree.depths.tolist() == depths
+            assert tree.scores.tolist() == scores
+    # uniform rows: every prefix of a depth ties with every other, so the pop order is the rank-tuple order alone
+    uniform = torch.full((3, 4096), -math.log(4096), dtype=torch.float32)
+    for budget in (5, 300, 1024):
+        tree = build_ddtree(uniform, budget)
+        tokens, parents, depths, scores = _oracle_tree(uniform, budget)
+        assert (tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()) == (tokens, parents, depths)
+    assert used >= {"bound on host", "bound on device", "rank on host", "rank on device"}, used
+    assert {256, 128, 64} <= widths, widths
