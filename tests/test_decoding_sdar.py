@@ -323,6 +323,10 @@ def test_config_conversion_and_fingerprint():
     assert a.fingerprint() != SDARDecodeConfig(gen_length=16, block_length=4, denoising_steps=4).fingerprint()
     assert a.fingerprint() != SDARDecodeConfig(gen_length=16, block_length=4, denoising_steps=2, strategy="sequential").fingerprint()
     assert SDARDecodeConfig.from_dict(a.to_dict()) == a
+    # the base class rebuilds the subclass a dict names (graphs record an SDAR config that way); a foreign type fails
+    assert DecodeConfig.from_dict(a.to_dict()) == a and type(DecodeConfig.from_dict(a.to_dict())) is SDARDecodeConfig
+    with pytest.raises(ConfigError, match="not a DecodeConfig"):
+        DecodeConfig.from_dict({**base.to_dict(), "type": "NoSuchConfig"})
 
 
 @pytest.mark.parametrize(

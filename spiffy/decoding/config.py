@@ -196,7 +196,15 @@ class DecodeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DecodeConfig":
-        """Inverse of :meth:`to_dict` (unknown keys raise :class:`ConfigError`)."""
+        """Inverse of :meth:`to_dict` (unknown keys raise :class:`ConfigError`). A ``"type"`` naming a subclass
+        (e.g. ``SDARDecodeConfig``, as graphs record it) builds that subclass."""
+        kind = data.get("type")
+        if kind and kind != cls.__name__:
+            sub = next((c for c in _subclasses(cls) if c.__name__ == kind), None)
+            if sub is None:
+                raise ConfigError(f"decoding config type {kind!r} is not a {cls.__name__}; fix: pass a dict written by "
+                                  f"to_dict() of a {cls.__name__} class")
+            return sub.from_dict(data)
         data = {k: v for k, v in data.items() if k != "type"}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
@@ -265,3 +273,11 @@ def _divisor_hint(n: int, near: int) -> int:
 
 
 __all__ = ["DecodeConfig", "REMASKING", "CACHE_MODES", "DREAM_ALGS"]
+
+
+def _subclasses(cls: type) -> list[type]:
+    """Every subclass of ``cls``, recursively (the family configs, e.g. ``SDARDecodeConfig``)."""
+    found: list[type] = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_subclasses(sub)]
+    return found
