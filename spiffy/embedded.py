@@ -7,9 +7,11 @@ environment variable ``SPIFFY_EMBEDDED_DIR`` points the resolver at another dire
 
 Calibrated draft graphs travel with their model: ``<model dir>/graphs/*.json`` (see :func:`shipped_graphs`).
 
-Kinds: ``"dllm"`` (a LLaDA-architecture diffusion LM), ``"ar-target"`` (a Qwen3 target), ``"ar-drafter"`` (its
-DFlash drafter), ``"ar-dllm-drafter"`` (an SDAR diffusion LM sharing the target's tokenizer, D2A-aligned to it: the DEER /
-SpecDiff-2 drafter).
+Kinds: ``"dllm"`` (the demo diffusion LM ``tiny-sdar``: the tiny Qwen3 adapted to SDAR block diffusion, then fine-tuned
+on function completions), ``"ar-target"`` (a Qwen3 target), ``"ar-drafter"`` (its DFlash drafter),
+``"ar-dllm-drafter"`` (an SDAR diffusion LM sharing the target's tokenizer, D2A-aligned to it: the DEER / SpecDiff-2
+drafter), ``"dllm-llada"`` (the earlier LLaDA-architecture demo dLLM ``tiny-llada``; the memory benchmark uses it for
+its cache modes).
 """
 
 from __future__ import annotations
@@ -26,17 +28,18 @@ from spiffy.errors import ConfigError, GraphMismatchError
 from spiffy.selfspec.graph import load_graph, runtime_signature
 
 #: kind -> directory name under spiffy/data/models
-EMBEDDED_NAMES: dict[str, str] = {"dllm": "tiny-llada", "ar-target": "tiny-qwen3", "ar-drafter": "tiny-qwen3-dflash-b16"}
+EMBEDDED_NAMES: dict[str, str] = {"dllm": "tiny-sdar", "ar-target": "tiny-qwen3", "ar-drafter": "tiny-qwen3-dflash-b16"}
 
 #: embedded checkpoints only some methods use (``spiffy demo`` adds their rows when shipped and runs without them)
-OPTIONAL_EMBEDDED_NAMES: dict[str, str] = {"ar-dllm-drafter": "tiny-sdar-d2a"}
+OPTIONAL_EMBEDDED_NAMES: dict[str, str] = {"ar-dllm-drafter": "tiny-sdar-d2a", "dllm-llada": "tiny-llada"}
 
 #: kind -> the training script that produces the checkpoint (relative to the repository root)
 TRAINING_SCRIPTS: dict[str, str] = {
-    "dllm": "scripts/train_tiny_llada.sh",
+    "dllm": "scripts/train_tiny_sdar_functions.sh",
     "ar-target": "scripts/train_tiny_qwen3.sh",
     "ar-drafter": "scripts/train_tiny_drafter.sh",
     "ar-dllm-drafter": "scripts/train_tiny_d2a_drafter.sh",
+    "dllm-llada": "scripts/train_tiny_llada.sh",
 }
 
 #: subdirectory of a model directory holding its calibrated draft graphs (``*.json``)
@@ -133,7 +136,7 @@ def embedded_graph_path(model_dir: str | os.PathLike[str] | None = None) -> Path
 
 def resolve_graph_argument(value: str, model_dir: str | os.PathLike[str]) -> Path:
     """A ``--graph`` value: an existing file, else the name of a graph shipped with ``model_dir``
-    (``tiny-llada-s1`` or ``tiny-llada-s1.json``).
+    (``tiny-sdar-s1`` or ``tiny-sdar-s1.json``).
 
     Raises:
         ConfigError: neither (the message lists the graphs shipped with the model).

@@ -12,6 +12,7 @@ from conftest import load_f64
 from spiffy.cli.main import build_parser, main
 from spiffy.decoding import DecodeConfig, generate
 from spiffy.errors import GraphMismatchError
+from spiffy.embedded import EMBEDDED_NAMES
 from spiffy.models.loading import load_tokenizer
 
 PROMPT = "def square(x):"
@@ -145,7 +146,7 @@ def test_graph_passthrough_is_lossless(capsys, tiny_llada: Path, tmp_path: Path)
 def test_model_defaults_to_the_embedded_dllm(capsys, tiny_llada: Path, tmp_path: Path, monkeypatch):
     embedded = tmp_path / "models"
     embedded.mkdir()
-    (embedded / "tiny-llada").symlink_to(tiny_llada, target_is_directory=True)
+    (embedded / EMBEDDED_NAMES["dllm"]).symlink_to(tiny_llada, target_is_directory=True)
     monkeypatch.setenv("SPIFFY_EMBEDDED_DIR", str(embedded))
     argv = ["generate", "--prompt", PROMPT, "--gen-length", "4", "--steps", "4", "--json", "--no-progress"]
     assert main(argv) == 0

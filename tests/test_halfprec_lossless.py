@@ -70,12 +70,14 @@ def test_spiffy_sdar_lossless_in_half_precision(request, rule, dtype):
     _check(model, kw)
 
 
-def test_spiffy_shipped_model_and_graph_in_bfloat16():
-    """The shipped trained LLaDA with its shipped graph: Spiffy == baseline on code prompts in bfloat16."""
-    model_dir = embedded_model_path("dllm")
+@pytest.mark.parametrize(("kind", "graph_name"), [("dllm", "tiny-sdar-s1"), ("dllm-llada", "tiny-llada-s1")])
+def test_spiffy_shipped_model_and_graph_in_bfloat16(kind, graph_name):
+    """The shipped trained dLLMs (tiny-sdar, tiny-llada) with their shipped graphs: Spiffy == baseline on code
+    prompts in bfloat16."""
+    model_dir = embedded_model_path(kind)
     model = load_model(model_dir, dtype=torch.bfloat16)
     tok = load_tokenizer(model_dir)
-    graph = load_graph(REPO / "graphs" / "tiny-llada-s1.json")
+    graph = load_graph(REPO / "graphs" / f"{graph_name}.json")
     kw = dict(gen_length=64, block_length=32, steps=64)
     accepted = 0
     for text in ("def fib(n):\n", "import os\n\ndef list_files(path):\n"):

@@ -1,6 +1,6 @@
 """Losslessness on the shipped TRAINED models in float32 (the precision a user runs on a CPU), not only random weights.
 
-Spiffy on the embedded tiny-llada with the graphs shipped next to it; DFlash and DDTree on the embedded tiny-qwen3
+Spiffy on the embedded tiny-sdar and tiny-llada with the graphs shipped next to them; DFlash and DDTree on the embedded tiny-qwen3
 with its DFlash drafter. Each speculative output must equal its baseline token for token, and, these being trained
 models with calibrated graphs, must also save target forwards (so a runtime that silently never accepts fails).
 """
@@ -22,9 +22,13 @@ CODE_PROMPTS = (
 
 
 @pytest.fixture(scope="module")
-def llada() -> tuple[torch.nn.Module, object, list]:
-    path = embedded_model_path("dllm")
-    return load_model(path, dtype="float32"), load_tokenizer(path), shipped_graphs(path)
+def dllms() -> dict[str, tuple[torch.nn.Module, object, list]]:
+    """The shipped dLLMs by embedded kind: the demo's tiny-sdar ("dllm") and the earlier tiny-llada ("dllm-llada")."""
+    out = {}
+    for kind in ("dllm", "dllm-llada"):
+        path = embedded_model_path(kind)
+        out[kind] = (load_model(path, dtype="float32"), load_tokenizer(path), shipped_graphs(path))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +47,18 @@ def _graph(graphs: list, stem: str):
 
 
 @pytest.mark.parametrize(
-    ("stem", "config", "prompts"),
+    ("kind", "stem", "config", "prompts"),
     [
         # one block of the graphs' block length (32) keeps it fast; the rule per block is the calibrated one
-        ("tiny-llada-s1", DecodeConfig(gen_length=32, block_length=32, steps=32), CODE_PROMPTS),
-        ("tiny-llada-t09", DecodeConfig(gen_length=32, block_length=32, threshold=0.9), CODE_PROMPTS[:1]),
+        ("dllm", "tiny-sdar-s1", DecodeConfig(gen_length=32, block_length=32, steps=32), CODE_PROMPTS),
+        ("dllm", "tiny-sdar-t09", DecodeConfig(gen_length=32, block_length=32, threshold=0.9), CODE_PROMPTS[:1]),
+        ("dllm-llada", "tiny-llada-s1", DecodeConfig(gen_length=32, block_length=32, steps=32), CODE_PROMPTS),
+        ("dllm-llada", "tiny-llada-t09", DecodeConfig(gen_length=32, block_length=32, threshold=0.9), CODE_PROMPTS[:1]),
     ],
 )
-def test_spiffy_on_shipped_llada_is_lossless(llada, stem: str, config: DecodeConfig, prompts: tuple[str, ...]) -> None:
-    model, tok, graphs = llada
+def test_spiffy_on_shipped_dllms_is_lossless(dllms, kind: str, stem: str, config: DecodeConfig,
+                                             prompts: tuple[str, ...]) -> None:
+    model, tok, graphs = dllms[kind]
     graph = _graph(graphs, stem)
     for text in prompts:
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])

@@ -58,7 +58,7 @@ def peak_bytes(fn: Callable[[], Any], device: torch.device | str) -> int:
 def _spiffy_rows(budget: int, device: torch.device, prompt_len: int, gen_length: int, block: int) -> list[dict[str, Any]]:
     """The embedded tiny LLaDA, per cache mode: ``forward_states`` of the real state vs the real state + ``budget``
     drafts (each draft = the state with one more block position decoded) at the first block's second step."""
-    model = load_model(embedded_model_path("dllm"), device=device)
+    model = load_model(embedded_model_path("dllm-llada"), device=device)
     vocab = int(model.config.vocab_size)
     prompt = (torch.arange(prompt_len) % (vocab // 2) + 3).unsqueeze(0)
     rows = []
@@ -107,10 +107,10 @@ def measure_memory(spiffy_budget: int, budgets: Sequence[int], *, device: torch.
     """Peak memory of one verification forward against the baseline's one forward (see the module docstring)."""
     dev = torch.device(device)
     out: dict[str, Any] = {"method": MEMORY_METHODS["cuda" if dev.type == "cuda" else "cpu"], "rows": [], "missing": []}
-    if is_embedded_available("dllm"):
+    if is_embedded_available("dllm-llada"):  # LLaDA: every cache mode (SDAR has only its prefix cache)
         out["rows"] += _spiffy_rows(spiffy_budget, dev, prompt_len, gen_length, block)
     else:
-        out["missing"].append("dllm")
+        out["missing"].append("dllm-llada")
     if is_embedded_available("ar-target"):
         out["rows"] += _ddtree_rows(budgets, dev, context, depth)
     else:

@@ -271,8 +271,8 @@ WALL_CLOCK_NOTE = (
 
 #: shown with the embedded (trained) checkpoints, whose text is not the point
 QUALITY_NOTE = (
-    "note: the embedded models are tiny (about 4M parameters, 45 CPU-minutes of training each): their text is "
-    "Python-shaped but repetitive; what the demo shows is the identical-output check, NFE and tau."
+    "note: the embedded models are tiny (about 4M parameters, 45 minutes to 4 hours of CPU training each): their "
+    "text is Python-shaped but often repetitive; what the demo shows is the identical-output check, NFE and tau."
 )
 
 
