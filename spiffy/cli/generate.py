@@ -139,7 +139,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--graph", default=None, metavar="FILE|NAME|auto",
                         help="calibrated draft graph (JSON): Spiffy speculative decoding, same tokens, fewer forwards; "
-                             "a file, the name of a graph shipped with the model (e.g. tiny-llada-s1), or auto (the "
+                             "a file, the name of a graph shipped with the model (e.g. tiny-sdar-s1), or auto (the "
                              "shipped graph calibrated for these decoding flags), or freedave:K (FreeDave's top-k chain "
                              "with K draft steps, no calibration)")
     parser.add_argument("--budget", type=int, default=None, metavar="D",
