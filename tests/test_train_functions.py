@@ -92,8 +92,8 @@ def test_mixed_rows_keep_their_prompt_clean():
     fn_rows = torch.full((5, 32), 7)
     lens = torch.tensor([3, 5, 9, 12, 20])
     x0, clean = functions.mix_rows(corpus_rows, fn_rows, lens, 0.5, step_generator(0, 0))
-    assert torch.equal(x0[4:], corpus_rows[4:]) and bool((x0[:4] == 7).all())
-    assert bool((clean[4:] == 0).all()) and all(int(c) in lens.tolist() for c in clean[:4])
+    assert torch.equal(x0[:4], corpus_rows[:4]) and bool((x0[4:] == 7).all())
+    assert bool((clean[:4] == 0).all()) and all(int(c) in lens.tolist() for c in clean[4:])
     same, none = functions.mix_rows(corpus_rows, fn_rows, lens, 0.0, step_generator(0, 0))
     assert torch.equal(same, corpus_rows) and not bool(none.any())
     # the noise never masks a clean prefix, and still masks after it
@@ -102,7 +102,7 @@ def test_mixed_rows_keep_their_prompt_clean():
         for r in range(8):
             assert not bool(masked[r, : int(clean[r])].any())
     _, masked = sdar.noise_blocks(x0, 8, 0, step_generator(0, 99), clean_prefix=clean)
-    assert bool(masked[:4].any())
+    assert bool(masked[4:].any())
 
 
 def test_training_with_function_rows(tmp_path, tiny_qwen3):
@@ -120,3 +120,10 @@ def test_training_with_function_rows(tmp_path, tiny_qwen3):
     assert info["ended_in_window"] == 1.0 and info["answer_tokens_median"] <= 20
     assert (tmp_path / "run" / "data" / functions.FUNCTIONS_FILE).is_file()
     assert "function completions" in (tmp_path / "run" / "MODEL_CARD.md").read_text()
+
+
+def test_teacher_and_function_shares_cannot_exceed_the_batch(tmp_path):
+    args = sdar.build_parser().parse_args(["--out", str(tmp_path / "r"), "--teacher", str(tmp_path / "ar"),
+                                           "--teacher-frac", "0.5", "--functions-frac", "0.6"])
+    with pytest.raises(ConfigError, match="exceed 1"):
+        sdar.train(args)

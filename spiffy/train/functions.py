@@ -123,13 +123,14 @@ def summary(rows: torch.Tensor, prompt_lens: torch.Tensor, eos_id: int) -> dict[
 
 def mix_rows(corpus_rows: torch.Tensor, rows: torch.Tensor, prompt_lens: torch.Tensor, frac: float,
              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replace the first ``round(frac * B)`` rows of ``corpus_rows [B, L]`` by random function rows: returns
-    (int64 ``[B, L]``, int64 ``[B]`` clean prefix per row: the prompt length, 0 for corpus rows)."""
+    """Replace the last ``round(frac * B)`` rows of ``corpus_rows [B, L]`` by random function rows (the last, so a
+    teacher mix, which replaces the first rows, keeps its share): returns (int64 ``[B, L]``, int64 ``[B]`` clean
+    prefix per row: the prompt length, 0 for other rows)."""
     b = corpus_rows.shape[0]
     k = int(round(min(1.0, max(0.0, frac)) * b))
     clean = torch.zeros(b, dtype=torch.long)
     if k == 0:
         return corpus_rows, clean
     idx = torch.randint(0, rows.shape[0], (k,), generator=gen)
-    clean[:k] = prompt_lens[idx]
-    return torch.cat([rows[idx], corpus_rows[k:]]), clean
+    clean[b - k:] = prompt_lens[idx]
+    return torch.cat([corpus_rows[: b - k], rows[idx]]), clean

@@ -246,6 +246,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     for blk in blocks:
         if args.context % blk:
             raise ConfigError(f"--context {args.context} is not a multiple of block {blk}; fix: --context k*{max(blocks)}")
+    if args.teacher and args.functions_frac > 0 and args.teacher_frac + args.functions_frac > 1:
+        raise ConfigError(f"--teacher-frac {args.teacher_frac} + --functions-frac {args.functions_frac} exceed 1; fix: "
+                          "lower one of them (the rest of every batch is corpus windows)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = init_from_qwen3(args.init, args.max_positions)
