@@ -27,7 +27,7 @@ spiffy demo --random-tiny --no-progress
 spiffy bench dllm --dataset mbpp --max-prompts 1 --budgets 1 --gen-length 64 --block-length 32 --steps 64 --out D \
   --no-progress
 spiffy bench ar --dataset gsm8k --max-prompts 1 --budgets 16 --max-new-tokens 16 --out D2 --no-progress
-spiffy generate --prompt "def add(a, b):" --gen-length 64 --block-length 32 --steps 64 --graph tiny-llada-s1 \
+spiffy generate --prompt "def add(a, b):" --gen-length 64 --block-length 32 --steps 64 --graph tiny-sdar-s1 \
   --no-progress
 set +x
 test -s D/results.json && test -s D2/results.json
