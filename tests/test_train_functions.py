@@ -127,3 +127,17 @@ def test_teacher_and_function_shares_cannot_exceed_the_batch(tmp_path):
                                            "--teacher-frac", "0.5", "--functions-frac", "0.6"])
     with pytest.raises(ConfigError, match="exceed 1"):
         sdar.train(args)
+
+
+def test_rows_are_cached_by_their_settings(tmp_path, tiny_qwen3):
+    tok = load_tokenizer(tiny_qwen3)
+    eos = int(tok.eos_token_id)
+    rows, lens, info = functions.load_or_build(tmp_path, tok, [SOURCE], 256, 200, eos, seed=0)
+    cached = tmp_path / "data" / functions.FUNCTIONS_FILE
+    stamp = cached.stat().st_mtime_ns
+    again, again_lens, again_info = functions.load_or_build(tmp_path, tok, [SOURCE], 256, 200, eos, seed=0)
+    assert torch.equal(rows, again) and torch.equal(lens, again_lens) and info == again_info
+    assert cached.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    shorter = max(len(tok(a, add_special_tokens=False)["input_ids"]) for _, a in functions.function_examples(SOURCE)) - 1
+    fewer, _, _ = functions.load_or_build(tmp_path, tok, [SOURCE], 256, 200, eos, seed=0, max_answer=shorter)
+    assert fewer.shape[0] < rows.shape[0]  # other settings: rebuilt

@@ -86,6 +86,23 @@ def load_train_state(out_dir: str | os.PathLike[str], model: torch.nn.Module,
     return int(state["step"]), dict(state.get("extra", {}))
 
 
+def load_keyed(path: str | os.PathLike[str], key: dict[str, Any]) -> dict[str, Any] | None:
+    """The tensors cached at ``path`` by :func:`save_keyed` when they were made with the same settings ``key``,
+    else ``None`` (no file, or other settings)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    cached = torch.load(path, map_location="cpu", weights_only=True)
+    return cached if cached.get("key") == key else None
+
+
+def save_keyed(path: str | os.PathLike[str], key: dict[str, Any], **payload: Any) -> None:
+    """Cache ``payload`` (tensors and plain values) at ``path`` (atomically), tagged with its settings ``key``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_torch_save({"key": key, **payload}, path)
+
+
 def has_train_state(out_dir: str | os.PathLike[str]) -> bool:
     """True when ``out_dir`` holds a resumable training state."""
     return (Path(out_dir) / TRAIN_STATE).is_file()

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import torch
 
 from spiffy.errors import ConfigError
-from spiffy.io import atomic_torch_save
+from spiffy.train import common
 
 FUNCTIONS_FILE = "function_rows.pt"
 
@@ -100,13 +100,12 @@ def load_or_build(out: Path, tokenizer: Any, documents: list[str], length: int, 
     key = {"length": int(length), "max_prompt": int(max_prompt), "eos": int(eos_id), "seed": int(seed),
            "documents": len(documents), "max_answer": int(max_answer)}
     path = out / "data" / FUNCTIONS_FILE
-    if path.is_file():
-        cached = torch.load(path, map_location="cpu", weights_only=True)
-        if cached.get("key") == key:
-            return cached["rows"], cached["prompt_lens"], summary(cached["rows"], cached["prompt_lens"], eos_id)
-    rows, lens = build_rows(tokenizer, documents, length, max_prompt, eos_id, seed, max_answer=max_answer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_torch_save({"key": key, "rows": rows, "prompt_lens": lens}, path)
+    cached = common.load_keyed(path, key)
+    if cached is not None:
+        rows, lens = cached["rows"], cached["prompt_lens"]
+    else:
+        rows, lens = build_rows(tokenizer, documents, length, max_prompt, eos_id, seed, max_answer=max_answer)
+        common.save_keyed(path, key, rows=rows, prompt_lens=lens)
     return rows, lens, summary(rows, lens, eos_id)
 
 

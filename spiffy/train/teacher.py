@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from spiffy.errors import ConfigError
-from spiffy.io import atomic_torch_save
 from spiffy.models.loading import load_model
 from spiffy.train import common
 from spiffy.train.drafter import target_continue
@@ -86,10 +85,9 @@ def load_or_generate(out: Path, teacher_dir: str, stream: common.TokenStream, co
            "prefix": [int(prefix_range[0]), int(prefix_range[1])], "seed": int(seed), "greedy": True,
            "min_distinct": float(min_distinct)}
     path = out / "data" / TEACHER_FILE
-    if path.is_file():
-        cached = torch.load(path, map_location="cpu", weights_only=True)
-        if cached.get("key") == key:
-            return cached["windows"], {**key, "generation_s": cached.get("generation_s")}
+    cached = common.load_keyed(path, key)
+    if cached is not None:
+        return cached["windows"], {**key, "generation_s": cached.get("generation_s")}
     teacher = load_model(teacher_dir, dtype="float32")
     if int(teacher.config.vocab_size) != int(vocab_size):
         raise ConfigError(f"teacher {teacher_dir!r} has vocabulary {teacher.config.vocab_size}, the dLLM "
@@ -98,8 +96,7 @@ def load_or_generate(out: Path, teacher_dir: str, stream: common.TokenStream, co
     windows = generate_teacher_windows(teacher, stream, count, length, prefix_range[0], prefix_range[1], seed,
                                        min_distinct=min_distinct)
     seconds = round(time.time() - t0, 1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_torch_save({"key": key, "windows": windows, "generation_s": seconds}, path)
+    common.save_keyed(path, key, windows=windows, generation_s=seconds)
     return windows, {**key, "generation_s": seconds}
 
 
