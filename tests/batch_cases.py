@@ -1,8 +1,12 @@
-"""Shared cases of the batched-decoding tests (baseline rows and Spiffy rows): ragged prompts and decoding kwargs."""
+"""Shared cases of the batched-decoding tests (baseline rows and Spiffy rows): ragged prompts, decoding kwargs and
+the float64 tiny models (module fixtures: a test module imports them by name)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from conftest import load_f64
 
 #: generated positions and block length of every batched case; per-row seeds of the T > 0 cases
 GEN, BLOCK = 16, 8
@@ -23,3 +27,18 @@ def decode_kwargs(rule: str, cache: str, temp: float, **extra) -> dict:
     else:
         kw["threshold"] = 0.05
     return kw
+
+
+@pytest.fixture(scope="module")
+def llada(tiny_llada):
+    return load_f64(tiny_llada, cached=True)
+
+
+@pytest.fixture(scope="module")
+def dream(tiny_dream):
+    return load_f64(tiny_dream, cached=True)
+
+
+@pytest.fixture(scope="module")
+def sdar(tiny_sdar):
+    return load_f64(tiny_sdar, cached=True)

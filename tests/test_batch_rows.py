@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batch_cases import BLOCK, GEN, SEEDS
+from batch_cases import BLOCK, GEN, SEEDS, dream, llada, sdar  # noqa: F401 - module fixtures
 from batch_cases import decode_kwargs as _kw
 from batch_cases import ragged_prompts as _prompts
-from conftest import load_f64
 from spiffy.api import generate
 from spiffy.decoding import make_session, run_baseline
 from spiffy.decoding.batch import row_generators
@@ -52,21 +51,6 @@ def _check_rows(model, prompts: list[torch.Tensor], kw: dict, seeds: list[int] |
         alone_nfe.append(alone.nfe)
     assert max(alone_nfe) <= out.nfe < sum(alone_nfe)  # one call serves several rows
     return out
-
-
-@pytest.fixture(scope="module")
-def llada(tiny_llada):
-    return load_f64(tiny_llada, cached=True)
-
-
-@pytest.fixture(scope="module")
-def dream(tiny_dream):
-    return load_f64(tiny_dream, cached=True)
-
-
-@pytest.fixture(scope="module")
-def sdar(tiny_sdar):
-    return load_f64(tiny_sdar, cached=True)
 
 
 # ------------------------------------------------------------------------------------------ LLaDA / Dream

@@ -32,7 +32,7 @@ import torch
 
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.factory import as_batch, make_session
-from spiffy.decoding.session import BaselineStats, DecodeSession
+from spiffy.decoding.session import BaselineStats, DecodeSession, close_block
 from spiffy.errors import ConfigError
 
 
@@ -204,9 +204,7 @@ def run_baseline_batch(
             if progress is not None:
                 progress(1)
         for run in live:
-            run.session.end_block(run.block(block))
-            run.stats.steps_per_block.append(run.step)
-            run.stats.steps += run.step
+            close_block(run.session, run.block(block), run.step, run.stats)
     fwd.finish()
     for run in runs:
         run.session.finish()

@@ -258,6 +258,14 @@ class BaselineStats:
     steps_per_block: list[int] = field(default_factory=list)
 
 
+def close_block(session: DecodeSession, block: int, steps: int, stats: Any) -> None:
+    """Close ``block`` of ``session`` after ``steps`` denoising steps and count them in ``stats`` (a
+    :class:`BaselineStats` or any counters with ``steps`` and ``steps_per_block``)."""
+    session.end_block(block)
+    stats.steps_per_block.append(steps)
+    stats.steps += steps
+
+
 def run_baseline(session: DecodeSession, observer: StepObserver | None = None, progress: Callable[[int], None] | None = None) -> BaselineStats:
     """Decode every block of ``session`` with the plain baseline loop (one forward per step).
 
@@ -285,9 +293,7 @@ def run_baseline(session: DecodeSession, observer: StepObserver | None = None, p
             step += 1
             if progress is not None:
                 progress(1)
-        session.end_block(block)
-        stats.steps_per_block.append(step)
-        stats.steps += step
+        close_block(session, block, step, stats)
     session.finish()
     stats.nfe = session.nfe
     return stats

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import torch
 
 from spiffy.decoding.batch import RowPlace, is_stopped, row_layout
-from spiffy.decoding.session import DecodeSession
+from spiffy.decoding.session import DecodeSession, close_block
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import rank_state, window_covers
 from spiffy.selfspec.pruning import SCORES, check_budget, prune
@@ -129,9 +129,7 @@ def speculative_generate_batch(
                 break
             _iterate(fwd, active, block, plan, use_drafts, budget, score)
         for row in live:
-            row.session.end_block(row.block(block))
-            row.stats.steps_per_block.append(row.step)
-            row.stats.steps += row.step
+            close_block(row.session, row.block(block), row.step, row.stats)
     fwd.finish()
     for row in rows:
         row.session.finish()

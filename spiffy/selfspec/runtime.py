@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from spiffy.decoding.session import DecodeSession, StepRecord, StepObserver
+from spiffy.decoding.session import DecodeSession, StepRecord, StepObserver, close_block
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import instantiate_many, rank_state, window_covers
 from spiffy.selfspec.graph import DraftGraph
@@ -223,9 +223,7 @@ def speculative_generate(
             record_walk(stats, path, plan)
             times["walk"] += time.perf_counter() - t0
             logits = None
-        session.end_block(block)
-        stats.steps_per_block.append(step)
-        stats.steps += step
+        close_block(session, block, step, stats)
     session.finish()
     stats.nfe = int(session.nfe)
     stats.baseline_equivalent_nfe = stats.nfe + stats.accepted_total + stats.reused_steps
