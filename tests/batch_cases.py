@@ -19,6 +19,17 @@ def ragged_prompts(lengths: list[int]) -> list[torch.Tensor]:
     return [torch.randint(5, 250, (n,), generator=g) for n in lengths]
 
 
+def left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [B, P], attention_mask [B, P])`` of ``prompts`` left-padded with ``pad_id`` to the longest."""
+    p = max(len(x) for x in prompts)
+    ids = torch.full((len(prompts), p), pad_id, dtype=torch.long)
+    am = torch.zeros((len(prompts), p), dtype=torch.long)
+    for r, x in enumerate(prompts):
+        ids[r, p - len(x) :] = x
+        am[r, p - len(x) :] = 1
+    return ids, am
+
+
 def decode_kwargs(rule: str, cache: str, temp: float, **extra) -> dict:
     """``generate`` kwargs of one case: ``rule`` "static" (two tokens per step) or "threshold" (0.05)."""
     kw = dict(gen_length=GEN, block_length=BLOCK, cache=cache, temperature=temp, **extra)

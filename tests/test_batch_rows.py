@@ -13,6 +13,7 @@ import torch
 
 from batch_cases import BLOCK, GEN, SEEDS, dream, llada, sdar  # noqa: F401 - module fixtures
 from batch_cases import decode_kwargs as _kw
+from batch_cases import left_pad
 from batch_cases import ragged_prompts as _prompts
 from spiffy.api import generate
 from spiffy.decoding import make_session, run_baseline
@@ -24,13 +25,9 @@ from spiffy.selfspec.oracle import oracle_graph_from_records, record_trajectory
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
-def _left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    p = max(len(x) for x in prompts)
-    ids = torch.full((len(prompts), p), pad_id, dtype=torch.long)
-    am = torch.zeros((len(prompts), p), dtype=torch.long)
-    for r, x in enumerate(prompts):
-        ids[r, p - len(x) :] = x
-        am[r, p - len(x) :] = 1
+def _left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`batch_cases.left_pad`, with no mask when no row is padded (the unpadded path)."""
+    ids, am = left_pad(prompts)
     return ids, None if bool(am.all()) else am
 
 

@@ -13,6 +13,7 @@ import torch
 
 from batch_cases import BLOCK, GEN, SEEDS, dream, llada, sdar  # noqa: F401 - module fixtures
 from batch_cases import decode_kwargs as _kw
+from batch_cases import left_pad as _left_pad
 from batch_cases import ragged_prompts as _prompts
 from spiffy.api import generate
 from spiffy.decoding import make_session, run_baseline
@@ -23,16 +24,6 @@ from spiffy.selfspec.runtime import speculative_generate
 
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
-
-
-def _left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    p = max(len(x) for x in prompts)
-    ids = torch.full((len(prompts), p), pad_id, dtype=torch.long)
-    am = torch.zeros((len(prompts), p), dtype=torch.long)
-    for r, x in enumerate(prompts):
-        ids[r, p - len(x) :] = x
-        am[r, p - len(x) :] = 1
-    return ids, am
 
 
 def _check_batch(model, prompts: list[torch.Tensor], kw: dict, graph_rows: tuple[int, ...] = (0, 1, 2)) -> dict:
