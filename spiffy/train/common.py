@@ -236,6 +236,9 @@ def add_run_arguments(p: Any, max_minutes: float, ckpt_every: int) -> None:
                    help="stop this invocation after N steps (the run can be resumed later with --resume)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
     p.add_argument("--ckpt-every", type=int, default=ckpt_every, help="save the training state every N steps")
+    p.add_argument("--keep-every", type=int, default=0, metavar="N",
+                   help="also keep the weights of every N-th step as OUT/snapshots/step-N.pt (for checkpoint "
+                        "selection on validation prompts; loadable by --start-from; default 0: none)")
 
 
 def add_output_arguments(p: Any, dtype_help: str = "dtype of the exported weights") -> None:
@@ -338,6 +341,10 @@ class TrainLoop:
     def maybe_checkpoint(self) -> None:
         if self.step % self.args.ckpt_every == 0 or self.step == self.args.steps:
             save_train_state(self.out, self.model, self.opt, self.step, self.extra)
+        keep = getattr(self.args, "keep_every", 0)
+        if keep and self.step % keep == 0:
+            atomic_torch_save({"model": self.model.state_dict(), "step": self.step},
+                              self.out / "snapshots" / f"step-{self.step}.pt")
 
     def finish(self) -> None:
         """Close the bar and the log, save the final training state."""

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import torch
 
 from spiffy.errors import ConfigError
-from spiffy.train import common
+from spiffy.train import common, mbpp_rows
 
 FUNCTIONS_FILE = "function_rows.pt"
 
@@ -68,10 +68,17 @@ def build_rows(tokenizer: Any, documents: Iterable[str], length: int, max_prompt
     fixed shuffled order (``seed``); ``max_rows`` keeps the first ones. Raises :class:`ConfigError` when no example
     fits or ``max_prompt`` leaves no room for an answer.
     """
-    if not 1 <= max_prompt < length:
-        raise ConfigError(f"--functions-max-prompt {max_prompt} must lie in [1, {length - 1}] (the window is {length})")
     pairs = [pair for doc in documents for pair in function_examples(doc)]
     random.Random(seed).shuffle(pairs)
+    return pairs_to_rows(tokenizer, pairs, length, max_prompt, eos_id, max_rows, max_answer)
+
+
+def pairs_to_rows(tokenizer: Any, pairs: list[tuple[str, str]], length: int, max_prompt: int, eos_id: int,
+                  max_rows: int | None = None, max_answer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize ``(prompt, answer)`` pairs, in order, into rows (int64 ``[N, length]``, int64 ``[N]`` prompt lengths);
+    the filters of :func:`build_rows`."""
+    if not 1 <= max_prompt < length:
+        raise ConfigError(f"--functions-max-prompt {max_prompt} must lie in [1, {length - 1}] (the window is {length})")
     rows, lens = [], []
     for prompt, answer in pairs:
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -92,21 +99,32 @@ def build_rows(tokenizer: Any, documents: Iterable[str], length: int, max_prompt
 
 
 def load_or_build(out: Path, tokenizer: Any, documents: list[str], length: int, max_prompt: int, eos_id: int,
-                  seed: int, max_answer: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+                  seed: int, max_answer: int = 0, mbpp_copies: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """The function rows of run ``out`` (``OUT/data/function_rows.pt``), cached by their settings.
 
+    ``mbpp_copies > 0`` appends that many copies of the HumanEval-shaped MBPP rows
+    (:func:`spiffy.train.mbpp_rows.mbpp_examples`, same filters) to the pool, which weights them in sampling.
     Returns ``(rows [N, length], prompt_lens [N], info)``; ``info`` counts the rows and their answer lengths.
     """
     key = {"length": int(length), "max_prompt": int(max_prompt), "eos": int(eos_id), "seed": int(seed),
            "documents": len(documents), "max_answer": int(max_answer)}
+    if mbpp_copies > 0:
+        key["mbpp_copies"] = int(mbpp_copies)
     path = out / "data" / FUNCTIONS_FILE
     cached = common.load_keyed(path, key)
+    n_mbpp = 0
     if cached is not None:
-        rows, lens = cached["rows"], cached["prompt_lens"]
+        rows, lens, n_mbpp = cached["rows"], cached["prompt_lens"], int(cached.get("mbpp_rows", 0))
     else:
         rows, lens = build_rows(tokenizer, documents, length, max_prompt, eos_id, seed, max_answer=max_answer)
-        common.save_keyed(path, key, rows=rows, prompt_lens=lens)
-    return rows, lens, summary(rows, lens, eos_id)
+        if mbpp_copies > 0:
+            m_rows, m_lens = pairs_to_rows(tokenizer, mbpp_rows.mbpp_examples(), length, max_prompt, eos_id,
+                                           max_answer=max_answer)
+            n_mbpp = int(m_rows.shape[0])
+            rows = torch.cat([rows] + [m_rows] * mbpp_copies)
+            lens = torch.cat([lens] + [m_lens] * mbpp_copies)
+        common.save_keyed(path, key, rows=rows, prompt_lens=lens, mbpp_rows=torch.tensor(n_mbpp))
+    return rows, lens, {**summary(rows, lens, eos_id), "mbpp_rows": n_mbpp, "mbpp_copies": int(mbpp_copies)}
 
 
 def summary(rows: torch.Tensor, prompt_lens: torch.Tensor, eos_id: int) -> dict[str, Any]:

@@ -227,6 +227,10 @@ def _teacher_sentence(args: argparse.Namespace, info: dict[str, Any] | None, fn_
         text += (f", {args.functions_frac:.0%} of every batch's rows being function completions ({fn_info['rows']} "
                  f"documented functions of the training split: the def line and docstring as a clean prompt, the body "
                  f"(median {fn_info['answer_tokens_median']:.0f} tokens), then end-of-text to the window's end)")
+        if fn_info.get("mbpp_rows"):
+            text += (f", the function pool also holding {fn_info['mbpp_copies']} copies of {fn_info['mbpp_rows']} MBPP "
+                     "tasks recast in HumanEval's shape (the task and its asserts as docstring and doctests, the "
+                     "reference body as the answer; MBPP is therefore not a held-out benchmark for this model)")
     return text
 
 
@@ -246,6 +250,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     for blk in blocks:
         if args.context % blk:
             raise ConfigError(f"--context {args.context} is not a multiple of block {blk}; fix: --context k*{max(blocks)}")
+    if args.functions_mbpp and args.functions_frac <= 0:
+        raise ConfigError("--functions-mbpp adds rows to the function-row pool, which --functions-frac 0 never "
+                          "samples; fix: set --functions-frac")
     if args.teacher and args.functions_frac > 0 and args.teacher_frac + args.functions_frac > 1:
         raise ConfigError(f"--teacher-frac {args.teacher_frac} + --functions-frac {args.functions_frac} exceed 1; fix: "
                           "lower one of them (the rest of every batch is corpus windows)")
@@ -267,7 +274,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.functions_frac > 0:
         fn_rows, fn_lens, fn_info = functions.load_or_build(
             out, tok, load_split(info.out_dir, "train"), args.context, args.functions_max_prompt,
-            int(tok.eos_token_id), args.seed, args.functions_max_answer)
+            int(tok.eos_token_id), args.seed, args.functions_max_answer, args.functions_mbpp)
         print(f"function rows {fn_info}", flush=True)
     model.train()
     mask_id = int(model.config.mask_token_id)
@@ -324,7 +331,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                   "teacher": teacher_info and {**teacher_info, "frac": args.teacher_frac},
                   "functions": fn_info and {**fn_info, "frac": args.functions_frac,
                                             "max_prompt": args.functions_max_prompt,
-                                            "max_answer": args.functions_max_answer}},
+                                            "max_answer": args.functions_max_answer,
+                                            "mbpp_copies": args.functions_mbpp}},
         "corpus": {"python": info.python_version, "files_train": info.n_files_train,
                    "files_heldout": info.n_files_heldout, "train_tokens": len(train_s), "heldout_tokens": len(held_s)},
         "save_dtype": args.save_dtype, "samples_greedy": samples, "torch": torch.__version__,
@@ -380,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--functions-frac", type=float, default=0.0,
                    help="fraction of every batch's rows that are function completions (def line + docstring as a "
                         "clean prompt, the body, then end-of-text to the window's end; spiffy.train.functions)")
+    p.add_argument("--functions-mbpp", type=int, default=0, metavar="K",
+                   help="add K copies of the MBPP tasks, recast as HumanEval-shaped function completions "
+                        "(spiffy.train.mbpp_rows), to the function-row pool (default 0: none)")
     p.add_argument("--functions-max-prompt", type=int, default=160, help="longest function prompt kept (tokens)")
     p.add_argument("--functions-max-answer", type=int, default=0,
                    help="longest function body kept (tokens; 0: all, bodies longer than the window are cut)")
