@@ -139,7 +139,8 @@ class DreamSession(BidirectionalSession):
                 assert self.threshold_quota is not None, "begin_block was not called"
                 reserve = max(self.steps_per_block - 1 - info.step, 0) * self.threshold_quota
                 counts = (counts - reserve).clamp(min=0)
-            return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, threshold=float(cfg.threshold), counts=counts)
+            return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, threshold=float(cfg.threshold), counts=counts,
+                               logits=logits if temp == 0 else None)
         step, steps = info.step, self.steps_per_block
         if self.alg == "origin":
             t_ = self.timesteps[step]
@@ -157,7 +158,7 @@ class DreamSession(BidirectionalSession):
         conf, x0 = sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
         num_mask = mask_w.sum() / b
         k = dream_num_transfer(num_mask, self.timesteps, step, steps)
-        return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, k=k)
+        return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, k=k, logits=logits if temp == 0 else None)
 
     def _apply(
         self,
@@ -174,10 +175,12 @@ class DreamSession(BidirectionalSession):
         k: int | None = None,
         threshold: float | None = None,
         counts: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scatter proposals ``x0 [n]`` / confidences ``conf [n]`` of the masked window rows into the frame and
         reveal ``k`` positions (top-k, or multinomial with ``alg_temp``) or the threshold set among the
-        ``counts [B]`` most confident."""
+        ``counts [B]`` most confident. With the step's ``logits`` (greedy proposals) and a deterministic choice, the
+        frame confidences are published for ranking drafts (:meth:`publish_probs`)."""
         b = x.shape[0]
         dev = x.device
         full_conf = torch.full((b, hi - lo), -torch.inf, dtype=conf.dtype, device=dev)
@@ -186,6 +189,8 @@ class DreamSession(BidirectionalSession):
         full_conf[frame_mask] = conf
         proposal = torch.full((b, hi - lo), self.mask_id, dtype=torch.long, device=dev)
         proposal[frame_mask] = x0
+        if logits is not None and (threshold is not None or not self.config.alg_temp):
+            self.publish_probs(logits, None, selection=full_conf, selection_start=lo)
         if threshold is not None:
             transfer = threshold_transfer(full_conf, mask_w.sum(dim=1) if counts is None else counts, threshold)
         else:

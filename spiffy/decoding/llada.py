@@ -107,14 +107,13 @@ class LLaDASession(BidirectionalSession):
         if cfg.remasking == "low_confidence":
             p = F.softmax(lg.to(torch.float64) if self.float64_confidence else lg, dim=-1)
             x0_p = torch.gather(p, -1, x0.unsqueeze(-1)).squeeze(-1)
-            if lg is logits and p.dtype in (torch.float32, torch.float64):  # the plain softmax of the logits
-                # greedy: x0 is the argmax, so its confidence is the row's top-1 probability
-                self.publish_probs(logits, p, x0_p if temp == 0 else None)
         else:
             x0_p = torch.rand((b, hi - lo), generator=self.generator, device=x.device)[:, off : off + w]
         mask_w = self.block_mask_in_window(x, info, w)
         conf = torch.full((b, hi - lo), -torch.inf, dtype=x0_p.dtype, device=x.device)
         conf[:, off : off + w] = torch.where(mask_w, x0_p, torch.full_like(x0_p, -torch.inf))
+        if cfg.remasking == "low_confidence":
+            self._publish(logits, lg, p, x0_p, conf, lo, temp)
         if cfg.threshold is not None:
             transfer = threshold_transfer(conf, mask_w.sum(dim=1), float(cfg.threshold))
         else:
@@ -125,6 +124,16 @@ class LLaDASession(BidirectionalSession):
         out = x.clone()
         out[:, lo:hi] = torch.where(transfer, x0_frame, x[:, lo:hi])
         return out
+
+    def _publish(self, logits: torch.Tensor, lg: torch.Tensor, p: torch.Tensor, x0_p: torch.Tensor,
+                 conf: torch.Tensor, lo: int, temp: float) -> None:
+        """Publish what ranking drafts can reuse: the plain float32/float64 softmax of ``logits`` (with, greedy, its
+        top-1 = the proposals' confidence ``x0_p``), and at ``T = 0`` the frame confidences ``conf [B, hi - lo]``
+        the ``torch.topk`` chose from (their ties decide the order in half precision)."""
+        plain = lg is logits and p.dtype in (torch.float32, torch.float64)
+        selection = conf if temp == 0 else None
+        if plain or selection is not None:
+            self.publish_probs(logits, p if plain else None, x0_p if plain and temp == 0 else None, selection, lo)
 
 
 __all__ = ["LLaDASession"]

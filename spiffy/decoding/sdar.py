@@ -353,6 +353,9 @@ class SDARSession(DecodeSession):
             float(self.config.eb_threshold),
             self.config.overwrite_quirk,
         )
+        if self.temperature == 0 and self.strategy in ("low_confidence_static", "low_confidence_dynamic"):
+            # the confidences the rule's torch.topk ranked (their ties order ranking's drafts as the baseline would)
+            self.publish_probs(logits, None, selection=torch.where(masked, token_probs, -torch.inf), selection_start=s)
         out = x.clone()
         out[:, s:e] = torch.where(transfer, tokens, cur)
         return out

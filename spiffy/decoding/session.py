@@ -50,13 +50,22 @@ class TransitionProbs:
     """What a transition computed that ranking drafts can reuse.
 
     Attributes:
-        probs: ``[B, W, V]`` ``softmax(logits)`` (unmodified logits; float32 or float64).
+        probs: ``[B, W, V]`` ``softmax(logits)`` (unmodified logits; float32 or float64); ``None`` when the
+            transition computed none that ranking could reuse (e.g. a half-precision softmax).
         top1: ``[B, W]`` the maximum of ``probs`` over the vocabulary, when the transition already has it (greedy
             low-confidence remasking: the confidence of the argmax proposal); ``None`` otherwise.
+        selection: ``[B, F]`` the confidence vector the transition's ``torch.topk`` chose positions from, in the
+            transition's own dtype (``-inf`` at rows that could not be chosen), when that choice is deterministic
+            (greedy proposals, low-confidence remasking); ``None`` otherwise. Column ``c`` is row
+            ``selection_start + c``. Ranking orders positions as repeated ``torch.topk`` calls on it would pick them,
+            so draft ranks follow the baseline's own ties and roundings (in bfloat16 most confident rows tie at 1.0).
+        selection_start: absolute row of ``selection[:, 0]``.
     """
 
-    probs: torch.Tensor
+    probs: torch.Tensor | None = None
     top1: torch.Tensor | None = None
+    selection: torch.Tensor | None = None
+    selection_start: int = 0
 
 
 @dataclass
@@ -160,12 +169,15 @@ class DecodeSession(ABC):
     def end_block(self, block: int) -> None:
         """Block-end work (counted in :attr:`nfe` if it calls the model). Default: nothing."""
 
-    def publish_probs(self, logits: torch.Tensor, probs: torch.Tensor, top1: torch.Tensor | None = None) -> None:
+    def publish_probs(self, logits: torch.Tensor, probs: torch.Tensor | None, top1: torch.Tensor | None = None,
+                      selection: torch.Tensor | None = None, selection_start: int = 0) -> None:
         """Called by a transition that computed ``probs = softmax(logits)`` ``[B, W, V]`` (unmodified logits,
-        float32 or float64) for its confidences, and possibly their maximum ``top1`` ``[B, W]``, so that ranking the
-        next drafts reuses them instead of a second pass over the vocabulary. Kept until the next transition or
+        float32 or float64) for its confidences, and possibly their maximum ``top1`` ``[B, W]``, and/or chose
+        positions with ``torch.topk`` from the confidence vector ``selection`` ``[B, F]`` (column 0 = row
+        ``selection_start``; see :class:`TransitionProbs`), so that ranking the next drafts reuses them instead of a
+        second pass over the vocabulary, and follows the baseline's tie-breaking. Kept until the next transition or
         :meth:`forget_transition_probs`."""
-        self._published_probs = (logits, TransitionProbs(probs, top1))
+        self._published_probs = (logits, TransitionProbs(probs, top1, selection, int(selection_start)))
 
     def forget_transition_probs(self) -> None:
         """Drop the published probabilities (called before a forward, so they do not sit in memory during it)."""

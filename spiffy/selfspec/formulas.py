@@ -102,7 +102,9 @@ def rank_state(
         probs: ``softmax(P_window)`` already computed by the baseline transition that ``P`` drove (a
             :class:`~spiffy.decoding.session.TransitionProbs`, or the ``[W, V]`` / ``[1, W, V]`` tensor; float32 or
             float64; see :meth:`~spiffy.decoding.session.DecodeSession.transition_probs`): ranked as given, no
-            softmax here; with its ``top1``, the block's rows are not read again either.
+            softmax here; with its ``top1``, the block's rows are not read again either; with its ``selection``
+            (the confidences the transition's ``torch.topk`` chose from), positions are ordered as the baseline would
+            pick them (:func:`selection_order`), ties and half-precision roundings included.
     Returns:
         :class:`Ranking` with ``I = min(i_max, masked count)`` positions and ``J = min(j_max, V)`` tokens each.
         Probabilities are ``probs`` when given, else a softmax of the logits in float64 (float64 logits) or float32
@@ -137,9 +139,10 @@ def rank_state(
             block_start=block_start,
             block_end=block_end,
         )
-    if probs is not None:
-        known_top1 = probs.top1 if isinstance(probs, TransitionProbs) else None
-        tensor = probs.probs if isinstance(probs, TransitionProbs) else probs
+    published = probs if isinstance(probs, TransitionProbs) else None
+    tensor = published.probs if published is not None else probs
+    if tensor is not None:
+        known_top1 = published.top1 if published is not None else None
         given = tensor[0] if tensor.dim() == 3 else tensor
         if tuple(given.shape) != (w, v):
             raise ConfigError(f"probs must match P_window's [W, V] = [{w}, {v}], got {tuple(tensor.shape)}")
@@ -154,7 +157,12 @@ def rank_state(
         block_probs = torch.softmax(logits.index_select(0, masked - window_start).to(cdtype), dim=-1)  # [M, V]
         top1 = block_probs.amax(dim=-1)
         rows_of = torch.arange(m, device=dev)
-    order = torch.sort(top1, descending=True, stable=True).indices[: min(i_max, m)]  # ties -> lower row
+    if published is not None and published.selection is not None:
+        # the baseline's own order: its confidences, dtype and torch.topk tie-breaking
+        selection = published.selection[0] if published.selection.dim() == 2 else published.selection
+        order = selection_order(selection, masked - published.selection_start, min(i_max, m))
+    else:
+        order = torch.sort(top1, descending=True, stable=True).indices[: min(i_max, m)]  # ties -> lower row
     vals, ids = top_ranked(block_probs.index_select(0, rows_of.index_select(0, order)), j)  # ties -> lower id
     return Ranking(
         rows=masked.index_select(0, order),
@@ -164,6 +172,34 @@ def rank_state(
         block_start=block_start,
         block_end=block_end,
     )
+
+
+def selection_order(scores: torch.Tensor, cols: torch.Tensor, count: int) -> torch.Tensor:
+    """The order in which a baseline choosing one position per step with ``torch.topk`` would pick the candidates,
+    were their confidences to stay as they are: ``count`` successive ``torch.topk(·, 1)`` calls on ``scores`` with
+    every non-candidate entry at ``-inf`` and each pick removed.
+
+    Descending confidence when the values are distinct; on ties (frequent in half precision, where confident
+    positions round to exactly 1.0) the order is ``torch.topk``'s own, which is neither index order nor documented,
+    so it is reproduced by calling it, on a vector laid out like the baseline's. No host synchronisation.
+
+    Args:
+        scores: ``[F]`` the confidence vector the baseline's ``torch.topk`` ranks (its dtype and frame).
+        cols: ``[M]`` ascending columns of ``scores`` that are candidates (the masked rows of the block).
+        count: picks wanted (``<= M``).
+    Returns:
+        int64 ``[count]`` indices into ``cols``, first pick first.
+    """
+    lowest = torch.finfo(scores.dtype).min
+    vec = torch.full_like(scores, -torch.inf)
+    # a candidate at -inf stays pickable (after every finite one), never a removed or non-candidate entry
+    vec[cols] = scores.index_select(0, cols).clamp_min(lowest)
+    picks = torch.empty(count, dtype=torch.long, device=scores.device)
+    for k in range(count):
+        idx = torch.topk(vec, 1).indices
+        picks[k : k + 1] = idx
+        vec.index_fill_(0, idx, -torch.inf)
+    return torch.searchsorted(cols, picks)
 
 
 def pairs_available(pairs: Iterable[Pair], ranking: Ranking) -> bool:
