@@ -3,30 +3,33 @@
 # the held-out stdlib split) and benchmark them on 10 HumanEval prompts (D = 10 nodes, D* in {1, 3, 5}; FreeDave with
 # 2 / 4 / 6 draft steps in the same run). CPU, 1 thread per process; the two configurations run side by side.
 # Usage: scripts/calibrate_tiny_sdar.sh [MODEL_DIR] [RUN_DIR]
-#        (defaults: spiffy/data/models/tiny-sdar, runs/tiny-sdar-bench; BLOCK=32 sets the block length; graphs are
-#        written to graphs/tiny-sdar-{s1,t09}.json: run `python scripts/ship_graphs.py` after it)
+#        (defaults: spiffy/data/models/tiny-sdar, runs/tiny-sdar-bench; BLOCK=32 sets the block length; DTYPE the
+#        model dtype, default bfloat16 = the shipped weights, as users run them; graphs are written to
+#        $GRAPHS/tiny-sdar-{s1,t09}.json, GRAPHS=graphs by default: run `python scripts/ship_graphs.py` after it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-spiffy/data/models/tiny-sdar}
 RUNS=${2:-runs/tiny-sdar-bench}
 BLOCK=${BLOCK:-32}
+DTYPE=${DTYPE:-bfloat16}
+GRAPHS=${GRAPHS:-graphs}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-DEC_S1=(--gen-length 64 --block-length "$BLOCK" --steps 64)
-DEC_T09=(--gen-length 64 --block-length "$BLOCK" --threshold 0.9)
-mkdir -p "$RUNS"
+DEC_S1=(--gen-length 64 --block-length "$BLOCK" --steps 64 --dtype "$DTYPE")
+DEC_T09=(--gen-length 64 --block-length "$BLOCK" --threshold 0.9 --dtype "$DTYPE")
+mkdir -p "$RUNS" "$GRAPHS"
 
 one_token_per_step() {
-  spiffy calibrate --model "$MODEL" --prompts code --no-chat --nodes 10 --no-progress --out graphs/tiny-sdar-s1.json "${DEC_S1[@]}"
-  spiffy bench dllm --model "$MODEL" --graph graphs/tiny-sdar-s1.json --budgets 1,3,5 --freedave 2,4,6 \
+  spiffy calibrate --model "$MODEL" --prompts code --no-chat --nodes 10 --no-progress --out "$GRAPHS/tiny-sdar-s1.json" "${DEC_S1[@]}"
+  spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-s1.json" --budgets 1,3,5 --freedave 2,4,6 \
     --dataset humaneval --max-prompts 10 --no-chat --no-progress "${DEC_S1[@]}" --out "$RUNS/s1"
 }
 threshold() {
-  spiffy calibrate --model "$MODEL" --prompts code --no-chat --nodes 10 --no-progress --out graphs/tiny-sdar-t09.json "${DEC_T09[@]}"
-  spiffy bench dllm --model "$MODEL" --graph graphs/tiny-sdar-t09.json --budgets 1,3,5 --dataset humaneval \
+  spiffy calibrate --model "$MODEL" --prompts code --no-chat --nodes 10 --no-progress --out "$GRAPHS/tiny-sdar-t09.json" "${DEC_T09[@]}"
+  spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-t09.json" --budgets 1,3,5 --dataset humaneval \
     --max-prompts 10 --no-chat --no-progress "${DEC_T09[@]}" --out "$RUNS/t09"
 }
 one_token_per_step > "$RUNS/s1.log" 2>&1 &
 S1=$!
 threshold > "$RUNS/t09.log" 2>&1 || { echo "threshold run failed: $RUNS/t09.log" >&2; exit 1; }
 wait "$S1" || { echo "one-token-per-step run failed: $RUNS/s1.log" >&2; exit 1; }
-echo "wrote graphs/tiny-sdar-s1.json graphs/tiny-sdar-t09.json $RUNS/s1/results.md $RUNS/t09/results.md"
+echo "wrote $GRAPHS/tiny-sdar-s1.json $GRAPHS/tiny-sdar-t09.json $RUNS/s1/results.md $RUNS/t09/results.md"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spiffy.errors import ConfigError
-from spiffy.models.loading import load_tokenizer
+from spiffy.models.loading import load_model, load_tokenizer
 from spiffy.train import functions, mbpp_rows, sdar
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -87,6 +87,19 @@ def test_training_keeps_snapshots_a_run_can_start_from(tmp_path, tiny_qwen3):
     sdar.load_start_weights(model, tmp_path / "run" / "snapshots" / "step-2.pt")
     final = torch.load(tmp_path / "run" / "train_state.pt", map_location="cpu", weights_only=False)["model"]
     assert all(torch.equal(v, final[k]) for k, v in model.state_dict().items())
+    # a finished run re-exports a kept snapshot instead of its last step's weights
+    again = sdar.build_parser().parse_args(common_args + [
+        "--out", str(tmp_path / "run"), "--steps", "2", "--resume", "--export-step", "1", "--functions-frac", "0.5",
+        "--functions-max-answer", "64", "--functions-max-prompt", "190", "--functions-mbpp", "1"])
+    exported = sdar.train(again)
+    assert exported["steps"] == 1 and exported["trained_steps"] == 2 and exported["exported_snapshot"] == 1
+    assert "step-1 snapshot" in (tmp_path / "run" / "MODEL_CARD.md").read_text()
+    snap1 = torch.load(tmp_path / "run" / "snapshots" / "step-1.pt", map_location="cpu", weights_only=False)["model"]
+    saved = load_model(tmp_path / "run" / "model", dtype="float32").state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in snap1.items())
+    with pytest.raises(ConfigError, match="kept steps"):
+        sdar.train(sdar.build_parser().parse_args(common_args + ["--out", str(tmp_path / "run"), "--steps", "2",
+                                                                 "--resume", "--export-step", "7"]))
     with pytest.raises(ConfigError, match="functions-frac"):
         sdar.train(sdar.build_parser().parse_args(common_args + ["--out", str(tmp_path / "r2"),
                                                                  "--functions-mbpp", "1"]))

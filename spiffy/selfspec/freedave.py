@@ -14,7 +14,10 @@ logits ``P``) the speculative part of that chain is the graph with one node per 
 so FreeDave with ``K`` draft steps = this chain of depth ``K - 1`` at budget ``D* = K - 1`` (``K`` states per verification
 forward, like Spiffy at ``D* = K - 1``). Differences from the official code, each a property of the graph format:
 
-* ties between equal confidences go to the lower row (``torch.topk`` leaves them unspecified);
+* ties between equal confidences fall as the baseline's own ``torch.topk`` breaks them one step at a time
+  (:func:`~spiffy.selfspec.formulas.selection_order`, as for every Spiffy graph); the official code takes the
+  ``k`` positions of draft ``k`` from one ``torch.topk(k)`` call, whose ties may fall otherwise (frequent in
+  bfloat16, where confident positions round to exactly 1.0);
 * drafts stay inside the current block (the official code also drafts into the next blocks of its window);
 * under threshold decoding (``tokens_per_step == "dynamic"``) FreeDave++ takes the threshold step and then adds one
   more position per draft; the chain here has one position per level, and a draft is accepted only when it equals

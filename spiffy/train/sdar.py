@@ -206,6 +206,18 @@ def load_start_weights(model: torch.nn.Module, path: str | Path) -> None:
                           f"a model adapted from the same Qwen3 checkpoint ({exc})") from exc
 
 
+def load_snapshot(model: torch.nn.Module, out: Path, step: int) -> int:
+    """Load the weights kept at ``step`` (``OUT/snapshots/step-STEP.pt``, written by ``--keep-every``) into
+    ``model``; returns ``step``. Raises :class:`ConfigError` naming the snapshots there are."""
+    path = out / "snapshots" / f"step-{step}.pt"
+    if not path.is_file():
+        kept = sorted(int(p.stem.split("-")[1]) for p in (out / "snapshots").glob("step-*.pt"))
+        raise ConfigError(f"--export-step {step}: no snapshot {path}; kept steps: {kept or 'none'} (fix: pick one of "
+                          "them, or train with --keep-every)")
+    load_start_weights(model, path)
+    return int(step)
+
+
 def _parse_blocks(text: str) -> tuple[int, ...]:
     try:
         blocks = tuple(int(b) for b in text.split(","))
@@ -314,10 +326,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             print(f"\nstep {step} heldout {ev}", flush=True)
     loop.finish()
     step = loop.step
+    if args.export_step is not None:
+        step = load_snapshot(model, out, args.export_step)
     ev = evaluate(model, held_w, mask_id, blocks)
     samples = {p: sample_completion(model, tok, p, args.sample_tokens, min(blocks)) for p in common.SAMPLE_PROMPTS}
     metrics = {
         "model": "tiny-sdar", "init": str(args.init), "start_from": args.start_from, "steps": step, "planned_steps": args.steps,
+        "trained_steps": loop.step, "exported_snapshot": args.export_step,
         "finished": loop.finished, "wall_s_total": round(float(extra["wall_s"]), 1),
         "invocations": extra.get("invocations", []), "train_tokens_seen": int(extra["tokens"]),
         "heldout_masked": ev, "heldout_masked_init": extra.get("init_heldout"), "params": n_params,
@@ -340,9 +355,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     body = (f"SDAR-architecture block-diffusion LM (spiffy.models.sdar.SDARForCausalLM, block-causal), "
             f"{n_params/1e6:.2f}M parameters, initialised from the Qwen3 checkpoint `{Path(args.init).name}` (same "
             f"tokenizer, mask token {MASK_TOKEN} = {mask_id}) and trained with the block-diffusion objective "
-            f"(blocks {', '.join(map(str, blocks))}, +{args.prompt_frac:.0%} prompt rows) for {step} steps "
+            f"(blocks {', '.join(map(str, blocks))}, +{args.prompt_frac:.0%} prompt rows) for {loop.step} steps "
             f"({metrics['wall_s_total']/60:.1f} min, 1 CPU thread) on the Python {info.python_version} standard "
-            f"library's .py sources{_teacher_sentence(args, teacher_info, fn_info)}. Weights stored in {args.save_dtype}. "
+            f"library's .py sources{_teacher_sentence(args, teacher_info, fn_info)}. "
+            + (f"These are the weights of its step-{step} snapshot, the one chosen on "
+               f"validation prompts. " if args.export_step is not None else "")
+            + f"Weights stored in {args.save_dtype}. "
             f"Reproduce with `{args.card_script}`.")
     final = out / "model"
     export = type(model)(model.config)
@@ -388,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--functions-frac", type=float, default=0.0,
                    help="fraction of every batch's rows that are function completions (def line + docstring as a "
                         "clean prompt, the body, then end-of-text to the window's end; spiffy.train.functions)")
+    p.add_argument("--export-step", type=int, default=None, metavar="N",
+                   help="export the weights of the step-N snapshot (--keep-every) instead of the last step's, e.g. "
+                        "the one chosen on validation prompts; with --resume on a finished run it only re-exports")
     p.add_argument("--functions-mbpp", type=int, default=0, metavar="K",
                    help="add K copies of the MBPP tasks, recast as HumanEval-shaped function completions "
                         "(spiffy.train.mbpp_rows), to the function-row pool (default 0: none)")
