@@ -206,6 +206,19 @@ def load_start_weights(model: torch.nn.Module, path: str | Path) -> None:
                           f"a model adapted from the same Qwen3 checkpoint ({exc})") from exc
 
 
+def save_weights(model: torch.nn.Module, tok: Any, final: str | Path, dtype: str) -> None:
+    """Write ``model`` (a copy cast to ``dtype``) and ``tok`` as an SDAR checkpoint directory ``final`` and check it
+    loads through the library loader."""
+    export = type(model)(model.config)
+    export.load_state_dict(model.state_dict())
+    export = export.to(getattr(torch, dtype)).eval()
+    export.config.torch_dtype = dtype
+    gen_cfg = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
+               "mask_token_id": int(model.config.mask_token_id)}
+    save_checkpoint(export, final, tokenizer=tok, generation_config=gen_cfg)
+    load_model(final, dtype="float32")
+
+
 def load_snapshot(model: torch.nn.Module, out: Path, step: int) -> int:
     """Load the weights kept at ``step`` (``OUT/snapshots/step-STEP.pt``, written by ``--keep-every``) into
     ``model``; returns ``step``. Raises :class:`ConfigError` naming the snapshots there are."""
@@ -363,14 +376,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             + f"Weights stored in {args.save_dtype}. "
             f"Reproduce with `{args.card_script}`.")
     final = out / "model"
-    export = type(model)(model.config)
-    export.load_state_dict(model.state_dict())
-    export = export.to(getattr(torch, args.save_dtype)).eval()
-    export.config.torch_dtype = args.save_dtype
-    gen_cfg = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
-               "mask_token_id": mask_id}
-    save_checkpoint(export, final, tokenizer=tok, generation_config=gen_cfg)
-    load_model(final, dtype="float32")  # check it loads through the library loader
+    save_weights(model, tok, final, args.save_dtype)
     metrics["size_mb"] = round(common.file_size_mb(final), 2)
     common.write_cards(final, out, "tiny-sdar (spiffy demo block-diffusion dLLM)", metrics, body)
     print(json.dumps({k: v for k, v in metrics.items() if k not in ("samples_greedy", "invocations")}, indent=2))
