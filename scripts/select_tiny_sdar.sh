@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checkpoint selection for the demo dLLM (scripts/train_tiny_sdar_mbpp.sh): for every kept snapshot whose step is a
 # multiple of EVERY (default 300), export it, calibrate a D = 10 graph on HumanEval 41-90 and bench Spiffy at D* = 5
-# on HumanEval 11-20 (bfloat16, greedy, gen 64 / block 32, one token per step). HumanEval 1-10, the benchmark's
+# on HumanEval 11-30 (bfloat16, greedy, gen 64 / block 32, one token per step). HumanEval 1-10, the benchmark's
 # prompts, are never used. Prints one line per snapshot: projected ceiling, NFE reduction, distinct-token ratio,
 # whitespace share; pick the highest reduction with distinct >= 0.15 and pass it as EXPORT_STEP.
 # Usage: scripts/select_tiny_sdar.sh [RUN_DIR] [OUT_DIR]   (defaults runs/tiny-sdar-mb, runs/tiny-sdar-select)
@@ -16,7 +16,7 @@ python - "$OUT" <<'EOF'
 import json, sys
 from spiffy.bench.datasets import load_benchmark_prompts
 prompts = load_benchmark_prompts("humaneval")
-for name, part in (("calibration", prompts[40:90]), ("validation", prompts[10:20])):
+for name, part in (("calibration", prompts[40:90]), ("validation", prompts[10:30])):
     with open(f"{sys.argv[1]}/{name}.jsonl", "w") as f:
         f.writelines(json.dumps({"prompt": p.prompt, "id": p.id}) + "\n" for p in part)
 EOF
@@ -35,7 +35,7 @@ sdar.save_weights(model, tok, sys.argv[2], "bfloat16")
 EOF
   spiffy calibrate --model "$S/model" --prompts "$OUT/calibration.jsonl" --no-chat --nodes 10 --no-progress \
     --out "$S/graph.json" "${DEC[@]}" > "$S/calibrate.log" 2>&1
-  spiffy bench dllm --model "$S/model" --graph "$S/graph.json" --budgets 5 --dataset "$OUT/validation.jsonl" \
+  spiffy bench dllm --model "$S/model" --graph "$S/graph.json" --budgets 5 --dataset "$OUT/validation.jsonl" --max-prompts 20 \
     --no-chat --no-progress --warmup 0 --no-plots "${DEC[@]}" --out "$S/validation" > "$S/bench.log" 2>&1
   echo "step $snap: ceiling $(grep -o '[0-9.]*x fewer' "$S/calibrate.log" | head -1);" \
     "D*=5 / distinct / ws: $(grep -E '^\| spiffy' "$S/validation/results.md" | cut -d'|' -f5,10,11)"

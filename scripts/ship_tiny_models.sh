@@ -10,8 +10,9 @@ args=()
 [ -f "$RUNS/tiny-drafter/model/config.json" ] && args+=(--drafter "$RUNS/tiny-drafter/model")
 [ -f "$RUNS/tiny-llada/model/config.json" ] && args+=(--llada "$RUNS/tiny-llada/model")
 python -m spiffy.train.check "${args[@]}" --max-new-tokens 64 --json "$RUNS/check.json"
-if [ -f "$RUNS/tiny-sdar/model/config.json" ]; then
-  python -m spiffy.train.check_sdar --model "$RUNS/tiny-sdar/model" --heldout "$RUNS/tiny-sdar/data/heldout_ids.npy" \
+SDAR=$RUNS/tiny-sdar-mb  # the last stage of the demo dLLM (scripts/train_tiny_sdar_mbpp.sh)
+if [ -f "$SDAR/model/config.json" ]; then
+  python -m spiffy.train.check_sdar --model "$SDAR/model" --heldout "$SDAR/data/heldout_ids.npy" \
     --json "$RUNS/check_sdar.json"
 fi
 mkdir -p "$DEST"
@@ -24,7 +25,7 @@ ship() {  # ship SRC NAME: copy into a temp dir, then swap it in
 ship "$RUNS/tiny-qwen3/model" tiny-qwen3
 ship "$RUNS/tiny-drafter/model" tiny-qwen3-dflash-b16
 ship "$RUNS/tiny-llada/model" tiny-llada
-ship "$RUNS/tiny-sdar/model" tiny-sdar
+ship "$SDAR/model" tiny-sdar
 du -sh "$DEST"
 echo "note: graphs calibrated for older weights stay lossless but accept less: recalibrate graphs/ and run" \
   "scripts/ship_graphs.py (examples/reproduce_results.sh does both)"

@@ -3,12 +3,12 @@
 # continued for 70 minutes on the same mix (60% function completions, blocks 32 and 64) whose function pool also holds
 # 5 copies of the MBPP tasks recast in HumanEval's shape (task sentence and asserts as docstring and doctests, the
 # reference body as the answer; spiffy.train.mbpp_rows), lr 6e-4. Weights are kept every 150 steps; the exported
-# model is the snapshot chosen on validation prompts (HumanEval 11-20, bfloat16, greedy, gen 64 / block 32: the
+# model is the snapshot chosen on validation prompts (HumanEval 11-30, bfloat16, greedy, gen 64 / block 32: the
 # highest Spiffy NFE reduction at D* = 5 among snapshots with a distinct-token ratio >= 0.15; HumanEval 1-10, the
 # benchmark's prompts, played no part). Reruns land within noise, not on identical weights: re-run the selection
 # (scripts/select_tiny_sdar.sh) before exporting another step. CPU, 1 thread. Resumable: re-run the same command.
 # Usage: scripts/train_tiny_sdar_mbpp.sh [RUN_DIR] [FUNCTIONS_RUN_DIR]
-#        (defaults $SPIFFY_TRAIN_RUNS/tiny-sdar-mb, .../tiny-sdar-fn; SPIFFY_TRAIN_RUNS=runs; EXPORT_STEP=900)
+#        (defaults $SPIFFY_TRAIN_RUNS/tiny-sdar-mb, .../tiny-sdar-fn; SPIFFY_TRAIN_RUNS=runs; EXPORT_STEP=1200)
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 RUNS=${SPIFFY_TRAIN_RUNS:-runs}
@@ -24,4 +24,4 @@ ARGS=(--out "$RUN" --corpus "$CORPUS" --seed 3 --init "$INIT" --start-from "$FN_
   --prompt-frac 0.2 --ckpt-every 50 --keep-every 150 --eval-every 300 --max-minutes "${MAX_MINUTES:-70}"
   --save-dtype bfloat16 --sample-tokens 64 --card-script scripts/train_tiny_sdar_mbpp.sh --resume)
 python -m spiffy.train.sdar "${ARGS[@]}"
-python -m spiffy.train.sdar "${ARGS[@]}" --export-step "${EXPORT_STEP:-900}"
+python -m spiffy.train.sdar "${ARGS[@]}" --export-step "${EXPORT_STEP:-1200}"

@@ -35,7 +35,7 @@ OPTIONAL_EMBEDDED_NAMES: dict[str, str] = {"ar-dllm-drafter": "tiny-sdar-d2a", "
 
 #: kind -> the training script that produces the checkpoint (relative to the repository root)
 TRAINING_SCRIPTS: dict[str, str] = {
-    "dllm": "scripts/train_tiny_sdar_functions.sh",
+    "dllm": "scripts/train_tiny_sdar_mbpp.sh",
     "ar-target": "scripts/train_tiny_qwen3.sh",
     "ar-drafter": "scripts/train_tiny_drafter.sh",
     "ar-dllm-drafter": "scripts/train_tiny_d2a_drafter.sh",

@@ -97,7 +97,7 @@ def test_plain_demo_without_embedded_models_is_a_clean_error(tmp_path: Path, mon
     for kind in EMBEDDED_NAMES:
         assert TRAINING_SCRIPTS[kind] in err
     assert "--model DIR --graph FILE --target DIR --drafter DIR" in err
-    with pytest.raises(ConfigError, match="train_tiny_sdar_functions.sh"):
+    with pytest.raises(ConfigError, match="train_tiny_sdar_mbpp.sh"):
         embedded_model_path("dllm")
     with pytest.raises(ConfigError, match="unknown embedded model kind"):
         embedded_model_path("nope")
