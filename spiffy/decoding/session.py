@@ -56,7 +56,8 @@ class TransitionProbs:
             low-confidence remasking: the confidence of the argmax proposal); ``None`` otherwise.
         selection: ``[B, F]`` the confidence vector the transition's ``torch.topk`` chose positions from, in the
             transition's own dtype (``-inf`` at rows that could not be chosen), when that choice is deterministic
-            (greedy proposals, low-confidence remasking); ``None`` otherwise. Column ``c`` is row
+            (greedy proposals; LLaDA and SDAR low-confidence remasking, Dream's top-k rules, whose confidence may be
+            a margin or a negative entropy); ``None`` otherwise. Column ``c`` is row
             ``selection_start + c``. Ranking orders positions as repeated ``torch.topk`` calls on it would pick them,
             so draft ranks follow the baseline's own ties and roundings (in bfloat16 most confident rows tie at 1.0).
         selection_start: absolute row of ``selection[:, 0]``.
