@@ -141,6 +141,8 @@ def rank_state(
         )
     published = probs if isinstance(probs, TransitionProbs) else None
     tensor = published.probs if published is not None else probs
+    selection, selection_start = (published.selection, published.selection_start) if published else (None, 0)
+    top1: torch.Tensor | None = None  # [M] confidences to sort by, needed only without the baseline's selection
     if tensor is not None:
         known_top1 = published.top1 if published is not None else None
         given = tensor[0] if tensor.dim() == 3 else tensor
@@ -149,19 +151,21 @@ def rank_state(
         block_probs = given[block_start - window_start : block_end - window_start]  # [block, V] view, no copy
         if known_top1 is not None:
             top1 = known_top1.reshape(-1).index_select(0, masked - window_start)  # [M], no pass over V
-        else:
+        elif selection is None:
             top1 = block_probs.amax(dim=-1).index_select(0, masked - block_start)  # [M]
         rows_of = masked - block_start
     else:
         cdtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         block_probs = torch.softmax(logits.index_select(0, masked - window_start).to(cdtype), dim=-1)  # [M, V]
-        top1 = block_probs.amax(dim=-1)
+        if selection is None:
+            top1 = block_probs.amax(dim=-1)
         rows_of = torch.arange(m, device=dev)
-    if published is not None and published.selection is not None:
+    if selection is not None:
         # the baseline's own order: its confidences, dtype and torch.topk tie-breaking
-        selection = published.selection[0] if published.selection.dim() == 2 else published.selection
-        order = selection_order(selection, masked - published.selection_start, min(i_max, m))
+        order = selection_order(selection[0] if selection.dim() == 2 else selection, masked - selection_start,
+                                min(i_max, m))
     else:
+        assert top1 is not None
         order = torch.sort(top1, descending=True, stable=True).indices[: min(i_max, m)]  # ties -> lower row
     vals, ids = top_ranked(block_probs.index_select(0, rows_of.index_select(0, order)), j)  # ties -> lower id
     return Ranking(

@@ -104,7 +104,8 @@ def load_or_build(out: Path, tokenizer: Any, documents: list[str], length: int, 
 
     ``mbpp_copies > 0`` appends that many copies of the HumanEval-shaped MBPP rows
     (:func:`spiffy.train.mbpp_rows.mbpp_examples`, same filters) to the pool, which weights them in sampling.
-    Returns ``(rows [N, length], prompt_lens [N], info)``; ``info`` counts the rows and their answer lengths.
+    Returns ``(rows [N, length], prompt_lens [N], info)``; ``info`` counts the rows (all, and those from the
+    corpus) and their answer lengths.
     """
     key = {"length": int(length), "max_prompt": int(max_prompt), "eos": int(eos_id), "seed": int(seed),
            "documents": len(documents), "max_answer": int(max_answer)}
@@ -124,7 +125,8 @@ def load_or_build(out: Path, tokenizer: Any, documents: list[str], length: int, 
             rows = torch.cat([rows] + [m_rows] * mbpp_copies)
             lens = torch.cat([lens] + [m_lens] * mbpp_copies)
         common.save_keyed(path, key, rows=rows, prompt_lens=lens, mbpp_rows=torch.tensor(n_mbpp))
-    return rows, lens, {**summary(rows, lens, eos_id), "mbpp_rows": n_mbpp, "mbpp_copies": int(mbpp_copies)}
+    return rows, lens, {**summary(rows, lens, eos_id), "corpus_rows": int(rows.shape[0]) - n_mbpp * int(mbpp_copies),
+                        "mbpp_rows": n_mbpp, "mbpp_copies": int(mbpp_copies)}
 
 
 def summary(rows: torch.Tensor, prompt_lens: torch.Tensor, eos_id: int) -> dict[str, Any]:

@@ -22,14 +22,19 @@ from typing import Any
 from spiffy.bench.datasets import dataset_file, read_jsonl
 
 
+def _parse_quietly(source: str) -> ast.Module:
+    """``ast.parse`` without its SyntaxWarnings (some solutions hold regexes with invalid escapes: parsed, not run)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(source)
+
+
 def _doctest_lines(tests: list[str], name: str) -> list[str]:
     """``>>> call`` / ``value`` line pairs for the tests of the form ``assert name(...) == value``."""
     lines: list[str] = []
     for test in tests:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                node = ast.parse(test).body[0]
+            node = _parse_quietly(test).body[0]
         except (SyntaxError, ValueError, IndexError):
             continue
         if not isinstance(node, ast.Assert) or not isinstance(node.test, ast.Compare):
@@ -48,9 +53,7 @@ def mbpp_example(row: dict[str, Any]) -> tuple[str, str] | None:
     """The HumanEval-shaped ``(prompt, answer)`` of one MBPP row, or None when its solution is not a single
     top-level function (helpers, classes or top-level statements other than imports) or does not parse."""
     try:
-        with warnings.catch_warnings():  # some solutions hold regexes with invalid escapes: parsed, not run
-            warnings.simplefilter("ignore")
-            module = ast.parse(str(row["code"]))
+        module = _parse_quietly(str(row["code"]))
     except (SyntaxError, ValueError, KeyError):
         return None
     imports = [n for n in module.body if isinstance(n, (ast.Import, ast.ImportFrom))]

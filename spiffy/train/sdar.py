@@ -249,7 +249,7 @@ def _teacher_sentence(args: argparse.Namespace, info: dict[str, Any] | None, fn_
                  f"(corpus prefixes of {info['prefix'][0]}-{info['prefix'][1]} tokens continued greedily by "
                  f"`{Path(args.teacher).name}`)")
     if fn_info:
-        text += (f", {args.functions_frac:.0%} of every batch's rows being function completions ({fn_info['rows'] - fn_info.get('mbpp_rows', 0) * fn_info.get('mbpp_copies', 0)} "
+        text += (f", {args.functions_frac:.0%} of every batch's rows being function completions ({fn_info['corpus_rows']} "
                  f"documented functions of the training split: the def line and docstring as a clean prompt, the body "
                  f"(median {fn_info['answer_tokens_median']:.0f} tokens), then end-of-text to the window's end)")
         if fn_info.get("mbpp_rows"):
