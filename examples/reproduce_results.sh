@@ -10,8 +10,8 @@ DEC_T09=(--gen-length 64 --block-length 32 --threshold 0.9)
 LLADA=(--model spiffy/data/models/tiny-llada)
 
 # 1. the demo dLLM (tiny-sdar): calibrate its shipped graphs (code prompts from the held-out stdlib split, raw prompts)
-#    and bench Spiffy (D = 10, D* in {1, 3, 5}) and FreeDave (2 / 4 / 6 draft steps) on 10 HumanEval prompts, over the
-#    1-token-per-step and threshold-0.9 baselines (gen 64, block 32)
+#    and bench them on 10 HumanEval prompts (gen 64, block 32): one token per step, Spiffy (D = 20 up to lookahead 5,
+#    reach pruning, D* = 1..5) against FreeDave (2..6 draft steps); threshold 0.9, Spiffy (D = 10, D* in {1, 3, 5})
 scripts/calibrate_tiny_sdar.sh spiffy/data/models/tiny-sdar runs/tiny-sdar-bench
 
 # 2. the earlier LLaDA-architecture demo dLLM (tiny-llada), same protocol

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Calibrate Spiffy draft graphs for the tiny SDAR demo dLLM (one token per step, and threshold 0.9; code prompts from
-# the held-out stdlib split) and benchmark them on 10 HumanEval prompts (D = 10 nodes, D* in {1, 3, 5}; FreeDave with
-# 2 / 4 / 6 draft steps in the same run). CPU, 1 thread per process; the two configurations run side by side.
+# the held-out stdlib split) and benchmark them on 10 HumanEval prompts. One token per step: D = 20 nodes up to
+# lookahead 5 with the reach pruning score, D* = 1..5, FreeDave with 2..6 draft steps in the same run (equal widths).
+# Threshold 0.9: D = 10 nodes, D* in {1, 3, 5}. CPU, 1 thread per process; the two configurations run side by side.
 # Usage: scripts/calibrate_tiny_sdar.sh [MODEL_DIR] [RUN_DIR]
 #        (defaults: spiffy/data/models/tiny-sdar, runs/tiny-sdar-bench; BLOCK=32 sets the block length; DTYPE the
 #        model dtype, default bfloat16 = the shipped weights, as users run them; graphs are written to
@@ -19,8 +20,9 @@ DEC_T09=(--gen-length 64 --block-length "$BLOCK" --threshold 0.9 --dtype "$DTYPE
 mkdir -p "$RUNS" "$GRAPHS"
 
 one_token_per_step() {
-  spiffy calibrate --model "$MODEL" --prompts code --no-chat --nodes 10 --no-progress --out "$GRAPHS/tiny-sdar-s1.json" "${DEC_S1[@]}"
-  spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-s1.json" --budgets 1,3,5 --freedave 2,4,6 \
+  spiffy calibrate --model "$MODEL" --prompts code --no-chat --nodes 20 --max-level 5 --score reach --no-progress \
+    --out "$GRAPHS/tiny-sdar-s1.json" "${DEC_S1[@]}"
+  spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-s1.json" --budgets 1,2,3,4,5 --freedave 2,3,4,5,6 \
     --dataset humaneval --max-prompts 10 --no-chat --no-progress "${DEC_S1[@]}" --out "$RUNS/s1"
 }
 threshold() {

@@ -100,6 +100,7 @@ def generate(
     tokenizer: Any = None,
     graph: Any = None,
     budget: int | None = None,
+    score: str | None = None,
     observer: StepObserver | None = None,
     progress: bool = False,
     generator: torch.Generator | None = None,
@@ -120,6 +121,8 @@ def generate(
             (:mod:`spiffy.decoding.batch`) or batched Spiffy (:mod:`spiffy.selfspec.batch`): either way row ``r``
             equals prompt ``r`` decoded alone with its seed (see ``generator``), so the two agree row for row.
         budget: draft nodes kept per step with a graph (``None`` = the runtime's default).
+        score: the pruning score that picks them (:data:`spiffy.selfspec.pruning.SCORES`; ``None`` = the one the
+            graph was calibrated for, else ``"gm"``).
         observer: called with every :class:`~spiffy.decoding.session.StepRecord` (one prompt at a time only).
         progress: show a tqdm progress bar (steps; batches: batched model calls) on stderr.
         generator: the random generator to consume (default: seeded from ``config.seed``). A batch gives every
@@ -142,7 +145,7 @@ def generate(
         if observer is not None:
             raise ConfigError("observer= is not supported with a batch; fix: decode the prompts one at a time")
         return _generate_batch(
-            model, session, input_ids, attention_mask, tokenizer, graph, budget, generator, seeds, progress
+            model, session, input_ids, attention_mask, tokenizer, graph, budget, score, generator, seeds, progress
         )
     cfg = getattr(session, "config", None)
     bar = _progress_bar(session, cfg, progress)
@@ -155,7 +158,7 @@ def generate(
             nfe, steps = base.nfe, base.steps
         else:
             check_graph(graph, model, session)
-            spec = speculative_generate(session, graph, budget, observer=observer, progress=tick)
+            spec = speculative_generate(session, graph, budget, score=score, observer=observer, progress=tick)
             stats = spec.to_dict() if hasattr(spec, "to_dict") else dict(vars(spec))
             nfe, steps = int(spec.nfe), int(spec.steps)
         if session.x.device.type == "cuda":
@@ -196,6 +199,7 @@ def _generate_batch(
     tokenizer: Any,
     graph: Any,
     budget: int | None,
+    score: str | None,
     generator: torch.Generator | None,
     seeds: Sequence[int] | None,
     progress: bool,
@@ -216,7 +220,7 @@ def _generate_batch(
             per_row = [dataclasses.asdict(s) for s in base]
             stats: dict[str, Any] = {"batch_nfe": nfe, "rows": per_row}
         else:
-            spec, nfe = speculative_generate_batch(fwd, rows, graph, budget)
+            spec, nfe = speculative_generate_batch(fwd, rows, graph, budget, score=score)
             per_row = [s.to_dict() for s in spec]
             stats = {
                 "batch_nfe": nfe,

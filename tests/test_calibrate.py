@@ -157,6 +157,15 @@ def test_calibrate_prefix_cache_and_objectives(tiny_llada: Path) -> None:
         assert stats.nfe <= base_stats.nfe, obj
         if obj == "greedy":
             assert stats.nfe == g.projected["projected_nfe"] < base_stats.nfe  # saves what it projects
+    # a recorded pruning score is what the runtime then prunes with by default
+    reach = calibrate(model, tok, ids, cfg, nodes=4, max_level=2, score="reach", progress=False)
+    assert reach.meta["calibration"]["score"] == reach.pruning_score == "reach"
+    assert "score" not in graphs["greedy"].meta["calibration"] and graphs["greedy"].pruning_score is None
+    spec = make_session(model, torch.tensor(ids), cfg, seed=0)
+    assert speculative_generate(spec, reach, budget=2).score == "reach"
+    assert torch.equal(spec.x, base.x)
+    with pytest.raises(ConfigError, match="unknown pruning score"):
+        calibrate(model, tok, ids, cfg, score="magic", progress=False)
     with pytest.raises(ConfigError, match="objective"):
         calibrate(model, tok, ids, cfg, objective="magic", progress=False)
     with pytest.raises(ConfigError, match="no calibration prompts"):

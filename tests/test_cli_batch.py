@@ -34,8 +34,12 @@ def test_dllm_batch_prompts_match_alone(capsys, tiny_llada: Path, tmp_path: Path
     graph.save(path)
     common = ["generate", "--model", str(tiny_llada), "--gen-length", "8", "--block-length", "8", "--steps", "8",
               "--temperature", "1.0", "--seed", "3", "--dtype", "float64", "--json", "--no-progress"]
-    for extra in ([], ["--graph", str(path), "--budget", "3"]):
+    tokens = []
+    for extra in ([], ["--graph", str(path), "--budget", "3"], ["--graph", str(path), "--budget", "3", "--score", "reach"]):
         alone = [_rows(common + extra + ["--prompt", p], capsys)[0] for p in PROMPTS]
+        tokens.append([a["tokens"] for a in alone])
+        if extra:  # the score that pruned (the graph records none: gm unless --score)
+            assert {a["stats"]["score"] for a in alone} == {"reach" if "--score" in extra else "gm"}
         batched = _rows(common + extra + [a for p in PROMPTS for a in ("--prompt", p)], capsys)
         assert len(batched) == len(PROMPTS)
         assert [b["prompt_tokens"] for b in batched] == [a["prompt_tokens"] for a in alone]
@@ -43,6 +47,10 @@ def test_dllm_batch_prompts_match_alone(capsys, tiny_llada: Path, tmp_path: Path
             assert [b["tokens"] for b in batched] == [a["tokens"] for a in alone]
             assert [b["nfe"] for b in batched] == [a["nfe"] for a in alone]
             assert all(b["batch_size"] == 3 and b["batch_nfe"] < sum(a["nfe"] for a in alone) for b in batched)
+    assert tokens[1] == tokens[0] and tokens[2] == tokens[0]  # Spiffy under either pruning score = the baseline
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main(common + ["--graph", str(path), "--score", "nope", "--prompt", PROMPTS[0]])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

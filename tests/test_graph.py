@@ -174,6 +174,7 @@ def _broken(mutate) -> dict:  # noqa: ANN001
         (lambda d: (d["graph"]["nodes"][2].update(parents=[0, 4]), d["graph"]["nodes"][4].update(parents=[2])), "cycle"),
         (lambda d: d["graph"]["nodes"].pop(), "num_nodes is 5 but 4 node"),
         (lambda d: d.update(projected=[1]), "'projected' must be an object"),
+        (lambda d: d["calibration"].update(score=3), "'calibration.score' must be a pruning score name"),
     ],
 )
 def test_malformed_files_raise_graph_error(tmp_path: Path, mutate, match: str) -> None:  # noqa: ANN001

@@ -13,7 +13,7 @@ from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import rank_state
 from spiffy.selfspec.graph import DraftGraph
 from spiffy.selfspec.oracle import random_formulas
-from spiffy.selfspec.pruning import SCORES, is_parent_closed, node_scores, prune
+from spiffy.selfspec.pruning import REACH_FREQUENCY_EXPONENT, SCORES, is_parent_closed, node_scores, prune, resolve_score
 
 MASK = 50
 
@@ -72,6 +72,48 @@ def test_product_local_count_scores() -> None:
     assert cnt[ids[B]] == 9.0
     # count: B (9) first; E (7) is not eligible until C (3) is kept
     assert prune(g, r, 3, score="count") == [ids[B], ids[C], ids[E]]
+
+
+def test_reach_score_hand_computed() -> None:
+    """reach = product of the pairs' probabilities x (count / max count) ** 1/4: a frequent deep chain node beats
+    a rare shallow branch even when the branch's tokens look as certain, which gm gets the other way round."""
+    assert REACH_FREQUENCY_EXPONENT == 0.25
+    certain = [[1.0, 0.0, 0.0]] * 3  # every top-1 token certain: the situation of an end-of-text run
+    g = DraftGraph.from_formulas([(1, A), (1, B), (2, C), (3, E)], counts=[100, 2, 90, 81])
+    ids = _ids(g)
+    r = _ranking_from_probs([[v if v > 0 else 1e-12 for v in row] for row in certain])
+    reach = node_scores(g, r, "reach")
+    assert reach[ids[E]] == pytest.approx(0.81 ** 0.25, rel=1e-9)
+    assert reach[ids[B]] == pytest.approx(0.02 ** 0.25, rel=1e-9)
+    assert prune(g, r, 3, score="reach") == [ids[A], ids[C], ids[E]]  # the chain, depth 3
+    assert ids[B] in prune(g, r, 3, score="gm")  # gm: B's local 1.0 ties the chain's, the lower level wins
+    # with real probabilities the product decides between nodes of similar frequency
+    g2 = DraftGraph.from_formulas([(1, A), (1, B), (2, C), (2, D), (3, E)], counts=[100, 20, 50, 50, 40])
+    ids2 = _ids(g2)
+    r2 = _ranking_from_probs(PROBS)
+    s2 = node_scores(g2, r2, "reach")
+    assert s2[ids2[D]] == pytest.approx(0.8 * 0.35 * 0.5 ** 0.25)
+    assert s2[ids2[E]] == pytest.approx(0.8 * 0.5 * 0.4 * 0.4 ** 0.25)
+    # uncalibrated graphs (all counts 0): the product alone
+    g3 = DraftGraph.from_formulas([(1, A), (2, C)])
+    assert node_scores(g3, r2, "reach")[_ids(g3)[C]] == pytest.approx(0.8 * 0.5)
+
+
+def test_resolve_score_prefers_argument_then_graph_then_gm() -> None:
+    g = DraftGraph.from_formulas([(1, A)], meta={"calibrated_for": {}, "calibration": {"score": "reach"}})
+    assert g.pruning_score == "reach"
+    assert resolve_score(None, g) == "reach"
+    assert resolve_score("count", g) == "count"
+    assert resolve_score(None, _hand_graph()) == "gm"
+    assert resolve_score(None, None) == "gm"
+    with pytest.raises(ConfigError, match="unknown pruning score 'nope'"):
+        resolve_score("nope", g)
+    bad = DraftGraph.from_formulas([(1, A)], meta={"calibrated_for": {}, "calibration": {"score": "nope"}})
+    with pytest.raises(ConfigError, match="use one of"):
+        resolve_score(None, bad)
+    # the score travels through the file
+    again = DraftGraph.from_json_dict(g.to_json_dict())
+    assert again.pruning_score == "reach"
 
 
 def test_unavailable_nodes_never_kept() -> None:

@@ -37,6 +37,7 @@ from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.prompting import prompt_token_ids
 from spiffy.selfspec.freedave import freedave_graph, parse_freedave_steps
+from spiffy.selfspec.pruning import resolve_score
 
 TOKEN_UNIT = "generated positions (gen_length per prompt, EOS padding included)"
 
@@ -52,12 +53,13 @@ def _special_ids(tokenizer: Any, model: Any) -> set[int]:
     return ids
 
 
-def _graph_info(graph: Any, path: str | None) -> dict[str, Any]:
+def _graph_info(graph: Any, path: str | None, score: str) -> dict[str, Any]:
     meta = getattr(graph, "meta", {}) or {}
     cal = meta.get("calibration", {}) if isinstance(meta, dict) else {}
     return {
         "path": path,
         "nodes": len(getattr(graph, "nodes", []) or []),
+        "score": score,
         "calibration_dataset": cal.get("dataset"),
         "calibration_prompts": cal.get("num_prompts"),
         "projected": dict(getattr(graph, "projected", {}) or {}),
@@ -89,6 +91,7 @@ def run_dllm_bench(
     device: Any = None,
     parallel: DataParallel | None = None,
     freedave: Sequence[int] = (),
+    score: str | None = None,
 ) -> dict[str, Any]:
     """Benchmark baseline vs Spiffy at each budget on ``prompts``; returns a JSON-ready results dict.
 
@@ -106,6 +109,8 @@ def run_dllm_bench(
             order (timings are each rank's own). ``None``: one process.
         freedave: FreeDave draft steps ``K`` to add as comparison rows (``K`` states per forward, like Spiffy at
             ``D* = K - 1``): the top-k chain graph of :mod:`spiffy.selfspec.freedave` at budget ``K - 1``, same prompts.
+        score: the pruning score of the Spiffy rows (``None`` = the graph's recorded one, else ``"gm"``); a FreeDave
+            chain keeps the same nodes under every score.
     Returns:
         dict with ``baseline``, ``runs`` (one per budget), ``per_prompt``, ``environment`` and the run's metadata.
     Raises:
@@ -115,6 +120,7 @@ def run_dllm_bench(
     extra = dict(config_overrides or {})
     budgets = [int(b) for b in budgets]
     # one row per (key, graph, budget): Spiffy rows keyed by budget, FreeDave rows by "freedave:K"
+    score = resolve_score(score, graph)
     rows_spec: list[tuple[Any, Any, int]] = [(b, graph, b) for b in budgets]
     for k in (parse_freedave_steps(v) for v in freedave):
         rows_spec.append((f"freedave:{k}", freedave_graph(model, config, k, **extra), k - 1))
@@ -129,6 +135,7 @@ def run_dllm_bench(
             tokenizer=tokenizer,
             graph=None if budget is None else row_graph,
             budget=budget,
+            score=score if row_graph is graph else None,
             **extra,
         )
 
@@ -287,7 +294,7 @@ def run_dllm_bench(
         "timing": "wall time of each decode (tokenisation excluded), same process, same prompts, after "
                   f"{max(0, int(warmup))} untimed warm-up round(s); speedup = baseline seconds / Spiffy seconds",
         "warmup": max(0, int(warmup)),
-        "graph": _graph_info(graph, graph_path),
+        "graph": _graph_info(graph, graph_path, score),
         "budgets": budgets,
         "baseline": baseline,
         "runs": runs,

@@ -97,8 +97,9 @@ def measure(methods: dict[str, BatchCall], prompts: list[list[int]], batch_sizes
 
 
 def dllm_methods(model: Any, tokenizer: Any, config: Any, graph: Any, budgets: Sequence[int], device: Any,
-                 extra: dict[str, Any]) -> dict[str, BatchCall]:
-    """The dLLM baseline and batched Spiffy at each budget as :data:`BatchCall` s (left-padded batches)."""
+                 extra: dict[str, Any], *, score: str | None = None) -> dict[str, BatchCall]:
+    """The dLLM baseline and batched Spiffy at each budget as :data:`BatchCall` s (left-padded batches); ``score``:
+    the pruning score (``None`` = the graph's recorded one, else ``"gm"``)."""
 
     def make(budget: int | None) -> BatchCall:
         def call(batch: list[list[int]]) -> tuple[list[list[int]], int]:
@@ -109,7 +110,7 @@ def dllm_methods(model: Any, tokenizer: Any, config: Any, graph: Any, budgets: S
                 ids[r, width - len(row) :] = torch.tensor(row, dtype=torch.long, device=device)
                 mask[r, width - len(row) :] = 1
             res = generate(model, ids, config, attention_mask=None if bool(mask.all()) else mask, tokenizer=tokenizer,
-                           graph=None if budget is None else graph, budget=budget, **extra)
+                           graph=None if budget is None else graph, budget=budget, score=score, **extra)
             return res.tokens, int(res.nfe)
         return call
 

@@ -46,6 +46,7 @@ from spiffy.models.hub import checkpoint_dir
 from spiffy.models.prompting import stop_token_ids
 from spiffy.selfspec.freedave import parse_freedave_steps
 from spiffy.selfspec.graph import load_graph
+from spiffy.selfspec.pruning import SCORES
 from spiffy.torch_utils import model_device
 
 
@@ -87,6 +88,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument("--freedave", default=None, metavar="LIST",
                    help="also run FreeDave with these draft steps K (= states per forward, like Spiffy at D* = K-1), "
                         "e.g. 2,4,6: same run, same prompts (FreeDave is the top-k chain graph, no calibration)")
+    d.add_argument("--score", default=None, choices=SCORES,
+                   help="pruning score of the Spiffy rows (default: the one the graph was calibrated for, else gm)")
     _common(d, "1,3,5")
     add_decoding_arguments(d)
     d.set_defaults(handler=run, bench_mode="dllm")
@@ -189,7 +192,7 @@ def run_dllm(args: argparse.Namespace) -> int:
         print(f"spiffy bench dllm: using the graph shipped with the model: {graph_path}", file=sys.stderr)
     graph = load_graph(graph_path)
     if _batch_sizes(args):
-        methods = dllm_methods(model, tokenizer, cfg, graph, budgets, device, extra)
+        methods = dllm_methods(model, tokenizer, cfg, graph, budgets, device, extra, score=args.score)
         return _throughput(args, "dllm", methods, model, tokenizer, prompts, device, graph=str(graph_path),
                            gen_length=cfg.gen_length)
     freedave = [parse_freedave_steps(v) for v in (args.freedave or "").split(",") if v.strip()]
@@ -199,7 +202,7 @@ def run_dllm(args: argparse.Namespace) -> int:
     res = run_dllm_bench(
         model, tokenizer, prompts, cfg, graph, budgets, config_overrides=extra, chat=not args.no_chat,
         warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
-        graph_path=str(graph_path), device=device, parallel=dp, freedave=freedave,
+        graph_path=str(graph_path), device=device, parallel=dp, freedave=freedave, score=args.score,
     )
     return _finish(args, res, "some speculative outputs differ from the baseline")
 

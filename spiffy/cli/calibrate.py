@@ -27,6 +27,7 @@ from spiffy.embedded import default_dllm_path
 from spiffy.models import load_model, load_tokenizer
 from spiffy.selfspec.calibrate import calibrate
 from spiffy.selfspec.prompts import load_prompts
+from spiffy.selfspec.pruning import SCORES
 
 
 _PARSER: argparse.ArgumentParser | None = None
@@ -54,7 +55,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "subgraph (cumfreq) or its degree-1 accumulation (degree1), or the exact optimum (exact, "
                              "integer programming; small calibrations)")
     parser.add_argument("--max-level", type=int, default=None, metavar="L",
-                        help="deepest lookahead recorded (default: up to the block end)")
+                        help="deepest lookahead recorded (default: up to the block end). A small L (around the budget "
+                             "D* you run) leaves nodes for branches instead of an ever deeper chain; pair it with "
+                             "--score reach")
+    parser.add_argument("--score", default=None, choices=SCORES,
+                        help="pruning score recorded in the graph, which generate/bench then run it with unless told "
+                             "otherwise (default: none recorded, the runtime uses gm). reach suits graphs with branches")
     parser.add_argument("--i-max", type=int, default=None, metavar="I",
                         help="position-rank cap of the formulas (default: the block length)")
     parser.add_argument("--j-max", type=int, default=4, metavar="J", help="token-rank cap of the formulas (default 4)")
@@ -113,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         i_max=args.i_max,
         j_max=args.j_max,
         objective=args.objective,
+        score=args.score,
         max_prompts=args.max_prompts,
         seed=int(args.seed or 0),
         chat=not args.no_chat,

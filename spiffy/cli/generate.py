@@ -26,6 +26,7 @@ from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve
 from spiffy.errors import ConfigError
 from spiffy.models import load_model, load_tokenizer
 from spiffy.selfspec.freedave import freedave_graph, is_freedave_spec, parse_freedave_steps
+from spiffy.selfspec.pruning import SCORES
 from spiffy.selfspec.graph import load_graph
 from spiffy.torch_utils import model_device
 
@@ -144,6 +145,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "with K draft steps, no calibration)")
     parser.add_argument("--budget", type=int, default=None, metavar="D",
                         help="draft nodes kept per step with --graph (default 3); AR mode: DDTree node budget")
+    parser.add_argument("--score", default=None, choices=SCORES,
+                        help="pruning score that picks the --budget nodes (default: the one the graph was calibrated "
+                             "for, else gm)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_placement_arguments(parser)
     add_decoding_arguments(parser)
@@ -203,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
             graph = _load_graph(args.graph)
     if graph is None and args.budget is not None:
         print("spiffy generate: note: --budget has no effect without --graph", file=sys.stderr)
+    if graph is None and args.score is not None:
+        print("spiffy generate: note: --score has no effect without --graph", file=sys.stderr)
     input_ids, attention_mask = _left_pad(batch, tokenizer)
     res = generate(
         model,
@@ -212,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer=tokenizer,
         graph=graph,
         budget=args.budget,
+        score=args.score,
         progress=not args.no_progress and len(batch) == 1,
         **extra,
     )

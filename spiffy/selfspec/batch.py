@@ -38,9 +38,8 @@ import torch
 
 from spiffy.decoding.batch import RowPlace, is_stopped, row_layout
 from spiffy.decoding.session import DecodeSession, close_block
-from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import rank_state, window_covers
-from spiffy.selfspec.pruning import SCORES, check_budget, prune
+from spiffy.selfspec.pruning import check_budget, prune, resolve_score
 from spiffy.selfspec.runtime import DEFAULT_BUDGET, SpeculativeStats, _instantiate_dedup, _Plan, _Walk, record_walk
 from spiffy.verify.backend import follow
 
@@ -80,7 +79,7 @@ def speculative_generate_batch(
     graph: Any,
     budget: int | None = DEFAULT_BUDGET,
     *,
-    score: str = "gm",
+    score: str | None = None,
 ) -> tuple[list[SpeculativeStats], int]:
     """Decode every row with Spiffy self-speculation; ``row_sessions[r].x`` holds row ``r``'s final state.
 
@@ -90,7 +89,8 @@ def speculative_generate_batch(
         row_sessions: ``B`` prepared batch-1 sessions, row ``r`` = prompt ``r`` unpadded with its own generator.
         graph: the calibrated draft graph (``None`` = no drafts).
         budget: drafts kept per row and step (``None`` = 3; ``0`` = none).
-        score: pruning score.
+        score: pruning score; ``None`` = the graph's recorded one, else ``"gm"``
+            (:func:`~spiffy.selfspec.pruning.resolve_score`).
     Returns:
         ``(per-row SpeculativeStats, model calls made for the whole batch)``. A row's ``nfe`` counts the forwards
         that served it, which is what the same prompt decoded alone makes.
@@ -100,8 +100,7 @@ def speculative_generate_batch(
     if budget is None:
         budget = DEFAULT_BUDGET
     check_budget(budget)
-    if score not in SCORES:
-        raise ConfigError(f"unknown pruning score {score!r}; fix: use one of {', '.join(SCORES)}")
+    score = resolve_score(score, graph)
     places = row_layout(forward_session, row_sessions)
     plan = _Plan(graph)
     use_drafts = budget > 0 and bool(plan.nodes)

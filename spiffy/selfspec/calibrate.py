@@ -28,6 +28,7 @@ from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.selfspec.chains import ChainRecorder, Trajectory, all_chains, describe
 from spiffy.selfspec.graph import DraftGraph, runtime_signature
 from spiffy.selfspec.prompts import load_prompts, prompt_token_ids
+from spiffy.selfspec.pruning import check_score
 from spiffy.selfspec.select import OBJECTIVES, build_graph
 from spiffy.torch_utils import dtype_name, model_device, model_dtype
 
@@ -55,6 +56,7 @@ def calibrate(
     i_max: int | None = None,
     j_max: int = DEFAULT_J_MAX,
     objective: str = "greedy",
+    score: str | None = None,
     max_prompts: int | None = None,
     seed: int = 0,
     chat: bool = True,
@@ -78,6 +80,9 @@ def calibrate(
         i_max: position-rank cap (``None`` = the block length: every position).
         j_max: token-rank cap.
         objective: ``"greedy"`` (default), ``"cumfreq"``, ``"degree1"`` or ``"exact"``.
+        score: the pruning score to record in the file (``calibration.score``), which the runtime then uses by
+            default (:func:`spiffy.selfspec.pruning.resolve_score`); ``None`` records none (the runtime uses
+            ``"gm"``). ``"reach"`` suits graphs with branches (a small ``max_level``).
         max_prompts: use only the first ``max_prompts`` prompts.
         seed: prompt ``k`` decodes with seed ``seed + k``.
         chat: apply the tokenizer's chat template (when it has one).
@@ -99,6 +104,8 @@ def calibrate(
     """
     if objective not in OBJECTIVES:
         raise ConfigError(f"unknown calibration objective {objective!r}; fix: use one of {', '.join(OBJECTIVES)}")
+    if score is not None:
+        check_score(score)
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
         raise ConfigError(f"nodes={nodes!r} must be an integer >= 0; fix: pass e.g. nodes=10")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -212,6 +219,7 @@ def calibrate(
         "max_level": max_level,
         "nodes": nodes,
         "objective": objective,
+        **({"score": score} if score is not None else {}),
         "gen_length": int(cfg.gen_length),
         "config_overrides": overrides or None,
         "decode_config": decode_config,
@@ -221,7 +229,7 @@ def calibrate(
         "torch_version": torch.__version__.split("+")[0],
         "transformers_version": _transformers_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "command": command or _api_command(label, nodes, objective, max_prompts, seed, i_max, j_max, max_level),
+        "command": command or _api_command(label, nodes, objective, max_prompts, seed, i_max, j_max, max_level, score),
     }
     tps = calibrated_for.get("tokens_per_step")
     tps_int = tps if isinstance(tps, int) and not isinstance(tps, bool) else None
@@ -242,10 +250,12 @@ def _transformers_version() -> str | None:
     return str(transformers.__version__)
 
 
-def _api_command(label: str, nodes: int, objective: str, max_prompts: int | None, seed: int, i_max: int, j_max: int, max_level: int | None) -> str:
+def _api_command(label: str, nodes: int, objective: str, max_prompts: int | None, seed: int, i_max: int, j_max: int,
+                 max_level: int | None, score: str | None) -> str:
     return (
         f"spiffy.selfspec.calibrate.calibrate(prompts={label!r}, nodes={nodes}, objective={objective!r}, "
-        f"max_prompts={max_prompts}, seed={seed}, i_max={i_max}, j_max={j_max}, max_level={max_level})"
+        f"max_prompts={max_prompts}, seed={seed}, i_max={i_max}, j_max={j_max}, max_level={max_level}"
+        + (f", score={score!r})" if score is not None else ")")
     )
 
 

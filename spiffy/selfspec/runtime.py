@@ -39,7 +39,7 @@ from spiffy.decoding.session import DecodeSession, StepRecord, StepObserver, clo
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import instantiate_many, rank_state, window_covers
 from spiffy.selfspec.graph import DraftGraph
-from spiffy.selfspec.pruning import SCORES, check_budget, prune
+from spiffy.selfspec.pruning import check_budget, prune, resolve_score
 from spiffy.verify.backend import follow
 
 DEFAULT_BUDGET = 3
@@ -125,7 +125,7 @@ def speculative_generate(
     graph: Any,
     budget: int | None = DEFAULT_BUDGET,
     *,
-    score: str = "gm",
+    score: str | None = None,
     observer: StepObserver | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> SpeculativeStats:
@@ -136,7 +136,8 @@ def speculative_generate(
         graph: a :class:`~spiffy.selfspec.graph.DraftGraph` (anything with ``nodes`` of ``DraftNode``-like
             objects works); ``None`` = no drafts.
         budget: drafts kept per step (``None`` = 3; ``0`` = no drafts, the baseline's NFE).
-        score: pruning score (``"gm"`` default, ``"product"``, ``"local"``, ``"count"``).
+        score: pruning score (:data:`~spiffy.selfspec.pruning.SCORES`); ``None`` = the one the graph's calibration
+            recorded, else ``"gm"`` (:func:`~spiffy.selfspec.pruning.resolve_score`).
         observer: called with a :class:`~spiffy.decoding.session.StepRecord` after every transition, exactly as
             :func:`~spiffy.decoding.session.run_baseline` does (accepted steps included).
         progress: called with the number of steps just taken.
@@ -148,8 +149,7 @@ def speculative_generate(
     if budget is None:
         budget = DEFAULT_BUDGET
     check_budget(budget)
-    if score not in SCORES:
-        raise ConfigError(f"unknown pruning score {score!r}; fix: use one of {', '.join(SCORES)}")
+    score = resolve_score(score, graph)
     if session.x.dim() != 2 or session.x.shape[0] != 1:
         raise ConfigError(
             f"speculative decoding needs a batch-1 session, got x of shape {tuple(session.x.shape)}; "

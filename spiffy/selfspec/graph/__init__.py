@@ -16,14 +16,15 @@ File format (``"format": "spiffy-draft-graph"``, ``"version": 1``; JSON, human r
                          "mask_id": ..., "block_length": ..., "steps_per_block": ..., "threshold": ...,
                          "remasking": ..., "temperature": ..., "cache": ..., "tokens_per_step": ...},
       "calibration": {"dataset": ..., "num_prompts": ..., "seed": ..., "i_max": ..., "j_max": ..., "max_level": ...,
-                      "objective": ..., "library_version": ..., "date": ..., "command": ...},
+                      "objective": ..., ["score": ...,] "library_version": ..., "date": ..., "command": ...},
       "graph": {"num_nodes": D, "max_level": L,
                 "nodes": [{"id": 0, "level": 1, "pairs": [[1, 1]], "parents": [], "count": 123}, ...]},
       "projected": {"baseline_nfe": ..., "projected_nfe": ..., "reduction": ...}
     }
 
 ``model`` is a directory path or a Hub id; for a model loaded from the Hub (or from a Hugging Face cache snapshot)
-it is ``ORG/NAME`` and ``model_revision`` the snapshot's commit.
+it is ``ORG/NAME`` and ``model_revision`` the snapshot's commit. ``calibration.score``, when present, names the
+pruning score the graph was selected for and is run with by default (:mod:`spiffy.selfspec.pruning`).
 
 Modules: :mod:`~spiffy.selfspec.graph.nodes` (nodes and the link rule), :mod:`~spiffy.selfspec.graph.core`
 (:class:`DraftGraph`, :func:`load_graph`), :mod:`~spiffy.selfspec.graph.validation` (structural checks; networkx

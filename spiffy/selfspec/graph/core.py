@@ -112,6 +112,14 @@ class DraftGraph:
         return cf if isinstance(cf, dict) else {}
 
     @property
+    def pruning_score(self) -> str | None:
+        """The pruning score the graph was calibrated for (``calibration.score``; ``None``: not recorded, the runtime
+        uses ``"gm"``). See :mod:`spiffy.selfspec.pruning`."""
+        cal = self.meta.get("calibration")
+        score = cal.get("score") if isinstance(cal, dict) else None
+        return score if isinstance(score, str) else None
+
+    @property
     def tokens_per_step(self) -> int | None:
         """Uniform tokens per step of a static schedule, or ``None`` (dynamic / non-uniform / unknown)."""
         return static_tps(self.meta)

@@ -104,6 +104,8 @@ def parse(d: Any) -> tuple[list[DraftNode], dict[str, Any], dict[str, Any]]:
     cal = d.get("calibration", {})
     if not isinstance(cal, dict):
         raise GraphError(f"field 'calibration' must be an object, got {type(cal).__name__}")
+    if cal.get("score") is not None and not isinstance(cal.get("score"), str):
+        raise GraphError(f"field 'calibration.score' must be a pruning score name, got {cal.get('score')!r}")
     projected = d.get("projected", {})
     if not isinstance(projected, dict):
         raise GraphError(f"field 'projected' must be an object, got {type(projected).__name__}")

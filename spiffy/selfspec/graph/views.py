@@ -81,7 +81,7 @@ def summary(graph: Any) -> str:
         lines.append("calibrated for: " + ", ".join(parts))
     cal = graph.meta.get("calibration")
     if isinstance(cal, dict) and cal:
-        shown = ["dataset", "num_prompts", "seed", "i_max", "j_max", "max_level", "objective", "library_version", "date"]
+        shown = ["dataset", "num_prompts", "seed", "i_max", "j_max", "max_level", "objective", "score", "library_version", "date"]
         lines.append("calibration:    " + ", ".join(f"{k}={cal[k]}" for k in shown if k in cal))
         if cal.get("command"):
             lines.append(f"command:        {cal['command']}")
