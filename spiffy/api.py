@@ -120,7 +120,7 @@ def generate(
             decoding (identical tokens, fewer forwards). Batches (``B > 1``, left padded) run the batched baseline
             (:mod:`spiffy.decoding.batch`) or batched Spiffy (:mod:`spiffy.selfspec.batch`): either way row ``r``
             equals prompt ``r`` decoded alone with its seed (see ``generator``), so the two agree row for row.
-        budget: draft nodes kept per step with a graph (``None`` = the runtime's default).
+        budget: draft nodes kept per step with a graph (``None`` = the ``D*`` the graph was tuned for, else 3).
         score: the pruning score that picks them (:data:`spiffy.selfspec.pruning.SCORES`; ``None`` = the one the
             graph was calibrated for, else ``"gm"``).
         observer: called with every :class:`~spiffy.decoding.session.StepRecord` (one prompt at a time only).

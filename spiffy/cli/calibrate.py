@@ -58,6 +58,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="deepest lookahead recorded (default: up to the block end). A small L (around the budget "
                              "D* you run) leaves nodes for branches instead of an ever deeper chain; pair it with "
                              "--score reach")
+    parser.add_argument("--budget", type=int, default=None, metavar="D*",
+                        help="tune the graph for D* drafts per step: build the default graph and one capped at "
+                             "lookahead D*, replay the runtime's pruning on the calibration prompts with each score, "
+                             "keep the one that saves most at D* (records its score; prints what each candidate "
+                             "saved). Use the D* you will run")
     parser.add_argument("--score", default=None, choices=SCORES,
                         help="pruning score recorded in the graph, which generate/bench then run it with unless told "
                              "otherwise (default: none recorded, the runtime uses gm). reach suits graphs with branches")
@@ -120,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         j_max=args.j_max,
         objective=args.objective,
         score=args.score,
+        budget=args.budget,
         max_prompts=args.max_prompts,
         seed=int(args.seed or 0),
         chat=not args.no_chat,

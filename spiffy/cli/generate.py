@@ -144,7 +144,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "shipped graph calibrated for these decoding flags), or freedave:K (FreeDave's top-k chain "
                              "with K draft steps, no calibration)")
     parser.add_argument("--budget", type=int, default=None, metavar="D",
-                        help="draft nodes kept per step with --graph (default 3); AR mode: DDTree node budget")
+                        help="draft nodes kept per step with --graph (default: the D* the graph was tuned for, else 3); "
+                             "AR mode: DDTree node budget")
     parser.add_argument("--score", default=None, choices=SCORES,
                         help="pruning score that picks the --budget nodes (default: the one the graph was calibrated "
                              "for, else gm)")

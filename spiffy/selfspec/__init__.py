@@ -4,11 +4,14 @@ Modules:
 
 * :mod:`spiffy.selfspec.formulas`: ranking of the latest distribution and instantiation of formulas (shared by
   calibration and runtime).
-* :mod:`spiffy.selfspec.pruning`: per-step node scores (``gm`` default) and parent-closed top-``budget`` selection.
+* :mod:`spiffy.selfspec.pruning`: per-step node scores (``gm`` default, ``reach`` for graphs with branches) and
+  parent-closed top-``budget`` selection.
 * :mod:`spiffy.selfspec.runtime`: :func:`speculative_generate`, the exact one-forward verification loop.
 * :mod:`spiffy.selfspec.oracle`: oracle / random graphs for tests and benchmarks.
 * :mod:`spiffy.selfspec.graph`, :mod:`spiffy.selfspec.calibrate`: draft-graph objects/files and calibration
   (import ``calibrate`` from its module).
+* :mod:`spiffy.selfspec.tune`: the runtime's pruning replayed on calibration trajectories, and the choice of graph
+  shape and score for a budget ``D*`` (``calibrate(..., budget=D*)``).
 
 Names are imported lazily.
 """

@@ -39,8 +39,8 @@ import torch
 from spiffy.decoding.batch import RowPlace, is_stopped, row_layout
 from spiffy.decoding.session import DecodeSession, close_block
 from spiffy.selfspec.formulas import rank_state, window_covers
-from spiffy.selfspec.pruning import check_budget, prune, resolve_score
-from spiffy.selfspec.runtime import DEFAULT_BUDGET, SpeculativeStats, _instantiate_dedup, _Plan, _Walk, record_walk
+from spiffy.selfspec.pruning import prune, resolve_budget, resolve_score
+from spiffy.selfspec.runtime import SpeculativeStats, _instantiate_dedup, _Plan, _Walk, record_walk
 from spiffy.verify.backend import follow
 
 
@@ -77,7 +77,7 @@ def speculative_generate_batch(
     forward_session: DecodeSession,
     row_sessions: Sequence[DecodeSession],
     graph: Any,
-    budget: int | None = DEFAULT_BUDGET,
+    budget: int | None = None,
     *,
     score: str | None = None,
 ) -> tuple[list[SpeculativeStats], int]:
@@ -88,7 +88,7 @@ def speculative_generate_batch(
             its own rule and generator are never used).
         row_sessions: ``B`` prepared batch-1 sessions, row ``r`` = prompt ``r`` unpadded with its own generator.
         graph: the calibrated draft graph (``None`` = no drafts).
-        budget: drafts kept per row and step (``None`` = 3; ``0`` = none).
+        budget: drafts kept per row and step (``None`` = the graph's tuned ``D*``, else 3; ``0`` = none).
         score: pruning score; ``None`` = the graph's recorded one, else ``"gm"``
             (:func:`~spiffy.selfspec.pruning.resolve_score`).
     Returns:
@@ -97,9 +97,7 @@ def speculative_generate_batch(
     Raises:
         ConfigError: mismatched layouts, ``budget < 0``, unknown score.
     """
-    if budget is None:
-        budget = DEFAULT_BUDGET
-    check_budget(budget)
+    budget = resolve_budget(budget, graph)
     score = resolve_score(score, graph)
     places = row_layout(forward_session, row_sessions)
     plan = _Plan(graph)

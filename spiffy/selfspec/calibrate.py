@@ -30,6 +30,7 @@ from spiffy.selfspec.graph import DraftGraph, runtime_signature
 from spiffy.selfspec.prompts import load_prompts, prompt_token_ids
 from spiffy.selfspec.pruning import check_score
 from spiffy.selfspec.select import OBJECTIVES, build_graph
+from spiffy.selfspec.tune import tune_for_budget
 from spiffy.torch_utils import dtype_name, model_device, model_dtype
 
 DEFAULT_NODES = 10
@@ -57,6 +58,7 @@ def calibrate(
     j_max: int = DEFAULT_J_MAX,
     objective: str = "greedy",
     score: str | None = None,
+    budget: int | None = None,
     max_prompts: int | None = None,
     seed: int = 0,
     chat: bool = True,
@@ -83,6 +85,12 @@ def calibrate(
         score: the pruning score to record in the file (``calibration.score``), which the runtime then uses by
             default (:func:`spiffy.selfspec.pruning.resolve_score`); ``None`` records none (the runtime uses
             ``"gm"``). ``"reach"`` suits graphs with branches (a small ``max_level``).
+        budget: tune the graph for this many drafts kept per step (``D*``): the default graph and one capped at
+            lookahead ``D*`` are built from the same trajectories, the runtime's pruning is replayed on them with
+            each score, and the one that saves most at ``D*`` is returned (:mod:`spiffy.selfspec.tune`; it records
+            its ``nodes``, ``max_level``, ``score`` and ``budget``; ``projected["at_budget"]`` and
+            ``projected["candidates"]`` say what each saved). ``None``: no tuning. Chooses the score itself, so
+            ``score`` must then be ``None``.
         max_prompts: use only the first ``max_prompts`` prompts.
         seed: prompt ``k`` decodes with seed ``seed + k``.
         chat: apply the tokenizer's chat template (when it has one).
@@ -106,6 +114,11 @@ def calibrate(
         raise ConfigError(f"unknown calibration objective {objective!r}; fix: use one of {', '.join(OBJECTIVES)}")
     if score is not None:
         check_score(score)
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ConfigError(f"budget={budget!r} must be None or an integer >= 1; fix: pass e.g. --budget 3")
+        if score is not None:
+            raise ConfigError("budget= tunes the pruning score itself; fix: pass either a budget or a score, not both")
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
         raise ConfigError(f"nodes={nodes!r} must be an integer >= 0; fix: pass e.g. nodes=10")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -229,19 +242,17 @@ def calibrate(
         "torch_version": torch.__version__.split("+")[0],
         "transformers_version": _transformers_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "command": command or _api_command(label, nodes, objective, max_prompts, seed, i_max, j_max, max_level, score),
+        "command": command or _api_command(label, nodes, objective, max_prompts, seed, i_max, j_max, max_level, score, budget),
     }
     tps = calibrated_for.get("tokens_per_step")
     tps_int = tps if isinstance(tps, int) and not isinstance(tps, bool) else None
     chains = all_chains(trajectories)
-    graph = build_graph(
-        chains,
-        nodes,
-        objective,
-        meta={"calibrated_for": calibrated_for, "calibration": calibration},
-        tokens_per_step=tps_int,
-        trajectories=trajectories,
-    )
+    meta = {"calibrated_for": calibrated_for, "calibration": calibration}
+    if budget is None:
+        graph = build_graph(chains, nodes, objective, meta=meta, tokens_per_step=tps_int, trajectories=trajectories)
+    else:
+        graph = tune_for_budget(chains, trajectories, budget, nodes=nodes, objective=objective, max_level=max_level,
+                                meta=meta, tokens_per_step=tps_int)
     graph.projected.update({f"calibration_{k}": v for k, v in describe(trajectories).items()})
     return graph
 
@@ -251,11 +262,11 @@ def _transformers_version() -> str | None:
 
 
 def _api_command(label: str, nodes: int, objective: str, max_prompts: int | None, seed: int, i_max: int, j_max: int,
-                 max_level: int | None, score: str | None) -> str:
+                 max_level: int | None, score: str | None, budget: int | None) -> str:
+    extra = (f", score={score!r}" if score is not None else "") + (f", budget={budget}" if budget is not None else "")
     return (
         f"spiffy.selfspec.calibrate.calibrate(prompts={label!r}, nodes={nodes}, objective={objective!r}, "
-        f"max_prompts={max_prompts}, seed={seed}, i_max={i_max}, j_max={j_max}, max_level={max_level}"
-        + (f", score={score!r})" if score is not None else ")")
+        f"max_prompts={max_prompts}, seed={seed}, i_max={i_max}, j_max={j_max}, max_level={max_level}{extra})"
     )
 
 

@@ -3,8 +3,10 @@
 At every recorded step ``n`` whose state ``x_n`` could carry drafts at run time, the chain of step ``n`` is
 ``f_1 ⊂ f_2 ⊂ ...``: ``f_l`` is the set of ``(i, j)`` pairs of the positions/tokens unmasked between ``x_n`` and
 ``x_{n+l}`` inside the current block, ranked under ``P_{n-1}`` (the logits that produced ``x_n``) exactly as the
-runtime ranks them (:func:`spiffy.selfspec.formulas.rank_state`: positions still masked in the block of ``x_n`` by
-top-1 probability, descending, ties -> lower row; tokens by probability, ties -> lower id).
+runtime ranks them (:func:`spiffy.selfspec.formulas.rank_state`: positions still masked in the block of ``x_n`` in
+the order the baseline's own selection would pick them, else by top-1 probability with ties to the lower row; tokens
+by probability, ties -> lower id). The ranking's probabilities are kept too, so that the runtime's pruning can be
+replayed on the recorded steps (:mod:`spiffy.selfspec.tune`).
 
 A step can carry drafts only when
 
@@ -68,6 +70,8 @@ class Trajectory:
         num_steps: denoising steps taken.
         blocks: block index of every step, in order.
         chains: ``{global step index: chain}`` for the steps that can carry drafts (chains may be empty).
+        probs: ``{global step index: [I, J] tensor}`` for the same steps: ``p_ij`` of the step's ranking (CPU),
+            what the pruning scores read.
     """
 
     prompt: int
@@ -75,6 +79,7 @@ class Trajectory:
     num_steps: int
     blocks: list[int] = field(default_factory=list)
     chains: dict[int, Chain] = field(default_factory=dict)
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def chain_list(self) -> list[Chain]:
         return [self.chains[k] for k in sorted(self.chains)]
@@ -87,6 +92,7 @@ class _Start:
     step: int
     rank_of_row: dict[int, int]
     top_tokens: dict[int, list[int]]
+    probs: torch.Tensor
 
 
 class ChainRecorder:
@@ -163,6 +169,7 @@ class ChainRecorder:
                         step=int(info.step),
                         rank_of_row={row: k + 1 for k, row in enumerate(rows)},
                         top_tokens={row: toks[k] for k, row in enumerate(rows)},
+                        probs=r.token_probs.detach().cpu(),
                     )
                 )
         # what this step unmasked
@@ -189,6 +196,7 @@ class ChainRecorder:
         traj = Trajectory(prompt=self.prompt, nfe=int(nfe), num_steps=self._n, blocks=list(self._blocks))
         for s in self._starts:
             traj.chains[s.index] = Chain(self.prompt, s.index, s.block, s.step, self._chain(s))
+            traj.probs[s.index] = s.probs
         self._prev = None
         return traj
 

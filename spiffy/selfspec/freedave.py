@@ -33,8 +33,7 @@ import torch
 
 from spiffy.decoding import make_session
 from spiffy.errors import ConfigError
-from spiffy.selfspec.calibrate import runtime_signature
-from spiffy.selfspec.graph import DraftGraph
+from spiffy.selfspec.graph import DraftGraph, runtime_signature
 from spiffy.selfspec.graph.nodes import Pair
 
 #: how a FreeDave comparison is named on the command line: ``freedave:K`` (K draft steps = states per forward)

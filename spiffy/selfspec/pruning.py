@@ -40,6 +40,8 @@ from spiffy.selfspec.formulas import Ranking, pair_probs
 
 SCORES: tuple[str, ...] = ("gm", "product", "local", "count", "reach")
 DEFAULT_SCORE = "gm"
+#: drafts kept per step when neither the caller nor the graph (its tuned ``calibration.budget``) says
+DEFAULT_BUDGET = 3
 #: exponent of the calibrated frequency in the ``"reach"`` score. Chosen on calibration trajectories of the shipped
 #: tiny SDAR (HumanEval 41-90, never the evaluation prompts): the simulated reduction is flat between 0.15 and 0.5
 #: at D* = 2..5 and falls off towards 0 (the frequency then only breaks ties) and towards 1.
@@ -73,6 +75,15 @@ def resolve_score(score: str | None, graph: Any) -> str:
     (``graph.pruning_score``), else :data:`DEFAULT_SCORE`. ConfigError for an unknown score."""
     chosen = score if score is not None else getattr(graph, "pruning_score", None) or DEFAULT_SCORE
     check_score(chosen)
+    return chosen
+
+
+def resolve_budget(budget: int | None, graph: Any) -> int:
+    """Drafts to keep per step: ``budget`` when given, else the ``D*`` the graph was tuned for
+    (``graph.tuned_budget``, :mod:`spiffy.selfspec.tune`), else :data:`DEFAULT_BUDGET`. ConfigError if invalid."""
+    chosen = budget if budget is not None else getattr(graph, "tuned_budget", None)
+    chosen = DEFAULT_BUDGET if chosen is None else chosen
+    check_budget(chosen)
     return chosen
 
 
@@ -175,4 +186,5 @@ def is_parent_closed(graph: _Graph, kept: Sequence[int]) -> bool:
     return all(nodes[k].level == 1 or any(p in ks for p in nodes[k].parents) for k in kept)
 
 
-__all__ = ["SCORES", "DEFAULT_SCORE", "REACH_FREQUENCY_EXPONENT", "check_score", "resolve_score", "check_budget", "node_scores", "prune", "select_closed", "is_parent_closed"]
+__all__ = ["SCORES", "DEFAULT_SCORE", "DEFAULT_BUDGET", "REACH_FREQUENCY_EXPONENT", "check_score", "resolve_score",
+           "resolve_budget", "check_budget", "node_scores", "prune", "select_closed", "is_parent_closed"]

@@ -39,10 +39,9 @@ from spiffy.decoding.session import DecodeSession, StepRecord, StepObserver, clo
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import instantiate_many, rank_state, window_covers
 from spiffy.selfspec.graph import DraftGraph
-from spiffy.selfspec.pruning import check_budget, prune, resolve_score
+from spiffy.selfspec.pruning import DEFAULT_BUDGET, prune, resolve_budget, resolve_score
 from spiffy.verify.backend import follow
 
-DEFAULT_BUDGET = 3
 STAGES: tuple[str, ...] = ("rank", "prune", "instantiate", "verify", "walk")
 
 
@@ -123,7 +122,7 @@ def _sync(device: torch.device) -> None:
 def speculative_generate(
     session: DecodeSession,
     graph: Any,
-    budget: int | None = DEFAULT_BUDGET,
+    budget: int | None = None,
     *,
     score: str | None = None,
     observer: StepObserver | None = None,
@@ -135,7 +134,8 @@ def speculative_generate(
         session: a prepared batch-1 :class:`~spiffy.decoding.session.DecodeSession` (any family / cache mode).
         graph: a :class:`~spiffy.selfspec.graph.DraftGraph` (anything with ``nodes`` of ``DraftNode``-like
             objects works); ``None`` = no drafts.
-        budget: drafts kept per step (``None`` = 3; ``0`` = no drafts, the baseline's NFE).
+        budget: drafts kept per step (``None`` = the ``D*`` the graph was tuned for, else 3; ``0`` = no drafts, the
+            baseline's NFE).
         score: pruning score (:data:`~spiffy.selfspec.pruning.SCORES`); ``None`` = the one the graph's calibration
             recorded, else ``"gm"`` (:func:`~spiffy.selfspec.pruning.resolve_score`).
         observer: called with a :class:`~spiffy.decoding.session.StepRecord` after every transition, exactly as
@@ -146,9 +146,7 @@ def speculative_generate(
     Raises:
         ConfigError: batch size > 1, ``budget < 0``, unknown score.
     """
-    if budget is None:
-        budget = DEFAULT_BUDGET
-    check_budget(budget)
+    budget = resolve_budget(budget, graph)
     score = resolve_score(score, graph)
     if session.x.dim() != 2 or session.x.shape[0] != 1:
         raise ConfigError(

@@ -120,6 +120,14 @@ class DraftGraph:
         return score if isinstance(score, str) else None
 
     @property
+    def tuned_budget(self) -> int | None:
+        """The drafts per step (``D*``) the graph was tuned for (``calibration.budget``, ``spiffy calibrate
+        --budget``), which the runtime keeps when not told otherwise; ``None`` when it was not tuned."""
+        cal = self.meta.get("calibration")
+        budget = cal.get("budget") if isinstance(cal, dict) else None
+        return budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
+
+    @property
     def tokens_per_step(self) -> int | None:
         """Uniform tokens per step of a static schedule, or ``None`` (dynamic / non-uniform / unknown)."""
         return static_tps(self.meta)

@@ -1,0 +1,207 @@
+"""Tune a calibrated draft graph for the number of drafts kept per step (``D*``) by replaying the runtime's pruning.
+
+The ceiling that calibration projects keeps every node of the graph; at run time only ``D*`` nodes are kept per step,
+chosen from the current ranking by a pruning score (:mod:`spiffy.selfspec.pruning`). Calibration records each step's
+ranking probabilities (:attr:`~spiffy.selfspec.chains.Trajectory.probs`), so that choice can be replayed on the
+calibration trajectories: at step ``n`` keep ``prune(graph, ranking_n, D*, score)``, accept the longest prefix of the
+step's recorded chain whose formulas are kept and linked, and go on at step ``n + 1 + accepted``. This is the walk
+of :func:`~spiffy.selfspec.select.project` restricted to the kept nodes (:func:`project_at_budget`).
+
+:func:`tune_for_budget` builds candidate graphs from the same chains and replays each with each score at ``D*``:
+
+* ``default``: ``nodes`` nodes and the given level cap (none by default): on confident models the chain of the
+  top-ranked positions, as deep as the nodes allow;
+* ``capped``: lookahead capped at ``D*`` with ``max(nodes, 4 * D*)`` nodes, which leaves nodes for branches (the
+  second-ranked position first, the second token), for the ``reach`` score to choose among per step;
+* ``chain``: the top-k chain of depth ``D*`` (FreeDave's drafts, :mod:`spiffy.selfspec.freedave`), the reference.
+
+A candidate replaces the chain only when it saves clearly more on the calibration prompts: the mean of its per-prompt
+savings minus the chain's exceeds two standard errors of those paired differences (with a single prompt, any excess
+counts). Among those, the one that saves most is kept (ties: the earlier one). A margin of a few forwards in thousands
+is noise, and the chain, which needs no calibration, is what such noise should fall back to.
+
+Replaying costs no model call: a pruning per recorded step and candidate (milliseconds per thousand steps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from spiffy.errors import ConfigError
+from spiffy.selfspec.chains import Chain, Formula, Trajectory, count_formulas
+from spiffy.selfspec.formulas import Ranking
+from spiffy.selfspec.freedave import chain_formulas
+from spiffy.selfspec.graph import DraftGraph
+from spiffy.selfspec.pruning import check_budget, check_score, prune
+from spiffy.selfspec.select import build_graph, project
+
+#: node count of a ``capped`` candidate per draft kept (with at least the requested ``nodes``)
+CAPPED_NODES_PER_DRAFT = 4
+
+
+def replay_ranking(probs: torch.Tensor) -> Ranking:
+    """A :class:`Ranking` carrying only recorded probabilities ``[I, J]`` (all the pruning scores read)."""
+    i, j = int(probs.shape[0]), int(probs.shape[1])
+    return Ranking(
+        rows=torch.arange(i),
+        token_ids=torch.zeros(i, j, dtype=torch.long),
+        token_probs=probs,
+        num_masked=i,
+        block_start=0,
+        block_end=i,
+    )
+
+
+def _kept_depth(chain: Sequence[Formula], graph: DraftGraph, kept: set[int]) -> int:
+    """Drafts the walk accepts for ``chain`` when only the ``kept`` nodes were drafted."""
+    node: int | None = None
+    depth = 0
+    for level, formula in enumerate(chain, start=1):
+        nxt = next((c.id for c in graph.children(node) if c.id in kept and c.level == level and c.pairs == formula), None)
+        if nxt is None:
+            break
+        node, depth = nxt, level
+    return depth
+
+
+def project_at_budget(trajectories: Sequence[Trajectory], graph: DraftGraph, budget: int, score: str) -> dict[str, Any]:
+    """Replay the runtime's pruning at ``budget`` drafts per step on recorded trajectories.
+
+    Args:
+        trajectories: calibration trajectories with their ranking probabilities (:class:`Trajectory.probs`).
+        graph: the draft graph to prune.
+        budget: drafts kept per step (``D*``).
+        score: the pruning score (:data:`~spiffy.selfspec.pruning.SCORES`).
+    Returns:
+        ``{"budget", "score", "baseline_nfe", "projected_nfe", "reduction", "saved_forwards", "walks",
+        "accepted_per_level"}``; steps without drafts and block-start / commit forwards cost what they cost the
+        baseline, as in :func:`~spiffy.selfspec.select.project`.
+    Raises:
+        ConfigError: a bad budget or score, or a trajectory recorded without probabilities.
+    """
+    check_budget(budget)
+    check_score(score)
+    baseline = sum(t.nfe for t in trajectories)
+    saved = walks = 0
+    per_level: Counter[int] = Counter()
+    per_prompt: list[int] = []
+    for t in trajectories:
+        saved_before = saved
+        n = 0
+        while n < t.num_steps:
+            chain = t.chains.get(n)
+            depth = 0
+            if chain is not None:
+                walks += 1
+                if budget > 0 and chain.formulas and graph.nodes:
+                    probs = t.probs.get(n)
+                    if probs is None:
+                        raise ConfigError(
+                            f"trajectory of prompt {t.prompt} has no ranking probabilities at step {n}; fix: record it "
+                            "with spiffy.selfspec.chains.ChainRecorder (calibrate does)"
+                        )
+                    kept = set(prune(graph, replay_ranking(probs), budget, score))
+                    depth = _kept_depth(chain.formulas, graph, kept)
+            per_level.update(range(1, depth + 1))
+            saved += depth
+            n += 1 + depth
+        per_prompt.append(saved - saved_before)
+    projected = baseline - saved
+    return {
+        "budget": budget,
+        "score": score,
+        "baseline_nfe": baseline,
+        "projected_nfe": projected,
+        "reduction": (baseline / projected) if projected > 0 else 1.0,
+        "saved_forwards": saved,
+        "walks": walks,
+        "accepted_per_level": [per_level[lvl] for lvl in range(1, max(per_level, default=0) + 1)],
+        "saved_per_prompt": per_prompt,
+    }
+
+
+def clearly_more(saved: Sequence[int], reference: Sequence[int]) -> bool:
+    """Whether per-prompt savings ``saved`` exceed ``reference`` beyond noise: the mean paired difference is positive
+    and larger than two standard errors (one prompt: positive)."""
+    diffs = [a - b for a, b in zip(saved, reference)]
+    if not diffs:
+        return False
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) == 1:
+        return mean > 0
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean > 0 and mean > 2.0 * math.sqrt(var / len(diffs))
+
+
+def _capped(chains: Sequence[Chain], cap: int) -> list[Chain]:
+    return [Chain(c.prompt, c.index, c.block, c.step, c.formulas[:cap]) for c in chains]
+
+
+def tune_for_budget(
+    chains: Sequence[Chain],
+    trajectories: Sequence[Trajectory],
+    budget: int,
+    *,
+    nodes: int,
+    objective: str = "greedy",
+    max_level: int | None = None,
+    meta: Mapping[str, Any] | None = None,
+    tokens_per_step: int | None = None,
+) -> DraftGraph:
+    """Build the candidate graphs (module docstring), replay each under each score at ``budget``, return the best.
+
+    Args:
+        chains: the calibration chains (recorded with ``max_level``, if any).
+        trajectories: the trajectories they came from, with ranking probabilities.
+        budget: ``D*`` to tune for (``>= 1``).
+        nodes: ``D`` of the default candidate; objective: the node-selection objective of every candidate.
+        max_level: the level cap the chains were recorded with (the capped candidate uses ``min(D*, max_level)``).
+        meta: ``calibrated_for`` / ``calibration`` sections; the returned graph's ``calibration`` gets the chosen
+            ``nodes``, ``max_level``, ``score`` and ``budget``.
+        tokens_per_step: static tokens per step (``None`` = dynamic), as for :func:`~spiffy.selfspec.select.build_graph`.
+    Returns:
+        The chosen :class:`DraftGraph`; ``projected["at_budget"]`` holds its replayed savings at ``budget`` and
+        ``projected["candidates"]`` every candidate's (``label``, ``nodes``, ``max_level``, ``score``,
+        ``reduction``, ``clearly_more``: whether it beat the chain beyond noise).
+    Raises:
+        ConfigError: ``budget < 1``.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ConfigError(f"budget={budget!r}: tuning needs an integer D* >= 1; fix: pass e.g. --budget 3")
+    cap = budget if max_level is None else min(budget, max_level)
+    base_meta = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (meta or {}).items()}
+    shapes: list[tuple[str, int, int | None, DraftGraph, tuple[str, ...]]] = []
+    for label, n_nodes, level_cap, shape_chains in (("default", nodes, max_level, chains),
+                                                    ("capped", max(nodes, CAPPED_NODES_PER_DRAFT * budget), cap,
+                                                     _capped(chains, cap))):
+        graph = build_graph(shape_chains, n_nodes, objective, meta=base_meta, tokens_per_step=tokens_per_step,
+                            trajectories=trajectories)
+        shapes.append((label, n_nodes, level_cap, graph, ("gm", "reach") if label == "default" else ("reach", "gm")))
+    chain = DraftGraph.from_formulas(chain_formulas(budget, tokens_per_step or 1), meta=base_meta,
+                                     counts=count_formulas(chains))
+    chain.projected = project(trajectories, chain)
+    shapes.append(("chain", budget, budget, chain, ("gm",)))  # every score keeps the whole chain
+    results = [(label, n_nodes, level_cap, graph, score, project_at_budget(trajectories, graph, budget, score))
+               for label, n_nodes, level_cap, graph, scores in shapes for score in scores]
+    reference = results[-1][5]["saved_per_prompt"]  # the chain's
+    candidates: list[dict[str, Any]] = []
+    best: tuple[float, DraftGraph, dict[str, Any]] | None = None
+    for label, n_nodes, level_cap, graph, score, result in results:
+        clear = label == "chain" or clearly_more(result["saved_per_prompt"], reference)
+        candidates.append({"label": label, "nodes": len(graph), "max_level": level_cap, "score": score,
+                           "reduction": result["reduction"], "clearly_more": clear if label != "chain" else None})
+        if clear and (best is None or result["reduction"] > best[0]):
+            chosen = {"nodes": n_nodes, "max_level": level_cap, "score": score, "budget": budget, "shape": label}
+            best = (result["reduction"], graph, {"result": result, "calibration": chosen})
+    assert best is not None
+    _, graph, info = best
+    meta_out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in graph.meta.items()}
+    meta_out.setdefault("calibration", {}).update(info["calibration"])
+    return DraftGraph(list(graph.nodes), meta_out, {**graph.projected, "at_budget": info["result"], "candidates": candidates})
+
+
+__all__ = ["CAPPED_NODES_PER_DRAFT", "replay_ranking", "project_at_budget", "clearly_more", "tune_for_budget"]

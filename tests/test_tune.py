@@ -1,0 +1,137 @@
+"""Tuning a graph for D* (spiffy.selfspec.tune): the replayed pruning equals the runtime, candidate choice, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_f64
+
+from spiffy.cli.main import main
+from spiffy.decoding import DecodeConfig, make_session, run_baseline
+from spiffy.errors import ConfigError
+from spiffy.models import load_tokenizer
+from spiffy.selfspec.calibrate import calibrate
+from spiffy.selfspec.chains import Chain, Trajectory
+from spiffy.selfspec.graph import DraftGraph, load_graph
+from spiffy.selfspec.pruning import DEFAULT_BUDGET, resolve_budget
+from spiffy.selfspec.prompts import prompt_token_ids
+from spiffy.selfspec.runtime import speculative_generate
+from spiffy.selfspec.select import project
+from spiffy.selfspec.tune import clearly_more, project_at_budget, tune_for_budget
+
+PROMPTS = ["def add(a, b):", "The sum of 2 and 3 is", "import os\nprint(", "for i in range("]
+A, B, AB, BA2 = ((1, 1),), ((2, 1),), ((1, 1), (2, 1)), ((1, 2), (2, 1))
+
+
+def _traj(chains: dict[int, tuple], probs: dict[int, list[list[float]]], steps: int = 6) -> Trajectory:
+    return Trajectory(
+        prompt=0, nfe=steps, num_steps=steps, blocks=[0] * steps,
+        chains={n: Chain(0, n, 0, n, fs) for n, fs in chains.items()},
+        probs={n: torch.tensor(p, dtype=torch.float64) for n, p in probs.items()},
+    )
+
+
+def test_project_at_budget_by_hand() -> None:
+    g = DraftGraph.from_formulas([(1, A), (1, B), (2, AB)], counts=[10, 1, 9])
+    confident_second = [[0.5, 0.4], [0.9, 0.05]]  # position 2 more certain than position 1's top token
+    traj = _traj({1: (A, AB), 4: (B,)}, {1: confident_second, 4: confident_second})
+    # budget 1: the product keeps B (0.9 > 0.5) at both steps: step 1 accepts nothing, step 4 accepts B
+    one = project_at_budget([traj], g, 1, "product")
+    assert one["saved_forwards"] == 1 and one["accepted_per_level"] == [1] and one["walks"] == 2
+    # count keeps A then AB: step 1 accepts A, AB (pays steps 1-3), step 4 accepts nothing
+    two = project_at_budget([traj], g, 2, "count")
+    assert two["saved_forwards"] == 2 and two["accepted_per_level"] == [1, 1]
+    assert two["projected_nfe"] == 4 and two["reduction"] == pytest.approx(6 / 4)
+    # with every node kept the replay is the calibration's ceiling
+    assert project_at_budget([traj], g, 3, "gm")["saved_forwards"] == project([traj], g)["saved_forwards"] == 3
+    assert project_at_budget([traj], g, 0, "gm")["saved_forwards"] == 0
+    with pytest.raises(ConfigError, match="no ranking probabilities"):
+        project_at_budget([_traj({1: (A,)}, {})], g, 1, "gm")
+    with pytest.raises(ConfigError, match="unknown pruning score"):
+        project_at_budget([traj], g, 1, "nope")
+
+
+def test_clearly_more_is_a_paired_two_standard_error_test() -> None:
+    assert clearly_more([10, 10, 10], [9, 9, 9])  # +1 on every prompt
+    assert not clearly_more([10, 0, 10], [9, 1, 9])  # +1, -1, +1: mean 1/3, standard error 2/3
+    assert clearly_more([12, 20, 31, 40], [10, 19, 30, 38])  # +2, +1, +1, +2: mean 1.5, standard error 0.29
+    assert not clearly_more([5, 5], [5, 5]) and not clearly_more([], [])
+    assert clearly_more([3], [2]) and not clearly_more([2], [2])  # one prompt: no noise estimate, any excess
+
+
+def test_tune_prefers_the_candidate_that_saves_most() -> None:
+    # two steps go A then AB, one goes B: with 2 nodes the default shape is {A, AB}; at D* = 1 only its A can be kept,
+    # while the shape capped at lookahead 1 holds A and B and the reach score drafts B where position 2 is certain
+    chains = {0: (A, AB), 3: (A, AB), 6: (B,)}
+    first, second = [[0.9, 0.05], [0.1, 0.05]], [[0.1, 0.05], [0.9, 0.05]]
+    traj = _traj(chains, {0: first, 3: first, 6: second}, steps=8)
+    chain_list = [traj.chains[n] for n in sorted(traj.chains)]
+    meta = {"calibrated_for": {"tokens_per_step": 1}}
+    g = tune_for_budget(chain_list, [traj], 1, nodes=2, meta=meta, tokens_per_step=1)
+    cal = g.meta["calibration"]
+    assert g.tuned_budget == 1 and cal["budget"] == 1
+    by = {(c["label"], c["score"]): c["reduction"] for c in g.projected["candidates"]}
+    assert set(by) == {("default", "gm"), ("default", "reach"), ("capped", "reach"), ("capped", "gm"), ("chain", "gm")}
+    assert by[("default", "gm")] == by[("default", "reach")] == pytest.approx(8 / 6)  # A accepted twice
+    assert by[("chain", "gm")] == pytest.approx(8 / 6)  # FreeDave's single draft: A
+    assert by[("capped", "reach")] == pytest.approx(8 / 5)  # A twice and B once
+    assert (cal["shape"], cal["max_level"], cal["nodes"], g.pruning_score) == ("capped", 1, 4, "reach")
+    assert g.projected["at_budget"]["reduction"] == max(by.values())
+    assert {n.pairs for n in g.nodes} == {A, B}
+    # at D* = 2 the capped shape (A, B, AB) drafts A and AB, or B first where position 2 is certain: 5 of 8 saved
+    g2 = tune_for_budget(chain_list, [traj], 2, nodes=2, meta=meta, tokens_per_step=1)
+    assert g2.projected["at_budget"]["reduction"] == pytest.approx(8 / 3) and g2.pruning_score == "reach"
+    # equal savings: the chain is kept
+    same = _traj({0: (A, AB), 3: (A, AB)}, {0: first, 3: first}, steps=6)
+    g3 = tune_for_budget([same.chains[0], same.chains[3]], [same], 2, nodes=2, meta=meta, tokens_per_step=1)
+    assert g3.meta["calibration"]["shape"] == "chain" and {n.pairs for n in g3.nodes} == {A, AB}
+    assert g3.projected["at_budget"]["reduction"] == pytest.approx(6 / 2)
+    # confidences that point away from what the baseline does: both scores draft B, the plain chain (A) wins
+    misleading = _traj({0: (A, AB), 2: (A, AB), 4: (A,), 6: (B,)}, {n: second for n in (0, 2, 4, 6)}, steps=8)
+    g4 = tune_for_budget([misleading.chains[n] for n in (0, 2, 4, 6)], [misleading], 1, nodes=3, meta=meta,
+                         tokens_per_step=1)
+    assert g4.meta["calibration"]["shape"] == "chain" and {n.pairs for n in g4.nodes} == {A}
+    assert g4.projected["at_budget"]["reduction"] == pytest.approx(8 / 5)
+    with pytest.raises(ConfigError, match="D\\* >= 1"):
+        tune_for_budget(chain_list, [traj], 0, nodes=2)
+
+
+def test_calibrate_with_budget_matches_the_runtime(tiny_llada: Path, tmp_path: Path, capsys) -> None:
+    """The replayed savings at D* are exactly what the runtime saves with the tuned graph (float64, greedy)."""
+    model = load_f64(tiny_llada, cached=True)
+    tok = load_tokenizer(tiny_llada)
+    cfg = DecodeConfig(gen_length=16, block_length=8, steps=16)
+    g = calibrate(model, tok, PROMPTS, cfg, nodes=4, budget=2, progress=False)
+    assert g.tuned_budget == 2 and resolve_budget(None, g) == 2 and resolve_budget(None, None) == DEFAULT_BUDGET
+    runtime_nfe = 0
+    for k, text in enumerate(PROMPTS):
+        ids = torch.tensor([prompt_token_ids(tok, text)], dtype=torch.long)
+        base = make_session(model, ids, cfg, seed=k)
+        run_baseline(base)
+        spec = make_session(model, ids, cfg, seed=k)
+        stats = speculative_generate(spec, g)  # budget and score: the graph's own
+        assert stats.budget == 2 and stats.score == g.pruning_score
+        assert torch.equal(spec.x, base.x)
+        runtime_nfe += stats.nfe
+    at = g.projected["at_budget"]
+    assert at["projected_nfe"] == runtime_nfe < at["baseline_nfe"]
+    with pytest.raises(ConfigError, match="either a budget or a score"):
+        calibrate(model, tok, PROMPTS[:1], cfg, budget=2, score="reach", progress=False)
+    with pytest.raises(ConfigError, match="budget=0"):
+        calibrate(model, tok, PROMPTS[:1], cfg, budget=0, progress=False)
+    # the CLI records the tuning and `graph show` reports it
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "tuned.json"
+    assert main(["calibrate", "--model", str(tiny_llada), "--prompts", str(prompts), "--out", str(out), "--nodes", "4",
+                 "--budget", "2", "--gen-length", "16", "--block-length", "8", "--steps", "16", "--dtype", "float64",
+                 "--no-chat", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert load_graph(out).tuned_budget == 2 and "--budget 2" in load_graph(out).meta["calibration"]["command"]
+    assert main(["graph", "show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "at D* = 2:" in shown and "candidate capped:" in shown and "candidate default:" in shown
+    assert "candidate chain: 2 nodes" in shown
