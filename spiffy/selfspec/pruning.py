@@ -14,9 +14,10 @@ Scores are computed from the current ranking (the latest distribution ``P``):
   :data:`REACH_FREQUENCY_EXPONENT`. The product is the chance of the node's tokens under ``P``; the calibrated
   frequency carries what ``P`` cannot see, whether the baseline unmasks positions in rank order. The frequency is
   tempered (exponent 1/4) because calibration counts already include the token outcomes the product measures.
-  Made for graphs with branches (``spiffy calibrate --max-level L --score reach``): ``"gm"`` averages
-  probabilities instead of multiplying them, so on such a graph it ranks a short branch of near-certain tokens
-  above the next level of the chain as soon as both look certain, and keeps branches the trajectory rarely takes.
+  Made for graphs with branches (``spiffy calibrate --budget D*`` picks it when it pays, or ``--max-level L
+  --score reach`` by hand): ``"gm"`` averages probabilities instead of multiplying them, so on such a graph it ranks
+  a short branch of near-certain tokens above the next level of the chain as soon as both look certain, and keeps
+  branches the trajectory rarely takes.
   On a chain-shaped graph every score keeps the same nodes (parent closure leaves no choice).
 
 Which score a graph is run with: the one its calibration recorded (``calibration.score`` in the file,

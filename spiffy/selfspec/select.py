@@ -324,14 +324,15 @@ def _exact(
 
 
 # ---------------------------------------------------------------------------------------------------------- project
-def walk_depth(chain: Sequence[Formula], graph: DraftGraph) -> int:
-    """Drafts the walk accepts for this chain with every node of ``graph`` kept (follows the graph's links)."""
+def walk_depth(chain: Sequence[Formula], graph: DraftGraph, kept: set[int] | None = None) -> int:
+    """Drafts the walk accepts for this chain (follows the graph's links) with every node of ``graph`` drafted, or
+    only the ``kept`` node ids."""
     node: int | None = None
     d = 0
     for lvl, f in enumerate(chain, start=1):
         nxt = None
         for c in graph.children(node):
-            if c.level == lvl and c.pairs == f:
+            if c.level == lvl and c.pairs == f and (kept is None or c.id in kept):
                 nxt = c.id
                 break
         if nxt is None:

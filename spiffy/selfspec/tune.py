@@ -32,12 +32,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from spiffy.errors import ConfigError
-from spiffy.selfspec.chains import Chain, Formula, Trajectory, count_formulas
+from spiffy.selfspec.chains import Chain, Trajectory, count_formulas
 from spiffy.selfspec.formulas import Ranking
 from spiffy.selfspec.freedave import chain_formulas
 from spiffy.selfspec.graph import DraftGraph
 from spiffy.selfspec.pruning import check_budget, check_score, prune
-from spiffy.selfspec.select import build_graph, project
+from spiffy.selfspec.select import build_graph, project, walk_depth
 
 #: node count of a ``capped`` candidate per draft kept (with at least the requested ``nodes``)
 CAPPED_NODES_PER_DRAFT = 4
@@ -54,18 +54,6 @@ def replay_ranking(probs: torch.Tensor) -> Ranking:
         block_start=0,
         block_end=i,
     )
-
-
-def _kept_depth(chain: Sequence[Formula], graph: DraftGraph, kept: set[int]) -> int:
-    """Drafts the walk accepts for ``chain`` when only the ``kept`` nodes were drafted."""
-    node: int | None = None
-    depth = 0
-    for level, formula in enumerate(chain, start=1):
-        nxt = next((c.id for c in graph.children(node) if c.id in kept and c.level == level and c.pairs == formula), None)
-        if nxt is None:
-            break
-        node, depth = nxt, level
-    return depth
 
 
 def project_at_budget(trajectories: Sequence[Trajectory], graph: DraftGraph, budget: int, score: str) -> dict[str, Any]:
@@ -105,7 +93,7 @@ def project_at_budget(trajectories: Sequence[Trajectory], graph: DraftGraph, bud
                             "with spiffy.selfspec.chains.ChainRecorder (calibrate does)"
                         )
                     kept = set(prune(graph, replay_ranking(probs), budget, score))
-                    depth = _kept_depth(chain.formulas, graph, kept)
+                    depth = walk_depth(chain.formulas, graph, kept)
             per_level.update(range(1, depth + 1))
             saved += depth
             n += 1 + depth
