@@ -28,7 +28,6 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from spiffy.arspec.batch_draft import draft_rows
 from spiffy.arspec.config import ARSpecConfig
@@ -37,7 +36,6 @@ from spiffy.arspec.generate import DEFAULT_BUDGET, ARGenerationResult, _append_u
 from spiffy.arspec.rules import AcceptanceRule, TargetLogits
 from spiffy.arspec.sampling import sample_keyed
 from spiffy.arspec.stages import StageClock, TargetRunner, build_tree, cache_tensors_with_index, sync
-from spiffy.arspec.tree import DraftTree
 from spiffy.errors import ConfigError
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks
 from spiffy.sampling import SamplingConfig

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
