@@ -59,10 +59,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "D* you run) leaves nodes for branches instead of an ever deeper chain; pair it with "
                              "--score reach")
     parser.add_argument("--budget", type=int, default=None, metavar="D*",
-                        help="tune the graph for D* drafts per step: build the default graph and one capped at "
-                             "lookahead D*, replay the runtime's pruning on the calibration prompts with each score, "
-                             "keep the one that saves most at D* (records its score; prints what each candidate "
-                             "saved). Use the D* you will run")
+                        help="tune the graph for D* drafts per step: build the default graph, one capped at "
+                             "lookahead D* and FreeDave's chain, replay the runtime's pruning on the calibration "
+                             "prompts with each score, keep the one that saves most at D* if it saves clearly more "
+                             "than the chain, else the chain (records D*, shape and score; prints what each "
+                             "candidate saved). Use the D* you will run")
     parser.add_argument("--score", default=None, choices=SCORES,
                         help="pruning score recorded in the graph, which generate/bench then run it with unless told "
                              "otherwise (default: none recorded, the runtime uses gm). reach suits graphs with branches")
