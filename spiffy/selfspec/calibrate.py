@@ -85,12 +85,13 @@ def calibrate(
         score: the pruning score to record in the file (``calibration.score``), which the runtime then uses by
             default (:func:`spiffy.selfspec.pruning.resolve_score`); ``None`` records none (the runtime uses
             ``"gm"``). ``"reach"`` suits graphs with branches (a small ``max_level``).
-        budget: tune the graph for this many drafts kept per step (``D*``): the default graph and one capped at
-            lookahead ``D*`` are built from the same trajectories, the runtime's pruning is replayed on them with
-            each score, and the one that saves most at ``D*`` is returned (:mod:`spiffy.selfspec.tune`; it records
-            its ``nodes``, ``max_level``, ``score`` and ``budget``; ``projected["at_budget"]`` and
-            ``projected["candidates"]`` say what each saved). ``None``: no tuning. Chooses the score itself, so
-            ``score`` must then be ``None``.
+        budget: tune the graph for this many drafts kept per step (``D*``): the default graph, one capped at
+            lookahead ``D*`` and FreeDave's chain of depth ``D*`` are built from the same trajectories, the
+            runtime's pruning is replayed on them with each score, and the one that saves most at ``D*`` is
+            returned if it saves clearly more than the chain, else the chain (:mod:`spiffy.selfspec.tune`; it
+            records its ``nodes``, ``max_level``, ``shape``, ``score`` and ``budget``; ``projected["at_budget"]``
+            and ``projected["candidates"]`` say what each saved). ``None``: no tuning. Chooses the score itself,
+            so ``score`` must then be ``None``.
         max_prompts: use only the first ``max_prompts`` prompts.
         seed: prompt ``k`` decodes with seed ``seed + k``.
         chat: apply the tokenizer's chat template (when it has one).
