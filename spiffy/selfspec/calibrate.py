@@ -30,7 +30,7 @@ from spiffy.selfspec.graph import DraftGraph, runtime_signature
 from spiffy.selfspec.prompts import load_prompts, prompt_token_ids
 from spiffy.selfspec.pruning import check_score
 from spiffy.selfspec.select import OBJECTIVES, build_graph
-from spiffy.selfspec.tune import tune_for_budget
+from spiffy.selfspec.tune import check_tune_budget, tune_for_budget
 from spiffy.torch_utils import dtype_name, model_device, model_dtype
 
 DEFAULT_NODES = 10
@@ -116,8 +116,7 @@ def calibrate(
     if score is not None:
         check_score(score)
     if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ConfigError(f"budget={budget!r} must be None or an integer >= 1; fix: pass e.g. --budget 3")
+        check_tune_budget(budget)  # before decoding: tuning comes after it
         if score is not None:
             raise ConfigError("budget= tunes the pruning score itself; fix: pass either a budget or a score, not both")
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
@@ -243,7 +242,8 @@ def calibrate(
         "torch_version": torch.__version__.split("+")[0],
         "transformers_version": _transformers_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "command": command or _api_command(label, nodes, objective, max_prompts, seed, i_max, j_max, max_level, score, budget),
+        "command": command
+        or _api_command(label, nodes, objective, max_prompts, seed, i_max, j_max, max_level, score, budget),
     }
     tps = calibrated_for.get("tokens_per_step")
     tps_int = tps if isinstance(tps, int) and not isinstance(tps, bool) else None

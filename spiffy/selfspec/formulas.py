@@ -149,7 +149,7 @@ def rank_state(
         if tuple(given.shape) != (w, v):
             raise ConfigError(f"probs must match P_window's [W, V] = [{w}, {v}], got {tuple(tensor.shape)}")
         block_probs = given[block_start - window_start : block_end - window_start]  # [block, V] view, no copy
-        if known_top1 is not None:
+        if selection is None and known_top1 is not None:
             top1 = known_top1.reshape(-1).index_select(0, masked - window_start)  # [M], no pass over V
         elif selection is None:
             top1 = block_probs.amax(dim=-1).index_select(0, masked - block_start)  # [M]

@@ -43,6 +43,12 @@ from spiffy.selfspec.select import build_graph, project, walk_depth
 CAPPED_NODES_PER_DRAFT = 4
 
 
+def check_tune_budget(budget: Any) -> None:
+    """ConfigError unless ``budget`` is a ``D*`` a graph can be tuned for (an integer >= 1)."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ConfigError(f"budget={budget!r}: tuning needs an integer D* >= 1; fix: pass e.g. --budget 3")
+
+
 def replay_ranking(probs: torch.Tensor) -> Ranking:
     """A :class:`Ranking` carrying only recorded probabilities ``[I, J]`` (all the pruning scores read)."""
     i, j = int(probs.shape[0]), int(probs.shape[1])
@@ -158,8 +164,7 @@ def tune_for_budget(
     Raises:
         ConfigError: ``budget < 1``.
     """
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ConfigError(f"budget={budget!r}: tuning needs an integer D* >= 1; fix: pass e.g. --budget 3")
+    check_tune_budget(budget)
     cap = budget if max_level is None else min(budget, max_level)
     base_meta = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (meta or {}).items()}
     shapes: list[tuple[str, int, int | None, DraftGraph, tuple[str, ...]]] = []
@@ -189,7 +194,9 @@ def tune_for_budget(
     _, graph, info = best
     meta_out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in graph.meta.items()}
     meta_out.setdefault("calibration", {}).update(info["calibration"])
-    return DraftGraph(list(graph.nodes), meta_out, {**graph.projected, "at_budget": info["result"], "candidates": candidates})
+    projected = {**graph.projected, "at_budget": info["result"], "candidates": candidates}
+    return DraftGraph(list(graph.nodes), meta_out, projected)
 
 
-__all__ = ["CAPPED_NODES_PER_DRAFT", "replay_ranking", "project_at_budget", "clearly_more", "tune_for_budget"]
+__all__ = ["CAPPED_NODES_PER_DRAFT", "check_tune_budget", "replay_ranking", "project_at_budget", "clearly_more",
+           "tune_for_budget"]

@@ -81,8 +81,8 @@ def summary(graph: Any) -> str:
         lines.append("calibrated for: " + ", ".join(parts))
     cal = graph.meta.get("calibration")
     if isinstance(cal, dict) and cal:
-        shown = ["dataset", "num_prompts", "seed", "i_max", "j_max", "max_level", "nodes", "objective", "shape", "score", "budget",
-                 "library_version", "date"]
+        shown = ["dataset", "num_prompts", "seed", "i_max", "j_max", "max_level", "nodes", "objective", "shape",
+                 "score", "budget", "library_version", "date"]
         lines.append("calibration:    " + ", ".join(f"{k}={cal[k]}" for k in shown if k in cal))
         if cal.get("command"):
             lines.append(f"command:        {cal['command']}")
@@ -101,7 +101,8 @@ def summary(graph: Any) -> str:
             red = p.get("reduction")
             red_s = f" ({red:.3f}x fewer forwards, ceiling with all nodes kept)" if isinstance(red, (int, float)) else ""
             lines.append(f"projected:      NFE {p['baseline_nfe']} -> {p['projected_nfe']}{red_s}")
-        extra = {k: v for k, v in p.items() if k not in ("baseline_nfe", "projected_nfe", "reduction", "at_budget", "candidates")}
+        shown_apart = ("baseline_nfe", "projected_nfe", "reduction", "at_budget", "candidates")
+        extra = {k: v for k, v in p.items() if k not in shown_apart}
         if extra:
             lines.append("                " + ", ".join(f"{k}={short(v)}" for k, v in extra.items()))
         at = p.get("at_budget")
@@ -109,11 +110,12 @@ def summary(graph: Any) -> str:
             lines.append(f"at D* = {at.get('budget')}:      NFE {at.get('baseline_nfe')} -> {at.get('projected_nfe')} "
                          f"({at['reduction']:.3f}x fewer forwards, the runtime's {at.get('score')} pruning replayed on "
                          "the calibration prompts)")
+        verdict = {True: " (clearly more than the chain)", False: " (not clearly more than the chain)"}
         for c in p.get("candidates") or []:
             if isinstance(c, dict):
-                verdict = {True: " (clearly more than the chain)", False: " (not clearly more than the chain)"}
                 lines.append(f"  candidate {c.get('label')}: {c.get('nodes')} nodes, max_level={c.get('max_level')}, "
-                             f"score={c.get('score')}: {c.get('reduction', 0.0):.3f}x{verdict.get(c.get('clearly_more'), '')}")
+                             f"score={c.get('score')}: {c.get('reduction', 0.0):.3f}x"
+                             + verdict.get(c.get("clearly_more"), ""))
     return "\n".join(lines)
 
 
