@@ -1,0 +1,78 @@
+"""scripts/gpu_run.py cannot rot: its self-check (toy sizes, CPU) runs every section the GPU run runs.
+
+The default tier runs the real-size cost machinery at toy sizes (random-weight builders of the five published
+architectures, session forwards over 1..2 states, eager and static-cache tree verification, the drafter block) and
+the projections; the slow tier runs the whole self-check (lossless checks and the two benches too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spiffy.bench import gpu_costs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(out: Path, sections: str) -> dict:
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_run.py"), "--self-check", "--out", str(out),
+                           "--sections", sections], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (out / "GPU_RESULTS.md").read_text().startswith("# GPU run")
+    return json.loads((out / "results.json").read_text())
+
+
+def test_self_check_costs_and_projections(tmp_path: Path) -> None:
+    data = _run(tmp_path, "costs,projections")
+    costs = data["sections"]["costs"]["result"]
+    assert set(costs) == {"LLaDA-8B", "SDAR-8B", "Qwen3-8B", "Qwen3-30B-A3B"}
+    assert [r["states"] for r in costs["LLaDA-8B"]["rows"]] == [1, 2] * 3  # none, prefix, dual
+    for name in ("Qwen3-8B", "Qwen3-30B-A3B"):
+        assert [r["budget"] for r in costs[name]["eager"]] == [0, 16]
+        assert all("ms" in r and r["ms"] > 0 for r in costs[name]["cuda_graph"]), costs[name]["cuda_graph"]
+    assert costs["Qwen3-8B"]["drafter"]["block_size"] == 16
+
+
+@pytest.mark.slow
+def test_self_check_every_section(tmp_path: Path) -> None:
+    data = _run(tmp_path, "lossless,bench,costs,projections")
+    lossless = data["sections"]["lossless"]["result"]
+    assert all(r.get("single_identical", r.get("identical")) for r in lossless["rows"]), lossless["rows"]
+    assert all(r.get("batch_identical", True) for r in lossless["rows"])
+    bench = data["sections"]["bench"]["result"]
+    assert bench["dllm"]["results"]["all_identical"] and bench["ar"]["returncode"] == 0
+    proj = data["sections"]["projections"]["result"]
+    assert proj["label"].startswith("PROJECTION") and proj["LLaDA-8B"]
+
+
+def test_real_size_parameter_counts_on_meta() -> None:
+    """The published totals of the architectures the GPU run builds (meta device: no memory)."""
+    exact = {"Qwen--Qwen3-8B": 8_190_735_360, "GSAI-ML--LLaDA-8B-Instruct": 8_015_581_184}  # bf16 index totals / 2
+    for name, total in exact.items():
+        model = gpu_costs.build_random(gpu_costs.real_config(name), "meta", torch.bfloat16)
+        assert gpu_costs.count_parameters(model) == total, name
+    # Qwen3-30B-A3B's model card: 30.5B in total, 3.3B activated (8 of 128 experts per token)
+    config = gpu_costs.real_config("Qwen--Qwen3-30B-A3B")
+    model = gpu_costs.build_random(config, "meta", torch.bfloat16)
+    assert round(gpu_costs.count_parameters(model) / 1e9, 1) == 30.5
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = gpu_costs.count_parameters(model) - experts + experts * 8 // 128
+    assert abs(active / 1e9 - 3.3) < 0.1  # 3.35B counting both embeddings
+
+
+def test_tree_mask_is_ancestor_only() -> None:
+    mask, positions = gpu_costs._ancestor_mask(6, 3, torch.float32, torch.device("cpu"))
+    visible = mask[0, 0] == 0
+    assert visible[:, :3].all()  # every node sees the context
+    assert torch.equal(visible[:, 3:].diagonal(), torch.ones(7, dtype=torch.bool))
+    assert visible[0, 3:].sum() == 1  # the root sees only itself
+    for i in range(1, 7):  # a node's depth is the number of tree nodes it sees, minus itself
+        assert int(positions[0, i]) == 3 + int(visible[i, 3:].sum()) - 1
