@@ -17,7 +17,8 @@ of :func:`~spiffy.selfspec.select.project` restricted to the kept nodes (:func:`
 
 A candidate replaces the chain only when it saves clearly more on the calibration prompts: a one-sided Wilcoxon
 signed-rank test of its per-prompt savings against the chain's (paired by prompt, prompts with equal savings dropped;
-``scipy.stats.wilcoxon``, exact for up to 50 prompts) rejects "no more than the chain" at level
+``scipy.stats.wilcoxon``, whose ``method="auto"`` takes the exact null distribution or all sign permutations on
+small samples and the tie-corrected normal approximation on large ones) rejects "no more than the chain" at level
 :data:`CLEARLY_MORE_LEVEL` = 0.05. Among those, the one that saves most is kept (ties: the earlier one). A margin of a
 few forwards in thousands is noise, and the chain, which needs no calibration, is what such noise should fall back
 to. The signed-rank test suits per-prompt savings, which are heavy-tailed (a few prompts save many forwards); it
