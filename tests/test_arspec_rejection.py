@@ -8,7 +8,22 @@ Two levels:
   continued by plain AR sampling to a fixed length, must be distributed as AR sampling;
 * whole generations through :func:`spiffy.arspec.speculative_generate` with a tiny Qwen3 target and a tiny SDAR
   drafter (fewer samples).
-Every seed is fixed, so the outcome is deterministic.
+
+The test (:func:`_pearson`): Pearson's chi-square goodness of fit, ``scipy.stats.chisquare``, of the observed
+outcome counts against the exact distribution, on bins fixed before sampling: every outcome expected at least
+:data:`MIN_EXPECTED` times is a bin, the rarer ones are pooled into one (so the chi-square approximation of the
+statistic's null distribution holds). Each test rejects at p < :data:`ALPHA` = 1e-3; six tests claim exactness
+(three rules x one round, three methods x whole generations), so a correct rule fails any of them with probability
+at most 6e-3 (Bonferroni) for a random choice of seeds. Every seed is fixed, so the outcome is deterministic.
+
+Power against the biased self-selection (:func:`test_the_sample_size_catches_the_bias`): its output distribution ``b``
+is computed exactly (:func:`_biased_round_distribution`, every ordered 4-tuple of drafts enumerated; the sampled
+counts fit it), so the test's power at ``n`` samples is that of the noncentral chi-square: ``P(ncx2(df, lam) >
+chi2.isf(ALPHA, df))`` with ``lam = n * sum (b - p)^2 / p`` over the pooled bins (``p`` exact), ``scipy.stats.ncx2``.
+Unpooled, ``sum (b - p)^2 / p = 0.387`` per sample: the test catches the bias with probability >= 0.99 from
+:data:`BIAS_SAMPLES_FOR_POWER` = 259 samples on (a simulation of 2000 multinomial samples of ``b`` agrees), and the
+round tests draw :data:`N_ROUND` = 4000. With 4000 samples (70 degrees of freedom) it catches, with probability
+>= 0.99, any distortion whose pooled ``sum (b - p)^2 / p`` is at least :data:`SMALLEST_CAUGHT` = 0.023.
 """
 
 from __future__ import annotations
@@ -16,9 +31,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
+from typing import Hashable, Mapping
 
+import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 from spiffy.arspec import ARSpecConfig, SamplingConfig, build_ddtree, speculative_generate
 from spiffy.arspec.dllm_drafter import as_drafter
@@ -102,31 +120,60 @@ def _proposal(depth: int) -> torch.Tensor:
     return torch.softmax(1.6 * torch.randn(depth, V, generator=gen, dtype=torch.float64), -1)
 
 
+SPECDIFF_DRAFTS = 4  # K of the SpecDiff-2 round tree
+
+
 def _make_tree(kind: str, probs: torch.Tensor, sampling: SamplingConfig) -> DraftTree:
     if kind == "chain":
         return build_sampled_tree(probs, sample_drafts(probs, 1, sampling, len(ROOT) - 1))
     if kind == "tree":
         return build_ddtree(torch.log(probs), 6)
-    return build_sampled_tree(probs, sample_drafts(probs, 4, sampling, len(ROOT) - 1))
+    return build_sampled_tree(probs, sample_drafts(probs, SPECDIFF_DRAFTS, sampling, len(ROOT) - 1))
 
 
-def _chi_square_z(counts: Counter, exact: dict[tuple[int, ...], float], n: int) -> float:
-    """Pearson's chi-square over bins with expected count >= 5 (the rest pooled), as a Wilson-Hilferty z-score
-    (about N(0, 1) when the samples follow ``exact``)."""
-    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
-    for seq, prob in exact.items():
-        expected = n * prob
-        if expected < 5:
-            pooled_obs += counts.get(seq, 0)
-            pooled_exp += expected
-            continue
-        stat += (counts.get(seq, 0) - expected) ** 2 / expected
-        dof += 1
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        dof += 1
-    k = 2.0 / (9.0 * dof)
-    return ((stat / dof) ** (1 / 3) - (1 - k)) / math.sqrt(k)
+#: significance level of every goodness-of-fit test below (a correct rule fails one with this probability)
+ALPHA = 1e-3
+#: outcomes expected fewer times than this are pooled into one bin
+MIN_EXPECTED = 5.0
+#: power the sample size must give against the biased self-selection
+POWER = 0.99
+
+
+def _bins(exact: Mapping[Hashable, float], n: int) -> list[list[Hashable]]:
+    """The bins of the test at ``n`` samples, fixed by ``exact`` alone: one per outcome expected >= MIN_EXPECTED
+    times, the rest pooled (and the pool merged into the smallest bin if it is itself expected too rarely)."""
+    common = [[k] for k, prob in exact.items() if n * prob >= MIN_EXPECTED]
+    rare = [k for k, prob in exact.items() if n * prob < MIN_EXPECTED]
+    if not rare:
+        return common
+    if n * sum(exact[k] for k in rare) >= MIN_EXPECTED or not common:
+        return common + [rare]
+    smallest = min(range(len(common)), key=lambda i: exact[common[i][0]])
+    common[smallest] = common[smallest] + rare
+    return common
+
+
+def _binned(dist: Mapping[Hashable, float], bins: list[list[Hashable]]) -> np.ndarray:
+    return np.array([sum(dist.get(k, 0.0) for k in b) for b in bins], dtype=np.float64)
+
+
+def _pearson(counts: Counter, exact: Mapping[Hashable, float], n: int) -> float:
+    """p-value of Pearson's chi-square test (``scipy.stats.chisquare``) that ``n`` samples with outcome ``counts``
+    follow ``exact``, on the pooled bins of :func:`_bins`."""
+    assert sum(counts.values()) == n and set(counts) <= set(exact), "an outcome outside the exact support"
+    bins = _bins(exact, n)
+    expected = _binned(exact, bins)
+    observed = _binned(counts, bins)
+    return float(stats.chisquare(observed, n * expected / expected.sum()).pvalue)
+
+
+def _power(exact: Mapping[Hashable, float], alternative: Mapping[Hashable, float], n: int) -> float:
+    """Power of :func:`_pearson` at level ALPHA when the ``n`` samples follow ``alternative``: the noncentral
+    chi-square approximation, ``P(ncx2(df, n * sum (a - p)^2 / p) > chi2.isf(ALPHA, df))`` over the pooled bins."""
+    bins = _bins(exact, n)
+    p, a = _binned(exact, bins), _binned(alternative, bins)
+    dof = len(bins) - 1
+    return float(stats.ncx2.sf(stats.chi2.isf(ALPHA, dof), dof, n * float(((a - p) ** 2 / p).sum())))
 
 
 def _round_samples(kind: str, rule_cls, n: int) -> Counter:  # noqa: ANN001
@@ -146,6 +193,11 @@ def _round_samples(kind: str, rule_cls, n: int) -> Counter:  # noqa: ANN001
 
 
 N_ROUND = 4000
+#: fewest samples from which on the round test catches the biased self-selection with probability >= POWER
+#: (recomputed by :func:`test_the_sample_size_catches_the_bias`)
+BIAS_SAMPLES_FOR_POWER = 259
+#: pooled sum (b - p)^2 / p of the smallest distortion N_ROUND samples catch with probability >= POWER
+SMALLEST_CAUGHT = 0.023
 
 
 @pytest.fixture(scope="module")
@@ -153,17 +205,76 @@ def exact_round():
     return _exact(ROOT, LENGTH)
 
 
+def _residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``norm(max(0, p - q))`` over the last axis."""
+    left = np.maximum(p - q, 0.0)
+    return left / left.sum(axis=-1, keepdims=True)
+
+
+def _biased_round_distribution() -> dict[tuple[int, ...], float]:
+    """The exact distribution of a round of :class:`BiasedSelfSelectRule` continued by AR sampling to LENGTH = 3
+    tokens, written independently of the library.
+
+    Every ordered SPECDIFF_DRAFTS-tuple of drafts ``(a, b)``, each drawn from ``q_1 x q_2``, is enumerated; the first
+    draft with the highest expected streak ``m_1(a) (1 + m_2(a, b))`` is chosen (``m_d = min(1, p_d / q_d)``); single
+    draft rejection sampling on it emits ``(a, b, AR)`` with probability ``m_1 m_2``, ``(a, residual_2, AR)`` with
+    ``m_1 (1 - m_2)`` and ``(residual_1, AR, AR)`` with ``1 - m_1``.
+    """
+    assert LENGTH == 3
+
+    def p(prefix: tuple[int, ...]) -> np.ndarray:
+        return torch.softmax(_table_logits(ROOT + prefix), -1).numpy()
+
+    q = _proposal(LENGTH - 1).numpy()  # [2, V]
+    p1 = p(())
+    p2 = np.stack([p((a,)) for a in range(V)])  # [a, b]
+    p3 = np.stack([np.stack([p((a, b)) for b in range(V)]) for a in range(V)])  # [a, b, c]
+    m1 = np.minimum(1.0, p1 / q[0])
+    m2 = np.minimum(1.0, p2 / q[1])
+    streak = (m1[:, None] * (1.0 + m2)).reshape(-1)  # per draft a * V + b
+    drafts = np.array(list(itertools.product(range(V * V), repeat=SPECDIFF_DRAFTS)))  # [(V * V)^K, K]
+    weight = np.prod(np.outer(q[0], q[1]).reshape(-1)[drafts], axis=1)
+    chosen = drafts[np.arange(len(drafts)), np.argmax(streak[drafts], axis=1)]  # argmax: the first of the best
+    p_chosen = np.bincount(chosen, weights=weight, minlength=V * V)
+    after_first_rejection = _residual(p1, q[0])[:, None, None] * p2[:, :, None] * p3  # [y, z, c]
+    second_residual = _residual(p2, q[1])  # [a, z]
+    out = np.zeros((V, V, V))
+    for draft, mass in enumerate(p_chosen):
+        a, b = divmod(draft, V)
+        out[a, b] += mass * m1[a] * m2[a, b] * p3[a, b]
+        out[a] += mass * m1[a] * (1 - m2[a, b]) * second_residual[a][:, None] * p3[a]
+        out += mass * (1 - m1[a]) * after_first_rejection
+    return {seq: float(out[seq]) for seq in itertools.product(range(V), repeat=LENGTH)}
+
+
 @pytest.mark.parametrize("kind", ["chain", "tree", "specdiff"])
 def test_rejection_round_matches_the_exact_distribution(kind, exact_round):
     counts = _round_samples(kind, RejectionRule, N_ROUND)
-    z = _chi_square_z(counts, exact_round, N_ROUND)
-    assert z < 4.0, (kind, z)
+    assert _pearson(counts, exact_round, N_ROUND) >= ALPHA, kind
 
 
 def test_biased_self_selection_is_caught(exact_round):
     counts = _round_samples("specdiff", BiasedSelfSelectRule, N_ROUND)
-    z = _chi_square_z(counts, exact_round, N_ROUND)
-    assert z > 6.0, z  # far outside what exact sampling gives (|z| < 4 above)
+    assert _pearson(counts, exact_round, N_ROUND) < ALPHA  # not AR sampling ...
+    assert _pearson(counts, _biased_round_distribution(), N_ROUND) >= ALPHA  # ... but the distortion computed below
+
+
+def test_the_sample_size_catches_the_bias(exact_round):
+    """The round test's power against the biased self-selection, from the bias's exact distribution."""
+    biased = _biased_round_distribution()
+    assert sum(biased.values()) == pytest.approx(1.0, abs=1e-12)
+    assert sum((biased[k] - p) ** 2 / p for k, p in exact_round.items()) == pytest.approx(0.387, abs=5e-4)
+    too_few = [n for n in range(1, N_ROUND + 1) if _power(exact_round, biased, n) < POWER]
+    enough = max(too_few) + 1  # power >= POWER from ``enough`` samples on
+    assert enough == BIAS_SAMPLES_FOR_POWER <= N_ROUND
+    # the noncentral chi-square approximates the statistic's law: simulate the test on the biased rule's multinomial
+    bins = _bins(exact_round, enough)
+    p, b = _binned(exact_round, bins), _binned(biased, bins)
+    pvalues = stats.chisquare(np.random.default_rng(0).multinomial(enough, b, size=2000), enough * p, axis=1).pvalue
+    assert float(np.mean(pvalues < ALPHA)) >= POWER - 0.01
+    # at N_ROUND, any distortion whose pooled sum (b - p)^2 / p reaches SMALLEST_CAUGHT is caught as often
+    dof = len(_bins(exact_round, N_ROUND)) - 1
+    assert stats.ncx2.sf(stats.chi2.isf(ALPHA, dof), dof, SMALLEST_CAUGHT * N_ROUND) >= POWER
 
 
 # ---------------------------------------------------------------------------------------------- whole generations
@@ -209,4 +320,4 @@ def test_rejection_generation_matches_the_exact_distribution(tiny_pair, method):
         counts[tuple(res.tokens)] += 1
         rounds += res.rounds
     assert rounds < E2E_N * (E2E_NEW - 1)  # drafts were accepted (fewer rounds than plain AR)
-    assert _chi_square_z(counts, exact, E2E_N) < 4.0
+    assert _pearson(counts, exact, E2E_N) >= ALPHA, method

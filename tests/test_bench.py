@@ -70,8 +70,8 @@ def _check_pngs(out: Path) -> None:
 def test_bench_dllm_cli(tiny_llada: Path, llada_graph: Path, prompt_file: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "dllm"
     rc = main(["bench", "dllm", "--model", str(tiny_llada), "--graph", str(llada_graph), "--budgets", "1,3",
-               "--dataset", str(prompt_file), "--max-prompts", "2", *GEN, "--dtype", "float64", "--no-chat",
-               "--no-progress", "--out", str(out)])
+               "--freedave", "2,4", "--dataset", str(prompt_file), "--max-prompts", "2", *GEN, "--dtype", "float64",
+               "--no-chat", "--no-progress", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["kind"] == "dllm" and res["family"] == "llada"
@@ -85,9 +85,28 @@ def test_bench_dllm_cli(tiny_llada: Path, llada_graph: Path, prompt_file: Path, 
     assert base["nfe_per_token"] == pytest.approx(base["nfe_total"] / 16)
     assert 0.0 < base["degenerate"]["distinct_token_ratio"] <= 1.0
     assert 0.0 <= base["degenerate"]["whitespace_share"] <= 1.0
-    assert [r["budget"] for r in res["runs"]] == [1, 3]
+    assert [(r["method"], r["budget"]) for r in res["runs"]] == [("spiffy", 1), ("spiffy", 3), ("freedave", 1),
+                                                                 ("freedave", 3)]
     assert res["all_identical"] is True
+    assert "bootstrap" in res["intervals"]
+    per_prompt = res["per_prompt"]
     for r in res["runs"]:
+        # every ratio has its interval over the 2 prompts, around the figure; Spiffy also against FreeDave's row of
+        # the same states per forward
+        key = "freedave:" + str(r["budget"] + 1) if r["method"] == "freedave" else str(r["budget"])
+        nfe = [p["spiffy"][key]["nfe"] for p in per_prompt]
+        assert r["nfe_reduction"] == pytest.approx(sum(p["baseline"]["nfe"] for p in per_prompt) / sum(nfe))
+        names = ["nfe_reduction", "speedup"] + (["nfe_reduction_vs_freedave", "speedup_vs_freedave"]
+                                                if r["method"] == "spiffy" else [])
+        assert sorted(r["intervals"]) == sorted(names)
+        for name in names:
+            iv = r["intervals"][name]
+            assert iv["low"] <= r[name] * (1 + 1e-12) and r[name] <= iv["high"] * (1 + 1e-12)
+            assert iv["includes_one"] == (iv["low"] <= 1.0 <= iv["high"])
+        if r["method"] == "spiffy":
+            rival_nfe = [p["spiffy"][f"freedave:{r['budget'] + 1}"]["nfe"] for p in per_prompt]
+            assert r["rival"] == f"freedave {r['budget'] + 1}"
+            assert r["nfe_reduction_vs_freedave"] == pytest.approx(sum(rival_nfe) / sum(nfe))
         assert r["identical_fraction"] == 1.0 and r["mismatches"] == []
         assert r["nfe_total"] <= base["nfe_total"]
         assert r["nfe_reduction"] == pytest.approx(base["nfe_total"] / r["nfe_total"])
@@ -98,8 +117,10 @@ def test_bench_dllm_cli(tiny_llada: Path, llada_graph: Path, prompt_file: Path, 
         assert set(r["stage_times"]) >= {"verify"} and r["speedup"] is not None and r["tokens_per_s"] > 0
         assert r["degenerate"] == base["degenerate"]  # identical outputs, identical statistics
     md = (out / "results.md").read_text()
-    assert "| baseline | - |" in md and "| spiffy | 1 |" in md and "| spiffy | 3 |" in md
-    assert "MISMATCH" not in md and "2/2 (100%)" in md
+    assert "| baseline | - |" in md and "| spiffy | 1 |" in md and "| spiffy | 3 |" in md and "| freedave 4 | 3 |" in md
+    assert "MISMATCH" not in md and "2/2 (100%)" in md and "Brackets: 95% bootstrap interval" in md
+    nfe_iv = res["runs"][0]["intervals"]["nfe_reduction"]
+    assert f"{res['runs'][0]['nfe_reduction']:.2f}x [{nfe_iv['low']:.2f}, {nfe_iv['high']:.2f}]" in md
     assert md in capsys.readouterr().out
     _check_pngs(out)
 
@@ -118,6 +139,14 @@ def test_bench_ar_cli(tiny_qwen3: Path, tiny_drafter: Path, prompt_file: Path, t
     assert res["all_identical"] is True
     ar = res["methods"][0]
     assert ar["tau"] == pytest.approx(1.0) and ar["speedup_vs_ar"] == pytest.approx(1.0)
+    # intervals over the prompts: tau and the speedups; none of a method against itself
+    assert sorted(ar["intervals"]) == ["speedup_vs_dflash", "tau_vs_dflash"]
+    assert sorted(res["methods"][1]["intervals"]) == ["speedup_vs_ar", "tau"]
+    for m in res["methods"][2:]:
+        assert sorted(m["intervals"]) == ["speedup_vs_ar", "speedup_vs_dflash", "tau", "tau_vs_dflash"]
+        assert m["tau_vs_dflash"] == pytest.approx(m["tau"] / res["methods"][1]["tau"])
+        for name, iv in m["intervals"].items():
+            assert iv["low"] <= m[name] * (1 + 1e-12) and m[name] <= iv["high"] * (1 + 1e-12)
     for m in res["methods"]:
         assert m["identical_fraction"] == 1.0 and m["mismatches"] == []
         assert m["tau"] == pytest.approx(sum(m["tau_per_response"]) / 2)

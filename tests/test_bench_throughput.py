@@ -41,9 +41,17 @@ def llada_graph(tiny_llada: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def _check(out: Path, methods: list[str], sizes: list[int], prompts: int) -> dict:
     res = json.loads((out / "throughput.json").read_text())
     assert [(r["method"], r["batch_size"]) for r in res["rows"]] == [(m, b) for m in methods for b in sizes]
+    plain = res["rows"][0]["method"]
     for r in res["rows"]:
         assert r["prompts"] == prompts and r["tokens"] > 0 and r["tokens_per_second"] > 0
         assert r["latency_per_token_ms"] > 0 and r["speedup"] is not None
+        assert len(r["call_seconds"]) == -(-prompts // r["batch_size"])
+        # the speedup's interval over the calls: none against itself or from a single call
+        iv = r["speedup_interval"]
+        if r["method"] == plain or len(r["call_seconds"]) < 2:
+            assert iv is None
+        else:
+            assert iv["low"] <= r["speedup"] * (1 + 1e-12) and r["speedup"] <= iv["high"] * (1 + 1e-12)
     md = (out / "throughput.md").read_text()
     assert "| method | batch | tokens/s |" in md and md.count("\n|") == 2 + len(res["rows"])
     return res

@@ -20,18 +20,31 @@ from spiffy.selfspec.pruning import DEFAULT_BUDGET, resolve_budget
 from spiffy.selfspec.prompts import prompt_token_ids
 from spiffy.selfspec.runtime import speculative_generate
 from spiffy.selfspec.select import project
-from spiffy.selfspec.tune import clearly_more, project_at_budget, tune_for_budget
+from spiffy.selfspec.tune import (
+    CLEARLY_MORE_LEVEL,
+    clearly_more,
+    paired_p_value,
+    project_at_budget,
+    tune_for_budget,
+)
 
 PROMPTS = ["def add(a, b):", "The sum of 2 and 3 is", "import os\nprint(", "for i in range("]
 A, B, AB, BA2 = ((1, 1),), ((2, 1),), ((1, 1), (2, 1)), ((1, 2), (2, 1))
 
 
-def _traj(chains: dict[int, tuple], probs: dict[int, list[list[float]]], steps: int = 6) -> Trajectory:
+def _traj(chains: dict[int, tuple], probs: dict[int, list[list[float]]], steps: int = 6, prompt: int = 0) -> Trajectory:
     return Trajectory(
-        prompt=0, nfe=steps, num_steps=steps, blocks=[0] * steps,
-        chains={n: Chain(0, n, 0, n, fs) for n, fs in chains.items()},
+        prompt=prompt, nfe=steps, num_steps=steps, blocks=[0] * steps,
+        chains={n: Chain(prompt, n, 0, n, fs) for n, fs in chains.items()},
         probs={n: torch.tensor(p, dtype=torch.float64) for n, p in probs.items()},
     )
+
+
+def _prompts(chains: dict[int, tuple], probs: dict[int, list[list[float]]], steps: int,
+             count: int = 6) -> tuple[list[Chain], list[Trajectory]]:
+    """``count`` calibration prompts that each decode as ``chains`` (enough for the paired test to reach 0.05)."""
+    trajs = [_traj(chains, probs, steps, prompt=k) for k in range(count)]
+    return [t.chains[n] for t in trajs for n in sorted(t.chains)], trajs
 
 
 def test_project_at_budget_by_hand() -> None:
@@ -54,23 +67,36 @@ def test_project_at_budget_by_hand() -> None:
         project_at_budget([traj], g, 1, "nope")
 
 
-def test_clearly_more_is_a_paired_two_standard_error_test() -> None:
-    assert clearly_more([10, 10, 10], [9, 9, 9])  # +1 on every prompt
-    assert not clearly_more([10, 0, 10], [9, 1, 9])  # +1, -1, +1: mean 1/3, standard error 2/3
-    assert clearly_more([12, 20, 31, 40], [10, 19, 30, 38])  # +2, +1, +1, +2: mean 1.5, standard error 0.29
+def test_clearly_more_is_a_one_sided_signed_rank_test() -> None:
+    # exact one-sided p-values of Wilcoxon's signed-rank test: n prompts all in favour give 2**-n
+    assert paired_p_value([10] * 6, [9] * 6) == pytest.approx(1 / 64) and clearly_more([10] * 6, [9] * 6)
+    assert paired_p_value([12, 20, 31, 40, 9], [10, 19, 30, 38, 8]) == pytest.approx(1 / 32)
+    assert clearly_more([12, 20, 31, 40, 9], [10, 19, 30, 38, 8])
+    # fewer than 5 prompts can never reach the level 0.05: the chain is kept
+    assert CLEARLY_MORE_LEVEL == 0.05
+    assert paired_p_value([12, 20, 31, 40], [10, 19, 30, 38]) == pytest.approx(1 / 16)
+    assert not clearly_more([12, 20, 31, 40], [10, 19, 30, 38]) and not clearly_more([3], [2])
+    assert paired_p_value([10, 0, 10], [9, 1, 9]) == pytest.approx(0.5)  # +1, -1, +1
+    # a windfall on a few prompts is not a consistent gain: +30 on 4 of 10 prompts, -1 on the other 6
+    assert not clearly_more([31] * 4 + [0] * 6, [1] * 4 + [1] * 6)
+    # prompts that save the same are left out; none differing: no evidence at all
+    assert paired_p_value([5, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 9, 10, 12]) == pytest.approx(1 / 32)
+    assert paired_p_value([5, 5], [5, 5]) == 1.0 and paired_p_value([], []) == 1.0
     assert not clearly_more([5, 5], [5, 5]) and not clearly_more([], [])
-    assert clearly_more([3], [2]) and not clearly_more([2], [2])  # one prompt: no noise estimate, any excess
+    assert not clearly_more([9] * 6, [10] * 6)  # one-sided: saving less is never clearly more
+    with pytest.raises(ValueError, match="one value per prompt"):
+        paired_p_value([1, 2], [1])
 
 
 def test_tune_prefers_the_candidate_that_saves_most() -> None:
     # two steps go A then AB, one goes B: with 2 nodes the default shape is {A, AB}; at D* = 1 only its A can be kept,
     # while the shape capped at lookahead 1 holds A and B and the reach score drafts B where position 2 is certain
+    # (six prompts that decode alike: the paired test then rejects "no more than the chain" at p = 1/64)
     chains = {0: (A, AB), 3: (A, AB), 6: (B,)}
     first, second = [[0.9, 0.05], [0.1, 0.05]], [[0.1, 0.05], [0.9, 0.05]]
-    traj = _traj(chains, {0: first, 3: first, 6: second}, steps=8)
-    chain_list = [traj.chains[n] for n in sorted(traj.chains)]
+    chain_list, trajs = _prompts(chains, {0: first, 3: first, 6: second}, steps=8)
     meta = {"calibrated_for": {"tokens_per_step": 1}}
-    g = tune_for_budget(chain_list, [traj], 1, nodes=2, meta=meta, tokens_per_step=1)
+    g = tune_for_budget(chain_list, trajs, 1, nodes=2, meta=meta, tokens_per_step=1)
     cal = g.meta["calibration"]
     assert g.tuned_budget == 1 and cal["budget"] == 1
     by = {(c["label"], c["score"]): c["reduction"] for c in g.projected["candidates"]}
@@ -81,9 +107,21 @@ def test_tune_prefers_the_candidate_that_saves_most() -> None:
     assert (cal["shape"], cal["max_level"], cal["nodes"], g.pruning_score) == ("capped", 1, 4, "reach")
     assert g.projected["at_budget"]["reduction"] == max(by.values())
     assert {n.pairs for n in g.nodes} == {A, B}
+    # the file records each candidate's p-value against the chain and the test
+    p_values = {(c["label"], c["score"]): c["p_value"] for c in g.projected["candidates"]}
+    assert p_values[("capped", "reach")] == pytest.approx(1 / 64) and p_values[("chain", "gm")] is None
+    assert p_values[("default", "gm")] == 1.0  # saves what the chain saves on every prompt
+    assert {c["label"]: c["clearly_more"] for c in g.projected["candidates"] if c["score"] == "reach"} == {
+        "default": False, "capped": True}
+    test = g.projected["candidate_test"]
+    assert test["level"] == CLEARLY_MORE_LEVEL and test["prompts"] == 6 and "wilcoxon" in test["test"]
     # at D* = 2 the capped shape (A, B, AB) drafts A and AB, or B first where position 2 is certain: 5 of 8 saved
-    g2 = tune_for_budget(chain_list, [traj], 2, nodes=2, meta=meta, tokens_per_step=1)
+    g2 = tune_for_budget(chain_list, trajs, 2, nodes=2, meta=meta, tokens_per_step=1)
     assert g2.projected["at_budget"]["reduction"] == pytest.approx(8 / 3) and g2.pruning_score == "reach"
+    # the same gain on one prompt only is no evidence: the chain is kept
+    alone = tune_for_budget(chain_list[:3], trajs[:1], 1, nodes=2, meta=meta, tokens_per_step=1)
+    assert alone.meta["calibration"]["shape"] == "chain"
+    assert max(c["reduction"] for c in alone.projected["candidates"]) == pytest.approx(8 / 5)
     # equal savings: the chain is kept
     same = _traj({0: (A, AB), 3: (A, AB)}, {0: first, 3: first}, steps=6)
     g3 = tune_for_budget([same.chains[0], same.chains[3]], [same], 2, nodes=2, meta=meta, tokens_per_step=1)
@@ -96,7 +134,7 @@ def test_tune_prefers_the_candidate_that_saves_most() -> None:
     assert g4.meta["calibration"]["shape"] == "chain" and {n.pairs for n in g4.nodes} == {A}
     assert g4.projected["at_budget"]["reduction"] == pytest.approx(8 / 5)
     with pytest.raises(ConfigError, match="D\\* >= 1"):
-        tune_for_budget(chain_list, [traj], 0, nodes=2)
+        tune_for_budget(chain_list, trajs, 0, nodes=2)
 
 
 def test_calibrate_with_budget_matches_the_runtime(tiny_llada: Path, tmp_path: Path, capsys) -> None:
@@ -135,3 +173,27 @@ def test_calibrate_with_budget_matches_the_runtime(tiny_llada: Path, tmp_path: P
     shown = capsys.readouterr().out
     assert "at D* = 2:" in shown and "candidate capped:" in shown and "candidate default:" in shown
     assert "candidate chain: 2 nodes" in shown
+
+
+def test_the_graph_file_keeps_the_test_and_old_files_still_load(tmp_path: Path) -> None:
+    first, second = [[0.9, 0.05], [0.1, 0.05]], [[0.1, 0.05], [0.9, 0.05]]
+    chain_list, trajs = _prompts({0: (A, AB), 3: (A, AB), 6: (B,)}, {0: first, 3: first, 6: second}, steps=8)
+    g = tune_for_budget(chain_list, trajs, 1, nodes=2, meta={"calibrated_for": {"tokens_per_step": 1}},
+                        tokens_per_step=1)
+    path = tmp_path / "tuned.json"
+    g.save(path)
+    loaded = load_graph(path)
+    assert loaded.projected["candidates"] == g.projected["candidates"]
+    assert loaded.projected["candidate_test"] == g.projected["candidate_test"]
+    shown = loaded.summary()
+    assert "(clearly more than the chain, one-sided p = 0.0156 (level 0.05))" in shown
+    assert "candidate test: wilcoxon signed-rank" in shown and "over 6 prompt(s), level 0.05" in shown
+    # a file tuned before the paired test (no p-values, no candidate_test) loads and shows its verdicts
+    data = json.loads(path.read_text())
+    del data["projected"]["candidate_test"]
+    for c in data["projected"]["candidates"]:
+        del c["p_value"]
+    path.write_text(json.dumps(data))
+    old = load_graph(path)
+    assert old.tuned_budget == 1 and "p_value" not in old.projected["candidates"][0]
+    assert "(clearly more than the chain)" in old.summary() and "p =" not in old.summary()

@@ -5,7 +5,8 @@ Every method runs on the same code path (:func:`spiffy.arspec.speculative_genera
 same process, after an untimed warm-up. Reported per method (SPEC sections 7 and 11): τ = mean acceptance length per
 round **including the bonus token**, macro-averaged over responses (mean of each response's τ); the histogram of
 acceptance lengths (summed over rounds); time per output token **excluding prefill** (mean over responses); speedup
-= mean TPOT(AR) / mean TPOT(method) and the same against DFlash; per-stage times; the fraction of outputs identical
+= mean TPOT(AR) / mean TPOT(method) and the same against DFlash, τ against DFlash's, each with its 95% interval over
+prompts (paired bootstrap, :mod:`spiffy.bench.stats`); per-stage times; the fraction of outputs identical
 to AR (must be 1.0 for the coupled rule and at T = 0; mismatches listed with the position and the baseline's logit
 gap there, and whether that gap is a near tie within the dtype's rounding error, :mod:`spiffy.bench.fidelity`; the
 rejection rule at T > 0 equals AR in distribution only, so its identical rate is reported but not required); target
@@ -33,6 +34,7 @@ from spiffy.bench.common import (
 )
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.bench.fidelity import NEAR_TIE_RULE, explain_ar_divergence
+from spiffy.bench.stats import interval_method, mean_interval, ratio_of_means, ratio_of_means_interval
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.prompting import prompt_token_ids, stop_token_ids
@@ -97,6 +99,25 @@ def plan_entries(
         suffix = "" if rule == "coupled" else f"/{rule}"
         entries += [BenchEntry(e.name + suffix, e.method, e.drafter, e.budget, e.drafts, rule) for e in base]
     return entries
+
+
+def _add_intervals(methods: list[dict[str, Any]], per_prompt: list[dict[str, Any]]) -> None:
+    """Give every method the 95% intervals over prompts of its figures (:mod:`spiffy.bench.stats`), in
+    ``method["intervals"]``: ``tau`` (a mean), ``speedup_vs_ar`` and ``speedup_vs_dflash`` (ratios of mean TPOTs,
+    paired by prompt) and ``tau_vs_dflash`` (mean τ / DFlash's, also stored as a figure); none against itself."""
+    tau = {m["name"]: [row["methods"][m["name"]]["tau"] for row in per_prompt] for m in methods}
+    tpot = {m["name"]: [row["methods"][m["name"]]["tpot"] for row in per_prompt] for m in methods}
+    for m in methods:
+        name = m["name"]
+        intervals: dict[str, Any] = {}
+        if name != "ar":  # AR's tau is 1 by definition
+            intervals["tau"] = mean_interval(tau[name])
+            intervals["speedup_vs_ar"] = ratio_of_means_interval(tpot["ar"], tpot[name])
+        if "dflash" in tau and name != "dflash":
+            m["tau_vs_dflash"] = ratio_of_means(tau[name], tau["dflash"])
+            intervals["tau_vs_dflash"] = ratio_of_means_interval(tau[name], tau["dflash"])
+            intervals["speedup_vs_dflash"] = ratio_of_means_interval(tpot["dflash"], tpot[name])
+        m["intervals"] = intervals
 
 
 @torch.no_grad()
@@ -290,6 +311,7 @@ def run_ar_bench(
             "mismatches": a["mismatches"],
             "degenerate": degenerate_stats(a["texts"], a["tokens"], specials),
         })
+    _add_intervals(methods, per_prompt)
     return {
         "kind": "ar",
         "target": target_name or getattr(target, "name_or_path", None),
@@ -308,6 +330,7 @@ def run_ar_bench(
                   "TPOT(AR or DFlash) / mean TPOT(method); same process, same prompts, after "
                   f"{max(0, int(warmup))} untimed warm-up round(s)",
         "warmup": max(0, int(warmup)),
+        "intervals": interval_method(),
         "budgets": [int(b) for b in budgets],
         "methods": methods,
         "all_identical": all(m["identical_fraction"] == 1.0 for m in methods if m["identical_expected"]),

@@ -3,9 +3,10 @@
 For every prompt the baseline and Spiffy at each budget run back to back in the same process, on the same prompt,
 with the same decoding configuration and seed, after an untimed warm-up. Reported per budget (SPEC section 11):
 NFE per generated token for both paths, NFE reduction, tokens/s and speedup (ratio of the measured wall times of
-this run), the histogram of accepted drafts per verification forward, accepted drafts per graph level, per-stage
-times, the fraction of outputs identical to the baseline (must be 1.0; every mismatch is listed), and the
-degenerate-output checks (distinct-token ratio, whitespace share).
+this run), each ratio with its 95% interval over prompts (paired bootstrap, :mod:`spiffy.bench.stats`; a Spiffy row
+also against the FreeDave row of the same width), the histogram of accepted drafts per verification forward,
+accepted drafts per graph level, per-stage times, the fraction of outputs identical to the baseline (must be 1.0;
+every mismatch is listed), and the degenerate-output checks (distinct-token ratio, whitespace share).
 
 "Generated tokens" are the ``gen_length`` positions each prompt decodes (EOS padding included), the unit in which
 diffusion decoders spend their steps.
@@ -33,6 +34,7 @@ from spiffy.bench.common import (
     warm_up,
 )
 from spiffy.bench.datasets import BenchPrompt
+from spiffy.bench.stats import interval_method, ratio_of_means, ratio_of_means_interval
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.prompting import prompt_token_ids
@@ -64,6 +66,31 @@ def _graph_info(graph: Any, path: str | None, score: str) -> dict[str, Any]:
         "calibration_prompts": cal.get("num_prompts"),
         "projected": dict(getattr(graph, "projected", {}) or {}),
     }
+
+
+def _add_intervals(runs: list[dict[str, Any]], keys: Sequence[Any], per_prompt: list[dict[str, Any]]) -> None:
+    """Give every run the 95% intervals over prompts of its ratios (:mod:`spiffy.bench.stats`), in
+    ``run["intervals"]``: ``nfe_reduction`` and ``speedup`` against the baseline and, for a Spiffy row with a FreeDave
+    row of the same states per forward (its rival, ``run["rival"]``), ``nfe_reduction_vs_freedave`` (FreeDave's
+    forwards / Spiffy's) and ``speedup_vs_freedave`` (FreeDave's seconds / Spiffy's), also stored as figures."""
+    base_nfe = [row["baseline"]["nfe"] for row in per_prompt]
+    base_s = [row["baseline"]["seconds"] for row in per_prompt]
+    series = {str(k): ([row["spiffy"][str(k)]["nfe"] for row in per_prompt],
+                       [row["spiffy"][str(k)]["seconds"] for row in per_prompt]) for k in keys}
+    freedave = {run["states_per_forward"]: str(k) for k, run in zip(keys, runs) if run["method"] == "freedave"}
+    for key, run in zip(keys, runs):
+        nfe, seconds = series[str(key)]
+        intervals = {"nfe_reduction": ratio_of_means_interval(base_nfe, nfe),
+                     "speedup": ratio_of_means_interval(base_s, seconds)}
+        rival = freedave.get(run["states_per_forward"]) if run["method"] == "spiffy" else None
+        run["rival"] = None if rival is None else f"freedave {run['states_per_forward']}"
+        if rival is not None:
+            rival_nfe, rival_s = series[rival]
+            run["nfe_reduction_vs_freedave"] = ratio_of_means(rival_nfe, nfe)
+            run["speedup_vs_freedave"] = ratio_of_means(rival_s, seconds)
+            intervals["nfe_reduction_vs_freedave"] = ratio_of_means_interval(rival_nfe, nfe)
+            intervals["speedup_vs_freedave"] = ratio_of_means_interval(rival_s, seconds)
+        run["intervals"] = intervals
 
 
 def _slim(res: Any) -> SimpleNamespace:
@@ -275,6 +302,7 @@ def run_dllm_bench(
             "mismatches": acc["mismatches"],
             "degenerate": degenerate_stats(acc["texts"], acc["tokens"], specials),
         })
+    _add_intervals(runs, [key for key, _g, _b in rows_spec], per_prompt)
     cfg_dict = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
     cfg_dict.update(extra)
     if hasattr(config, "resolved_steps"):
@@ -294,6 +322,7 @@ def run_dllm_bench(
         "timing": "wall time of each decode (tokenisation excluded), same process, same prompts, after "
                   f"{max(0, int(warmup))} untimed warm-up round(s); speedup = baseline seconds / Spiffy seconds",
         "warmup": max(0, int(warmup)),
+        "intervals": interval_method(),
         "graph": _graph_info(graph, graph_path, score),
         "budgets": budgets,
         "baseline": baseline,

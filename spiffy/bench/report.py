@@ -1,8 +1,12 @@
 """Benchmark reports: ``results.json``, ``results.md`` (Markdown tables) and PNG plots, all written atomically.
 
-Plots (matplotlib, Agg backend): ``tradeoff.png`` (dLLM: NFE reduction and speedup vs budget; AR: τ and speedup vs
-DDTree budget, with DFlash as a reference line) and ``acceptance_histogram.png`` (dLLM: accepted drafts per
-verification forward per budget; AR: acceptance length per round per method).
+Every ratio in a table carries its 95% interval over prompts in brackets, followed by ``n.s.`` when the interval
+includes 1.0 (the run cannot tell the two sides apart).
+
+Plots (matplotlib, Agg backend): ``tradeoff.png`` (dLLM: NFE reduction and speedup vs budget, FreeDave's NFE
+reduction at the same states per forward; AR: τ and speedup vs DDTree budget, with DFlash as a reference line; error
+bars and bands: the 95% intervals over prompts of :mod:`spiffy.bench.stats`) and ``acceptance_histogram.png``
+(dLLM: accepted drafts per verification forward per budget; AR: acceptance length per round per method).
 """
 
 from __future__ import annotations
@@ -54,6 +58,45 @@ def _f(v: Any, digits: int = 2) -> str:
     if isinstance(v, float):
         return f"{v:.{digits}f}"
     return str(v)
+
+
+#: appended to a ratio whose interval includes 1.0
+NOT_CLEAR = "n.s."
+
+
+def _ratio(value: Any, interval: dict[str, Any] | None, digits: int = 2, unit: str = "x", flag: bool = True) -> str:
+    """``2.19x [2.05, 2.31]`` (the figure and its 95% interval), ``n.s.`` appended when the interval includes 1.0
+    (``flag``); the figure alone when there is no interval (one prompt, or a results file without intervals)."""
+    if value is None:
+        return "n/a"
+    text = f"{_f(value, digits)}{unit}"
+    if interval:
+        text += f" [{interval['low']:.{digits}f}, {interval['high']:.{digits}f}]"
+        if flag and interval.get("includes_one"):
+            text += f" {NOT_CLEAR}"
+    return text
+
+
+def _interval(entry: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return (entry.get("intervals") or {}).get(name)
+
+
+def _interval_legend(res: dict[str, Any]) -> list[str]:
+    """The line under a table saying what the brackets are (nothing for results without intervals)."""
+    if not res.get("intervals"):
+        return []
+    return ["", f"Brackets: {res['intervals']}. {NOT_CLEAR}: the interval includes 1.0, so this run cannot tell "
+                "the two sides apart."]
+
+
+def _error_bars(entries: list[dict[str, Any]], name: str) -> list[list[float]]:
+    """``[[below...], [above...]]`` of figure ``name`` for matplotlib's ``yerr`` (0 where there is no interval)."""
+    below, above = [], []
+    for e in entries:
+        iv, v = _interval(e, name), e.get(name) or 0.0
+        below.append(max(0.0, v - iv["low"]) if iv else 0.0)
+        above.append(max(0.0, iv["high"] - v) if iv else 0.0)
+    return [below, above]
 
 
 def _hist_str(h: dict[str, int]) -> str:
@@ -124,18 +167,27 @@ def markdown_dllm(res: dict[str, Any]) -> str:
         f"- timing: {res.get('timing')}",
         *_env_lines(res.get("environment", {})),
         "",
-        "| method | budget | NFE/token | NFE reduction | tokens/s | speedup | accepted/forward | identical | distinct-token ratio | whitespace share |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        f"| baseline | - | {_f(b['nfe_per_token'], 3)} | 1.00x | {_f(b['tokens_per_s'])} | 1.00x | - | - | "
+        "| method | budget | NFE/token | NFE reduction | tokens/s | speedup "
+        "| vs FreeDave at equal states (NFE; speedup) | accepted/forward | identical | distinct-token ratio "
+        "| whitespace share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| baseline | - | {_f(b['nfe_per_token'], 3)} | 1.00x | {_f(b['tokens_per_s'])} | 1.00x | - | - | - | "
         f"{_f(b['degenerate']['distinct_token_ratio'], 3)} | {_f(b['degenerate']['whitespace_share'], 3)} |",
     ]
     for r in res["runs"]:
         ident = _identical_cell(r, res["num_prompts"])
+        rival = "-"
+        if r.get("rival"):
+            rival = (f"{_ratio(r.get('nfe_reduction_vs_freedave'), _interval(r, 'nfe_reduction_vs_freedave'))}; "
+                     f"{_ratio(r.get('speedup_vs_freedave'), _interval(r, 'speedup_vs_freedave'))}")
         lines.append(
-            f"| {_method_label(r)} | {r['budget']} | {_f(r['nfe_per_token'], 3)} | {_f(r['nfe_reduction'])}x | "
-            f"{_f(r['tokens_per_s'])} | {_f(r['speedup'])}x | {_f(r['mean_accepted_per_forward'])} | {ident} | "
-            f"{_f(r['degenerate']['distinct_token_ratio'], 3)} | {_f(r['degenerate']['whitespace_share'], 3)} |"
+            f"| {_method_label(r)} | {r['budget']} | {_f(r['nfe_per_token'], 3)} | "
+            f"{_ratio(r['nfe_reduction'], _interval(r, 'nfe_reduction'))} | {_f(r['tokens_per_s'])} | "
+            f"{_ratio(r['speedup'], _interval(r, 'speedup'))} | {rival} | {_f(r['mean_accepted_per_forward'])} | "
+            f"{ident} | {_f(r['degenerate']['distinct_token_ratio'], 3)} | "
+            f"{_f(r['degenerate']['whitespace_share'], 3)} |"
         )
+    lines += _interval_legend(res)
     lines += ["", "## Acceptance", "", "| run | accepted drafts per forward (histogram) | accepted per level | per-level rate |",
               "|---|---|---|---|"]
     for r in res["runs"]:
@@ -175,20 +227,27 @@ def markdown_ar(res: dict[str, Any]) -> str:
         f"- timing: {res.get('timing')}",
         *_env_lines(res.get("environment", {})),
         "",
-        "| method | budget | tau | TPOT (ms) | tokens/s | speedup vs AR | speedup vs DFlash | identical | distinct-token ratio | whitespace share | drafter | rule | K | target NFE/token |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | budget | tau | tau vs DFlash | TPOT (ms) | tokens/s | speedup vs AR | speedup vs DFlash "
+        "| identical | distinct-token ratio | whitespace share | drafter | rule | K | target NFE/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in res["methods"]:
         ident = _identical_cell(m, res["num_prompts"])
         if not m.get("identical_expected", True):  # rejection rule at T > 0: equal to AR in distribution only
             ident = f"{m['identical']}/{res['num_prompts']} (in distribution)"
+        tau_vs_dflash = "-"
+        if m.get("tau_vs_dflash") is not None:
+            tau_vs_dflash = _ratio(m["tau_vs_dflash"], _interval(m, "tau_vs_dflash"))
         lines.append(
-            f"| {m['method']} | {m['budget']} | {_f(m['tau'])} | {_f(1000 * m['tpot_s'])} | {_f(m['tokens_per_s'])} | "
-            f"{_f(m['speedup_vs_ar'])}x | {_f(m['speedup_vs_dflash'])}x | {ident} | "
+            f"| {m['method']} | {m['budget']} | {_ratio(m['tau'], _interval(m, 'tau'), unit='', flag=False)} | "
+            f"{tau_vs_dflash} | {_f(1000 * m['tpot_s'])} | {_f(m['tokens_per_s'])} | "
+            f"{_ratio(m['speedup_vs_ar'], _interval(m, 'speedup_vs_ar'))} | "
+            f"{_ratio(m['speedup_vs_dflash'], _interval(m, 'speedup_vs_dflash'))} | {ident} | "
             f"{_f(m['degenerate']['distinct_token_ratio'], 3)} | {_f(m['degenerate']['whitespace_share'], 3)} | "
             f"{m.get('drafter_kind', '')} | {m.get('accept', 'coupled')} | {m.get('drafts', '') if m['method'] == 'specdiff' else ''} | "
             f"{_f(m.get('nfe_per_token'))} |"
         )
+    lines += _interval_legend(res)
     lines += ["", "## Acceptance length per round (histogram, bonus included)", "", "| method | histogram |", "|---|---|"]
     for m in res["methods"]:
         lines.append(f"| {m['name']} | {_hist_str(m['acceptance_histogram'])} |")
@@ -225,15 +284,23 @@ def _save_fig(fig: Any, path: Path) -> Path:
 def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """``tradeoff.png`` and ``acceptance_histogram.png`` of a dLLM results dict."""
     plt = _pyplot()
-    runs = [r for r in res["runs"] if r.get("method", "spiffy") == "spiffy"]  # FreeDave rows: see results.md
+    runs = [r for r in res["runs"] if r.get("method", "spiffy") == "spiffy"]
+    rivals = [r for r in res["runs"] if r.get("method") == "freedave"]  # at D* = K - 1: the same states per forward
     budgets = [r["budget"] for r in runs]
     paths: list[Path] = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(budgets, [r["nfe_reduction"] or 0 for r in runs], "o-", label="NFE reduction")
-    ax.plot(budgets, [r["speedup"] or 0 for r in runs], "s--", label="wall-clock speedup")
+    # error bars: the 95% intervals over prompts (none in results written before they were reported)
+    ax.errorbar(budgets, [r["nfe_reduction"] or 0 for r in runs], yerr=_error_bars(runs, "nfe_reduction"),
+                fmt="o-", capsize=3, label="NFE reduction")
+    ax.errorbar(budgets, [r["speedup"] or 0 for r in runs], yerr=_error_bars(runs, "speedup"), fmt="s--",
+                capsize=3, label="wall-clock speedup")
+    if rivals:
+        ax.errorbar([r["budget"] + 0.08 for r in rivals], [r["nfe_reduction"] or 0 for r in rivals],
+                    yerr=_error_bars(rivals, "nfe_reduction"), fmt="^:", capsize=3,
+                    label="FreeDave NFE reduction (same states)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("draft budget D* (nodes kept per step)")
-    ax.set_ylabel("x over baseline")
+    ax.set_ylabel("x over baseline (bars: 95% interval over prompts)")
     ax.set_title(f"Spiffy budget trade-off ({res.get('dataset')}, {res.get('num_prompts')} prompts)")
     ax.legend()
     try:
@@ -268,14 +335,20 @@ def plot_ar(res: dict[str, Any], out_dir: Path) -> list[Path]:
     paths: list[Path] = []
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [m["budget"] for m in tree]
-    ax.plot(xs, [m["tau"] for m in tree], "o-", label="DDTree tau")
-    ax.plot(xs, [m["speedup_vs_ar"] or 0 for m in tree], "s--", label="DDTree speedup vs AR")
+    # error bars and bands: the 95% intervals over prompts (none in results written before they were reported)
+    ax.errorbar(xs, [m["tau"] for m in tree], yerr=_error_bars(tree, "tau"), fmt="o-", capsize=3,
+                label="DDTree tau")
+    ax.errorbar(xs, [m["speedup_vs_ar"] or 0 for m in tree], yerr=_error_bars(tree, "speedup_vs_ar"),
+                fmt="s--", capsize=3, label="DDTree speedup vs AR")
     if dflash is not None:
-        ax.axhline(dflash["tau"], color="C0", ls=":", label="DFlash tau")
-        ax.axhline(dflash["speedup_vs_ar"] or 0, color="C1", ls=":", label="DFlash speedup vs AR")
+        for value, name, color in (("tau", "tau", "C0"), ("speedup_vs_ar", "speedup vs AR", "C1")):
+            ax.axhline(dflash[value] or 0, color=color, ls=":", label=f"DFlash {name}")
+            band = _interval(dflash, value)
+            if band:
+                ax.axhspan(band["low"], band["high"], color=color, alpha=0.12)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("DDTree node budget")
-    ax.set_ylabel("tau (tokens/round) / speedup")
+    ax.set_ylabel("tau (tokens/round) / speedup (95% intervals)")
     ax.set_title(f"DDTree budget trade-off ({res.get('dataset')}, {res.get('num_prompts')} prompts)")
     ax.legend(fontsize=8)
     try:

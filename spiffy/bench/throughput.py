@@ -14,7 +14,9 @@ Reported per method and batch size:
 * ``identical_to_batch_1``: the fraction of prompts whose tokens equal the batch-1 run of the same method (must be
   1.0 for every method: each row is decoded exactly as that prompt alone, with its own random generator).
 
-Speedups are ratios of measured wall times in this run; on a 2-core CPU the forward is compute-bound at any batch
+Speedups are ratios of measured wall times in this run, each with its 95% interval over the calls of that batch size
+(paired bootstrap, :mod:`spiffy.bench.stats`: method and plain method decode the same prompts in the same calls; no
+interval from a single call); on a 2-core CPU the forward is compute-bound at any batch
 size, so batching helps little there and speculative gains stay roughly constant; on a GPU the forward is
 memory-bound at small batches, and speculative gains shrink as the batch grows.
 """
@@ -32,6 +34,7 @@ from spiffy.arspec.config import METHOD_LABELS, ARSpecConfig
 from spiffy.arspec.dllm_drafter import as_drafter
 from spiffy.bench.common import environment_info
 from spiffy.bench.datasets import BenchPrompt
+from spiffy.bench.stats import interval_method, ratio_of_means_interval
 from spiffy.errors import ConfigError
 from spiffy.models.prompting import prompt_token_ids
 from spiffy.sampling import SamplingConfig
@@ -70,7 +73,7 @@ def measure(methods: dict[str, BatchCall], prompts: list[list[int]], batch_sizes
     for name, call in methods.items():
         for b in batch_sizes:
             tokens: list[list[int]] = []
-            seconds, latencies, forwards = 0.0, [], 0
+            seconds, latencies, forwards, call_seconds = 0.0, [], 0, []
             for start in range(0, n, b):
                 chunk = work[start : start + b]
                 _sync(device)
@@ -79,6 +82,7 @@ def measure(methods: dict[str, BatchCall], prompts: list[list[int]], batch_sizes
                 _sync(device)
                 dt = time.perf_counter() - t0
                 seconds += dt
+                call_seconds.append(dt)
                 forwards += calls
                 per_row = max(1, max(len(t) for t in out))
                 latencies.append(dt / per_row)
@@ -91,7 +95,7 @@ def measure(methods: dict[str, BatchCall], prompts: list[list[int]], batch_sizes
                 "method": name, "batch_size": b, "prompts": n, "tokens": total, "seconds": seconds,
                 "tokens_per_second": total / seconds if seconds > 0 else None,
                 "latency_per_token_ms": 1000.0 * sum(latencies) / len(latencies), "forwards": forwards,
-                "identical_to_batch_1": same,
+                "identical_to_batch_1": same, "call_seconds": call_seconds,
             })
     return rows
 
@@ -152,13 +156,17 @@ def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tok
 
 
 def throughput_report(kind: str, rows: list[dict[str, Any]], *, model: Any, device: Any, meta: dict[str, Any]) -> dict[str, Any]:
-    """JSON-ready report: the rows plus speedups over the plain method at the same batch size."""
+    """JSON-ready report: the rows plus speedups over the plain method at the same batch size, each with its 95%
+    interval over the calls (``speedup_interval``; ``None`` for the plain method itself and for a single call)."""
     plain = "baseline" if kind == "dllm" else METHOD_LABELS["ar"]
     base = {r["batch_size"]: r for r in rows if r["method"] == plain}
     for r in rows:
         ref = base.get(r["batch_size"])
         r["speedup"] = (ref["seconds"] / r["seconds"]) if ref and r["seconds"] > 0 else None
-    return {"kind": f"throughput-{kind}", "rows": rows, "environment": environment_info(model, device), **meta}
+        paired = ref is not None and ref is not r and "call_seconds" in r and "call_seconds" in ref
+        r["speedup_interval"] = ratio_of_means_interval(ref["call_seconds"], r["call_seconds"]) if paired else None
+    return {"kind": f"throughput-{kind}", "rows": rows, "intervals": interval_method("call"),
+            "environment": environment_info(model, device), **meta}
 
 
 def markdown_throughput(res: dict[str, Any]) -> str:
@@ -167,7 +175,8 @@ def markdown_throughput(res: dict[str, Any]) -> str:
         f"# spiffy bench {res['kind'].split('-')[-1]}: throughput by batch size",
         "",
         f"{res.get('prompts', '?')} prompts from {res.get('dataset')}; every method decodes the same prompts at every "
-        "batch size. Speedup = plain method's wall time / this method's, same batch size.",
+        "batch size. Speedup = plain method's wall time / this method's, same batch size"
+        + (f"; brackets: {res['intervals']}; n.s.: the interval includes 1.0." if res.get("intervals") else "."),
         "",
         "| method | batch | tokens/s | latency/token (ms) | speedup | forwards | identical to batch 1 |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -175,6 +184,9 @@ def markdown_throughput(res: dict[str, Any]) -> str:
     for r in res["rows"]:
         tps = "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.1f}"
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        iv = r.get("speedup_interval")
+        if iv:
+            sp += f" [{iv['low']:.2f}, {iv['high']:.2f}]" + (" n.s." if iv["includes_one"] else "")
         lines.append(f"| {r['method']} | {r['batch_size']} | {tps} | {r['latency_per_token_ms']:.1f} | {sp} | "
                      f"{r['forwards']} | {r['identical_to_batch_1']:.2f} |")
     env = res.get("environment", {})

@@ -15,21 +15,28 @@ of :func:`~spiffy.selfspec.select.project` restricted to the kept nodes (:func:`
   second-ranked position first, the second token), for the ``reach`` score to choose among per step;
 * ``chain``: the top-k chain of depth ``D*`` (FreeDave's drafts, :mod:`spiffy.selfspec.freedave`), the reference.
 
-A candidate replaces the chain only when it saves clearly more on the calibration prompts: the mean of its per-prompt
-savings minus the chain's exceeds two standard errors of those paired differences (with a single prompt, any excess
-counts). Among those, the one that saves most is kept (ties: the earlier one). A margin of a few forwards in thousands
-is noise, and the chain, which needs no calibration, is what such noise should fall back to.
+A candidate replaces the chain only when it saves clearly more on the calibration prompts: a one-sided Wilcoxon
+signed-rank test of its per-prompt savings against the chain's (paired by prompt, prompts with equal savings dropped;
+``scipy.stats.wilcoxon``, whose ``method="auto"`` takes the exact null distribution or all sign permutations on
+small samples and the tie-corrected normal approximation on large ones) rejects "no more than the chain" at level
+:data:`CLEARLY_MORE_LEVEL` = 0.05. Among those, the one that saves most is kept (ties: the earlier one). A margin of a
+few forwards in thousands is noise, and the chain, which needs no calibration, is what such noise should fall back
+to. The signed-rank test suits per-prompt savings, which are heavy-tailed (a few prompts save many forwards); it
+cannot reach 0.05 on fewer than 5 prompts (its smallest p-value is ``2**-n``), so on fewer the chain is kept. The
+graph file records each candidate's p-value (``projected["candidates"][k]["p_value"]``) and the test
+(``projected["candidate_test"]``).
 
 Replaying costs no model call: a pruning per recorded step and candidate (milliseconds per thousand steps).
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
+from scipy import stats
 
 from spiffy.errors import ConfigError
 from spiffy.selfspec.chains import Chain, Trajectory, count_formulas
@@ -41,6 +48,10 @@ from spiffy.selfspec.select import build_graph, project, walk_depth
 
 #: node count of a ``capped`` candidate per draft kept (with at least the requested ``nodes``)
 CAPPED_NODES_PER_DRAFT = 4
+#: one-sided level at which a candidate's per-prompt savings must beat the chain's to replace it
+CLEARLY_MORE_LEVEL = 0.05
+#: the paired test behind :func:`clearly_more`, as the graph file records it
+CLEARLY_MORE_TEST = "wilcoxon signed-rank, one-sided (candidate saves more), paired by prompt, equal prompts dropped"
 
 
 def check_tune_budget(budget: Any) -> None:
@@ -118,17 +129,26 @@ def project_at_budget(trajectories: Sequence[Trajectory], graph: DraftGraph, bud
     }
 
 
-def clearly_more(saved: Sequence[int], reference: Sequence[int]) -> bool:
-    """Whether per-prompt savings ``saved`` exceed ``reference`` beyond noise: the mean paired difference is positive
-    and larger than two standard errors (one prompt: positive)."""
-    diffs = [a - b for a, b in zip(saved, reference)]
-    if not diffs:
-        return False
-    mean = sum(diffs) / len(diffs)
-    if len(diffs) == 1:
-        return mean > 0
-    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return mean > 0 and mean > 2.0 * math.sqrt(var / len(diffs))
+def paired_p_value(saved: Sequence[int], reference: Sequence[int]) -> float:
+    """One-sided p-value that per-prompt savings ``saved`` exceed ``reference`` (paired by prompt): Wilcoxon's
+    signed-rank test (``scipy.stats.wilcoxon``, ``alternative="greater"``, prompts with equal savings dropped);
+    1.0 when no prompt differs.
+
+    Raises:
+        ValueError: the two sequences differ in length.
+    """
+    if len(saved) != len(reference):
+        raise ValueError(f"paired savings need one value per prompt on both sides, got {len(saved)} and "
+                         f"{len(reference)}")
+    diffs = np.asarray(saved, dtype=np.float64) - np.asarray(reference, dtype=np.float64)
+    if not np.any(diffs != 0):
+        return 1.0
+    return float(stats.wilcoxon(diffs, alternative="greater").pvalue)
+
+
+def clearly_more(saved: Sequence[int], reference: Sequence[int], level: float = CLEARLY_MORE_LEVEL) -> bool:
+    """Whether per-prompt savings ``saved`` exceed ``reference`` beyond noise: :func:`paired_p_value` < ``level``."""
+    return paired_p_value(saved, reference) < level
 
 
 def _capped(chains: Sequence[Chain], cap: int) -> list[Chain]:
@@ -160,7 +180,9 @@ def tune_for_budget(
     Returns:
         The chosen :class:`DraftGraph`; ``projected["at_budget"]`` holds its replayed savings at ``budget`` and
         ``projected["candidates"]`` every candidate's (``label``, ``nodes``, ``max_level``, ``score``,
-        ``reduction``, ``clearly_more``: whether it beat the chain beyond noise).
+        ``reduction``, ``p_value`` of :func:`paired_p_value` against the chain, ``clearly_more``: whether it is
+        below :data:`CLEARLY_MORE_LEVEL`; both ``None`` for the chain); ``projected["candidate_test"]`` the test,
+        its level and the number of prompts.
     Raises:
         ConfigError: ``budget < 1``.
     """
@@ -184,9 +206,11 @@ def tune_for_budget(
     candidates: list[dict[str, Any]] = []
     best: tuple[float, DraftGraph, dict[str, Any]] | None = None
     for label, n_nodes, level_cap, graph, score, result in results:
-        clear = label == "chain" or clearly_more(result["saved_per_prompt"], reference)
+        p_value = None if label == "chain" else paired_p_value(result["saved_per_prompt"], reference)
+        clear = p_value is None or p_value < CLEARLY_MORE_LEVEL
         candidates.append({"label": label, "nodes": len(graph), "max_level": level_cap, "score": score,
-                           "reduction": result["reduction"], "clearly_more": clear if label != "chain" else None})
+                           "reduction": result["reduction"], "p_value": p_value,
+                           "clearly_more": clear if label != "chain" else None})
         if clear and (best is None or result["reduction"] > best[0]):
             chosen = {"nodes": n_nodes, "max_level": level_cap, "score": score, "budget": budget, "shape": label}
             best = (result["reduction"], graph, {"result": result, "calibration": chosen})
@@ -194,9 +218,10 @@ def tune_for_budget(
     _, graph, info = best
     meta_out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in graph.meta.items()}
     meta_out.setdefault("calibration", {}).update(info["calibration"])
-    projected = {**graph.projected, "at_budget": info["result"], "candidates": candidates}
+    test = {"test": CLEARLY_MORE_TEST, "level": CLEARLY_MORE_LEVEL, "prompts": len(reference)}
+    projected = {**graph.projected, "at_budget": info["result"], "candidates": candidates, "candidate_test": test}
     return DraftGraph(list(graph.nodes), meta_out, projected)
 
 
-__all__ = ["CAPPED_NODES_PER_DRAFT", "check_tune_budget", "replay_ranking", "project_at_budget", "clearly_more",
-           "tune_for_budget"]
+__all__ = ["CAPPED_NODES_PER_DRAFT", "CLEARLY_MORE_LEVEL", "CLEARLY_MORE_TEST", "check_tune_budget", "replay_ranking",
+           "project_at_budget", "paired_p_value", "clearly_more", "tune_for_budget"]

@@ -101,7 +101,7 @@ def summary(graph: Any) -> str:
             red = p.get("reduction")
             red_s = f" ({red:.3f}x fewer forwards, ceiling with all nodes kept)" if isinstance(red, (int, float)) else ""
             lines.append(f"projected:      NFE {p['baseline_nfe']} -> {p['projected_nfe']}{red_s}")
-        shown_apart = ("baseline_nfe", "projected_nfe", "reduction", "at_budget", "candidates")
+        shown_apart = ("baseline_nfe", "projected_nfe", "reduction", "at_budget", "candidates", "candidate_test")
         extra = {k: v for k, v in p.items() if k not in shown_apart}
         if extra:
             lines.append("                " + ", ".join(f"{k}={short(v)}" for k, v in extra.items()))
@@ -110,12 +110,18 @@ def summary(graph: Any) -> str:
             lines.append(f"at D* = {at.get('budget')}:      NFE {at.get('baseline_nfe')} -> {at.get('projected_nfe')} "
                          f"({at['reduction']:.3f}x fewer forwards, the runtime's {at.get('score')} pruning replayed on "
                          "the calibration prompts)")
-        verdict = {True: " (clearly more than the chain)", False: " (not clearly more than the chain)"}
+        verdict = {True: "clearly more than the chain", False: "not clearly more than the chain"}
+        test = p.get("candidate_test") if isinstance(p.get("candidate_test"), dict) else {}
         for c in p.get("candidates") or []:
             if isinstance(c, dict):
+                said = verdict.get(c.get("clearly_more"))
+                if said and isinstance(c.get("p_value"), (int, float)):  # files from before the paired test lack it
+                    said += f", one-sided p = {c['p_value']:.3g} (level {test.get('level')})"
                 lines.append(f"  candidate {c.get('label')}: {c.get('nodes')} nodes, max_level={c.get('max_level')}, "
-                             f"score={c.get('score')}: {c.get('reduction', 0.0):.3f}x"
-                             + verdict.get(c.get("clearly_more"), ""))
+                             f"score={c.get('score')}: {c.get('reduction', 0.0):.3f}x" + (f" ({said})" if said else ""))
+        if test:
+            lines.append(f"  candidate test: {test.get('test')}, over {test.get('prompts')} prompt(s), "
+                         f"level {test.get('level')}")
     return "\n".join(lines)
 
 
