@@ -60,10 +60,7 @@ FORBIDDEN_PEERS: tuple[tuple[str, str], ...] = (
 ROOF = "spiffy"
 
 #: (importer, imported module) pairs allowed to break the rule, and why. Each must still occur.
-EXCEPTIONS: dict[tuple[str, str], str] = {  # none of them reaches spiffy.selfspec: decoding never imports it
-    # deprecated one-release re-exports of the old front-door paths; resolved on first use (PEP 562)
-    ("spiffy.decoding", "spiffy.api"): "deprecated lazy re-export of generate / DiffusionResult",
-    ("spiffy.decoding", "spiffy.compat"): "deprecated lazy re-export of llada_generate / dream_diffusion_generate",
+EXCEPTIONS: dict[tuple[str, str], str] = {  # the dLLM side has none (its deprecated re-exports were deleted)
     ("spiffy.ar.cli", "spiffy.cli.generate_ar"): "deprecated lazy re-export of the AR generate command (now in cli)",
 }
 

@@ -67,7 +67,7 @@ def _graph_info(graph: Any, path: str | None, score: str) -> dict[str, Any]:
 
 
 def _slim(res: Any) -> SimpleNamespace:
-    """What the report needs of one :class:`~spiffy.decoding.DiffusionResult` (no tensors: it travels between ranks)."""
+    """What the report needs of one :class:`~spiffy.api.DiffusionResult` (no tensors: it travels between ranks)."""
     return SimpleNamespace(tokens=res.tokens, text=res.text, nfe=int(res.nfe), seconds=float(res.seconds),
                            steps=int(res.steps), stats=dict(res.stats or {}), family=res.family)
 

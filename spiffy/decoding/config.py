@@ -214,14 +214,29 @@ class DecodeConfig:
             )
         return cls(**data)
 
+    @classmethod
+    def from_config(cls, config: "DecodeConfig | None" = None, **overrides: Any) -> "DecodeConfig":
+        """A ``cls`` configuration (a family's :attr:`~spiffy.decoding.session.DecodeSession.config_class`) from
+        ``config`` with ``overrides`` applied: ``None`` gives the defaults, a ``cls`` instance (subclasses included)
+        is kept, another configuration gives its fields ``cls`` has (e.g. a plain :class:`DecodeConfig` for SDAR).
+
+        Raises:
+            ConfigError: an unknown override or a bad value.
+        """
+        if config is not None and not isinstance(config, DecodeConfig):
+            raise ConfigError(f"config must be a DecodeConfig, got {type(config).__name__}; fix: pass a DecodeConfig")
+        if isinstance(config, cls):
+            return config.replace(**overrides) if overrides else config
+        names = {f.name for f in dataclasses.fields(cls)}
+        _check_names(overrides, names, cls.__name__)
+        base = {} if config is None else {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        base = {k: v for k, v in base.items() if k in names}
+        base.update(overrides)
+        return cls(**base)
+
     def replace(self, **overrides: Any) -> "DecodeConfig":
         """A validated copy with ``overrides`` applied (unknown names raise :class:`ConfigError`)."""
-        names = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ConfigError(
-                f"unknown decoding option(s) {', '.join(unknown)}; fix: use options among {', '.join(sorted(names))}"
-            )
+        _check_names(overrides, {f.name for f in dataclasses.fields(self)}, type(self).__name__)
         return dataclasses.replace(self, **overrides)
 
     @property
@@ -251,6 +266,14 @@ class DecodeConfig:
         """Stable hex hash (16 chars) of :meth:`rule_dict` (independent of gen_length, seed, mask_id)."""
         payload = json.dumps(self.rule_dict(), sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+def _check_names(overrides: dict[str, Any], names: set[str], owner: str) -> None:
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown decoding option(s) {', '.join(unknown)} for {owner}; fix: use options among {', '.join(sorted(names))}"
+        )
 
 
 def _int_field(name: str, value: Any, *, minimum: int, fix: str | None = None) -> None:

@@ -2,7 +2,7 @@
 
 * :func:`add_gumbel_noise` - LLaDA's float64 "Gumbel" perturbation ``exp(logits) / (-log u) ** T`` (``T = 0``:
   logits returned unchanged, nothing drawn).
-* :func:`sample_tokens` - Dream's proposal: temperature, top-p, top-k, then the argmax (``T = 0``) or one
+* :func:`dream_sample_tokens` - Dream's proposal: temperature, top-p, top-k, then the argmax (``T = 0``) or one
   categorical draw per row; confidence = the chosen token's probability, or the top-1/top-2 margin, or the negative
   entropy.
 """
@@ -45,7 +45,7 @@ def add_gumbel_noise(
     return logits64.exp() / gumbel_noise
 
 
-def sample_tokens(
+def dream_sample_tokens(
     logits: torch.Tensor,
     temperature: float = 0.0,
     top_p: float | None = None,
@@ -54,7 +54,8 @@ def sample_tokens(
     margin_confidence: bool = False,
     neg_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dream's ``sample_tokens``.
+    """Dream's ``sample_tokens`` (named for the family: the AR side's :func:`spiffy.arspec.sampling.sample_tokens` has
+    another contract).
 
     Args:
         logits: ``[n, V]`` (rows = masked positions).
@@ -98,4 +99,4 @@ def sample_tokens(
     return confidence, x0
 
 
-__all__ = ["add_gumbel_noise", "sample_tokens", "uniform"]
+__all__ = ["add_gumbel_noise", "dream_sample_tokens", "uniform"]

@@ -125,12 +125,4 @@ def select_transfer(
     return transfer
 
 
-def block_causal_mask(q_start: int, q_end: int, k_end: int, block_length: int, device: torch.device | str) -> torch.Tensor:
-    """``[1, 1, q_end - q_start, k_end]`` bool (True = visible): absolute row ``i`` sees column ``j`` iff
-    ``j // block_length <= i // block_length``."""
-    qb = torch.arange(q_start, q_end, device=device) // block_length
-    kb = torch.arange(k_end, device=device) // block_length
-    return (kb[None, :] <= qb[:, None])[None, None]
-
-
-__all__ = ["block_causal_mask", "entropy_of", "num_transfer_tokens", "sdar_sample", "select_transfer"]
+__all__ = ["entropy_of", "num_transfer_tokens", "sdar_sample", "select_transfer"]
