@@ -116,15 +116,17 @@ def generate(
             replace fields.
         attention_mask: ``[B, P]`` for left-padded batches of ragged prompts.
         tokenizer: for special-token lookup and ``result.text``.
-        graph: ``None`` = baseline; a calibrated :class:`~spiffy.selfspec.graph.DraftGraph` = Spiffy speculative
-            decoding (identical tokens, fewer forwards). Batches (``B > 1``, left padded) run the batched baseline
-            (:mod:`spiffy.decoding.batch`) or batched Spiffy (:mod:`spiffy.selfspec.batch`): either way row ``r``
-            equals prompt ``r`` decoded alone with its seed (see ``generator``), so the two agree row for row.
+        graph: ``None`` = baseline; a calibrated :class:`~spiffy.selfspec.graph.DraftGraph` (or a
+            :class:`~spiffy.selfspec.config.SpiffyConfig` holding it with its budget and score) = Spiffy speculative
+            decoding (identical tokens, fewer forwards). Every path runs the one batch-first loop
+            (:mod:`spiffy.decoding.batch`): a single prompt is a batch of one; a batch (``B > 1``, left padded, or
+            ``seeds`` given) gives each prompt its own row session, so row ``r`` equals prompt ``r`` decoded alone with
+            its seed (see ``generator``), with or without a graph.
         budget: draft nodes kept per step with a graph (``None`` = the ``D*`` the graph was tuned for, else 3).
         score: the pruning score that picks them (:data:`spiffy.selfspec.pruning.SCORES`; ``None`` = the one the
             graph was calibrated for, else ``"gm"``).
         observer: called with every :class:`~spiffy.decoding.session.StepRecord` (one prompt at a time only).
-        progress: show a tqdm progress bar (steps; batches: batched model calls) on stderr.
+        progress: show a tqdm progress bar (denoising steps, of every row) on stderr.
         generator: the random generator to consume (default: seeded from ``config.seed``). A batch gives every
             row its own generator: from ``seeds``, else one seed per row drawn from ``generator`` in row order,
             else ``config.seed`` for every row (:func:`spiffy.decoding.batch.row_generators`). The official

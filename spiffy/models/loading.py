@@ -31,7 +31,7 @@ from spiffy.models.checkpoint import (
     CONFIG_FILE,
     INDEX_FILE,
     SINGLE_FILE,
-    _alias_groups,
+    alias_groups,
     check_keys,
     checkpoint_files,
     iter_checkpoint_keys,
@@ -348,7 +348,7 @@ def special_token_ids(model_or_config: Any, tokenizer: Any = None) -> SpecialTok
 
 def _dedupe_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop all but the first name of every tied parameter group (as transformers saves them)."""
-    for group in _alias_groups(model):
+    for group in alias_groups(model):
         for name in group[1:]:
             state.pop(name, None)
     return state

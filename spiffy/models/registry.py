@@ -151,8 +151,9 @@ _TINY_QWEN: dict[str, Any] = dict(
     max_position_embeddings=512, initializer_range=TINY_INIT_STD, rms_norm_eps=1e-6, tie_word_embeddings=False,
 )
 
-FAMILIES: dict[str, FamilySpec] = {
-    "llada": FamilySpec(
+#: every family spiffy knows, by name (the one list: every other family list is derived from it)
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
+    FamilySpec(
         name="llada",
         model_type="llada",
         model_class_path="spiffy.models.llada.LLaDAModelLM",
@@ -183,7 +184,7 @@ FAMILIES: dict[str, FamilySpec] = {
             "AutoModel": "modeling_llada.LLaDAModelLM",
         },
     ),
-    "dream": FamilySpec(
+    FamilySpec(
         name="dream",
         model_type="Dream",
         model_class_path="spiffy.models.dream.DreamModel",
@@ -201,7 +202,7 @@ FAMILIES: dict[str, FamilySpec] = {
         chat_template=DREAM_CHAT_TEMPLATE,
         tiny_config=dict(_TINY_QWEN, rope_theta=1000000.0),
     ),
-    "sdar": FamilySpec(
+    FamilySpec(
         name="sdar",
         model_type="sdar",
         model_class_path="spiffy.models.sdar.SDARForCausalLM",
@@ -219,7 +220,7 @@ FAMILIES: dict[str, FamilySpec] = {
         decoder="sdar",
         tiny_config=dict(_TINY_QWEN, head_dim=16, rope_theta=1000000.0, max_window_layers=2),
     ),
-    "qwen3": FamilySpec(
+    FamilySpec(
         name="qwen3",
         model_type="qwen3",
         model_class_path="transformers.Qwen3ForCausalLM",
@@ -234,7 +235,7 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
         generation_stops=True,
     ),
-    "dflash": FamilySpec(
+    FamilySpec(
         name="dflash",
         model_type="qwen3",
         model_class_path="spiffy.models.dflash.DFlashDraftModel",
@@ -245,7 +246,7 @@ FAMILIES: dict[str, FamilySpec] = {
         diffusion=False,
         drafter=True,
     ),
-}
+)}
 
 def fingerprint_fields() -> tuple[str, ...]:
     """The union of every family's architecture-field spellings, in first-seen order. A graph's
