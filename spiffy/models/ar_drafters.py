@@ -116,10 +116,10 @@ def dllm_drafter_settings(model: nn.Module) -> DLLMDrafterSettings:
     mask = extra.get("mask_token_id")
     if mask is None:
         mask = mask_token_id(model)
-    layout = extra.get("layout", "aligned" if family == "sdar" and not extra else "root")
-    if layout not in DLLM_LAYOUTS or (layout == "aligned" and family != "sdar"):
+    layout = extra.get("layout", "aligned" if spec.block_causal and not extra else "root")
+    if layout not in DLLM_LAYOUTS or (layout == "aligned" and not spec.block_causal):
         raise ConfigError(f"drafter_config.layout {layout!r} does not fit a {family} drafter; fix: use 'root'"
-                          + (" or 'aligned' (SDAR only)" if family == "sdar" else ""))
+                          + (" or 'aligned' (block-causal families only)" if spec.block_causal else ""))
     attention_block = int(extra.get("attention_block", block))
     if attention_block < 1:
         raise ConfigError(f"drafter_config.attention_block must be >= 1, got {attention_block}")

@@ -44,7 +44,7 @@ from spiffy.models.flex import target_attention
 from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config, load_drafter
 from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device, qwen3_from_pretrained
-from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_of_model_type, family_spec
+from spiffy.models.registry import FAMILIES, family_of_model_type, family_spec, model_types
 from spiffy.models.target import load_target
 from spiffy.torch_utils import resolve_dtype
 
@@ -86,7 +86,7 @@ def family_of(path_or_config: Any) -> str:
     model_type = cfg.get("model_type")
     family = family_of_model_type(model_type)
     if family is None:
-        supported = ", ".join(repr(t) for t in MODEL_TYPE_TO_FAMILY)
+        supported = ", ".join(repr(t) for t in model_types())
         raise UnknownModelTypeError(
             f"model_type {model_type!r} is not supported; supported model types: {supported} (plus DFlash drafters: "
             "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or Qwen3 checkpoint"

@@ -49,6 +49,7 @@ class FamilySpec:
         auto_map: the official ``auto_map`` written into config.json (empty for native transformers models).
         diffusion: whether the family is a diffusion LM (has a mask token and is decoded by denoising).
         shifted_logits: whether token ``i`` is read from logits ``i - 1`` (Dream).
+        block_causal: whether attention is block-causal (SDAR: bidirectional inside a block, causal across blocks).
         base_model_class_path: the class ``AutoModel`` maps to when it differs from the causal-LM class.
         fingerprint_fields: the family's config spellings of the fields that define the architecture (what a draft
             graph's ``config_fingerprint`` hashes; see :func:`fingerprint_fields`).
@@ -77,6 +78,7 @@ class FamilySpec:
     auto_map: dict[str, str] = field(default_factory=dict)
     diffusion: bool = True
     shifted_logits: bool = False
+    block_causal: bool = False
     base_model_class_path: str | None = None
     fingerprint_fields: tuple[str, ...] = ()
     decoder: str | None = None
@@ -216,6 +218,7 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
             "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
         },
         base_model_class_path="spiffy.models.sdar.SDARModel",
+        block_causal=True,
         fingerprint_fields=_SDAR_ARCH_FIELDS,
         decoder="sdar",
         tiny_config=dict(_TINY_QWEN, head_dim=16, rope_theta=1000000.0, max_window_layers=2),
@@ -255,12 +258,14 @@ def fingerprint_fields() -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for spec in FAMILIES.values() for name in spec.fingerprint_fields))
 
 
-#: config.json ``model_type`` -> family: the first family of each model type (``qwen3`` maps to the target; drafters
-#: share their target's model type and are recognised by their config)
-MODEL_TYPE_TO_FAMILY: dict[str, str] = {}
-for _name, _spec in FAMILIES.items():
-    if not _spec.drafter:
-        MODEL_TYPE_TO_FAMILY.setdefault(_spec.model_type, _name)
+def model_types() -> dict[str, str]:
+    """``{config.json model_type: family}``: the first family of each model type (``qwen3`` maps to the target;
+    drafters share their target's model type and are recognised by their config)."""
+    found: dict[str, str] = {}
+    for name, spec in FAMILIES.items():
+        if not spec.drafter:
+            found.setdefault(spec.model_type, name)
+    return found
 
 
 def family_of_model_type(model_type: Any) -> str | None:
@@ -268,10 +273,11 @@ def family_of_model_type(model_type: Any) -> str | None:
     ``None`` for a model type no family has."""
     if not isinstance(model_type, str):
         return None
-    exact = MODEL_TYPE_TO_FAMILY.get(model_type)
+    types = model_types()
+    exact = types.get(model_type)
     if exact is not None:
         return exact
-    return next((f for t, f in MODEL_TYPE_TO_FAMILY.items() if t.lower() == model_type.lower()), None)
+    return next((f for t, f in types.items() if t.lower() == model_type.lower()), None)
 
 
 def decoded_families() -> dict[str, FamilySpec]:

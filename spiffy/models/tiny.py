@@ -21,7 +21,7 @@ from spiffy.models.loading import save_checkpoint, special_token_ids
 from spiffy.models.registry import FAMILIES, FamilySpec
 from spiffy.models.tokenizer import build_tokenizer
 
-#: the families with a tiny checkpoint: every family of the registry
+#: the families with a tiny checkpoint: every family of the registry (``spiffy tiny``'s choices)
 TINY_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
 
 
@@ -63,8 +63,8 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
             of safetensors shards.
     """
     fam = family.lower() if isinstance(family, str) else family
-    if fam not in TINY_FAMILIES:
-        raise ConfigError(f"unknown family {family!r} for a tiny checkpoint; choose one of {', '.join(TINY_FAMILIES)}")
+    if fam not in FAMILIES:
+        raise ConfigError(f"unknown family {family!r} for a tiny checkpoint; choose one of {', '.join(FAMILIES)}")
     spec = FAMILIES[fam]
     if spec.drafter:
         target = overrides.pop("target", None)

@@ -51,7 +51,7 @@ class SpiffyConfig:
     @property
     def uses_drafts(self) -> bool:
         """Whether any draft is kept per step (a graph with nodes and a budget above 0)."""
-        return self.budget > 0 and self.graph is not None and bool(list(self.graph.nodes))  # type: ignore[operator]
+        return self.budget > 0 and self.graph is not None and len(self.graph.nodes) > 0  # type: ignore[operator]
 
 
 __all__ = ["SpiffyConfig"]

@@ -109,14 +109,18 @@ class SpeculativeStats:
 
 
 class _Plan:
-    """A graph's structure in lookup form (nodes by id, rank caps; children come from the graph's own index)."""
+    """Spiffy's settings in lookup form: the graph's nodes by id and rank caps (children come from the graph's own
+    index), the budget and score, and whether any draft is kept per step."""
 
-    def __init__(self, graph: DraftGraph | None) -> None:
+    def __init__(self, settings: SpiffyConfig) -> None:
+        graph: DraftGraph | None = settings.graph
         self.nodes = {} if graph is None else {int(n.id): n for n in graph.nodes}
         pairs = [p for n in self.nodes.values() for p in n.pairs]
         self.i_max = max((i for i, _ in pairs), default=1)
         self.j_max = max((j for _, j in pairs), default=1)
         self.graph = graph
+        self.budget, self.score = int(settings.budget), str(settings.score)  # type: ignore[arg-type]
+        self.use_drafts = self.budget > 0 and bool(self.nodes)
 
     def children(self, node: int | None) -> tuple[int, ...]:
         """Child ids of ``node`` (``None`` = the root)."""
@@ -140,14 +144,14 @@ class _SpiffyRow(DecodeRow):
         self.apply(forward_block, logits)
         self.stats.stage_times["walk"] += time.perf_counter() - t0
 
-    def candidates(self, forward_block: int, plan: _Plan, settings: SpiffyConfig) -> tuple[torch.Tensor, dict[int, int]]:
+    def candidates(self, forward_block: int, plan: _Plan) -> tuple[torch.Tensor, dict[int, int]]:
         """Rank, prune and instantiate this step's drafts: ``([x; distinct drafts] [N, T], {node id: row})``."""
         sess = self.session
         x = sess.x
         P = self.P
         info = sess.step_info(self.block(forward_block), self.step)
-        if not settings.uses_drafts or P is None or not window_covers(self.P_start, int(P.shape[1]), info.block_start,
-                                                                      info.block_end):
+        if not plan.use_drafts or P is None or not window_covers(self.P_start, int(P.shape[1]), info.block_start,
+                                                                  info.block_end):
             return x, {}
         times = self.stats.stage_times
         t0 = time.perf_counter()
@@ -156,7 +160,7 @@ class _SpiffyRow(DecodeRow):
             mask_id=sess.mask_id, probs=sess.transition_probs(P),  # the transition's own softmax
         )
         t1 = time.perf_counter()
-        kept = prune(plan.graph, ranking, settings.budget, settings.score)
+        kept = prune(plan.graph, ranking, plan.budget, plan.score)
         t2 = time.perf_counter()
         drafts, row_of = _distinct_states(x, [plan.nodes[k].pairs for k in kept], kept, ranking) if kept else (None, {})
         times["rank"] += t1 - t0
@@ -194,15 +198,14 @@ def speculative_generate_batch(
     Raises:
         ConfigError: mismatched layouts, ``budget < 0``, unknown score, an observer with several rows.
     """
-    settings = SpiffyConfig.of(graph, budget, score)
-    plan = _Plan(settings.graph)
+    plan = _Plan(SpiffyConfig.of(graph, budget, score))
     fwd = forward_session
-    rows = make_rows(fwd, row_sessions, lambda: SpeculativeStats(budget=settings.budget, score=settings.score),
+    rows = make_rows(fwd, row_sessions, lambda: SpeculativeStats(budget=plan.budget, score=plan.score),
                      observer, progress, row_class=_SpiffyRow)
 
     def verify(block: int, active: list[DecodeRow]) -> None:
         """One verification forward for every active row's real state and drafts, then each row's walk."""
-        requests = [(row, *row.candidates(block, plan, settings)) for row in active]  # type: ignore[attr-defined]
+        requests = [(row, *row.candidates(block, plan)) for row in active]  # type: ignore[attr-defined]
         for row in active:  # ranked already: not held during the forward
             row.session.forget_transition_probs()
         t0 = time.perf_counter()
