@@ -249,3 +249,24 @@ def test_decoding_never_imports_selfspec() -> None:
         if imported.startswith("spiffy.selfspec")
     )
     assert not offenders, offenders
+
+
+#: the packages whose public top-level names must each have one home (one contract per name): the dLLM side and
+#: the kernels below it (the AR side, spiffy.arspec, keeps its own redesign's names)
+ONE_NAME_ONE_HOME: tuple[str, ...] = (
+    "spiffy.models", "spiffy.decoding", "spiffy.selfspec", "spiffy.api", "spiffy.compat", "spiffy.embedded",
+    "spiffy.sampling", "spiffy.topk", "spiffy.verify",
+)
+
+
+def test_no_public_name_is_defined_twice_on_the_dllm_side() -> None:
+    """Two functions or classes with one name in two modules would be two contracts under one name."""
+    homes: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        if not any(module == p or module.startswith(p + ".") for p in ONE_NAME_ONE_HOME):
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                homes.setdefault(node.name, []).append(module)
+    twice = {name: mods for name, mods in homes.items() if len(mods) > 1}
+    assert not twice, f"public names defined in several modules (rename one): {twice}"
