@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         path = str(make_tiny(args.family, Path(tmp.name) / args.family, seed=args.seed))
     dtype = getattr(torch, args.dtype)
     model = load_model(path, dtype=dtype).to(args.device).eval()
-    family = spiffy.decoding.family_of(model)
+    family = spiffy.models.family_of(model)
     cfg = _config(args, family)
     vocab = int(getattr(model.config, "vocab_size", 256))
     gen = torch.Generator().manual_seed(args.seed)

@@ -21,14 +21,14 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from spiffy.decoding.batch import make_row_sessions, row_generators, run_baseline_batch
+from spiffy.decoding.batch import row_generators, run_baseline_batch
 from spiffy.decoding.config import DecodeConfig
-from spiffy.decoding.factory import family_of, make_session
-from spiffy.decoding.session import DecodeSession, StepObserver, run_baseline
-from spiffy.errors import ConfigError
-from spiffy.selfspec.batch import speculative_generate_batch
+from spiffy.decoding.factory import make_row_sessions, make_session
+from spiffy.decoding.session import DecodeSession, StepObserver
+from spiffy.models.loading import family_of
+from spiffy.selfspec.config import SpiffyConfig
 from spiffy.selfspec.graph import runtime_signature
-from spiffy.selfspec.runtime import speculative_generate
+from spiffy.selfspec.runtime import speculative_generate_batch
 
 
 @dataclass
@@ -116,15 +116,17 @@ def generate(
             replace fields.
         attention_mask: ``[B, P]`` for left-padded batches of ragged prompts.
         tokenizer: for special-token lookup and ``result.text``.
-        graph: ``None`` = baseline; a calibrated :class:`~spiffy.selfspec.graph.DraftGraph` = Spiffy speculative
-            decoding (identical tokens, fewer forwards). Batches (``B > 1``, left padded) run the batched baseline
-            (:mod:`spiffy.decoding.batch`) or batched Spiffy (:mod:`spiffy.selfspec.batch`): either way row ``r``
-            equals prompt ``r`` decoded alone with its seed (see ``generator``), so the two agree row for row.
+        graph: ``None`` = baseline; a calibrated :class:`~spiffy.selfspec.graph.DraftGraph` (or a
+            :class:`~spiffy.selfspec.config.SpiffyConfig` holding it with its budget and score) = Spiffy speculative
+            decoding (identical tokens, fewer forwards). Every path runs the one batch-first loop
+            (:mod:`spiffy.decoding.batch`): a single prompt is a batch of one; a batch (``B > 1``, left padded, or
+            ``seeds`` given) gives each prompt its own row session, so row ``r`` equals prompt ``r`` decoded alone with
+            its seed (see ``generator``), with or without a graph.
         budget: draft nodes kept per step with a graph (``None`` = the ``D*`` the graph was tuned for, else 3).
         score: the pruning score that picks them (:data:`spiffy.selfspec.pruning.SCORES`; ``None`` = the one the
             graph was calibrated for, else ``"gm"``).
         observer: called with every :class:`~spiffy.decoding.session.StepRecord` (one prompt at a time only).
-        progress: show a tqdm progress bar (steps; batches: batched model calls) on stderr.
+        progress: show a tqdm progress bar (denoising steps, of every row) on stderr.
         generator: the random generator to consume (default: seeded from ``config.seed``). A batch gives every
             row its own generator: from ``seeds``, else one seed per row drawn from ``generator`` in row order,
             else ``config.seed`` for every row (:func:`spiffy.decoding.batch.row_generators`). The official
@@ -141,86 +143,26 @@ def generate(
     session = make_session(
         model, input_ids, config, attention_mask=attention_mask, tokenizer=tokenizer, generator=generator, **config_overrides
     )
-    if session.x.shape[0] > 1 or seeds is not None:
-        if observer is not None:
-            raise ConfigError("observer= is not supported with a batch; fix: decode the prompts one at a time")
-        return _generate_batch(
-            model, session, input_ids, attention_mask, tokenizer, graph, budget, score, generator, seeds, progress
-        )
-    cfg = getattr(session, "config", None)
-    bar = _progress_bar(session, cfg, progress)
+    settings = None if graph is None else SpiffyConfig.of(graph, budget, score)
+    cfg = session.config  # type: ignore[attr-defined]
+    alone = session.x.shape[0] == 1 and seeds is None  # a single prompt: the session is its own row session
+    if alone:
+        rows = [session]
+    else:  # the session makes the forwards of the padded batch, one row session per prompt applies the rule
+        gens = row_generators(int(session.x.shape[0]), session.x.device, seeds, generator)
+        rows = make_row_sessions(model, input_ids, attention_mask, cfg, gens, tokenizer=tokenizer)
+    if settings is not None:
+        check_graph(settings.graph, model, rows[0])
+    bar = _progress_bar(session, cfg if alone else None, progress)
     tick: Callable[[int], None] | None = (lambda n: bar.update(n)) if bar is not None else None
     t0 = time.perf_counter()
     try:
-        if graph is None:
-            base = run_baseline(session, observer=observer, progress=tick)
-            stats = dataclasses.asdict(base)
-            nfe, steps = base.nfe, base.steps
-        else:
-            check_graph(graph, model, session)
-            spec = speculative_generate(session, graph, budget, score=score, observer=observer, progress=tick)
-            stats = spec.to_dict() if hasattr(spec, "to_dict") else dict(vars(spec))
-            nfe, steps = int(spec.nfe), int(spec.steps)
-        if session.x.device.type == "cuda":
-            torch.cuda.synchronize(session.x.device)
-    finally:
-        if bar is not None:
-            bar.close()
-    seconds = time.perf_counter() - t0
-    seqs = session.x
-    p = int(session.prompt_len)
-    # SDAR aligns blocks to absolute positions, so an unaligned prompt decodes a few positions past gen_length (as
-    # the reference does); ``sequences`` keeps them, ``tokens``/``text`` report the gen_length requested.
-    gen = int(getattr(cfg, "gen_length", seqs.shape[1] - p) or (seqs.shape[1] - p))
-    tokens = [row.tolist() for row in seqs[:, p : p + gen].cpu()]
-    text = None
-    if tokenizer is not None and hasattr(tokenizer, "batch_decode"):
-        text = tokenizer.batch_decode(tokens, skip_special_tokens=True)
-    return DiffusionResult(
-        sequences=seqs,
-        tokens=tokens,
-        nfe=int(nfe),
-        steps=int(steps),
-        seconds=seconds,
-        stats=stats,
-        text=text,
-        prompt_len=p,
-        config=cfg,
-        family=family_of(model),
-        gen_starts=[p] * int(seqs.shape[0]),
-    )
-
-
-def _generate_batch(
-    model: Any,
-    fwd: DecodeSession,
-    input_ids: Any,
-    attention_mask: torch.Tensor | None,
-    tokenizer: Any,
-    graph: Any,
-    budget: int | None,
-    score: str | None,
-    generator: torch.Generator | None,
-    seeds: Sequence[int] | None,
-    progress: bool,
-) -> DiffusionResult:
-    """A batch: ``fwd`` (the padded batch) makes the model calls, one unpadded row session per prompt applies the
-    rule with its own generator; the baseline loop (``graph=None``) or batched Spiffy drives them."""
-    cfg = fwd.config  # type: ignore[attr-defined]
-    b = int(fwd.x.shape[0])
-    gens = row_generators(b, fwd.x.device, seeds, generator)
-    rows = make_row_sessions(model, input_ids, attention_mask, cfg, gens, tokenizer=tokenizer)
-    if graph is not None:
-        check_graph(graph, model, rows[0])
-    bar = _progress_bar(fwd, None, progress)
-    t0 = time.perf_counter()
-    try:
-        if graph is None:
-            base, nfe = run_baseline_batch(fwd, rows, progress=(lambda n: bar.update(n)) if bar is not None else None)
+        if settings is None:
+            base, nfe = run_baseline_batch(session, rows, progress=tick, observer=observer)
             per_row = [dataclasses.asdict(s) for s in base]
             stats: dict[str, Any] = {"batch_nfe": nfe, "rows": per_row}
         else:
-            spec, nfe = speculative_generate_batch(fwd, rows, graph, budget, score=score)
+            spec, nfe = speculative_generate_batch(session, rows, settings, observer=observer, progress=tick)
             per_row = [s.to_dict() for s in spec]
             stats = {
                 "batch_nfe": nfe,
@@ -228,19 +170,22 @@ def _generate_batch(
                 "accepted_total": sum(s.accepted_total for s in spec),
                 "baseline_equivalent_nfe": [s.baseline_equivalent_nfe for s in spec],
             }
-        if fwd.x.device.type == "cuda":
-            torch.cuda.synchronize(fwd.x.device)
+        if session.x.device.type == "cuda":
+            torch.cuda.synchronize(session.x.device)
     finally:
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - t0
-    seqs = fwd.x.clone()
-    gen_len = int(getattr(cfg, "gen_length", 0) or 0)
+    seqs = session.x if alone else session.x.clone()
+    # SDAR aligns blocks to absolute positions, so an unaligned prompt decodes a few positions past gen_length (as
+    # the reference does); ``sequences`` keeps them, ``tokens``/``text`` report the gen_length requested.
+    gen_len = int(cfg.gen_length)
     starts: list[int] = []
     tokens: list[list[int]] = []
     for r, row in enumerate(rows):
         pad = int(seqs.shape[1]) - int(row.x.shape[1])
-        seqs[r, pad:] = row.x[0].to(seqs.device)
+        if not alone:
+            seqs[r, pad:] = row.x[0].to(seqs.device)
         start = pad + int(row.prompt_len)
         starts.append(start)
         tokens.append(seqs[r, start : start + gen_len].tolist())
@@ -248,12 +193,12 @@ def _generate_batch(
     return DiffusionResult(
         sequences=seqs,
         tokens=tokens,
-        nfe=nfe,
+        nfe=int(nfe),
         steps=max(int(r["steps"]) for r in per_row),
         seconds=seconds,
-        stats=stats,
+        stats=per_row[0] if alone else stats,
         text=text,
-        prompt_len=int(fwd.prompt_len),
+        prompt_len=int(session.prompt_len),
         config=cfg,
         family=family_of(model),
         gen_starts=starts,

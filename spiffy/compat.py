@@ -23,7 +23,8 @@ from spiffy.api import DiffusionResult, generate
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.factory import as_batch
 from spiffy.decoding.sdar import DEFAULT_EB_THRESHOLD, SDARDecodeConfig, SDARSession
-from spiffy.decoding.session import StepRecord, run_baseline
+from spiffy.decoding.batch import run_baseline
+from spiffy.decoding.session import StepRecord
 from spiffy.errors import ConfigError
 from spiffy.selfspec.runtime import speculative_generate
 from spiffy.torch_utils import model_device

@@ -28,6 +28,10 @@ class PromptTooLongError(ConfigError):
     """Prompt plus requested generation exceeds the model's context window."""
 
 
+class DecodingError(SpiffyError, RuntimeError):
+    """A decoding loop cannot go on (e.g. a block its rule never finishes)."""
+
+
 class CheckpointError(SpiffyError, OSError):
     """A checkpoint directory is missing, unreadable, or its tensors do not match the model."""
 

@@ -10,7 +10,8 @@ import torch
 from conftest import load_f64
 
 from spiffy.cli.main import build_parser, main
-from spiffy.decoding import DecodeConfig, generate
+from spiffy.decoding import DecodeConfig
+from spiffy.api import generate
 from spiffy.errors import GraphMismatchError
 from spiffy.embedded import EMBEDDED_NAMES
 from spiffy.models.loading import load_tokenizer

@@ -10,7 +10,9 @@ import torch.distributions as dists
 import torch.nn.functional as F
 from conftest import load_f64
 
-from spiffy.decoding import DecodeConfig, dream_diffusion_generate, generate, make_session
+from spiffy.decoding import DecodeConfig, make_session
+from spiffy.compat import dream_diffusion_generate
+from spiffy.api import generate
 from spiffy.errors import ConfigError
 from spiffy.models.loading import load_tokenizer
 from spiffy.models.tiny import make_tiny

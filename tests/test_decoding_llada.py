@@ -10,7 +10,9 @@ import torch
 from conftest import load_f64
 from reference_llada import reference_generate
 
-from spiffy.decoding import DecodeConfig, generate, llada_generate, make_session, run_baseline
+from spiffy.decoding import DecodeConfig, make_session, run_baseline
+from spiffy.api import generate
+from spiffy.compat import llada_generate
 from spiffy.decoding.schedules import get_num_transfer_tokens, threshold_transfer, topk_transfer
 from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError
 from spiffy.models.loading import load_tokenizer

@@ -11,17 +11,11 @@ import torch
 from reference_sdar import reference_block_diffusion_generate as reference
 from spiffy.compat import sdar_block_diffusion_generate
 from spiffy.decoding.config import DecodeConfig
-from spiffy.decoding.sdar import (
-    SDARDecodeConfig,
-    SDARSession,
-    block_causal_mask,
-    make_session,
-    num_transfer_tokens,
-    sdar_sample,
-    select_transfer,
-)
-from spiffy.decoding.session import run_baseline
+from spiffy.decoding.batch import run_baseline
+from spiffy.decoding.factory import make_session
+from spiffy.decoding.sdar import SDARDecodeConfig, SDARSession, num_transfer_tokens, sdar_sample, select_transfer
 from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError
+from spiffy.models.sdar import block_causal_mask
 
 STRATEGIES = ["sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded"]
 
@@ -177,7 +171,7 @@ def test_cached_block_forward_equals_full_forward(sdar):
             for i in range(3):
                 with torch.no_grad():
                     full = model(
-                        states[i : i + 1, :e], attention_mask=block_causal_mask(0, e, e, 4, "cpu"),
+                        states[i : i + 1, :e], attention_mask=block_causal_mask(e, 4, device="cpu"),
                         position_ids=torch.arange(e)[None],
                     ).logits[:, s:e]
                 torch.testing.assert_close(got[i : i + 1], full, rtol=0, atol=1e-10)
@@ -373,7 +367,7 @@ def test_runtime_errors(sdar):
 
 # ------------------------------------------------------------------------------------------ public API / Spiffy
 def test_public_generate_dispatches_to_sdar(sdar):
-    from spiffy.decoding import generate, make_session as api_make_session
+    from spiffy.api import generate, make_session as api_make_session
 
     model, mask = sdar["model"], sdar["mask"]
     prompt = sdar["prompts"][7]

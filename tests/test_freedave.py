@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spiffy.decoding import DecodeConfig, generate
+from spiffy.decoding import DecodeConfig
+from spiffy.api import generate
 from spiffy.embedded import embedded_model_path
 from spiffy.errors import ConfigError
 from spiffy.models import load_model, load_tokenizer

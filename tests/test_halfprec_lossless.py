@@ -20,7 +20,8 @@ import torch
 from spiffy.ar import ddtree_generate, load_drafter
 from spiffy.ar.checkpoints import make_tiny_dflash, make_tiny_target
 from spiffy.bench.fidelity import NEAR_TIE_ULPS, explain_ar_divergence, rounding_bound, spacing
-from spiffy.decoding import generate, make_session
+from spiffy.decoding import make_session
+from spiffy.api import generate
 from spiffy.embedded import embedded_model_path
 from spiffy.models.loading import load_model
 from spiffy.models import load_tokenizer

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from reference_forward import OfficialDream, OfficialLLaDA
 from reference_llada import reference_generate
 from spiffy.decoding import make_session
-from spiffy.decoding.api import dream_diffusion_generate, llada_generate
+from spiffy.compat import dream_diffusion_generate, llada_generate
 from spiffy.models.cache import KVCache
 from spiffy.models.layers import ForwardContext, attend
 from spiffy.models.loading import load_model, save_checkpoint

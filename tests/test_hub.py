@@ -31,7 +31,8 @@ from spiffy.ar.checkpoints import make_tiny_dflash
 from spiffy.ar.cli import load_target
 from spiffy.checkpoint_ref import checkpoint_name, hub_id_from_cache_path, parse_hub_id, split_reference
 from spiffy.cli.main import main
-from spiffy.decoding import DecodeConfig, generate, make_session
+from spiffy.decoding import DecodeConfig, make_session
+from spiffy.api import generate
 from spiffy.selfspec.graph import runtime_signature as decoding_runtime_signature
 from spiffy.errors import CheckpointError, CheckpointNotCachedError, ConfigError
 from spiffy.models import load_model, load_tokenizer

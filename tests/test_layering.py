@@ -2,8 +2,9 @@
 
 Every module of the ``spiffy`` package is parsed (``ast``; imports at module level *and* inside functions, plus
 the dotted module paths a lazy re-export resolves with ``importlib``), and each import is checked against
-:data:`LAYERS`: a module may import its own layer or lower ones, never a higher layer, never a forbidden peer, and
-no import cycle may join two packages or two files. ``spiffy/__init__.py`` is the roof (public re-exports,
+:data:`LAYERS`, read from the layer table of docs/ARCHITECTURE.md (so the document is the rule): a module may import
+its own layer or lower ones, never a higher layer, never a forbidden peer, and no import cycle may join two packages
+or two files. No module is longer than :data:`MAX_LINES`. ``spiffy/__init__.py`` is the roof (public re-exports,
 transformers registration) and may import anything.
 
 Exceptions are listed explicitly below, each with the reason it exists. :data:`EXCEPTIONS` must still occur (a stale
@@ -24,31 +25,29 @@ import spiffy
 
 ROOT = Path(spiffy.__file__).resolve().parent
 
-#: layer of each module prefix (the longest matching prefix wins), lowest first
-LAYERS: dict[str, int] = {
-    "spiffy._version": 0,
-    "spiffy.errors": 0,
-    "spiffy.io": 0,
-    "spiffy.torch_utils": 0,
-    "spiffy.checkpoint_ref": 0,
-    "spiffy.sampling": 1,
-    "spiffy.topk": 1,
-    "spiffy.verify": 1,
-    "spiffy.distributed": 1,
-    "spiffy.models": 2,
-    "spiffy.decoding": 3,
-    "spiffy.selfspec": 4,
-    "spiffy.arspec": 4,
-    "spiffy.ar": 4,  # the AR package's old path (its stage functions move to spiffy.arspec)
-    "spiffy.api": 5,
-    "spiffy.compat": 5,
-    "spiffy.embedded": 5,
-    "spiffy.bench": 6,
-    "spiffy.train": 6,
-    "spiffy.cli": 7,
-    "spiffy.__main__": 7,
-}
-LAYER_NAMES = {0: "base", 1: "kernels", 2: "models", 3: "decoding", 4: "methods", 5: "front door", 6: "tools", 7: "cli"}
+ARCHITECTURE = ROOT.parent / "docs" / "ARCHITECTURE.md"
+#: a row of the document's layer table: ``| N name | `module`, `package/`, ... | what lives there |``
+_LAYER_ROW = re.compile(r"^\| (\d+) ([a-z][a-z ]*?) \| ([^|]+) \|")
+
+
+def _layers_from_architecture() -> tuple[dict[str, int], dict[int, str]]:
+    """The layer table of docs/ARCHITECTURE.md: ``{module prefix: layer}`` and ``{layer: name}``. A backticked
+    ``x/`` is the package ``spiffy.x``, a backticked ``x`` the module ``spiffy.x``."""
+    layers: dict[str, int] = {}
+    names: dict[int, str] = {}
+    for line in ARCHITECTURE.read_text(encoding="utf-8").splitlines():
+        row = _LAYER_ROW.match(line)
+        if row is None:
+            continue
+        layer = int(row.group(1))
+        names[layer] = row.group(2)
+        for module in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)/?`", row.group(3)):
+            layers[f"spiffy.{module}"] = layer
+    return layers, names
+
+
+#: layer of each module prefix (the longest matching prefix wins), lowest first: read from docs/ARCHITECTURE.md
+LAYERS, LAYER_NAMES = _layers_from_architecture()
 
 #: same-layer packages that must not import each other (either direction)
 FORBIDDEN_PEERS: tuple[tuple[str, str], ...] = (
@@ -60,10 +59,7 @@ FORBIDDEN_PEERS: tuple[tuple[str, str], ...] = (
 ROOF = "spiffy"
 
 #: (importer, imported module) pairs allowed to break the rule, and why. Each must still occur.
-EXCEPTIONS: dict[tuple[str, str], str] = {  # none of them reaches spiffy.selfspec: decoding never imports it
-    # deprecated one-release re-exports of the old front-door paths; resolved on first use (PEP 562)
-    ("spiffy.decoding", "spiffy.api"): "deprecated lazy re-export of generate / DiffusionResult",
-    ("spiffy.decoding", "spiffy.compat"): "deprecated lazy re-export of llada_generate / dream_diffusion_generate",
+EXCEPTIONS: dict[tuple[str, str], str] = {  # the dLLM side has none (its deprecated re-exports were deleted)
     ("spiffy.ar.cli", "spiffy.cli.generate_ar"): "deprecated lazy re-export of the AR generate command (now in cli)",
 }
 
@@ -156,9 +152,9 @@ def _violation(importer: str, target: str) -> str | None:
         return None
     a, b = _layer(importer), _layer(target)
     if a is None:
-        return f"{importer} has no layer; add it to LAYERS in tests/test_layering.py and docs/ARCHITECTURE.md"
+        return f"{importer} has no layer; add it to the layer table of docs/ARCHITECTURE.md"
     if b is None:
-        return f"{target} (imported by {importer}) has no layer; add it to LAYERS and docs/ARCHITECTURE.md"
+        return f"{target} (imported by {importer}) has no layer; add it to the layer table of docs/ARCHITECTURE.md"
     if b > a:
         return f"{importer} ({LAYER_NAMES[a]}, layer {a}) imports {target} ({LAYER_NAMES[b]}, layer {b})"
     for x, y in FORBIDDEN_PEERS:
@@ -170,7 +166,24 @@ def _violation(importer: str, target: str) -> str | None:
 
 def test_every_module_has_a_layer() -> None:
     missing = sorted(m for m in MODULES if m != ROOF and _layer(m) is None)
-    assert not missing, f"modules without a layer (add them to LAYERS and docs/ARCHITECTURE.md): {missing}"
+    assert not missing, f"modules without a layer (add them to the layer table of docs/ARCHITECTURE.md): {missing}"
+
+
+def test_the_layer_table_is_read_from_the_document() -> None:
+    """The table parses into every layer, in order, each naming modules that exist."""
+    assert sorted(LAYER_NAMES) == list(range(8)), LAYER_NAMES
+    assert LAYERS["spiffy.decoding"] == 3 and LAYERS["spiffy.selfspec"] == 4 and LAYERS["spiffy.cli"] == 7
+    stale = sorted(prefix for prefix in LAYERS if prefix not in MODULES)
+    assert not stale, f"docs/ARCHITECTURE.md's layer table names modules that do not exist: {stale}"
+
+
+#: the most lines a module may have (docs/ARCHITECTURE.md, the developers' guide)
+MAX_LINES = 500
+
+
+def test_no_module_over_the_line_limit() -> None:
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
 
 
 def test_no_module_imports_a_higher_layer_or_a_forbidden_peer() -> None:
@@ -236,3 +249,24 @@ def test_decoding_never_imports_selfspec() -> None:
         if imported.startswith("spiffy.selfspec")
     )
     assert not offenders, offenders
+
+
+#: the packages whose public top-level names must each have one home (one contract per name): the dLLM side and
+#: the kernels below it (the AR side, spiffy.arspec, keeps its own redesign's names)
+ONE_NAME_ONE_HOME: tuple[str, ...] = (
+    "spiffy.models", "spiffy.decoding", "spiffy.selfspec", "spiffy.api", "spiffy.compat", "spiffy.embedded",
+    "spiffy.sampling", "spiffy.topk", "spiffy.verify",
+)
+
+
+def test_no_public_name_is_defined_twice_on_the_dllm_side() -> None:
+    """Two functions or classes with one name in two modules would be two contracts under one name."""
+    homes: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        if not any(module == p or module.startswith(p + ".") for p in ONE_NAME_ONE_HOME):
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                homes.setdefault(node.name, []).append(module)
+    twice = {name: mods for name, mods in homes.items() if len(mods) > 1}
+    assert not twice, f"public names defined in several modules (rename one): {twice}"

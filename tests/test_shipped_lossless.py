@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spiffy.decoding import DecodeConfig, generate
+from spiffy.decoding import DecodeConfig
+from spiffy.api import generate
 from spiffy.embedded import embedded_model_path, shipped_graphs
 from spiffy.models import load_model, load_tokenizer
 from spiffy.selfspec.graph import load_graph

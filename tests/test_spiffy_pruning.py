@@ -13,7 +13,10 @@ from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import rank_state
 from spiffy.selfspec.graph import DraftGraph
 from spiffy.selfspec.oracle import random_formulas
-from spiffy.selfspec.pruning import REACH_FREQUENCY_EXPONENT, SCORES, is_parent_closed, node_scores, prune, resolve_score
+from spiffy.selfspec.config import SpiffyConfig
+from spiffy.selfspec.pruning import (
+    DEFAULT_BUDGET, REACH_FREQUENCY_EXPONENT, SCORES, is_parent_closed, node_scores, prune, resolve_score,
+)
 
 MASK = 50
 
@@ -126,13 +129,21 @@ def test_unavailable_nodes_never_kept() -> None:
 
 
 def test_budget_errors_and_zero() -> None:
+    """A budget is validated once, where it enters (SpiffyConfig); prune, run at every step, keeps nothing at 0."""
     g = _hand_graph()
     r = _ranking_from_probs(PROBS)
     assert prune(g, r, 0) == []
-    with pytest.raises(ConfigError, match="budget"):
-        prune(g, r, -1)
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ConfigError, match="budget"):
+            SpiffyConfig(g, bad)
+    with pytest.raises(ConfigError, match="score"):
+        SpiffyConfig(g, 2, "nope")
     with pytest.raises(ConfigError, match="score"):
         prune(g, r, 2, score="nope")
+    settings = SpiffyConfig(g)  # resolved once: the graph's tuned D* (none here: the default) and score
+    assert (settings.budget, settings.score) == (DEFAULT_BUDGET, "gm") and settings.uses_drafts
+    assert SpiffyConfig.of(settings) is settings and SpiffyConfig.of(settings, 0).budget == 0
+    assert not SpiffyConfig(g, 0).uses_drafts and not SpiffyConfig(None, 3).uses_drafts
     assert set(SCORES) >= {"gm", "product", "count"}
 
 

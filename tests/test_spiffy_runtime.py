@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import load_f64
-from spiffy.decoding import generate, make_session, run_baseline
+from spiffy.decoding import make_session, run_baseline
+from spiffy.api import generate
 from spiffy.errors import ConfigError
 from spiffy.selfspec.oracle import oracle_graph_from_records, random_graph, record_trajectory
 from spiffy.selfspec.runtime import STAGES, speculative_generate

@@ -67,7 +67,7 @@ def test_parallel_training_blocks_equal_inference_forward(env):
     for that block alone: context = target features strictly before the anchor, block = [anchor token, MASK...]."""
     from spiffy.ar.drafter import DFlashDraftModel, TargetFeatureHooks
 
-    target, tok = dtrain.load_target(env / "target", dtype="float64")
+    target, tok = dtrain.load_frozen_target(env / "target", dtype="float64")
     cfg = dtrain.build_drafter_config(target.config, 2, 4, [0, 2], dtrain.mask_token_of(tok, target.config.vocab_size))
     torch.manual_seed(0)
     drafter = DFlashDraftModel(cfg).double().eval()
@@ -99,7 +99,7 @@ def test_train_loss_decreases_saves_loadable_drafter(env, tmp_path):
     final = tmp_path / "d1" / "model"
     cfg = json.loads((final / "config.json").read_text())
     assert cfg["dflash_config"]["block_size"] == 4 and cfg["num_target_layers"] == 3
-    target, tok = dtrain.load_target(env / "target")
+    target, tok = dtrain.load_frozen_target(env / "target")
     assert cfg["dflash_config"]["mask_token_id"] == tok.convert_tokens_to_ids("<|MASK|>")
     d = load_drafter(final, dtype="float32")
     check_compatible(d, target)

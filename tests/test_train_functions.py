@@ -72,7 +72,7 @@ def test_rows_are_prompt_body_then_end_of_text(tiny_qwen3):
         assert bool((row[answer_end:] == eos).all())
         texts.add((tok.decode(row[:p]), tok.decode(row[p:answer_end])))
     assert texts == set(examples)
-    info = functions.summary(rows, lens, eos)
+    info = functions.rows_summary(rows, lens, eos)
     assert info["rows"] == 3 and info["ended_in_window"] == 1.0
     # too long prompts and (with max_answer) too long bodies are dropped; a window too short cuts the body
     short_prompt, _ = functions.build_rows(tok, [SOURCE], width, prompt_lens[0], eos)
@@ -80,7 +80,7 @@ def test_rows_are_prompt_body_then_end_of_text(tiny_qwen3):
     fewer = functions.build_rows(tok, [SOURCE], width, prompt_lens[-1], eos, max_answer=max(answer_lens) - 1)[0]
     assert fewer.shape[0] < 3
     cut, cut_lens = functions.build_rows(tok, [SOURCE], prompt_lens[-1] + 2, prompt_lens[-1], eos)
-    assert functions.summary(cut, cut_lens, eos)["ended_in_window"] < 1.0
+    assert functions.rows_summary(cut, cut_lens, eos)["ended_in_window"] < 1.0
     with pytest.raises(ConfigError, match="functions-max-prompt"):
         functions.build_rows(tok, [SOURCE], width, prompt_lens[0] - 1, eos)
     with pytest.raises(ConfigError, match="must lie in"):

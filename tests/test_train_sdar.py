@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spiffy.decoding.sdar import block_causal_mask
+from spiffy.models.sdar import block_causal_mask
 from spiffy.errors import ConfigError
 from spiffy.models.loading import load_model
 from spiffy.models.tiny import make_tiny
@@ -40,7 +40,7 @@ def test_init_copies_qwen3_and_training_layout_matches_decoding(qwen3_tied, tiny
         for b in range(4):
             s, e = 8 * b, 8 * b + 8
             rows = torch.cat([x[:, :s], xt[:, s:e]], dim=1)
-            ref = model(input_ids=rows, attention_mask=block_causal_mask(0, e, e, 8, "cpu")).logits[:, s:e]
+            ref = model(input_ids=rows, attention_mask=block_causal_mask(e, 8, device="cpu")).logits[:, s:e]
             torch.testing.assert_close(logits[:, s:e], ref, rtol=1e-4, atol=1e-4)
 
 

@@ -94,7 +94,7 @@ def _add_intervals(runs: list[dict[str, Any]], keys: Sequence[Any], per_prompt: 
 
 
 def _slim(res: Any) -> SimpleNamespace:
-    """What the report needs of one :class:`~spiffy.decoding.DiffusionResult` (no tensors: it travels between ranks)."""
+    """What the report needs of one :class:`~spiffy.api.DiffusionResult` (no tensors: it travels between ranks)."""
     return SimpleNamespace(tokens=res.tokens, text=res.text, nfe=int(res.nfe), seconds=float(res.seconds),
                            steps=int(res.steps), stats=dict(res.stats or {}), family=res.family)
 

@@ -7,7 +7,7 @@ them. This benchmark measures that added work on synthetic logits of the real si
   ``D = 10`` nodes calibrated with the project's own tools on a synthetic model's trajectory
   (:func:`~spiffy.bench.synthetic.calibrated_graph`), ``D* = 5`` kept per step. Per denoising step, the non-forward
   wall time (everything but the model call: ranking, pruning, instantiation, the walk and its transitions) of
-  :func:`~spiffy.selfspec.runtime.speculative_generate` against :func:`~spiffy.decoding.session.run_baseline`'s (the
+  :func:`~spiffy.selfspec.runtime.speculative_generate` against :func:`~spiffy.decoding.batch.run_baseline`'s (the
   transition: softmax, confidences, selection), on a model whose drafts are never accepted (every step pays the
   whole drafting work: the worst case) and on one whose drafts often are. A third row ranks with its own softmax
   instead of reusing the transition's, to show what the reuse saves.
@@ -49,7 +49,7 @@ from spiffy.bench.ddtree_reference import reference_build, reference_visibility
 from spiffy.bench.memory import MEMORY_METHODS, measure_memory
 from spiffy.bench.synthetic import SyntheticDLLM, calibrated_graph, synthetic_draft_logits, synthetic_session
 from spiffy.bench.syncs import SyncCounter
-from spiffy.decoding.session import run_baseline
+from spiffy.decoding.batch import run_baseline
 from spiffy.errors import ConfigError
 from spiffy.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from spiffy.selfspec.graph import DraftGraph

@@ -24,7 +24,7 @@ from torch import nn
 
 from spiffy.decoding import DecodeConfig
 from spiffy.decoding.llada import LLaDASession
-from spiffy.decoding.session import run_baseline
+from spiffy.decoding.batch import run_baseline
 from spiffy.selfspec.chains import ChainRecorder, all_chains
 from spiffy.selfspec.graph import DraftGraph
 from spiffy.selfspec.select import build_graph

@@ -24,7 +24,7 @@ from spiffy.cli.placement import add_placement_arguments, placement_kwargs
 from spiffy.decoding import DecodeConfig
 from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument
 from spiffy.errors import ConfigError
-from spiffy.models import load_model, load_tokenizer
+from spiffy.models import load_model, load_tokenizer, prompt_token_ids
 from spiffy.selfspec.freedave import freedave_graph, is_freedave_spec, parse_freedave_steps
 from spiffy.selfspec.pruning import SCORES
 from spiffy.selfspec.graph import load_graph
@@ -157,22 +157,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("--chat needs a tokenizer with a chat template; fix: drop --chat or use an instruct checkpoint")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-    else:
-        text = prompt
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if not ids:
-        for tid in (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-            if tid is not None:
-                return [int(tid)]
-        raise ConfigError("the prompt is empty and the tokenizer has no BOS/EOS token; fix: pass --prompt TEXT")
-    return ids
-
-
 def _load_graph(path: str) -> Any:
     return load_graph(path)
 
@@ -193,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if placement:  # inputs go where the model's embedding computes
         device = str(model_device(model))
     tokenizer = load_tokenizer(args.model)
-    batch = [_encode_prompt(tokenizer, p, args.chat) for p in prompts]
+    batch = [prompt_token_ids(tokenizer, p, chat=args.chat, require_template=True) for p in prompts]
     cfg, extra = config_from_args(args)
     graph = None
     if args.graph:

@@ -36,7 +36,7 @@ from spiffy.errors import CheckpointError, ConfigError, SpiffyError
 from spiffy.models.ar_drafters import load_ar_drafter
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import load_target, read_config_dict
-from spiffy.models.prompting import stop_token_ids
+from spiffy.models.prompting import prompt_token_ids, stop_token_ids
 from spiffy.sampling import SamplingConfig
 from spiffy.torch_utils import model_device, resolve_dtype
 
@@ -122,20 +122,6 @@ def ar_config_from_args(args: argparse.Namespace, method: str, stops: Sequence[i
     )
 
 
-def _encode(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
-    if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    if not ids:
-        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        if bos is None:
-            raise ConfigError("the prompt is empty and the tokenizer has no BOS/EOS token; fix: pass --prompt TEXT")
-        ids = [int(bos)]
-    return list(ids)
-
-
 def _print_result(res: ARGenerationResult, args: argparse.Namespace, text_out: str, extra: dict[str, Any]) -> None:
     if bool(getattr(args, "json", False)):
         payload = res.to_dict()
@@ -186,7 +172,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = prompts if isinstance(prompts, list) else [prompts]
     chat = bool(getattr(args, "chat", False))
     config = replace(config, stop_token_ids=tuple(stop_token_ids(target, tokenizer, chat)))
-    batch = [_encode(tokenizer, p, chat) for p in prompts]
+    batch = [prompt_token_ids(tokenizer, p, chat=chat, require_template=True) for p in prompts]
     if len(batch) == 1:
         results = [speculative_generate(target, drafter, batch[0], config, progress=not bool(getattr(args, "no_progress", False)))]
     else:  # one batched run: per-row trees in one verification forward; row r equals prompt r decoded alone

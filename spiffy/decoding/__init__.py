@@ -1,50 +1,27 @@
-"""Baseline dLLM decoding (LLaDA, Dream, SDAR): the session contract, each family's rule, the session factory.
+"""Baseline dLLM decoding (LLaDA, Dream, SDAR): the session contract, each family's rule, the session factory, the loop.
 
-:func:`make_session` builds the :class:`DecodeSession` that both the baseline loop (:func:`run_baseline`) and
-Spiffy's speculative runtime drive. The public front door, ``generate(model, input_ids, config, graph=None)``,
-lives in :mod:`spiffy.api` and the official-signature wrappers (``llada_generate``, ``dream_diffusion_generate``,
-``sdar_block_diffusion_generate``) in :mod:`spiffy.compat`; their names are still importable from here
-(deprecated, resolved on first use since this package sits below them).
+:func:`make_session` builds the :class:`DecodeSession` of a model's family; :func:`run_baseline` (a single prompt, or
+a batch by its own rule) and :func:`run_baseline_batch` (rows equal to their prompts alone) decode with the plain
+loop, the one loop (:mod:`spiffy.decoding.batch`) that Spiffy's speculative runtime also runs. The public front
+door, ``generate(model, input_ids, config, graph=None)``, lives in :mod:`spiffy.api` and the official-signature
+wrappers in :mod:`spiffy.compat`.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from spiffy.decoding.batch import run_baseline, run_baseline_batch
 from spiffy.decoding.config import DecodeConfig
-from spiffy.decoding.factory import family_of, make_session
-from spiffy.decoding.session import BaselineStats, DecodeSession, StepInfo, StepRecord, TransitionProbs, run_baseline
-
-#: names that moved above this package (deprecated here for one release) -> their module
-_MOVED: dict[str, str] = {
-    "DiffusionResult": "spiffy.api",
-    "generate": "spiffy.api",
-    "DreamGenerateOutput": "spiffy.compat",
-    "dream_diffusion_generate": "spiffy.compat",
-    "llada_generate": "spiffy.compat",
-}
+from spiffy.decoding.factory import make_session
+from spiffy.decoding.session import BaselineStats, DecodeSession, StepInfo, StepRecord, TransitionProbs
 
 __all__ = [
     "BaselineStats",
     "DecodeConfig",
     "DecodeSession",
-    "DiffusionResult",
-    "DreamGenerateOutput",
     "StepInfo",
     "StepRecord",
     "TransitionProbs",
-    "dream_diffusion_generate",
-    "family_of",
-    "generate",
-    "llada_generate",
     "make_session",
     "run_baseline",
+    "run_baseline_batch",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)

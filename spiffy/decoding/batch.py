@@ -1,22 +1,24 @@
-"""Batched baseline decoding: several prompts side by side, row ``r`` decoded exactly as prompt ``r`` alone.
+"""The dLLM decoding loop, batch first: every method decodes a batch of rows, a single prompt is a batch of one.
 
-A batched session's own rule (:func:`~spiffy.decoding.session.run_baseline` on a ``[B, T]`` session) follows the
-official scripts: one random generator shared by the batch, Dream's batch-averaged schedule, one stop token ending
-every row. That reproduces the reference's batched output, but row ``r`` of it is not what prompt ``r`` gives alone.
-The front door (:func:`spiffy.api.generate`) decodes batches here instead, with two kinds of session:
+Two kinds of session share the work:
 
-* one **forward session** holds the whole left-padded batch and makes every model call (the block-start
+* one **forward session** holds the whole (left-padded) batch and makes every model call: the block-start
   refresh/commit for all rows at once, then one :meth:`~spiffy.decoding.session.DecodeSession.forward_states` per
-  step for every row still decoding its block);
+  iteration for every row still decoding its block (:func:`forward_rows`);
 * one **row session** per prompt, batch 1 and unpadded, exactly the session the prompt would get alone. It never
   calls the model; it holds the row's state, its own generator, schedule and stop flag, and applies the baseline
   rule to the logits the forward session computed for it.
 
-Rows whose block is finished wait until every row has finished the block (block starts are synchronised, so the
-block-start call stays one batched call computed on each row's own state). Batched Spiffy
-(:mod:`spiffy.selfspec.batch`) uses the same layout (:func:`row_layout`), the same seed rule
-(:func:`row_generators`) and the same block-start accounting, so its rows equal these rows and both equal the
-prompts decoded alone.
+A single prompt is the batch of one whose forward session is also its row session (``row_sessions ==
+[forward_session]``): the session calls the model on its own state exactly as it always did (same shapes, no
+padding, no cache gather) and applies its own rule. The same holds for a batched session decoded by its own rule
+(one generator for the batch, the official scripts' batched sampling): ``run_baseline(make_session(model, ids))``.
+
+:func:`decode_blocks` is the one loop: blocks in order, **block starts synchronised** (the block-start call stays one
+batched call computed on each row's own state; a row whose block is finished waits), and a method's iteration
+(:func:`run_baseline_batch`: one forward, one transition per row; Spiffy, :mod:`spiffy.selfspec.runtime`: drafts,
+one forward, a walk per row) until every row has finished the block. Every iteration advances each active row by at
+least one step, and a block takes at most :meth:`~spiffy.decoding.session.DecodeSession.max_block_steps` steps.
 
 The seed rule, for every batched dLLM path: ``seeds`` (one per row) gives row ``r`` the generator a single-prompt
 session creates for ``seed=seeds[r]``; else a given ``generator`` supplies one seed per row, drawn in row order; else
@@ -25,15 +27,13 @@ every row is seeded with ``config.seed``, as that prompt alone would be.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from spiffy.decoding.config import DecodeConfig
-from spiffy.decoding.factory import as_batch, make_session
-from spiffy.decoding.session import BaselineStats, DecodeSession, close_block
-from spiffy.errors import ConfigError
+from spiffy.decoding.session import BaselineStats, DecodeSession, StepObserver, StepRecord, close_block
+from spiffy.errors import ConfigError, DecodingError
 
 
 def row_generators(
@@ -65,25 +65,6 @@ def row_generators(
     return gens
 
 
-def make_row_sessions(
-    model: Any,
-    input_ids: Any,
-    attention_mask: torch.Tensor | None,
-    config: DecodeConfig,
-    generators: Sequence[torch.Generator | None],
-    tokenizer: Any = None,
-) -> list[DecodeSession]:
-    """One unpadded batch-1 session per prompt of the left-padded ``input_ids`` ``[B, P]`` (``attention_mask``
-    ``[B, P]``, 0 = padding), each with its own generator."""
-    ids = as_batch(input_ids)
-    am = None if attention_mask is None else attention_mask.to(ids.device).bool()
-    rows: list[DecodeSession] = []
-    for r in range(ids.shape[0]):
-        prompt = ids[r] if am is None else ids[r][am[r]]
-        rows.append(make_session(model, prompt[None], config, tokenizer=tokenizer, generator=generators[r]))
-    return rows
-
-
 @dataclass(frozen=True)
 class RowPlace:
     """Where a row session sits in the forward session.
@@ -100,19 +81,25 @@ class RowPlace:
 
 def row_layout(forward_session: DecodeSession, row_sessions: Sequence[DecodeSession]) -> list[RowPlace]:
     """Each row's place in the forward session, checked: every block and logits window of the row is the forward
-    session's, shifted by the padding, and the row's state is the forward row's unpadded tail.
+    session's, shifted by the padding, and the row's state is the forward row's unpadded tail. A forward session
+    that is its own only row session (a single prompt, or a batch decoded by its own rule) sits at ``RowPlace(0, 0)``.
 
     Raises:
         ConfigError: the layouts do not line up (another prompt, block layout or batch size).
     """
     fwd = forward_session
+    if len(row_sessions) == 1 and row_sessions[0] is fwd:
+        return [RowPlace(0, 0)]
     b = int(fwd.x.shape[0])
     if len(row_sessions) != b:
         raise ConfigError(f"{len(row_sessions)} row sessions for a batch-{b} forward session; fix: one row session per prompt")
     places = []
     for r, sess in enumerate(row_sessions):
-        if sess.x.dim() != 2 or sess.x.shape[0] != 1:
-            raise ConfigError(f"row session {r} must be batch 1, got x of shape {tuple(sess.x.shape)}")
+        if sess is fwd or sess.x.dim() != 2 or sess.x.shape[0] != 1:
+            raise ConfigError(
+                f"row session {r} must be a batch-1 session of its own, got x of shape {tuple(sess.x.shape)}; fix: "
+                "one make_session per prompt (or pass the forward session as its only row session)"
+            )
         pad = int(fwd.x.shape[1]) - int(sess.x.shape[1])
         off = int(fwd.num_blocks) - int(sess.num_blocks)
         if pad < 0 or off < 0 or sess.block_length != fwd.block_length:
@@ -133,88 +120,247 @@ def is_stopped(session: DecodeSession) -> bool:
     return bool(getattr(session, "stopped", False))
 
 
-@dataclass
-class _RowRun:
-    session: DecodeSession
-    place: RowPlace
-    index: int
-    stats: BaselineStats = field(default_factory=BaselineStats)
-    step: int = 0
+class DecodeRow:
+    """One row session's progress through :func:`decode_blocks`.
+
+    Args:
+        index: the row's batch row in the forward session.
+        session: the row session (or the forward session itself, for a batch of one).
+        place: its :class:`RowPlace`.
+        drives_forward: ``session`` is the forward session (it makes the model calls on its own state).
+        stats: the row's counters (anything with ``nfe``, ``steps`` and ``steps_per_block``, e.g.
+            :class:`~spiffy.decoding.session.BaselineStats`); ``nfe`` counts the calls that served the row, which
+            is what the same prompt decoded alone makes.
+        observer: called with a :class:`~spiffy.decoding.session.StepRecord` after every transition.
+        progress: called with ``1`` after every transition.
+    """
+
+    def __init__(self, index: int, session: DecodeSession, place: RowPlace, stats: Any, *, drives_forward: bool,
+                 observer: StepObserver | None = None, progress: Callable[[int], None] | None = None) -> None:
+        self.index = index
+        self.session = session
+        self.place = place
+        self.stats = stats
+        self.drives_forward = drives_forward  # the row session is the forward session (a batch of one)
+        self.observer = observer
+        self.progress = progress
+        self.step = 0
+
+    @property
+    def stopped(self) -> bool:
+        """The row's generation ended before its last block (SDAR stop tokens)."""
+        return is_stopped(self.session)
 
     def block(self, forward_block: int) -> int:
-        """The row's own block index at the forward session's ``forward_block`` (negative: not one of its blocks)."""
+        """The row's own block at the forward session's ``forward_block`` (negative: the row's prompt still covers
+        that block, as an SDAR row with a block-aligned prompt beside unaligned ones)."""
         return forward_block - self.place.block_offset
 
     def done(self, forward_block: int) -> bool:
+        """Whether the row has nothing (left) to decode in ``forward_block``."""
         blk = self.block(forward_block)
         return blk < 0 or self.session.block_finished(blk, self.step, self.session.x)
 
-    def apply(self, forward_block: int, logits: torch.Tensor) -> None:
-        """One baseline transition of the row on its ``[1, W, V]`` logits."""
+    def own(self, logits: torch.Tensor) -> torch.Tensor:
+        """The row's ``[1, W, V]`` slice of the forward session's ``[B, W, V]`` logits (all of them, the same
+        tensor, when the row session is the forward session)."""
+        if self.drives_forward:
+            return logits
+        return logits[self.index : self.index + 1].to(self.session.x.device)
+
+    def apply(self, forward_block: int, logits: torch.Tensor) -> torch.Tensor:
+        """One baseline transition of the row on ``logits`` computed on its current state; returns the new state."""
         sess = self.session
         info = sess.step_info(self.block(forward_block), self.step)
-        sess.x = sess.transition(sess.x, logits, info)
+        x_next = sess.transition(sess.x, logits, info)
+        if self.observer is not None:
+            self.observer(StepRecord(info, sess.x, logits, x_next, sess.transition_probs(logits)))
+        sess.x = x_next
         self.step += 1
+        self.after_step(logits, info.window_start)
+        if self.progress is not None:
+            self.progress(1)
+        return x_next
+
+    def after_step(self, logits: torch.Tensor, window_start: int) -> None:
+        """Hook: ``logits`` (window starting at ``window_start``) just drove a transition. Default: nothing."""
+
+    def first_step(self, forward_block: int, logits: torch.Tensor) -> None:
+        """The block's first step on the block-start logits (a plain baseline step)."""
+        self.apply(forward_block, logits)
+
+    def start_block(self, fwd: DecodeSession, forward_block: int) -> None:
+        """The rule's block-start bookkeeping, and the row's state copied into the forward session."""
+        self.step = 0
+        if self.drives_forward:  # its own begin_block does the bookkeeping
+            return
+        self.session.begin_block_rule(self.block(forward_block))
+        fwd.x[self.index, self.place.pad :] = self.session.x[0]
+
+    def padded(self, fwd: DecodeSession, states: torch.Tensor) -> torch.Tensor:
+        """``[N, T]`` the row's candidate states ``[N, T_r]`` behind its padding columns of the forward session."""
+        pad = self.place.pad
+        if pad == 0:
+            return states.to(fwd.x.device)
+        pad_ids = fwd.x[self.index : self.index + 1, :pad].expand(states.shape[0], pad)
+        return torch.cat([pad_ids, states.to(fwd.x.device)], dim=1)
+
+
+def make_rows(
+    forward_session: DecodeSession,
+    row_sessions: Sequence[DecodeSession],
+    stats: Callable[[], Any],
+    observer: StepObserver | None = None,
+    progress: Callable[[int], None] | None = None,
+    row_class: type[DecodeRow] = DecodeRow,
+    **row_kwargs: Any,
+) -> list[DecodeRow]:
+    """One ``row_class`` per row session, placed by :func:`row_layout`, each with fresh counters ``stats()``.
+
+    Raises:
+        ConfigError: the layouts do not line up, or an ``observer`` for several row sessions (its records would
+            not say which row they belong to).
+    """
+    if observer is not None and len(row_sessions) > 1:
+        raise ConfigError("observer= is not supported with a batch; fix: decode the prompts one at a time")
+    places = row_layout(forward_session, row_sessions)
+    return [
+        row_class(r, sess, place, stats(), drives_forward=sess is forward_session, observer=observer,
+                  progress=progress, **row_kwargs)
+        for r, (sess, place) in enumerate(zip(row_sessions, places))
+    ]
+
+
+def forward_rows(fwd: DecodeSession, requests: Sequence[tuple[DecodeRow, torch.Tensor]]) -> list[torch.Tensor]:
+    """``F`` for every row's candidate states in **one** model call.
+
+    Args:
+        fwd: the forward session.
+        requests: ``(row, states [N_r, T_r])`` per active row.
+    Returns:
+        ``[N_r, W, V]`` aligned window logits per request, on the row session's device. A row session that is the
+        forward session passes its states as they are (``rows=None``: the call the session makes alone).
+    """
+    if len(requests) == 1 and requests[0][0].drives_forward:
+        return [fwd.forward_states(requests[0][1])]
+    packed = torch.cat([row.padded(fwd, states) for row, states in requests], dim=0)
+    owners = torch.tensor([row.index for row, states in requests for _ in range(int(states.shape[0]))],
+                          dtype=torch.long, device=fwd.x.device)
+    out = fwd.forward_states(packed, rows=owners)  # [sum N_r, W, V]
+    outs, offset = [], 0
+    for row, states in requests:
+        n = int(states.shape[0])
+        outs.append(out[offset : offset + n].to(row.session.x.device))
+        offset += n
+    return outs
+
+
+def decode_blocks(fwd: DecodeSession, rows: Sequence[DecodeRow], iterate: Callable[[int, list[DecodeRow]], None]) -> int:
+    """Decode every block of every row: the loop of every dLLM method (module docstring).
+
+    Args:
+        fwd: the forward session (prepared).
+        rows: one :class:`DecodeRow` per row session (``rows[i].index == i``).
+        iterate: ``(forward block, active rows) -> None``: advances every active row by at least one step (and
+            counts the model calls it makes in each row's ``stats.nfe``).
+    Returns:
+        Model calls made for the whole batch (``fwd.nfe``).
+    Raises:
+        DecodingError: a block still unfinished after :meth:`~spiffy.decoding.session.DecodeSession.max_block_steps`
+            iterations (a rule that never ends a block).
+    """
+    for block in range(fwd.num_blocks):
+        live = [row for row in rows if row.block(block) >= 0]
+        for row in live:
+            row.start_block(fwd, block)
+        waiting = [row for row in live if not row.done(block)]
+        logits = None
+        if any(not row.stopped for row in live):  # once every row stopped nothing is left to commit or decode
+            logits = fwd.begin_block(block)
+            for row in live:  # what the row alone makes at its block start (none once it stopped)
+                row.stats.nfe += row.session.begin_block_calls(row.block(block))
+        if logits is not None:  # block-start logits drive the first step of every row that has one
+            for row in waiting:
+                row.first_step(block, row.own(logits))
+        bound = max((row.session.max_block_steps() for row in live), default=0)
+        for _ in range(bound + 1):
+            active = [row for row in live if not row.done(block)]
+            if not active:
+                break
+            iterate(block, active)
+        else:
+            raise DecodingError(
+                f"block {block} is still unfinished after {bound} steps: the decoding rule never ended it; fix: report "
+                "it with the model and configuration (a model proposing the mask token forever?)"
+            )
+        for row in live:
+            close_block(row.session, row.block(block), row.step, row.stats)
+    fwd.finish()
+    for row in rows:
+        if not row.drives_forward:
+            row.session.finish()
+    return int(fwd.nfe)
 
 
 def run_baseline_batch(
     forward_session: DecodeSession,
     row_sessions: Sequence[DecodeSession],
     progress: Callable[[int], None] | None = None,
+    observer: StepObserver | None = None,
 ) -> tuple[list[BaselineStats], int]:
-    """Decode every row with the baseline rule; ``row_sessions[r].x`` holds row ``r``'s final state afterwards.
+    """Decode every row with the plain baseline loop (one forward per step); ``row_sessions[r].x`` holds row ``r``'s
+    final state afterwards.
 
     Args:
         forward_session: a prepared batch-``B`` session over the left-padded prompts (it makes every model call;
-            its own rule and generator are never used).
-        row_sessions: ``B`` prepared batch-1 sessions, row ``r`` = prompt ``r`` unpadded with its own generator.
-        progress: called with ``1`` after every batched model call that advanced the rows.
+            its own rule and generator are never used unless it is its own only row session).
+        row_sessions: ``B`` prepared batch-1 sessions, row ``r`` = prompt ``r`` unpadded with its own generator; or
+            ``[forward_session]`` (a single prompt, or a batch decoded by its own rule).
+        progress: called with ``1`` after every transition of a row.
+        observer: called with a :class:`~spiffy.decoding.session.StepRecord` after every transition (calibration
+            records trajectories); one row session only.
     Returns:
-        ``(per-row BaselineStats, model calls made for the whole batch)``. A row's ``nfe`` counts the calls that
-        served it, which is what the same prompt decoded alone makes.
+        ``(per-row BaselineStats, model calls made for the whole batch)``.
     """
-    places = row_layout(forward_session, row_sessions)
     fwd = forward_session
-    runs = [_RowRun(sess, place, r) for r, (sess, place) in enumerate(zip(row_sessions, places))]
-    for block in range(fwd.num_blocks):
-        live = [run for run in runs if run.block(block) >= 0]
-        for run in live:
-            run.session.begin_block_rule(run.block(block))
-            run.step = 0
-            fwd.x[run.index, run.place.pad :] = run.session.x[0]
-        waiting = [run for run in live if not run.done(block)]
-        logits = None
-        if any(not is_stopped(run.session) for run in live):  # nothing left to commit or decode otherwise
-            logits = fwd.begin_block(block)
-            for run in live:
-                run.stats.nfe += run.session.begin_block_calls(run.block(block))
-        if logits is not None:  # block-start logits drive the first step of every row that has one
-            for run in waiting:
-                run.apply(block, logits[run.index : run.index + 1])
-        while True:
-            active = [run for run in live if not run.done(block)]
-            if not active:
-                break
-            states = torch.cat([_padded_state(fwd, run) for run in active], dim=0)
-            owners = torch.tensor([run.index for run in active], dtype=torch.long, device=fwd.x.device)
-            out = fwd.forward_states(states, rows=owners)  # [len(active), W, V]
-            for i, run in enumerate(active):
-                run.stats.nfe += 1
-                run.apply(block, out[i : i + 1].to(run.session.x.device))
-            if progress is not None:
-                progress(1)
-        for run in live:
-            close_block(run.session, run.block(block), run.step, run.stats)
-    fwd.finish()
-    for run in runs:
-        run.session.finish()
-    return [run.stats for run in runs], int(fwd.nfe)
+    rows = make_rows(fwd, row_sessions, BaselineStats, observer, progress)
+
+    def one_forward(block: int, active: list[DecodeRow]) -> None:
+        for row in active:  # an observer has seen them: free them before the forward
+            row.session.forget_transition_probs()
+        for row, logits in zip(active, forward_rows(fwd, [(row, row.session.x) for row in active])):
+            row.stats.nfe += 1
+            row.apply(block, logits)
+
+    nfe = decode_blocks(fwd, rows, one_forward)
+    return [row.stats for row in rows], nfe
 
 
-def _padded_state(fwd: DecodeSession, run: _RowRun) -> torch.Tensor:
-    """``[1, T]`` the row's current state behind its padding columns of the forward session."""
-    pad = run.place.pad
-    return torch.cat([fwd.x[run.index : run.index + 1, :pad], run.session.x.to(fwd.x.device)], dim=1)
+def run_baseline(session: DecodeSession, observer: StepObserver | None = None,
+                 progress: Callable[[int], None] | None = None) -> BaselineStats:
+    """Decode every block of ``session`` with the plain baseline loop: the batch of one of :func:`run_baseline_batch`
+    (a batched session decodes by its own rule: one generator for the batch, as the official scripts).
+
+    Args:
+        session: a prepared session; ``session.x`` holds the final state afterwards.
+        observer: called with a :class:`~spiffy.decoding.session.StepRecord` after every transition.
+        progress: called with the number of steps just taken (for progress bars).
+    Returns:
+        :class:`~spiffy.decoding.session.BaselineStats` (``nfe`` equals ``session.nfe`` at the end).
+    """
+    stats, _ = run_baseline_batch(session, [session], progress=progress, observer=observer)
+    return stats[0]
 
 
-__all__ = ["RowPlace", "is_stopped", "make_row_sessions", "row_generators", "row_layout", "run_baseline_batch"]
+__all__ = [
+    "DecodeRow",
+    "RowPlace",
+    "decode_blocks",
+    "forward_rows",
+    "is_stopped",
+    "make_rows",
+    "row_generators",
+    "row_layout",
+    "run_baseline",
+    "run_baseline_batch",
+]

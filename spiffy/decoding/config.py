@@ -12,7 +12,9 @@ Conventions:
   ``steps=None`` means ``gen_length`` (one token per step).
 * ``threshold`` switches to Fast-dLLM dynamic unmasking (every masked in-block position with confidence >= tau,
   and at least the most confident one); the block then ends when no mask is left in it.
-* ``temperature == 0`` is greedy for every family.
+* Sampling "off" is one convention, :class:`~spiffy.sampling.SamplingConfig`'s: ``temperature == 0`` is greedy for
+  every family, ``top_p == 1.0`` and ``top_k == 0`` disable the filters. ``None`` (the reference generators'
+  spelling) is accepted for ``top_p`` / ``top_k`` and stored as ``1.0`` / ``0``.
 * ``seed`` seeds the ``torch.Generator`` every random draw of the decoding rule consumes.
 """
 
@@ -53,8 +55,8 @@ class DecodeConfig:
             ``None`` = derived from ``remasking`` (``low_confidence`` -> ``maskgit_plus``, ``random`` -> ``origin``).
         alg_temp: Dream confidence temperature (``None`` or 0 = deterministic top-k of the confidence).
         eps: Dream's final timestep (timesteps ``linspace(1, eps, steps + 1)``).
-        top_p: nucleus sampling mass (``None`` or ``0 < p <= 1``; Dream/SDAR).
-        top_k: top-k sampling (``None`` or ``>= 1``; Dream/SDAR).
+        top_p: nucleus sampling mass in ``(0, 1]``, ``1.0`` = off (Dream/SDAR; ``None`` is read as off).
+        top_k: top-k sampling, ``0`` = off (Dream/SDAR; ``None`` is read as off).
         mask_id: override of the family's mask token id (``None`` = from config/tokenizer).
     """
 
@@ -73,8 +75,8 @@ class DecodeConfig:
     alg: str | None = None
     alg_temp: float | None = None
     eps: float = 1e-3
-    top_p: float | None = None
-    top_k: int | None = None
+    top_p: float = 1.0
+    top_k: int = 0
     # token override
     mask_id: int | None = None
 
@@ -140,11 +142,13 @@ class DecodeConfig:
             _number_field("alg_temp", self.alg_temp, "use None or 0 for deterministic confidence ranking")
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not (0.0 <= float(self.eps) < 1.0):
             raise ConfigError(f"eps={self.eps!r} must be in [0, 1); fix: use Dream's default 1e-3")
-        if self.top_p is not None:
-            if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < float(self.top_p) <= 1.0):
-                raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]; fix: pass e.g. 0.95, or None to disable")
-        if self.top_k is not None:
-            _int_field("top_k", self.top_k, minimum=1, fix="pass a positive integer, or None to disable")
+        if self.top_p is None:  # the reference generators' "off"
+            self.top_p = 1.0
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < float(self.top_p) <= 1.0):
+            raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]; fix: pass e.g. 0.95, or 1.0 to disable")
+        if self.top_k is None:
+            self.top_k = 0
+        _int_field("top_k", self.top_k, minimum=0, fix="pass a positive integer, or 0 to disable")
         if self.mask_id is not None:
             _int_field("mask_id", self.mask_id, minimum=0)
 
@@ -214,20 +218,35 @@ class DecodeConfig:
             )
         return cls(**data)
 
+    @classmethod
+    def from_config(cls, config: "DecodeConfig | None" = None, **overrides: Any) -> "DecodeConfig":
+        """A ``cls`` configuration (a family's :attr:`~spiffy.decoding.session.DecodeSession.config_class`) from
+        ``config`` with ``overrides`` applied: ``None`` gives the defaults, a ``cls`` instance (subclasses included)
+        is kept, another configuration gives its fields ``cls`` has (e.g. a plain :class:`DecodeConfig` for SDAR).
+
+        Raises:
+            ConfigError: an unknown override or a bad value.
+        """
+        if config is not None and not isinstance(config, DecodeConfig):
+            raise ConfigError(f"config must be a DecodeConfig, got {type(config).__name__}; fix: pass a DecodeConfig")
+        if isinstance(config, cls):
+            return config.replace(**overrides) if overrides else config
+        names = {f.name for f in dataclasses.fields(cls)}
+        _check_names(overrides, names, cls.__name__)
+        base = {} if config is None else {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        base = {k: v for k, v in base.items() if k in names}
+        base.update(overrides)
+        return cls(**base)
+
     def replace(self, **overrides: Any) -> "DecodeConfig":
         """A validated copy with ``overrides`` applied (unknown names raise :class:`ConfigError`)."""
-        names = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ConfigError(
-                f"unknown decoding option(s) {', '.join(unknown)}; fix: use options among {', '.join(sorted(names))}"
-            )
+        _check_names(overrides, {f.name for f in dataclasses.fields(self)}, type(self).__name__)
         return dataclasses.replace(self, **overrides)
 
     @property
     def sampling(self) -> SamplingConfig:
-        """Temperature, top-p, top-k and seed as one :class:`~spiffy.sampling.SamplingConfig` (``None`` = off)."""
-        return SamplingConfig.from_loose(self.temperature, self.top_p, self.top_k, self.seed)
+        """Temperature, top-p, top-k and seed as one :class:`~spiffy.sampling.SamplingConfig` (same convention)."""
+        return SamplingConfig(float(self.temperature), float(self.top_p), int(self.top_k), self.seed)
 
     def rule_dict(self) -> dict[str, Any]:
         """The fields that define the decoding rule (what a calibrated graph depends on), resolved.
@@ -242,6 +261,9 @@ class DecodeConfig:
         d["tokens_per_step"] = self.tokens_per_step
         d["alg"] = self.resolved_alg
         d["type"] = type(self).__name__
+        # "off" is hashed as None, the spelling graph files were fingerprinted with before the one convention
+        d["top_p"] = None if float(self.top_p) >= 1.0 else self.top_p
+        d["top_k"] = None if int(self.top_k) == 0 else self.top_k
         for k in self.FLOAT_FIELDS:
             if d.get(k) is not None and not isinstance(d[k], bool):
                 d[k] = float(d[k])  # 1 and 1.0 hash alike
@@ -251,6 +273,14 @@ class DecodeConfig:
         """Stable hex hash (16 chars) of :meth:`rule_dict` (independent of gen_length, seed, mask_id)."""
         payload = json.dumps(self.rule_dict(), sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+def _check_names(overrides: dict[str, Any], names: set[str], owner: str) -> None:
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown decoding option(s) {', '.join(unknown)} for {owner}; fix: use options among {', '.join(sorted(names))}"
+        )
 
 
 def _int_field(name: str, value: Any, *, minimum: int, fix: str | None = None) -> None:

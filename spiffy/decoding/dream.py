@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from spiffy.decoding.base import BidirectionalSession
 from spiffy.decoding.config import DecodeConfig
-from spiffy.decoding.sampling import sample_tokens
+from spiffy.decoding.sampling import dream_sample_tokens
 from spiffy.decoding.schedules import dream_num_transfer, dream_timesteps, threshold_transfer
 from spiffy.decoding.session import StepInfo
 
@@ -54,6 +54,7 @@ class DreamSession(BidirectionalSession):
     ``arange``.
     """
 
+    rule = "dream"
     shifted_logits = True
 
     def __init__(
@@ -124,7 +125,7 @@ class DreamSession(BidirectionalSession):
         out = x.clone()
         if self._first_row_step(info.step):
             row = info.block_start - ws
-            _, x0 = sample_tokens(logits[:, row], temp, cfg.top_p, cfg.top_k, gen)
+            _, x0 = dream_sample_tokens(logits[:, row], temp, cfg.top_p, cfg.top_k, gen)
             cur = x[:, info.block_start]
             out[:, info.block_start] = torch.where(cur == self.mask_id, x0, cur)
             return out
@@ -133,7 +134,7 @@ class DreamSession(BidirectionalSession):
         mask_w = self.block_mask_in_window(x, info, w)  # [B, W]
         mask_logits = logits[mask_w]  # [n, V] (row-major over batch, as the reference)
         if cfg.threshold is not None:
-            conf, x0 = sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
+            conf, x0 = dream_sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
             counts = mask_w.sum(dim=1)
             if self.cache_mode == "none":
                 assert self.threshold_quota is not None, "begin_block was not called"
@@ -150,12 +151,12 @@ class DreamSession(BidirectionalSession):
             x0 = torch.full((n,), self.mask_id, dtype=torch.long, device=x.device)
             reveal = torch.rand((n,), generator=gen, device=x.device) < p_transfer
             if bool(reveal.any()):
-                _, x0[reveal] = sample_tokens(mask_logits[reveal], temp, cfg.top_p, cfg.top_k, gen)
+                _, x0[reveal] = dream_sample_tokens(mask_logits[reveal], temp, cfg.top_p, cfg.top_k, gen)
             win = out[:, ws : ws + w]
             win[mask_w] = x0
             out[:, ws : ws + w] = win
             return out
-        conf, x0 = sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
+        conf, x0 = dream_sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
         num_mask = mask_w.sum() / b
         k = dream_num_transfer(num_mask, self.timesteps, step, steps)
         return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, k=k, logits=logits if temp == 0 else None)

@@ -1,113 +1,55 @@
-"""The session factory: :func:`make_session` builds the family's :class:`~spiffy.decoding.session.DecodeSession`.
+"""The session factory: :func:`make_session` builds the :class:`~spiffy.decoding.session.DecodeSession` of a model.
 
-Families are recognised from the model config's ``model_type`` (``llada``, ``Dream``, ``sdar``). Token ids (mask,
-EOS, EoT) come from the config or the tokenizer, never from constants. Both the baseline path and Spiffy's
+A model's family comes from the registry (:func:`spiffy.models.loading.family_of`, ``model_type`` ``llada``,
+``Dream``, ``sdar``, ...); the family's registry entry names the decoding rule that decodes it
+(:attr:`~spiffy.models.registry.FamilySpec.decoder`), and :data:`SESSIONS` maps that name to the session class, which
+names its configuration class. Token ids (mask, EOS, end of turn) come from the one resolver of the models layer
+(:func:`spiffy.models.loading.special_token_ids`), never from constants. Both the baseline path and Spiffy's
 speculative path (:mod:`spiffy.selfspec`) drive the sessions built here; the public front door that dispatches
 between them is :mod:`spiffy.api`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Sequence
 
 import torch
 
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.dream import DreamSession
 from spiffy.decoding.llada import LLaDASession
-from spiffy.decoding.sdar import SDARDecodeConfig
-from spiffy.decoding.sdar import make_session as sdar_make_session
+from spiffy.decoding.sdar import SDARSession
 from spiffy.decoding.session import DecodeSession
-from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError, UnknownModelTypeError
-from spiffy.models.registry import FAMILIES
+from spiffy.errors import ConfigError, PromptTooLongError, UnknownModelTypeError
+from spiffy.models.loading import family_of, mask_token_id, special_token_ids
+from spiffy.models.registry import decoded_families, family_spec
 
-#: config.json ``model_type`` (lower-cased) -> decoding family
-_MODEL_TYPES: dict[str, str] = {"llada": "llada", "dream": "dream", "sdar": "sdar"}
-
-#: decoding family -> the configuration class its sessions read
-FAMILY_CONFIGS: dict[str, type[DecodeConfig]] = {"llada": DecodeConfig, "dream": DecodeConfig, "sdar": SDARDecodeConfig}
-
+#: every decoding rule, by the name a family's registry entry gives it (``FamilySpec.decoder``)
+SESSIONS: dict[str, type[DecodeSession]] = {cls.rule: cls for cls in (LLaDASession, DreamSession, SDARSession)}
 
 
 # ---------------------------------------------------------------------------------------------------- lookups
-def family_of(model: Any) -> str:
-    """The decoding family of ``model`` from its config's ``model_type`` (UnknownModelTypeError otherwise)."""
-    cfg = getattr(model, "config", None)
-    model_type = getattr(cfg, "model_type", None)
-    family = _MODEL_TYPES.get(str(model_type).lower()) if model_type is not None else None
-    if family is None:
+def session_class(family: str) -> type[DecodeSession]:
+    """The session class that decodes ``family`` (UnknownModelTypeError for a family spiffy does not decode as a
+    diffusion LM, e.g. a Qwen3 target)."""
+    spec = family_spec(family)
+    if spec.decoder is None:
+        supported = ", ".join(s.model_type for s in decoded_families().values())
         raise UnknownModelTypeError(
-            f"cannot decode a model with model_type={model_type!r} as a diffusion LM; supported: llada, Dream, sdar; "
-            "fix: load a LLaDA, Dream or SDAR checkpoint (Qwen3 targets use spiffy.ddtree_generate)"
+            f"cannot decode a model with model_type={spec.model_type!r} as a diffusion LM; supported: {supported}; "
+            "fix: load a diffusion LM checkpoint (AR targets use spiffy.ddtree_generate)"
         )
-    return family
-
-
-def _tokenizer_token_id(tokenizer: Any, token: str) -> int | None:
-    if tokenizer is None or not hasattr(tokenizer, "convert_tokens_to_ids"):
-        return None
-    try:
-        tid = tokenizer.convert_tokens_to_ids(token)
-    except Exception:  # noqa: BLE001 - tokenizers raise various errors for unknown tokens
-        return None
-    if tid is None or isinstance(tid, list):
-        return None
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if unk is not None and tid == unk and token != getattr(tokenizer, "unk_token", None):
-        return None
-    return int(tid)
+    return SESSIONS[spec.decoder]
 
 
 def recalibration_flags() -> dict[str, str]:
-    """``{calibrated_for field: CLI flag}`` over every family's configuration class (for graph mismatch hints)."""
+    """``{calibrated_for field: CLI flag}`` over every decoding rule's configuration class (for graph mismatch
+    hints)."""
     flags: dict[str, str] = {}
-    for config_class in FAMILY_CONFIGS.values():
-        flags.update(config_class.CLI_FLAGS)
+    for cls in SESSIONS.values():
+        flags.update(cls.config_class.CLI_FLAGS)
     return flags
-
-
-def _family_token(family: str, role: str) -> str | None:
-    """The registry's ``role`` token string of ``family`` (``None`` for a family the registry does not know)."""
-    spec = FAMILIES.get(family)
-    return None if spec is None else getattr(spec, role)
-
-
-def resolve_mask_id(model: Any, family: str, config: DecodeConfig, tokenizer: Any = None) -> int:
-    """The mask id: ``config.mask_id``, else the model config, else the tokenizer's mask token."""
-    if config.mask_id is not None:
-        return int(config.mask_id)
-    cfg = getattr(model, "config", None)
-    value = getattr(cfg, "mask_token_id", None)
-    if value is not None:
-        return int(value)
-    if tokenizer is not None:
-        value = getattr(tokenizer, "mask_token_id", None)
-        if value is not None:
-            return int(value)
-        token = _family_token(family, "mask_token")
-        if token is not None:
-            tid = _tokenizer_token_id(tokenizer, token)
-            if tid is not None:
-                return tid
-    raise MissingTokenError(
-        f"no mask token id for this {family} model: the config has no mask_token_id and no tokenizer provides one; "
-        "fix: pass mask_id=... (or a tokenizer with the family's mask token)"
-    )
-
-
-def resolve_eos_eot(model: Any, family: str, tokenizer: Any = None) -> tuple[int | None, int | None]:
-    """``(eos_id, eot_id)`` from the model config (``eos_token_id``, ``eot_token_id``) or the tokenizer."""
-    cfg = getattr(model, "config", None)
-    eos = getattr(cfg, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    if eos is None and tokenizer is not None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    eot = getattr(cfg, "eot_token_id", None)
-    if eot is None:
-        token = _family_token(family, "eot_token")
-        eot = None if token is None else _tokenizer_token_id(tokenizer, token)
-    return (None if eos is None else int(eos)), (None if eot is None else int(eot))
 
 
 def context_length(model: Any) -> int | None:
@@ -148,42 +90,44 @@ def make_session(
     """A prepared :class:`~spiffy.decoding.session.DecodeSession` for ``model``'s family.
 
     Args:
-        model: a loaded LLaDA, Dream or SDAR model.
+        model: a loaded diffusion LM (LLaDA, Dream, SDAR, ...: a family with a decoding rule).
         input_ids: ``[B, P]`` (or ``[P]``) prompt ids; ragged batches left padded with ``attention_mask``.
-        config: decoding configuration (default :class:`DecodeConfig`); ``config_overrides`` replace fields.
-        attention_mask: ``[B, P]`` 0/1 prompt mask (LLaDA/Dream).
+        config: decoding configuration (default: the family's configuration class with its defaults); converted to
+            the family's class (:meth:`~spiffy.decoding.config.DecodeConfig.from_config`); ``config_overrides``
+            replace fields.
+        attention_mask: ``[B, P]`` 0/1 prompt mask (0 = left padding).
         tokenizer: used to find special token ids missing from the config.
         generator: the random generator to consume (default: a new one seeded with ``config.seed``).
         family: force the family instead of reading ``model.config.model_type``.
     Raises:
         ConfigError (bad field), PromptTooLongError, MissingTokenError, UnknownModelTypeError.
     """
-    family = family_of(model) if family is None else family.lower()
+    cls = session_class(family_of(model) if family is None else family)
+    cfg = cls.config_class.from_config(config, **config_overrides)
     ids = as_batch(input_ids)
-    if family == "sdar":
-        gen_length = int(config_overrides.get("gen_length") or (config.gen_length if config is not None else DecodeConfig.gen_length))
-        _check_context(model, ids.shape[1], gen_length)
-        return sdar_make_session(
-            model, ids, config, attention_mask=attention_mask, tokenizer=tokenizer, generator=generator, **config_overrides
-        )
-    cfg = config if config is not None else DecodeConfig()
-    if config_overrides:
-        cfg = cfg.replace(**config_overrides)
     _check_context(model, ids.shape[1], cfg.gen_length)
-    mask_id = resolve_mask_id(model, family, cfg, tokenizer)
-    if family == "llada":
-        eos, eot = resolve_eos_eot(model, family, tokenizer)
-        if (cfg.logits_eos_inf or cfg.confidence_eos_eot_inf) and eos is None:
-            raise MissingTokenError(
-                "logits_eos_inf / confidence_eos_eot_inf need the EOS id but neither the config nor the tokenizer "
-                "has one; fix: pass a tokenizer or set eos_token_id in config.json"
-            )
-        return LLaDASession(
-            model, ids, cfg, mask_id=mask_id, attention_mask=attention_mask, generator=generator, eos_id=eos, eot_id=eot
-        )
-    if family == "dream":
-        return DreamSession(model, ids, cfg, mask_id=mask_id, attention_mask=attention_mask, generator=generator)
-    raise UnknownModelTypeError(f"unknown decoding family {family!r}; fix: use llada, dream or sdar")
+    mask = cfg.mask_id if cfg.mask_id is not None else mask_token_id(model, tokenizer)
+    token_ids = dataclasses.replace(special_token_ids(model, tokenizer), mask=int(mask))
+    return cls.for_model(model, ids, cfg, token_ids=token_ids, attention_mask=attention_mask, generator=generator)
+
+
+def make_row_sessions(
+    model: Any,
+    input_ids: Any,
+    attention_mask: torch.Tensor | None,
+    config: DecodeConfig,
+    generators: Sequence[torch.Generator | None],
+    tokenizer: Any = None,
+) -> list[DecodeSession]:
+    """One unpadded batch-1 session per prompt of the left-padded ``input_ids`` ``[B, P]`` (``attention_mask``
+    ``[B, P]``, 0 = padding), each with its own generator: the row sessions of :mod:`spiffy.decoding.batch`."""
+    ids = as_batch(input_ids)
+    am = None if attention_mask is None else attention_mask.to(ids.device).bool()
+    rows: list[DecodeSession] = []
+    for r in range(ids.shape[0]):
+        prompt = ids[r] if am is None else ids[r][am[r]]
+        rows.append(make_session(model, prompt[None], config, tokenizer=tokenizer, generator=generators[r]))
+    return rows
 
 
 def _check_context(model: Any, prompt_len: int, gen_length: int) -> None:
@@ -197,12 +141,11 @@ def _check_context(model: Any, prompt_len: int, gen_length: int) -> None:
 
 
 __all__ = [
-    "FAMILY_CONFIGS",
+    "SESSIONS",
     "as_batch",
     "context_length",
-    "family_of",
+    "make_row_sessions",
     "make_session",
     "recalibration_flags",
-    "resolve_eos_eot",
-    "resolve_mask_id",
+    "session_class",
 ]

@@ -36,6 +36,8 @@ from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.sampling import add_gumbel_noise
 from spiffy.decoding.schedules import get_num_transfer_tokens, threshold_transfer, topk_transfer
 from spiffy.decoding.session import StepInfo
+from spiffy.errors import MissingTokenError
+from spiffy.models.loading import SpecialTokenIds
 
 
 class LLaDASession(BidirectionalSession):
@@ -47,7 +49,29 @@ class LLaDASession(BidirectionalSession):
         eot_id: end-of-turn token id (``confidence_eos_eot_inf``), from config/tokenizer; may be ``None``.
     """
 
+    rule = "llada"
     shifted_logits = False
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        config: DecodeConfig,
+        *,
+        token_ids: SpecialTokenIds,
+        attention_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> "LLaDASession":
+        """A session with the EOS / end-of-turn ids the LLaDA options read (MissingTokenError when an option needs
+        the EOS id and the model has none)."""
+        if (config.logits_eos_inf or config.confidence_eos_eot_inf) and token_ids.eos is None:
+            raise MissingTokenError(
+                "logits_eos_inf / confidence_eos_eot_inf need the EOS id but neither the config nor the tokenizer "
+                "has one; fix: pass a tokenizer or set eos_token_id in config.json"
+            )
+        return cls(model, input_ids, config, mask_id=token_ids.require("mask"), attention_mask=attention_mask,
+                   generator=generator, eos_id=token_ids.eos, eot_id=token_ids.eot)
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 
 * :func:`add_gumbel_noise` - LLaDA's float64 "Gumbel" perturbation ``exp(logits) / (-log u) ** T`` (``T = 0``:
   logits returned unchanged, nothing drawn).
-* :func:`sample_tokens` - Dream's proposal: temperature, top-p, top-k, then the argmax (``T = 0``) or one
+* :func:`dream_sample_tokens` - Dream's proposal: temperature, top-p, top-k, then the argmax (``T = 0``) or one
   categorical draw per row; confidence = the chosen token's probability, or the top-1/top-2 margin, or the negative
   entropy.
 """
@@ -45,22 +45,23 @@ def add_gumbel_noise(
     return logits64.exp() / gumbel_noise
 
 
-def sample_tokens(
+def dream_sample_tokens(
     logits: torch.Tensor,
     temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int | None = None,
+    top_p: float = 1.0,
+    top_k: int = 0,
     generator: torch.Generator | None = None,
     margin_confidence: bool = False,
     neg_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dream's ``sample_tokens``.
+    """Dream's ``sample_tokens`` (named for the family: the AR side's :func:`spiffy.arspec.sampling.sample_tokens` has
+    another contract).
 
     Args:
         logits: ``[n, V]`` (rows = masked positions).
         temperature: ``0`` = argmax; otherwise logits are divided by it and one token per row is drawn with
             ``torch.multinomial`` from ``generator`` (as ``Categorical(probs).sample()`` does).
-        top_p, top_k: optional filters (top-p applied when ``< 1``).
+        top_p, top_k: the filters (``1.0`` / ``0`` = off, :class:`~spiffy.sampling.SamplingConfig`'s convention).
         margin_confidence: confidence = top-1 minus top-2 probability.
         neg_entropy: confidence = ``sum p log(p + 1e-10)`` (negative entropy).
     Returns:
@@ -71,8 +72,8 @@ def sample_tokens(
     # Dream's filters: top-p then top-k, removed logits set to the dtype's minimum, the crossing token kept
     logits = filter_logits(
         logits,
-        top_k=0 if top_k is None else int(top_k),
-        top_p=1.0 if top_p is None else float(top_p),
+        top_k=int(top_k),
+        top_p=float(top_p),
         fill="min",
         order="p_then_k",
         nucleus="exceeds",
@@ -98,4 +99,4 @@ def sample_tokens(
     return confidence, x0
 
 
-__all__ = ["add_gumbel_noise", "sample_tokens", "uniform"]
+__all__ = ["add_gumbel_noise", "dream_sample_tokens", "uniform"]

@@ -61,12 +61,12 @@ import torch
 
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.sdar_config import DEFAULT_CONFIDENCE_THRESHOLD, DEFAULT_EB_THRESHOLD, STRATEGIES, SDARDecodeConfig
-from spiffy.decoding.sdar_rule import block_causal_mask, entropy_of, num_transfer_tokens, sdar_sample, select_transfer
-from spiffy.decoding.session import BaselineStats, DecodeSession, StepInfo, check_state_rows, gather_cache_rows, run_baseline
-from spiffy.errors import ConfigError, MissingTokenError, PromptTooLongError
+from spiffy.decoding.sdar_rule import entropy_of, num_transfer_tokens, sdar_sample, select_transfer
+from spiffy.decoding.session import DecodeSession, StepInfo, check_state_rows, gather_cache_rows
+from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.cache import KVCache
 from spiffy.models.loading import mask_token_id
-from spiffy.models.registry import FAMILIES
+from spiffy.models.sdar import block_causal_mask
 from spiffy.torch_utils import model_device
 
 def _logits_of(out: Any) -> torch.Tensor:
@@ -80,32 +80,6 @@ def _config_get(model: Any, *names: str) -> Any:
         if value is not None:
             return value
     return None
-
-
-def resolve_mask_id(model: Any, mask_id: int | None = None, tokenizer: Any = None) -> int:
-    """The mask id: ``mask_id`` if given, else from the model config / tokenizer (``MissingTokenError`` if none)."""
-    if mask_id is not None:
-        return int(mask_id)
-    try:  # the registry's lookup (config first, then tokenizer)
-        return int(mask_token_id(model, tokenizer))
-    except MissingTokenError:
-        raise
-    except Exception:  # noqa: BLE001 - not a checkpoint the registry recognises: fall back to the plain lookups below
-        pass
-    mask_token = FAMILIES["sdar"].mask_token
-    value = _config_get(model, "mask_token_id")
-    if value is None and tokenizer is not None:
-        value = getattr(tokenizer, "mask_token_id", None)
-        if value is None and hasattr(tokenizer, "convert_tokens_to_ids"):
-            tid = tokenizer.convert_tokens_to_ids(mask_token)
-            if tid is not None and tid != getattr(tokenizer, "unk_token_id", None):
-                value = tid
-    if value is None:
-        raise MissingTokenError(
-            "SDAR decoding needs a mask token id but the model config has no mask_token_id and no tokenizer "
-            "provides <|MASK|>; fix: pass mask_id=... (SDAR checkpoints use <|MASK|>) or a tokenizer"
-        )
-    return int(value)
 
 
 def _prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
@@ -153,6 +127,9 @@ class SDARSession(DecodeSession):
     columns per row), ``gen_starts`` (column of each row's first generated position; ``prompt_len`` is the smallest).
     """
 
+    rule = "sdar"
+    config_class = SDARDecodeConfig
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -175,7 +152,9 @@ class SDARSession(DecodeSession):
             )
         device = model_device(model)
         self.device = device
-        self.mask_id = resolve_mask_id(model, cfg.mask_id if mask_id is None else mask_id, tokenizer)
+        if mask_id is None:
+            mask_id = cfg.mask_id if cfg.mask_id is not None else mask_token_id(model, tokenizer)
+        self.mask_id = int(mask_id)
         B = cfg.resolved_block_length
         lengths = _prompt_lengths(input_ids, attention_mask)
         P = max(lengths)
@@ -254,7 +233,7 @@ class SDARSession(DecodeSession):
             raise RuntimeError(
                 f"SDAR cache holds {self.cache.get_seq_length()} rows but the query starts at row {q_start}"
             )
-        mask = block_causal_mask(q_start, q_start + L, q_start + L, self.block_length, rows.device)
+        mask = block_causal_mask(L, self.block_length, start=q_start, device=rows.device)
         positions = torch.arange(q_start, q_start + L, device=rows.device)[None, :].expand(rows.shape[0], L)
         if self.key_mask is not None and self.position_offsets is not None:
             keys = self.key_mask[:, : q_start + L]
@@ -383,49 +362,14 @@ class SDARSession(DecodeSession):
         return self.x[:, self.prompt_len :]
 
 
-def make_session(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    config: DecodeConfig | None = None,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    tokenizer: Any = None,
-    generator: torch.Generator | None = None,
-    **overrides: Any,
-) -> SDARSession:
-    """An :class:`SDARSession` for ``input_ids`` ``[B, P]``; ``config`` (or defaults) with ``overrides`` applied.
-
-    ``attention_mask`` (``[B, P]``, 0 = left padding) lays ragged prompts out with per-row block anchoring (module
-    docstring); the rows of such a batch equal the prompts alone when decoded by :mod:`spiffy.decoding.batch`.
-    """
-    cfg = SDARDecodeConfig.from_config(config, **overrides)
-    return SDARSession(model, input_ids, cfg, tokenizer=tokenizer, generator=generator, attention_mask=attention_mask)
-
-
-def sdar_generate(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    config: DecodeConfig | None = None,
-    **overrides: Any,
-) -> tuple[torch.Tensor, BaselineStats]:
-    """Baseline SDAR decode. Returns the final state ``[B, total_length]`` and :class:`BaselineStats`."""
-    session = make_session(model, input_ids, config, **overrides)
-    stats = run_baseline(session)
-    return session.x, stats
-
-
 __all__ = [
     "DEFAULT_CONFIDENCE_THRESHOLD",
     "DEFAULT_EB_THRESHOLD",
     "STRATEGIES",
     "SDARDecodeConfig",
     "SDARSession",
-    "block_causal_mask",
     "entropy_of",
-    "make_session",
     "num_transfer_tokens",
-    "resolve_mask_id",
-    "sdar_generate",
     "sdar_sample",
     "select_transfer",
 ]

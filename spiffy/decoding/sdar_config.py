@@ -3,7 +3,6 @@ SDAR's strategy, per-block steps, entropy budget, stop tokens). The decoder is :
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -130,27 +129,6 @@ class SDARDecodeConfig(DecodeConfig):
         for name in ("remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf", "alg", "alg_temp", "eps"):
             d.pop(name, None)  # not part of SDAR's rule
         return d
-
-    @classmethod
-    def from_config(cls, config: DecodeConfig | None = None, **overrides: Any) -> "SDARDecodeConfig":
-        """An :class:`SDARDecodeConfig` from ``None``, a plain :class:`DecodeConfig` (shared fields copied) or an
-        :class:`SDARDecodeConfig`, with ``overrides`` applied."""
-        if config is None:
-            base: dict[str, Any] = {}
-        elif isinstance(config, SDARDecodeConfig):
-            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        elif isinstance(config, DecodeConfig):
-            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        else:
-            raise ConfigError(f"config must be a DecodeConfig, got {type(config).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ConfigError(
-                f"unknown SDAR decoding option(s) {', '.join(unknown)}; fix: use options among {', '.join(sorted(names))}"
-            )
-        base.update(overrides)
-        return cls(**base)
 
 
 __all__ = ["DEFAULT_CONFIDENCE_THRESHOLD", "DEFAULT_EB_THRESHOLD", "STRATEGIES", "SDARDecodeConfig"]

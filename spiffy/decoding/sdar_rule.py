@@ -23,8 +23,8 @@ def num_transfer_tokens(block_length: int, steps: int) -> list[int]:
 def sdar_sample(
     logits: torch.Tensor,
     temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SDAR's sampling step on window logits.
@@ -32,7 +32,7 @@ def sdar_sample(
     Args:
         logits: ``[B, W, V]``.
         temperature: ``0`` = greedy (argmax; probabilities at temperature 1), else ``logits / T`` when ``T != 1``.
-        top_k: keep the ``k`` largest logits (``None``/``0`` = off). top_p: nucleus mass (``None``/``1`` = off).
+        top_k: keep the ``k`` largest logits (``0`` = off). top_p: nucleus mass (``1.0`` = off).
         generator: source of the one ``multinomial`` draw per row (``[B * W, V]`` probabilities, one sample each).
     Returns:
         tokens ``[B, W]`` long, their probabilities ``[B, W]`` and the sampling distribution ``[B, W, V]``.
@@ -45,8 +45,8 @@ def sdar_sample(
     # SDAR's filters: top-k then top-p, removed logits set to -inf, the crossing token kept
     filtered = filter_logits(
         z,
-        top_k=int(top_k) if top_k is not None and int(top_k) > 0 else 0,
-        top_p=float(top_p) if top_p is not None else 1.0,
+        top_k=int(top_k),
+        top_p=float(top_p),
         fill="-inf",
         order="k_then_p",
         nucleus="exceeds",
@@ -125,12 +125,4 @@ def select_transfer(
     return transfer
 
 
-def block_causal_mask(q_start: int, q_end: int, k_end: int, block_length: int, device: torch.device | str) -> torch.Tensor:
-    """``[1, 1, q_end - q_start, k_end]`` bool (True = visible): absolute row ``i`` sees column ``j`` iff
-    ``j // block_length <= i // block_length``."""
-    qb = torch.arange(q_start, q_end, device=device) // block_length
-    kb = torch.arange(k_end, device=device) // block_length
-    return (kb[None, :] <= qb[:, None])[None, None]
-
-
-__all__ = ["block_causal_mask", "entropy_of", "num_transfer_tokens", "sdar_sample", "select_transfer"]
+__all__ = ["entropy_of", "num_transfer_tokens", "sdar_sample", "select_transfer"]

@@ -9,20 +9,22 @@ generator in a fixed order). Spiffy needs exactly these two pieces, separately:
   exactly as the baseline would compute it if it were in that state (same cache mode, same rows, same positions).
 * :meth:`DecodeSession.transition` is the baseline rule, pure apart from the generator.
 
-:func:`run_baseline` is the plain decoder written on top of the contract; Spiffy's loop uses the same calls, so
-both paths share kernels, caches, RNG use and NFE accounting.
+:func:`spiffy.decoding.batch.run_baseline` is the plain decoder written on top of the contract; Spiffy's loop uses
+the same calls (both run :func:`spiffy.decoding.batch.decode_blocks`), so both paths share kernels, caches, RNG use
+and NFE accounting.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from spiffy.decoding.config import DecodeConfig
 from spiffy.errors import ConfigError
+from spiffy.models.loading import SpecialTokenIds
 
 
 @dataclass(frozen=True)
@@ -96,17 +98,42 @@ class DecodeSession(ABC):
         prompt_len: number of prompt rows (the generation area starts here).
         block_length, num_blocks: block layout of the generation area.
         mask_id: the family's mask token id (from config/tokenizer).
+        steps_per_block: the static schedule's steps per block.
         nfe: model forward calls made so far (every call counts once, whatever its batch).
         generator: the ``torch.Generator`` every random draw of the baseline rule consumes.
     """
+
+    #: the decoding rule's name: a family's registry entry names the session class that decodes it by it
+    #: (:attr:`spiffy.models.registry.FamilySpec.decoder`, resolved by :data:`spiffy.decoding.factory.SESSIONS`)
+    rule: ClassVar[str] = ""
+    #: the decoding configuration class the session reads (:meth:`DecodeConfig.from_config` converts others)
+    config_class: ClassVar[type[DecodeConfig]] = DecodeConfig
 
     x: torch.Tensor
     prompt_len: int
     block_length: int
     num_blocks: int
+    steps_per_block: int
     mask_id: int
     nfe: int
     generator: torch.Generator | None
+
+    @classmethod
+    def for_model(
+        cls,
+        model: Any,
+        input_ids: torch.Tensor,
+        config: DecodeConfig,
+        *,
+        token_ids: SpecialTokenIds,
+        attention_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> "DecodeSession":
+        """The session the factory builds (:func:`spiffy.decoding.factory.make_session`): ``input_ids`` ``[B, P]``,
+        ``config`` of :attr:`config_class`, the model's token ids (``token_ids.mask`` resolved). Default: the
+        constructor with the mask id; a rule that reads more token ids overrides this."""
+        return cls(model, input_ids, config, mask_id=token_ids.require("mask"),  # type: ignore[call-arg]
+                   attention_mask=attention_mask, generator=generator)
 
     def block_bounds(self, block: int) -> tuple[int, int]:
         """``(start, end)`` absolute rows of ``block``."""
@@ -166,6 +193,11 @@ class DecodeSession(ABC):
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         """Whether ``block`` needs no further step after ``step`` steps have been taken on state ``x``
         (static schedules: ``step == steps_per_block``; dynamic: no mask left in the block)."""
+
+    def max_block_steps(self) -> int:
+        """An upper bound on the steps of one block: the static schedule's steps, and at most four per position under
+        a dynamic rule (the decoding loop refuses to go on past it rather than loop forever)."""
+        return max(int(self.steps_per_block), 4 * int(self.block_length))
 
     def end_block(self, block: int) -> None:
         """Block-end work (counted in :attr:`nfe` if it calls the model). Default: nothing."""
@@ -277,36 +309,3 @@ def close_block(session: DecodeSession, block: int, steps: int, stats: Any) -> N
     session.end_block(block)
     stats.steps_per_block.append(steps)
     stats.steps += steps
-
-
-def run_baseline(session: DecodeSession, observer: StepObserver | None = None, progress: Callable[[int], None] | None = None) -> BaselineStats:
-    """Decode every block of ``session`` with the plain baseline loop (one forward per step).
-
-    Args:
-        session: a prepared session; ``session.x`` holds the final state afterwards.
-        observer: called with a :class:`StepRecord` after every transition (calibration records trajectories).
-        progress: called with the number of steps just taken (for progress bars).
-    Returns:
-        :class:`BaselineStats` (``nfe`` equals ``session.nfe`` at the end).
-    """
-    stats = BaselineStats()
-    for block in range(session.num_blocks):
-        logits = session.begin_block(block)
-        step = 0
-        while not session.block_finished(block, step, session.x):
-            if logits is None:
-                session.forget_transition_probs()  # the observer has seen them: free them before the forward
-                logits = session.forward_states(session.x)
-            info = session.step_info(block, step)
-            x_next = session.transition(session.x, logits, info)
-            if observer is not None:
-                observer(StepRecord(info, session.x, logits, x_next, session.transition_probs(logits)))
-            session.x = x_next
-            logits = None
-            step += 1
-            if progress is not None:
-                progress(1)
-        close_block(session, block, step, stats)
-    session.finish()
-    stats.nfe = session.nfe
-    return stats

@@ -25,12 +25,12 @@ from spiffy.io import atomic_write_bytes, atomic_write_json, replace_dir
 from spiffy.models.dflash import DFlashDraftModel, default_target_layer_ids
 from spiffy.models.tokenizer import build_tokenizer
 
-__all__ = ["make_tiny_dflash", "make_tiny_target", "save_drafter"]
+__all__ = ["make_tiny_dflash", "make_tiny_target", "random_weights", "save_drafter", "target_config_dict", "tiny_mask_token_id"]
 
 MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
 
 
-def _target_config(target: Any) -> dict[str, Any]:
+def target_config_dict(target: Any) -> dict[str, Any]:
     """The target's config as a dict, from a checkpoint dir, a config object or a loaded model."""
     if isinstance(target, (str, Path)):
         f = Path(target) / "config.json"
@@ -45,7 +45,7 @@ def _target_config(target: Any) -> dict[str, Any]:
     raise ConfigError(f"cannot read a config from {type(target).__name__}; fix: pass the target directory")
 
 
-def _mask_token_id(target: Any, vocab_size: int) -> int:
+def tiny_mask_token_id(target: Any, vocab_size: int) -> int:
     """The mask id for a tiny drafter: the target tokenizer's mask-like special token, else the last vocab id."""
     if isinstance(target, (str, Path)):
         tok_file = Path(target) / "tokenizer.json"
@@ -61,7 +61,7 @@ def _mask_token_id(target: Any, vocab_size: int) -> int:
     return vocab_size - 1
 
 
-def _random_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+def random_weights(model: torch.nn.Module, seed: int, std: float) -> None:
     """Overwrite every parameter, in name order, from a generator seeded with ``seed``: norm weights
     ``1 + N(0, 0.1)``, the rest ``N(0, std)`` (a deterministic function of the seed, independent of global RNG)."""
     gen = torch.Generator().manual_seed(int(seed))
@@ -132,11 +132,11 @@ def make_tiny_dflash(
         raise ConfigError(f"num_layers must be >= 1, got {num_layers}; fix: pass num_layers=1 or more")
     if block_size < 2:
         raise ConfigError(f"block_size must be >= 2, got {block_size}; fix: use e.g. 16")
-    tcfg = _target_config(target)
+    tcfg = target_config_dict(target)
     n_target = int(tcfg["num_hidden_layers"])
     vocab = int(tcfg["vocab_size"])
     ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(n_target, num_layers)
-    mask_id = int(mask_token_id) if mask_token_id is not None else _mask_token_id(target, vocab)
+    mask_id = int(mask_token_id) if mask_token_id is not None else tiny_mask_token_id(target, vocab)
     heads = int(tcfg["num_attention_heads"])
     rope = tcfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": tcfg.get("rope_theta", 1e6)}
     cfg = Qwen3Config(
@@ -158,7 +158,7 @@ def make_tiny_dflash(
     cfg.dflash_config = {"target_layer_ids": [int(i) for i in ids], "mask_token_id": mask_id, "block_size": int(block_size)}
     cfg.architectures = ["DFlashDraftModel"]
     model = DFlashDraftModel(cfg)
-    _random_weights(model, seed, float(getattr(cfg, "initializer_range", 0.02)) * 5)
+    random_weights(model, seed, float(getattr(cfg, "initializer_range", 0.02)) * 5)
     model = model.to(dtype)
     return save_drafter(model, out_dir, num_shards=2)
 
@@ -212,7 +212,7 @@ def make_tiny_target(
         **special,
     )
     model = Qwen3ForCausalLM(cfg)
-    _random_weights(model, seed, weight_std)
+    random_weights(model, seed, weight_std)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp"))
     try:
         model.save_pretrained(str(tmp), max_shard_size="100KB")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError
-from spiffy.models.ar_checkpoints import _mask_token_id, _random_weights, _target_config
+from spiffy.models.ar_checkpoints import tiny_mask_token_id, random_weights, target_config_dict
 from spiffy.models.checkpoint import read_config_dict
 from spiffy.models.dflash import is_dflash_config, load_drafter
 from spiffy.models.hub import checkpoint_dir
@@ -116,10 +116,10 @@ def dllm_drafter_settings(model: nn.Module) -> DLLMDrafterSettings:
     mask = extra.get("mask_token_id")
     if mask is None:
         mask = mask_token_id(model)
-    layout = extra.get("layout", "aligned" if family == "sdar" and not extra else "root")
-    if layout not in DLLM_LAYOUTS or (layout == "aligned" and family != "sdar"):
+    layout = extra.get("layout", "aligned" if spec.block_causal and not extra else "root")
+    if layout not in DLLM_LAYOUTS or (layout == "aligned" and not spec.block_causal):
         raise ConfigError(f"drafter_config.layout {layout!r} does not fit a {family} drafter; fix: use 'root'"
-                          + (" or 'aligned' (SDAR only)" if family == "sdar" else ""))
+                          + (" or 'aligned' (block-causal families only)" if spec.block_causal else ""))
     attention_block = int(extra.get("attention_block", block))
     if attention_block < 1:
         raise ConfigError(f"drafter_config.attention_block must be >= 1, got {attention_block}")
@@ -176,9 +176,9 @@ def make_tiny_dllm_drafter(
     """
     if block_size < 2:
         raise ConfigError(f"block_size must be >= 2, got {block_size}; fix: use e.g. 16")
-    tcfg = _target_config(target)
+    tcfg = target_config_dict(target)
     vocab = int(tcfg["vocab_size"])
-    mask = int(mask_token_id) if mask_token_id is not None else _mask_token_id(target, vocab)
+    mask = int(mask_token_id) if mask_token_id is not None else tiny_mask_token_id(target, vocab)
     rope = tcfg.get("rope_parameters") or {}
     cfg = SDARConfig(
         vocab_size=vocab,
@@ -200,7 +200,7 @@ def make_tiny_dllm_drafter(
     cfg.drafter_config = {"kind": "dllm", "block_size": int(block_size), "mask_token_id": mask, "layout": "root"}
     with torch.device("cpu"):
         model = SDARForCausalLM(cfg)
-    _random_weights(model, seed, weight_std)
+    random_weights(model, seed, weight_std)
     src = Path(target) if isinstance(target, (str, os.PathLike)) else None
     tokenizer = load_tokenizer(src) if src is not None and (src / "tokenizer.json").is_file() else None
     return save_checkpoint(model.eval(), out_dir, min_shards=2, tokenizer=tokenizer)  # shares the target's tokenizer

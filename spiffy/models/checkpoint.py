@@ -29,6 +29,7 @@ __all__ = [
     "check_keys",
     "stored_dtype",
     "iter_checkpoint_keys",
+    "alias_groups",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -120,7 +121,7 @@ def stored_dtype(path: str | os.PathLike) -> torch.dtype:
     return _SAFETENSORS_DTYPES.get(name, torch.float32)
 
 
-def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
+def alias_groups(model: torch.nn.Module) -> list[list[str]]:
     """State-dict names grouped by shared tensor (tied weights): groups of size > 1 only."""
     by_id: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -137,7 +138,7 @@ def check_keys(
     """
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     optional: set[str] = set()
-    for group in _alias_groups(model):
+    for group in alias_groups(model):
         present = [n for n in group if n in state]
         optional.update(group if present else group[1:])
     missing = sorted(k for k in expected if k not in state and k not in optional)

@@ -31,7 +31,7 @@ from spiffy.models.checkpoint import (
     CONFIG_FILE,
     INDEX_FILE,
     SINGLE_FILE,
-    _alias_groups,
+    alias_groups,
     check_keys,
     checkpoint_files,
     iter_checkpoint_keys,
@@ -44,7 +44,7 @@ from spiffy.models.flex import target_attention
 from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config, load_drafter
 from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device, qwen3_from_pretrained
-from spiffy.models.registry import FAMILIES, MODEL_TYPE_TO_FAMILY, family_spec
+from spiffy.models.registry import FAMILIES, family_of_model_type, family_spec, model_types
 from spiffy.models.target import load_target
 from spiffy.torch_utils import resolve_dtype
 
@@ -67,6 +67,8 @@ def _config_as_dict(obj: Any) -> dict[str, Any]:
         # to_dict() may drop class attributes such as model_type on some versions
         data.setdefault("model_type", getattr(config, "model_type", None))
         return data
+    if hasattr(config, "model_type") and hasattr(config, "__dict__"):  # a plain namespace standing in for a config
+        return dict(vars(config))
     raise ConfigError(f"cannot read a model config from {type(obj).__name__}; pass a path, config, dict or model")
 
 
@@ -75,21 +77,16 @@ def family_of(path_or_config: Any) -> str:
     config object, config dict or model. UnknownModelTypeError for an unsupported ``model_type``."""
     model = path_or_config
     if hasattr(model, "config") and not isinstance(model, (str, os.PathLike, Mapping)):
-        for name, spec in FAMILIES.items():
-            if name in ("qwen3",):
-                continue
-            try:
-                if type(model).__name__ == spec.model_class_path.rsplit(".", 1)[1]:
-                    return name
-            except IndexError:  # pragma: no cover
-                pass
+        for name, spec in FAMILIES.items():  # spiffy's own classes say their family (a drafter shares a model type)
+            if spec.own_classes and type(model).__name__ == spec.model_class_path.rpartition(".")[2]:
+                return name
     cfg = _config_as_dict(path_or_config)
     if is_dflash_config(cfg):
         return "dflash"
     model_type = cfg.get("model_type")
-    family = MODEL_TYPE_TO_FAMILY.get(model_type) if isinstance(model_type, str) else None
+    family = family_of_model_type(model_type)
     if family is None:
-        supported = ", ".join(repr(t) for t in MODEL_TYPE_TO_FAMILY)
+        supported = ", ".join(repr(t) for t in model_types())
         raise UnknownModelTypeError(
             f"model_type {model_type!r} is not supported; supported model types: {supported} (plus DFlash drafters: "
             "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or Qwen3 checkpoint"
@@ -156,13 +153,15 @@ def load_model(
     path = resolved.path
     data = read_config_dict(path)
     family = family_of(data)
+    spec = family_spec(family)
+    native = not spec.own_classes  # transformers' own class (a Qwen3 target)
     device, device_map = placement_device(device, device_map)
     torch_dtype = resolve_dtype(dtype, data, device)
-    if family == "dflash":
+    if spec.drafter:
         return load_drafter(path, dtype=torch_dtype, device=device, device_map=device_map,
                             offload_folder=offload_folder, max_memory=max_memory)
     config = load_config(path, family)
-    if family == "qwen3":  # transformers' class: flex_attention is spiffy's kernel registered with transformers
+    if native:  # transformers' class: flex_attention is spiffy's kernel registered with transformers
         config._attn_implementation = target_attention(attn_implementation)
     else:
         if attn_implementation == FLASH:
@@ -170,10 +169,9 @@ def load_model(
         # built as SDPA: transformers' init-time flash check is for its own kernels; ours routes mask-free calls
         # to flash-attn itself (the config is switched after loading)
         config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS[:3] else "sdpa"
-    spec = family_spec(family)
     cls = spec.model_class
     if device_map is not None:
-        if family == "qwen3":  # transformers' own class: its from_pretrained drives accelerate
+        if native:  # transformers' own class: its from_pretrained drives accelerate
             model = qwen3_from_pretrained(path, torch_dtype, config._attn_implementation, device_map,
                                            offload_folder, max_memory)
         else:
@@ -184,7 +182,7 @@ def load_model(
         model = cls(config)
     check_keys(model, state, path)
     converted = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
-    if family == "qwen3":
+    if native:
         # transformers' own class: tied heads may be absent from the file; RoPE buffers are not in the state dict
         model.load_state_dict(converted, strict=False, assign=True)
         model.tie_weights()
@@ -197,7 +195,7 @@ def load_model(
 def _finish(model: torch.nn.Module, reference: str, attn_implementation: str) -> torch.nn.Module:
     """Record where the model came from; switch a dLLM to flash-attn routing once it is built."""
     model.name_or_path = reference
-    if attn_implementation == FLASH and family_of(model) != "qwen3":
+    if attn_implementation == FLASH and family_spec(family_of(model)).own_classes:
         model.config._attn_implementation = FLASH
     return model
 
@@ -277,7 +275,7 @@ def mask_token_id(model_or_config: Any, tokenizer: Any = None) -> int:
         raise MissingTokenError(
             f"no mask token for family {family!r}: {where} is absent"
             + (f" and the tokenizer has no {spec.mask_token!r}" if spec.mask_token else "")
-            + "; fix: set mask_token_id in config.json or pass the model's tokenizer"
+            + "; fix: set mask_token_id in config.json or pass the model's tokenizer (decoding: or mask_id=...)"
         )
     return value
 
@@ -318,7 +316,8 @@ def _first_id(value: Any) -> int | None:
 
 def special_token_ids(model_or_config: Any, tokenizer: Any = None) -> SpecialTokenIds:
     """``eos``, ``eot`` (end of turn: LLaDA ``<|eot_id|>``, others ``<|im_end|>``), ``pad``, ``mask``, ``bos`` ids
-    from the config, else the tokenizer. Never hard-coded."""
+    from the config, else the tokenizer (the family's token strings from the registry). Never hard-coded. The one
+    resolver of a model's token ids: decoding, calibration, the benchmarks and the CLI all read them here."""
     family = family_of(model_or_config)
     spec = family_spec(family)
     cfg = _config_as_dict(model_or_config)
@@ -332,7 +331,9 @@ def special_token_ids(model_or_config: Any, tokenizer: Any = None) -> SpecialTok
     bos = _first_id(cfg.get("bos_token_id"))
     if bos is None and tok is not None:
         bos = _first_id(tok.bos_token_id)
-    eot = _token_id(tok, spec.eot_token)
+    eot = _first_id(cfg.get("eot_token_id"))
+    if eot is None:
+        eot = _token_id(tok, spec.eot_token)
     try:
         mask = mask_token_id(model_or_config, tok) if spec.mask_token else None
     except MissingTokenError:
@@ -347,7 +348,7 @@ def special_token_ids(model_or_config: Any, tokenizer: Any = None) -> SpecialTok
 
 def _dedupe_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop all but the first name of every tied parameter group (as transformers saves them)."""
-    for group in _alias_groups(model):
+    for group in alias_groups(model):
         for name in group[1:]:
             state.pop(name, None)
     return state
@@ -390,7 +391,7 @@ def save_checkpoint(
         family: str | None = family_of(model)
     except (UnknownModelTypeError, ConfigError):
         family = None
-    if family in ("llada", "dream", "sdar"):
+    if family is not None and FAMILIES[family].auto_map:
         config.auto_map = dict(FAMILIES[family].auto_map)
     config.architectures = [type(model).__name__]
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}

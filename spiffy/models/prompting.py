@@ -12,23 +12,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from spiffy.errors import UnknownModelTypeError
+from spiffy.errors import ConfigError, UnknownModelTypeError
 from spiffy.models.loading import special_token_ids
 
 __all__ = ["prompt_token_ids", "stop_token_ids"]
 
 
-def prompt_token_ids(tokenizer: Any, text: str, *, chat: bool = True) -> list[int]:
-    """Token ids of one prompt, with the tokenizer's chat template applied when it has one and ``chat`` is set.
+def prompt_token_ids(tokenizer: Any, text: str, *, chat: bool = True, require_template: bool = False) -> list[int]:
+    """Token ids of one prompt: the one prompt encoder (calibration, the benchmarks and the command line use it).
+
+    A chat turn is rendered by the tokenizer's chat template and tokenized without adding special tokens (the
+    template writes them); raw text is tokenized as ``tokenizer(text)`` does (special tokens the tokenizer adds, e.g.
+    a BOS, included). A prompt that tokenizes to nothing becomes ``[BOS]`` (else ``[EOS]``): a diffusion LM needs at
+    least one prompt position.
 
     Args:
         tokenizer: a Hugging Face tokenizer.
         text: the user message.
-        chat: wrap ``text`` as a user turn of the chat template (with the generation prompt) when available.
+        chat: wrap ``text`` as a user turn of the chat template (with the generation prompt) when the tokenizer has
+            one (else raw text, as for a base checkpoint).
+        require_template: refuse ``chat`` without a chat template instead of falling back to raw text.
     Returns:
-        ``[L]`` token ids as a list.
+        ``[L]`` token ids as a list, ``L >= 1``.
+    Raises:
+        ConfigError: ``require_template`` and no chat template; an empty encoding and no BOS/EOS token.
     """
-    if chat and getattr(tokenizer, "chat_template", None):
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat and require_template and not has_template:
+        raise ConfigError("a chat prompt needs a tokenizer with a chat template; fix: drop --chat or use an instruct checkpoint")
+    if chat and has_template:
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
         )
@@ -37,6 +49,12 @@ def prompt_token_ids(tokenizer: Any, text: str, *, chat: bool = True) -> list[in
         ids = tokenizer(text)["input_ids"]
     if ids and isinstance(ids[0], list):  # batched output
         ids = ids[0]
+    if not ids:
+        fallback = next((t for t in (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None))
+                         if t is not None), None)
+        if fallback is None:
+            raise ConfigError("the prompt is empty and the tokenizer has no BOS/EOS token; fix: pass --prompt TEXT")
+        ids = [fallback]
     return [int(t) for t in ids]
 
 

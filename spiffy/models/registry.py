@@ -1,22 +1,26 @@
 """The model families spiffy knows, and their registration with transformers' Auto classes.
 
-:data:`FAMILIES` maps a family name (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"dflash"``) to a
-:class:`FamilySpec`: the config ``model_type``, how to get the model class, where the mask token lives (config key
-and tokenizer token), and the official ``auto_map``. :func:`register_with_transformers` (run when ``spiffy`` is
-imported; idempotent) registers LLaDA / Dream / SDAR with ``AutoConfig``, ``AutoModel`` and
-``AutoModelForCausalLM`` so ``AutoModel.from_pretrained(dir)`` works without ``trust_remote_code`` even though
-the checkpoint's config.json carries the official remote-code ``auto_map``.
+:data:`FAMILIES` is the one list of families: it maps a family name to a :class:`FamilySpec` holding every fact of the
+family: the config ``model_type``, its model and config classes, its special tokens and where the mask id lives
+(config key and tokenizer token), the official ``auto_map``, the chat template and tiny shape of its demo
+checkpoints, the config spellings a draft graph's fingerprint hashes, and which decoding rule decodes it (a key of
+:data:`spiffy.decoding.factory.SESSIONS`). Every other module derives its family lists from here; adding a family
+is one model module plus one entry (docs/EXTENDING.md). :func:`register_with_transformers` (run when ``spiffy`` is
+imported; idempotent) registers the families that replace remote code (a non-empty ``auto_map``) with
+``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM`` so ``AutoModel.from_pretrained(dir)`` works without
+``trust_remote_code`` even though the checkpoint's config.json carries the official remote-code ``auto_map``.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from spiffy.errors import ConfigError
+from spiffy.models.chat_templates import CHATML_TEMPLATE, DREAM_CHAT_TEMPLATE, LLADA_CHAT_TEMPLATE
 
 _REGISTERED = False
 
@@ -45,9 +49,19 @@ class FamilySpec:
         auto_map: the official ``auto_map`` written into config.json (empty for native transformers models).
         diffusion: whether the family is a diffusion LM (has a mask token and is decoded by denoising).
         shifted_logits: whether token ``i`` is read from logits ``i - 1`` (Dream).
+        block_causal: whether attention is block-causal (SDAR: bidirectional inside a block, causal across blocks).
         base_model_class_path: the class ``AutoModel`` maps to when it differs from the causal-LM class.
         fingerprint_fields: the family's config spellings of the fields that define the architecture (what a draft
             graph's ``config_fingerprint`` hashes; see :func:`fingerprint_fields`).
+        decoder: the decoding rule that decodes the family, a key of :data:`spiffy.decoding.factory.SESSIONS` (each
+            session class's ``rule``); ``None``: not a diffusion LM spiffy decodes (AR targets, drafters).
+        drafter: the family is a drafter of AR targets (its tiny checkpoint is sized to a target).
+        chat_template: the chat template of the family's tiny tokenizer (:mod:`spiffy.models.chat_templates`).
+        tiny_config: the architecture values of the family's tiny random checkpoint (:func:`spiffy.models.tiny.make_tiny`;
+            token ids and the vocabulary size are filled from its tokenizer).
+        vocab_fields: the config keys that take the vocabulary size.
+        generation_stops: the tiny checkpoint's ``generation_config.json`` lists every stop id as ``eos_token_id``
+            (as Qwen3 checkpoints do), not the EOS id alone.
     """
 
     name: str
@@ -64,8 +78,15 @@ class FamilySpec:
     auto_map: dict[str, str] = field(default_factory=dict)
     diffusion: bool = True
     shifted_logits: bool = False
+    block_causal: bool = False
     base_model_class_path: str | None = None
     fingerprint_fields: tuple[str, ...] = ()
+    decoder: str | None = None
+    drafter: bool = False
+    chat_template: str = CHATML_TEMPLATE
+    tiny_config: Mapping[str, Any] = field(default_factory=dict)
+    vocab_fields: tuple[str, ...] = ("vocab_size",)
+    generation_stops: bool = False
 
     @property
     def model_class(self) -> type:
@@ -74,6 +95,16 @@ class FamilySpec:
     @property
     def config_class(self) -> type:
         return _import(self.config_class_path)
+
+    @property
+    def base_model_class(self) -> type:
+        """The class ``AutoModel`` maps to (the causal-LM class unless :attr:`base_model_class_path` says)."""
+        return _import(self.base_model_class_path) if self.base_model_class_path else self.model_class
+
+    @property
+    def own_classes(self) -> bool:
+        """Whether spiffy implements the family's classes (rather than transformers)."""
+        return self.model_class_path.startswith("spiffy.")
 
     def mask_id_from_config(self, config: Any) -> int | None:
         """The mask id stored in ``config`` under :attr:`mask_config_key` (``None`` when absent)."""
@@ -113,8 +144,18 @@ _DREAM_ARCH_FIELDS: tuple[str, ...] = (
 #: SDAR keeps Qwen3's spellings (explicit head_dim, attention_bias) plus its training block size
 _SDAR_ARCH_FIELDS: tuple[str, ...] = _DREAM_ARCH_FIELDS + ("head_dim", "attention_bias", "block_size")
 
-FAMILIES: dict[str, FamilySpec] = {
-    "llada": FamilySpec(
+#: initializer std of tiny models: larger than the 0.02 of real models so a random model's distributions are
+#: not flat (logit spread ~ std * sqrt(hidden)), which gives decoding tests distinct confidences.
+TINY_INIT_STD = 0.1
+#: the tiny shape of the Qwen-layout families (Dream, SDAR, Qwen3): hidden 64, 2 layers, 4 heads, 2 KV heads
+_TINY_QWEN: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512, initializer_range=TINY_INIT_STD, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+#: every family spiffy knows, by name (the one list: every other family list is derived from it)
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
+    FamilySpec(
         name="llada",
         model_type="llada",
         model_class_path="spiffy.models.llada.LLaDAModelLM",
@@ -132,13 +173,20 @@ FAMILIES: dict[str, FamilySpec] = {
         bos_token="<|startoftext|>",
         eot_token="<|eot_id|>",
         fingerprint_fields=_LLADA_ARCH_FIELDS,
+        decoder="llada",
+        chat_template=LLADA_CHAT_TEMPLATE,
+        tiny_config=dict(
+            d_model=64, n_heads=4, n_kv_heads=4, n_layers=2, mlp_ratio=2, mlp_hidden_size=128, max_sequence_length=512,
+            rope_theta=500000.0, init_std=TINY_INIT_STD, init_device=None, precision=None,
+        ),
+        vocab_fields=("vocab_size", "embedding_size"),
         auto_map={
             "AutoConfig": "configuration_llada.LLaDAConfig",
             "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
             "AutoModel": "modeling_llada.LLaDAModelLM",
         },
     ),
-    "dream": FamilySpec(
+    FamilySpec(
         name="dream",
         model_type="Dream",
         model_class_path="spiffy.models.dream.DreamModel",
@@ -152,8 +200,11 @@ FAMILIES: dict[str, FamilySpec] = {
         },
         shifted_logits=True,
         fingerprint_fields=_DREAM_ARCH_FIELDS,
+        decoder="dream",
+        chat_template=DREAM_CHAT_TEMPLATE,
+        tiny_config=dict(_TINY_QWEN, rope_theta=1000000.0),
     ),
-    "sdar": FamilySpec(
+    FamilySpec(
         name="sdar",
         model_type="sdar",
         model_class_path="spiffy.models.sdar.SDARForCausalLM",
@@ -167,9 +218,12 @@ FAMILIES: dict[str, FamilySpec] = {
             "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
         },
         base_model_class_path="spiffy.models.sdar.SDARModel",
+        block_causal=True,
         fingerprint_fields=_SDAR_ARCH_FIELDS,
+        decoder="sdar",
+        tiny_config=dict(_TINY_QWEN, head_dim=16, rope_theta=1000000.0, max_window_layers=2),
     ),
-    "qwen3": FamilySpec(
+    FamilySpec(
         name="qwen3",
         model_type="qwen3",
         model_class_path="transformers.Qwen3ForCausalLM",
@@ -178,8 +232,13 @@ FAMILIES: dict[str, FamilySpec] = {
         mask_token=None,
         special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
         diffusion=False,
+        tiny_config=dict(
+            _TINY_QWEN, head_dim=16, max_window_layers=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        generation_stops=True,
     ),
-    "dflash": FamilySpec(
+    FamilySpec(
         name="dflash",
         model_type="qwen3",
         model_class_path="spiffy.models.dflash.DFlashDraftModel",
@@ -188,8 +247,9 @@ FAMILIES: dict[str, FamilySpec] = {
         mask_token="<|MASK|>",
         special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
         diffusion=False,
+        drafter=True,
     ),
-}
+)}
 
 def fingerprint_fields() -> tuple[str, ...]:
     """The union of every family's architecture-field spellings, in first-seen order. A graph's
@@ -198,31 +258,54 @@ def fingerprint_fields() -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for spec in FAMILIES.values() for name in spec.fingerprint_fields))
 
 
-#: config.json ``model_type`` -> family (``qwen3`` maps to the target; drafters are recognised by their config)
-MODEL_TYPE_TO_FAMILY: dict[str, str] = {"llada": "llada", "Dream": "dream", "sdar": "sdar", "qwen3": "qwen3"}
+def model_types() -> dict[str, str]:
+    """``{config.json model_type: family}``: the first family of each model type (``qwen3`` maps to the target;
+    drafters share their target's model type and are recognised by their config)."""
+    found: dict[str, str] = {}
+    for name, spec in FAMILIES.items():
+        if not spec.drafter:
+            found.setdefault(spec.model_type, name)
+    return found
+
+
+def family_of_model_type(model_type: Any) -> str | None:
+    """The family of a config.json ``model_type`` (case-insensitive, as transformers' spellings vary: ``Dream``);
+    ``None`` for a model type no family has."""
+    if not isinstance(model_type, str):
+        return None
+    types = model_types()
+    exact = types.get(model_type)
+    if exact is not None:
+        return exact
+    return next((f for t, f in types.items() if t.lower() == model_type.lower()), None)
+
+
+def decoded_families() -> dict[str, FamilySpec]:
+    """The families spiffy decodes as diffusion LMs (those with a :attr:`FamilySpec.decoder`)."""
+    return {name: spec for name, spec in FAMILIES.items() if spec.decoder is not None}
 
 
 def family_spec(family: str) -> FamilySpec:
     """The :class:`FamilySpec` of ``family`` (case-insensitive); ConfigError naming the known ones otherwise."""
     spec = FAMILIES.get(family.lower()) if isinstance(family, str) else None
     if spec is None:
-        raise ConfigError(f"unknown model family {family!r}; supported: {', '.join(FAMILIES)}")
+        raise ConfigError(f"unknown model family {family!r}; fix: use one of {', '.join(FAMILIES)}")
     return spec
 
 
 def register_with_transformers() -> None:
-    """Register LLaDA / Dream / SDAR configs and models with transformers' Auto classes (idempotent)."""
+    """Register the configs and models of the families that replace remote code (LLaDA, Dream, SDAR: a non-empty
+    ``auto_map``) with transformers' Auto classes (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
-    for name in ("llada", "dream", "sdar"):
-        spec = FAMILIES[name]
+    for spec in FAMILIES.values():
+        if not spec.auto_map:
+            continue
         cfg_cls = spec.config_class
-        lm_cls = spec.model_class
-        base_cls = _import(spec.base_model_class_path) if spec.base_model_class_path else lm_cls
         _safe(AutoConfig.register, spec.model_type, cfg_cls)
-        _safe(AutoModel.register, cfg_cls, base_cls)
-        _safe(AutoModelForCausalLM.register, cfg_cls, lm_cls)
+        _safe(AutoModel.register, cfg_cls, spec.base_model_class)
+        _safe(AutoModelForCausalLM.register, cfg_cls, spec.model_class)
     _REGISTERED = True
 
 

@@ -18,79 +18,32 @@ import torch
 from spiffy.errors import ConfigError
 from spiffy.models.ar_checkpoints import make_tiny_dflash
 from spiffy.models.loading import save_checkpoint, special_token_ids
-from spiffy.models.registry import FAMILIES, family_spec
+from spiffy.models.registry import FAMILIES, FamilySpec
 from spiffy.models.tokenizer import build_tokenizer
 
-TINY_FAMILIES: tuple[str, ...] = ("llada", "dream", "sdar", "qwen3", "dflash")
-
-#: initializer std of tiny models: larger than the 0.02 of real models so a random model's distributions are
-#: not flat (logit spread ~ std * sqrt(hidden)), which gives decoding tests distinct confidences.
-TINY_INIT_STD = 0.1
+#: the families with a tiny checkpoint: every family of the registry (``spiffy tiny``'s choices)
+TINY_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
 
 
-def _tiny_config(family: str, tokenizer: Any, overrides: dict[str, Any]) -> Any:
+def _tiny_config(spec: FamilySpec, tokenizer: Any, overrides: dict[str, Any]) -> Any:
+    """The family's tiny config (:attr:`FamilySpec.tiny_config`) with the tokenizer's vocabulary size and token ids."""
     vocab = len(tokenizer)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id
-    bos = tokenizer.bos_token_id
-    mask = tokenizer.mask_token_id if getattr(tokenizer, "mask_token", None) else None
-    spec = family_spec(family)
-    if family == "llada":
-        kw: dict[str, Any] = dict(
-            d_model=64,
-            n_heads=4,
-            n_kv_heads=4,
-            n_layers=2,
-            mlp_ratio=2,
-            mlp_hidden_size=128,
-            vocab_size=vocab,
-            embedding_size=vocab,
-            max_sequence_length=512,
-            rope_theta=500000.0,
-            mask_token_id=mask,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            bos_token_id=bos,
-            init_std=TINY_INIT_STD,
-            init_device=None,
-            precision=None,
-        )
-    elif family in ("dream", "sdar", "qwen3"):
-        kw = dict(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            initializer_range=TINY_INIT_STD,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            bos_token_id=bos,
-        )
-        if family == "dream":
-            kw.update(mask_token_id=mask, rope_theta=1000000.0)
-        elif family == "sdar":
-            kw.update(head_dim=16, mask_token_id=mask, rope_theta=1000000.0, max_window_layers=2)
-        else:
-            kw.update(head_dim=16, max_window_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    else:  # pragma: no cover - guarded by make_tiny
-        raise ConfigError(f"no tiny config for {family!r}")
+    kw: dict[str, Any] = {name: vocab for name in spec.vocab_fields}
+    kw.update(spec.tiny_config)
+    if spec.mask_config_key is not None:  # a diffusion family keeps its mask id in the config
+        kw[spec.mask_config_key] = tokenizer.mask_token_id if getattr(tokenizer, "mask_token", None) else None
+    kw.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
     kw.update(overrides)
-    cls = spec.config_class
-    config = cls(**kw)
+    config = spec.config_class(**kw)
     if spec.auto_map:
         config.auto_map = dict(spec.auto_map)
     return config
 
 
-def _generation_config(family: str, config: Any, tokenizer: Any) -> dict[str, Any]:
+def _generation_config(spec: FamilySpec, config: Any, tokenizer: Any) -> dict[str, Any]:
     ids = special_token_ids(config, tokenizer)
     gen: dict[str, Any] = {"bos_token_id": ids.bos, "eos_token_id": ids.eos, "pad_token_id": ids.pad}
-    if family == "qwen3":
+    if spec.generation_stops:
         gen["eos_token_id"] = ids.stop_ids() or ids.eos
     if ids.mask is not None:
         gen["mask_token_id"] = ids.mask
@@ -110,9 +63,10 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
             of safetensors shards.
     """
     fam = family.lower() if isinstance(family, str) else family
-    if fam not in TINY_FAMILIES:
-        raise ConfigError(f"unknown family {family!r} for a tiny checkpoint; choose one of {', '.join(TINY_FAMILIES)}")
-    if fam == "dflash":
+    if fam not in FAMILIES:
+        raise ConfigError(f"unknown family {family!r} for a tiny checkpoint; choose one of {', '.join(FAMILIES)}")
+    spec = FAMILIES[fam]
+    if spec.drafter:
         target = overrides.pop("target", None)
         if target is None:
             raise ConfigError("a tiny DFlash drafter needs target=PATH of a Qwen3 checkpoint (e.g. from make_tiny('qwen3', ...))")
@@ -121,8 +75,7 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
     vocab_size = int(overrides.pop("vocab_size", 512))
     min_shards = int(overrides.pop("min_shards", 2))
     tokenizer = build_tokenizer(fam, vocab_size=vocab_size)
-    config = _tiny_config(fam, tokenizer, overrides)
-    spec = FAMILIES[fam]
+    config = _tiny_config(spec, tokenizer, overrides)
     cls = spec.model_class
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
@@ -138,5 +91,5 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
         out_dir,
         min_shards=min_shards,
         tokenizer=tokenizer,
-        generation_config=_generation_config(fam, config, tokenizer),
+        generation_config=_generation_config(spec, config, tokenizer),
     )

@@ -27,41 +27,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast
 
 from spiffy.errors import ConfigError
-from spiffy.models.registry import FAMILIES, family_spec
-
-#: family -> end-of-turn token (the family facts live in :mod:`spiffy.models.registry`)
-EOT_TOKENS: dict[str, str] = {f: str(spec.eot_token) for f, spec in FAMILIES.items()}
-#: family -> mask token string (None: no mask token)
-MASK_TOKENS: dict[str, str | None] = {f: spec.mask_token for f, spec in FAMILIES.items()}
-
-LLADA_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-DREAM_CHAT_TEMPLATE = (
-    "{% if messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
-    "{% endif %}" + CHATML_TEMPLATE
-)
-
-CHAT_TEMPLATES: dict[str, str] = {
-    "llada": LLADA_CHAT_TEMPLATE,
-    "dream": DREAM_CHAT_TEMPLATE,
-    "sdar": CHATML_TEMPLATE,
-    "qwen3": CHATML_TEMPLATE,
-    "dflash": CHATML_TEMPLATE,
-}
+from spiffy.models.registry import family_spec
 
 #: standard-library modules (relative to the stdlib dir) forming the default training corpus, in this order
 DEFAULT_CORPUS_FILES: tuple[str, ...] = (
@@ -111,13 +77,6 @@ SPLIT_PATTERN = (
 )
 
 
-def _family(family: str) -> str:
-    fam = family.lower() if isinstance(family, str) else family
-    if fam not in FAMILIES:
-        raise ConfigError(f"unknown tokenizer family {family!r}; supported: {', '.join(FAMILIES)}")
-    return fam
-
-
 def build_tokenizer(family: str, vocab_size: int = 512, corpus: Iterable[str] | None = None):  # noqa: ANN201
     """Train a byte-level BPE tokenizer for ``family`` and return it as a ``PreTrainedTokenizerFast``.
 
@@ -130,8 +89,7 @@ def build_tokenizer(family: str, vocab_size: int = 512, corpus: Iterable[str] | 
     The tokenizer has ``bos/eos/pad/mask`` set per family, ``chat_template`` in the family's style, and
     ``padding_side="left"``.
     """
-    fam = _family(family)
-    spec = family_spec(fam)
+    spec = family_spec(family)
     specials = list(spec.special_tokens)
     minimum = 256 + len(specials)
     if vocab_size < minimum:
@@ -171,7 +129,7 @@ def build_tokenizer(family: str, vocab_size: int = 512, corpus: Iterable[str] | 
     for role, token in spec.token_roles().items():
         kwargs[f"{role}_token"] = token
     fast = PreTrainedTokenizerFast(**kwargs)
-    fast.chat_template = CHAT_TEMPLATES[fam]
+    fast.chat_template = spec.chat_template
     return fast
 
 

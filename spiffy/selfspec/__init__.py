@@ -6,7 +6,10 @@ Modules:
   calibration and runtime).
 * :mod:`spiffy.selfspec.pruning`: per-step node scores (``gm`` default, ``reach`` for graphs with branches) and
   parent-closed top-``budget`` selection.
-* :mod:`spiffy.selfspec.runtime`: :func:`speculative_generate`, the exact one-forward verification loop.
+* :mod:`spiffy.selfspec.config`: :class:`SpiffyConfig`, Spiffy's settings (graph, budget, pruning score) beside the
+  baseline's ``DecodeConfig``.
+* :mod:`spiffy.selfspec.runtime`: :func:`speculative_generate_batch`, the exact one-forward verification loop over a
+  batch, and :func:`speculative_generate`, its batch of one.
 * :mod:`spiffy.selfspec.oracle`: oracle / random graphs for tests and benchmarks.
 * :mod:`spiffy.selfspec.graph`, :mod:`spiffy.selfspec.calibrate`: draft-graph objects/files and calibration
   (import ``calibrate`` from its module).
@@ -30,7 +33,9 @@ _LAZY: dict[str, str] = {
     "prune": "spiffy.selfspec.pruning",
     "node_scores": "spiffy.selfspec.pruning",
     "SCORES": "spiffy.selfspec.pruning",
+    "SpiffyConfig": "spiffy.selfspec.config",
     "speculative_generate": "spiffy.selfspec.runtime",
+    "speculative_generate_batch": "spiffy.selfspec.runtime",
     "SpeculativeStats": "spiffy.selfspec.runtime",
     "oracle_graph": "spiffy.selfspec.oracle",
     "random_graph": "spiffy.selfspec.oracle",

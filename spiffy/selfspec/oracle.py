@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import torch
 
-from spiffy.decoding.session import DecodeSession, StepRecord, run_baseline
+from spiffy.decoding.batch import run_baseline
+from spiffy.decoding.session import DecodeSession, StepRecord
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import Pair, rank_state, window_covers
 from spiffy.selfspec.graph import DraftGraph

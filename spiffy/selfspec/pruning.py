@@ -143,16 +143,15 @@ def prune(graph: _Graph, ranking: Ranking, budget: int, score: str = "gm") -> li
     Args:
         graph: the calibrated draft graph.
         ranking: the current ranking.
-        budget: number of drafts to keep (``0`` = no drafts, pure baseline cost).
+        budget: number of drafts to keep (``0`` = no drafts, pure baseline cost), validated where it entered
+            (:class:`~spiffy.selfspec.config.SpiffyConfig`, the tuning's ``D*``): this runs at every step.
         score: one of :data:`SCORES` (default ``"gm"``).
     Returns:
         Kept node ids in selection order (every kept node is level 1 or has a kept parent).
     Raises:
-        ConfigError: ``budget < 0`` or an unknown score.
+        ConfigError: an unknown score.
     """
-    check_budget(budget)
-    check_score(score)
-    if budget == 0 or not graph.nodes:
+    if budget <= 0 or not graph.nodes:
         return []
     return select_closed(graph, node_scores(graph, ranking, score), budget)
 

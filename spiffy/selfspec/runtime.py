@@ -18,6 +18,14 @@ instead of calling the model (``reused_steps``). This is exact for logits of :me
 of the state inside a block); the logits a cache mode's block-start forward returns come from a different
 computation and are never reused.
 
+Batch first: :func:`speculative_generate_batch` is the implementation. It runs the one dLLM decoding loop,
+:func:`spiffy.decoding.batch.decode_blocks` (synchronised block starts, one forward session making every model
+call, one row session per prompt applying the baseline rule with its own generator): each iteration ranks, prunes
+and instantiates every active row's drafts, packs every row's real state and drafts into **one** verification
+forward, and walks each row. Every row keeps its own latest distribution and counters; a row that accepts more
+drafts simply takes part in fewer forwards. :func:`speculative_generate` is the batch of one (the session is its own
+forward session: the same calls, shapes and draws as the session alone).
+
 Acceptance is exact state equality after the baseline rule, which consumes the session's generator in the
 baseline's order on the same logits: the output equals the baseline's token for token, at any temperature.
 The walk never crosses a block end (with a cache the baseline refreshes at block start; without one, stopping is
@@ -31,15 +39,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-from spiffy.decoding.session import DecodeSession, StepRecord, StepObserver, close_block
+from spiffy.decoding.batch import DecodeRow, decode_blocks, forward_rows, make_rows
+from spiffy.decoding.session import DecodeSession, StepObserver
 from spiffy.errors import ConfigError
+from spiffy.selfspec.config import SpiffyConfig
 from spiffy.selfspec.formulas import instantiate_many, rank_state, window_covers
-from spiffy.selfspec.graph import DraftGraph
-from spiffy.selfspec.pruning import DEFAULT_BUDGET, prune, resolve_budget, resolve_score
+from spiffy.selfspec.pruning import DEFAULT_BUDGET, prune
 from spiffy.verify.backend import follow
 
 STAGES: tuple[str, ...] = ("rank", "prune", "instantiate", "verify", "walk")
@@ -100,23 +109,126 @@ class SpeculativeStats:
 
 
 class _Plan:
-    """A graph's structure in lookup form (nodes by id, rank caps; children come from the graph's own index)."""
+    """Spiffy's settings in lookup form: the graph's nodes by id and rank caps (children come from the graph's own
+    index), the budget and score, and whether any draft is kept per step."""
 
-    def __init__(self, graph: DraftGraph | None) -> None:
+    def __init__(self, settings: SpiffyConfig) -> None:
+        graph: DraftGraph | None = settings.graph
         self.nodes = {} if graph is None else {int(n.id): n for n in graph.nodes}
         pairs = [p for n in self.nodes.values() for p in n.pairs]
         self.i_max = max((i for i, _ in pairs), default=1)
         self.j_max = max((j for _, j in pairs), default=1)
         self.graph = graph
+        self.budget, self.score = int(settings.budget), str(settings.score)  # type: ignore[arg-type]
+        self.use_drafts = self.budget > 0 and bool(self.nodes)
 
     def children(self, node: int | None) -> tuple[int, ...]:
         """Child ids of ``node`` (``None`` = the root)."""
         return () if self.graph is None else self.graph.child_ids(node)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class _SpiffyRow(DecodeRow):
+    """A row of the decoding loop with Spiffy's state: its latest distribution ``P`` (the logits that produced its
+    current state) and the window row where ``P`` starts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.P: torch.Tensor | None = None  # [1, W, V]
+        self.P_start = 0
+
+    def after_step(self, logits: torch.Tensor, window_start: int) -> None:
+        self.P, self.P_start = logits, window_start
+
+    def first_step(self, forward_block: int, logits: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self.apply(forward_block, logits)
+        self.stats.stage_times["walk"] += time.perf_counter() - t0
+
+    def candidates(self, forward_block: int, plan: _Plan) -> tuple[torch.Tensor, dict[int, int]]:
+        """Rank, prune and instantiate this step's drafts: ``([x; distinct drafts] [N, T], {node id: row})``."""
+        sess = self.session
+        x = sess.x
+        P = self.P
+        info = sess.step_info(self.block(forward_block), self.step)
+        if not plan.use_drafts or P is None or not window_covers(self.P_start, int(P.shape[1]), info.block_start,
+                                                                  info.block_end):
+            return x, {}
+        times = self.stats.stage_times
+        t0 = time.perf_counter()
+        ranking = rank_state(
+            P[0], x[0], info.block_start, info.block_end, self.P_start, plan.i_max, plan.j_max,
+            mask_id=sess.mask_id, probs=sess.transition_probs(P),  # the transition's own softmax
+        )
+        t1 = time.perf_counter()
+        kept = prune(plan.graph, ranking, plan.budget, plan.score)
+        t2 = time.perf_counter()
+        drafts, row_of = _distinct_states(x, [plan.nodes[k].pairs for k in kept], kept, ranking) if kept else (None, {})
+        times["rank"] += t1 - t0
+        times["prune"] += t2 - t1
+        times["instantiate"] += time.perf_counter() - t2
+        return (x if drafts is None else torch.cat([x, drafts], dim=0)), row_of
+
+
+def speculative_generate_batch(
+    forward_session: DecodeSession,
+    row_sessions: Sequence[DecodeSession],
+    graph: Any,
+    budget: int | None = None,
+    *,
+    score: str | None = None,
+    observer: StepObserver | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[SpeculativeStats], int]:
+    """Decode every row with Spiffy self-speculation; ``row_sessions[r].x`` holds row ``r``'s final state.
+
+    Args:
+        forward_session: a prepared batch-``B`` session over the left-padded prompts (it makes every model call;
+            its own rule and generator are never used unless it is its own only row session).
+        row_sessions: ``B`` prepared batch-1 sessions, row ``r`` = prompt ``r`` unpadded with its own generator; or
+            ``[forward_session]`` for a batch-1 session decoded alone.
+        graph: the calibrated draft graph (``None`` = no drafts), or a :class:`~spiffy.selfspec.config.SpiffyConfig`.
+        budget: drafts kept per row and step (``None`` = the graph's tuned ``D*``, else 3; ``0`` = none).
+        score: pruning score; ``None`` = the graph's recorded one, else ``"gm"``.
+        observer: called with a :class:`~spiffy.decoding.session.StepRecord` after every transition, exactly as
+            :func:`~spiffy.decoding.batch.run_baseline` does (accepted steps included); one row session only.
+        progress: called with ``1`` after every step of a row.
+    Returns:
+        ``(per-row SpeculativeStats, model calls made for the whole batch)``. A row's ``nfe`` counts the forwards
+        that served it, which is what the same prompt decoded alone makes.
+    Raises:
+        ConfigError: mismatched layouts, ``budget < 0``, unknown score, an observer with several rows.
+    """
+    plan = _Plan(SpiffyConfig.of(graph, budget, score))
+    fwd = forward_session
+    rows = make_rows(fwd, row_sessions, lambda: SpeculativeStats(budget=plan.budget, score=plan.score),
+                     observer, progress, row_class=_SpiffyRow)
+
+    def verify(block: int, active: list[DecodeRow]) -> None:
+        """One verification forward for every active row's real state and drafts, then each row's walk."""
+        requests = [(row, *row.candidates(block, plan)) for row in active]  # type: ignore[attr-defined]
+        for row in active:  # ranked already: not held during the forward
+            row.session.forget_transition_probs()
+        t0 = time.perf_counter()
+        outs = forward_rows(fwd, [(row, states) for row, states, _ in requests])
+        if fwd.x.device.type == "cuda":
+            torch.cuda.synchronize(fwd.x.device)
+        verify_time = (time.perf_counter() - t0) / len(active)
+        for (row, states, row_of), out in zip(requests, outs):
+            stats = row.stats
+            stats.stage_times["verify"] += verify_time
+            stats.forwards += 1
+            stats.drafts_evaluated += int(states.shape[0]) - 1
+            stats.nfe += 1
+            t1 = time.perf_counter()
+            walk = _DraftWalk(row, block, states, out, row_of, plan)
+            path, _ = follow((None, 0), walk.next_state, walk.child_matching)
+            record_walk(stats, path, plan)
+            stats.stage_times["walk"] += time.perf_counter() - t1
+
+    nfe = decode_blocks(fwd, rows, verify)
+    for row in rows:
+        row.stats.baseline_equivalent_nfe = row.stats.nfe + row.stats.accepted_total + row.stats.reused_steps
+    return [row.stats for row in rows], nfe
 
 
 def speculative_generate(
@@ -128,104 +240,20 @@ def speculative_generate(
     observer: StepObserver | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> SpeculativeStats:
-    """Decode every block of ``session`` with Spiffy self-speculation; ``session.x`` holds the final state.
+    """Decode every block of a batch-1 ``session`` with Spiffy self-speculation: the batch of one of
+    :func:`speculative_generate_batch` (same arguments); ``session.x`` holds the final state.
 
-    Args:
-        session: a prepared batch-1 :class:`~spiffy.decoding.session.DecodeSession` (any family / cache mode).
-        graph: a :class:`~spiffy.selfspec.graph.DraftGraph` (anything with ``nodes`` of ``DraftNode``-like
-            objects works); ``None`` = no drafts.
-        budget: drafts kept per step (``None`` = the ``D*`` the graph was tuned for, else 3; ``0`` = no drafts, the
-            baseline's NFE).
-        score: pruning score (:data:`~spiffy.selfspec.pruning.SCORES`); ``None`` = the one the graph's calibration
-            recorded, else ``"gm"`` (:func:`~spiffy.selfspec.pruning.resolve_score`).
-        observer: called with a :class:`~spiffy.decoding.session.StepRecord` after every transition, exactly as
-            :func:`~spiffy.decoding.session.run_baseline` does (accepted steps included).
-        progress: called with the number of steps just taken.
-    Returns:
-        :class:`SpeculativeStats`.
     Raises:
-        ConfigError: batch size > 1, ``budget < 0``, unknown score.
+        ConfigError: a batch-``B > 1`` session (drafts use the batch dimension), ``budget < 0``, unknown score.
     """
-    budget = resolve_budget(budget, graph)
-    score = resolve_score(score, graph)
     if session.x.dim() != 2 or session.x.shape[0] != 1:
         raise ConfigError(
-            f"speculative decoding needs a batch-1 session, got x of shape {tuple(session.x.shape)}; "
-            "fix: decode the prompts one at a time (drafts use the batch dimension)"
+            f"speculative decoding needs a batch-1 session, got x of shape {tuple(session.x.shape)}; fix: decode a "
+            "batch with spiffy.generate (one row session per prompt) or the prompts one at a time"
         )
-    plan = _Plan(graph)
-    use_drafts = budget > 0 and bool(plan.nodes)
-    stats = SpeculativeStats(budget=budget, score=score)
-    times = stats.stage_times
-    device = session.x.device
-    P: torch.Tensor | None = None  # [1, W, V] latest distribution
-    P_start = 0
-
-    for block in range(session.num_blocks):
-        logits = session.begin_block(block)
-        step = 0
-        while not session.block_finished(block, step, session.x):
-            info = session.step_info(block, step)
-            if logits is not None:  # block-start logits are already known: a plain baseline step
-                t0 = time.perf_counter()
-                x_next = session.transition(session.x, logits, info)
-                if observer is not None:
-                    observer(StepRecord(info, session.x, logits, x_next, session.transition_probs(logits)))
-                session.x = x_next
-                P, P_start = logits, info.window_start
-                logits = None
-                step += 1
-                if progress is not None:
-                    progress(1)
-                times["walk"] += time.perf_counter() - t0
-                continue
-
-            # 1. rank, prune, instantiate
-            x = session.x
-            kept: list[int] = []
-            draft_states: torch.Tensor | None = None
-            row_of: dict[int, int] = {}
-            if use_drafts and P is not None and window_covers(P_start, int(P.shape[1]), info.block_start, info.block_end):
-                t0 = time.perf_counter()
-                ranking = rank_state(
-                    P[0], x[0], info.block_start, info.block_end, P_start, plan.i_max, plan.j_max,
-                    mask_id=session.mask_id, probs=session.transition_probs(P),  # the transition's own softmax
-                )
-                t1 = time.perf_counter()
-                kept = prune(plan.graph, ranking, budget, score)
-                t2 = time.perf_counter()
-                if kept:
-                    draft_states, row_of = _instantiate_dedup(x, [plan.nodes[k].pairs for k in kept], kept, ranking)
-                t3 = time.perf_counter()
-                times["rank"] += t1 - t0
-                times["prune"] += t2 - t1
-                times["instantiate"] += t3 - t2
-
-            # 2. one forward for the real state and every distinct draft
-            t0 = time.perf_counter()
-            batch = x if draft_states is None else torch.cat([x, draft_states], dim=0)
-            session.forget_transition_probs()  # ranked already: not held during the forward
-            out = session.forward_states(batch)  # [N, W, V]
-            _sync(device)
-            times["verify"] += time.perf_counter() - t0
-            stats.forwards += 1
-            stats.drafts_evaluated += int(batch.shape[0]) - 1
-
-            # 3. walk by the baseline rule
-            t0 = time.perf_counter()
-            walk = _Walk(session, block, step, batch, out, row_of, plan, observer, progress)
-            path, _ = follow((None, 0), walk.next_state, walk.child_matching)
-            session.x = walk.x
-            P, P_start = walk.last_logits, walk.last_window_start
-            step = walk.step
-            record_walk(stats, path, plan)
-            times["walk"] += time.perf_counter() - t0
-            logits = None
-        close_block(session, block, step, stats)
-    session.finish()
-    stats.nfe = int(session.nfe)
-    stats.baseline_equivalent_nfe = stats.nfe + stats.accepted_total + stats.reused_steps
-    return stats
+    stats, _ = speculative_generate_batch(session, [session], graph, budget, score=score, observer=observer,
+                                          progress=progress)
+    return stats[0]
 
 
 def record_walk(stats: SpeculativeStats, path: list, plan: _Plan) -> None:
@@ -239,7 +267,7 @@ def record_walk(stats: SpeculativeStats, path: list, plan: _Plan) -> None:
         stats.accepted_per_level[lvl] = stats.accepted_per_level.get(lvl, 0) + 1
 
 
-def _instantiate_dedup(
+def _distinct_states(
     x: torch.Tensor, formulas: list, kept: list[int], ranking: Any
 ) -> tuple[torch.Tensor | None, dict[int, int]]:
     """Instantiate the kept nodes; identical states share one forward row, states equal to ``x`` use row 0.
@@ -278,63 +306,35 @@ def _instantiate_dedup(
 WalkNode = tuple  # (graph node id or None for the real state, number of no-op steps taken on it)
 
 
-class _Walk:
-    """State of one walk through the verified drafts (callbacks for :func:`~spiffy.verify.backend.follow`).
+class _DraftWalk:
+    """One row's walk through its verified drafts (callbacks for :func:`~spiffy.verify.backend.follow`).
 
     Walk nodes are ``(graph node id | None, k)``: ``None`` is the real state, ``k > 0`` marks the ``k``-th no-op
     step taken on the same state (its logits are reused).
     """
 
-    def __init__(
-        self,
-        session: DecodeSession,
-        block: int,
-        step: int,
-        batch: torch.Tensor,
-        out: torch.Tensor,
-        row_of: dict[int, int],
-        plan: _Plan,
-        observer: StepObserver | None,
-        progress: Callable[[int], None] | None,
-    ) -> None:
-        self.session = session
-        self.block = block
-        self.step = step
-        self.batch = batch  # [N, T]: row 0 = the real state, rows 1.. = distinct draft states
-        self.x = batch[0:1]
-        self.x_before = self.x
-        self.out = out
+    def __init__(self, row: DecodeRow, block: int, states: torch.Tensor, out: torch.Tensor, row_of: dict[int, int],
+                 plan: _Plan) -> None:
+        self.row = row
+        self.block = block  # the forward session's block
+        self.states = states  # [N, T]: row 0 = the real state, rows 1.. = distinct draft states
+        self.out = out  # [N, W, V]
         self.row_of = row_of
         self.plan = plan
-        self.observer = observer
-        self.progress = progress
-        self.last_logits = out[0:1]
-        self.last_window_start = session.window_start(block)
-
-    def _logits(self, node: int | None) -> torch.Tensor:
-        row = 0 if node is None else self.row_of[node]
-        return self.out[row : row + 1]
+        self.x_before = row.session.x
 
     def next_state(self, wnode: WalkNode) -> torch.Tensor:
         """Apply the baseline transition at ``wnode`` (the real state or an accepted draft)."""
-        info = self.session.step_info(self.block, self.step)
-        logits = self._logits(wnode[0])
-        x_next = self.session.transition(self.x, logits, info)
-        if self.observer is not None:
-            self.observer(StepRecord(info, self.x, logits, x_next, self.session.transition_probs(logits)))
-        self.x_before = self.x
-        self.x = x_next
-        self.last_logits = logits
-        self.last_window_start = info.window_start
-        self.step += 1
-        if self.progress is not None:
-            self.progress(1)
-        return x_next
+        node = wnode[0]
+        r = 0 if node is None else self.row_of[node]
+        self.x_before = self.row.session.x
+        return self.row.apply(self.block, self.out[r : r + 1])
 
     def child_matching(self, wnode: WalkNode, state: torch.Tensor) -> WalkNode | None:
         """The kept child of ``wnode`` whose instantiated state equals ``state``; ``wnode`` itself (one more no-op)
         when ``state`` did not change; ``None`` at the end of the block or when nothing matches."""
-        if self.session.block_finished(self.block, self.step, state):
+        row = self.row
+        if row.session.block_finished(row.block(self.block), row.step, state):
             return None
         node = wnode[0]
         if torch.equal(state, self.x_before):
@@ -342,12 +342,13 @@ class _Walk:
         kids = [c for c in self.plan.children(node) if c in self.row_of]
         if not kids:
             return None
-        rows = self.batch[torch.tensor([self.row_of[c] for c in kids], dtype=torch.long, device=self.batch.device)]
-        hit = (rows == state).all(dim=-1).tolist()
+        index = torch.tensor([self.row_of[c] for c in kids], dtype=torch.long, device=self.states.device)
+        hit = (self.states[index] == state).all(dim=-1).tolist()
         for c, h in zip(kids, hit):
             if h:
                 return (c, 0)
         return None
 
 
-__all__ = ["speculative_generate", "SpeculativeStats", "DEFAULT_BUDGET", "STAGES"]
+__all__ = ["DEFAULT_BUDGET", "STAGES", "SpeculativeStats", "record_walk", "speculative_generate",
+           "speculative_generate_batch"]

@@ -43,7 +43,7 @@ from spiffy.selfspec.chains import Chain, Trajectory, count_formulas
 from spiffy.selfspec.formulas import Ranking
 from spiffy.selfspec.freedave import chain_formulas
 from spiffy.selfspec.graph import DraftGraph
-from spiffy.selfspec.pruning import check_budget, check_score, prune
+from spiffy.selfspec.pruning import check_score, prune
 from spiffy.selfspec.select import build_graph, project, walk_depth
 
 #: node count of a ``capped`` candidate per draft kept (with at least the requested ``nodes``)
@@ -86,10 +86,9 @@ def project_at_budget(trajectories: Sequence[Trajectory], graph: DraftGraph, bud
         "accepted_per_level"}``; steps without drafts and block-start / commit forwards cost what they cost the
         baseline, as in :func:`~spiffy.selfspec.select.project`.
     Raises:
-        ConfigError: a bad budget or score, or a trajectory recorded without probabilities.
+        ConfigError: a bad score, or a trajectory recorded without probabilities.
     """
-    check_budget(budget)
-    check_score(score)
+    check_score(score)  # the budget is a D* validated where it entered (check_tune_budget)
     baseline = sum(t.nfe for t in trajectories)
     saved = walks = 0
     per_level: Counter[int] = Counter()

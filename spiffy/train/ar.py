@@ -29,7 +29,7 @@ from spiffy.train.corpus import build_corpus, load_split
 from spiffy.train.tokenizer_train import save_tokenizer, train_tokenizer
 
 
-def build_config(vocab_size: int, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+def build_qwen3_config(vocab_size: int, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2,
                  intermediate: int = 768, context: int = 512, eos_id: int = 0, pad_id: int = 0,
                  rope_theta: float = 10000.0):
     """A small ``Qwen3Config`` (tied embeddings, q/k norms, GQA)."""
@@ -128,7 +128,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     tok, train_s, held_s, info = prepare_data(args.corpus, out, args.vocab_size, "qwen3", args.max_files, args.tokenizer,
                                               heldout_percent=args.heldout_percent)
-    cfg = build_config(len(tok), args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
+    cfg = build_qwen3_config(len(tok), args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
                        max(args.context, args.max_positions), tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(args.seed)
     model = Qwen3ForCausalLM(cfg)

@@ -4,7 +4,7 @@
 
 Reports, for HumanEval prompts (the ``code`` calibration prompts are calibration data, so they are not used here):
 the NFE of the baseline SDAR decoder with one token per step and with threshold-0.9 dynamic unmasking (greedy,
-``spiffy.decoding.generate``), generated tokens per NFE, and the degenerate-output checks of ``spiffy.bench``
+``spiffy.generate``), generated tokens per NFE, and the degenerate-output checks of ``spiffy.bench``
 (distinct-token ratio, whitespace share); with ``--heldout``, the held-out masked-token accuracy per block length
 and mask ratio (:func:`spiffy.train.sdar.evaluate`). ``--state`` reads an intermediate training state
 (architecture from ``--init``), so a running job can be checked without stopping it.

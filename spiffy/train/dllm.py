@@ -30,7 +30,7 @@ from spiffy.train import common
 from spiffy.train.ar import prepare_data
 
 
-def build_config(tok: Any, hidden: int = 256, layers: int = 4, heads: int = 4, mlp: int = 768, context: int = 512,
+def build_llada_config(tok: Any, hidden: int = 256, layers: int = 4, heads: int = 4, mlp: int = 768, context: int = 512,
                  tie: bool = True, rope_theta: float = 10000.0):
     """A small ``LLaDAConfig`` whose special ids come from ``tok``."""
     mask = tok.convert_tokens_to_ids("<|mdm_mask|>")
@@ -111,7 +111,7 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, mask_id: int, ratios
 
 
 @torch.no_grad()
-def sample_completion(model: torch.nn.Module, tok: Any, prompt: str, gen_length: int = 48, block: int = 16) -> str:
+def sample_llada_completion(model: torch.nn.Module, tok: Any, prompt: str, gen_length: int = 48, block: int = 16) -> str:
     """Greedy semi-autoregressive LLaDA decoding (one token per step, low-confidence remasking) of ``prompt``."""
     model.eval()
     mask_id = int(model.config.mask_token_id)
@@ -148,7 +148,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     tok, train_s, held_s, info = prepare_data(args.corpus, out, args.vocab_size, "llada", args.max_files, args.tokenizer,
                                               heldout_percent=args.heldout_percent)
-    cfg = build_config(tok, args.hidden, args.layers, args.heads, args.mlp, max(args.context, args.max_positions),
+    cfg = build_llada_config(tok, args.hidden, args.layers, args.heads, args.mlp, max(args.context, args.max_positions),
                        not args.untied)
     torch.manual_seed(args.seed)
     model = LLaDAModelLM(cfg)
@@ -181,7 +181,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     loop.finish()
     step = loop.step
     ev = evaluate(model, held_w, mask_id)
-    samples = {p: sample_completion(model, tok, p, args.sample_tokens) for p in SAMPLE_PROMPTS}
+    samples = {p: sample_llada_completion(model, tok, p, args.sample_tokens) for p in SAMPLE_PROMPTS}
     metrics = {
         "model": "tiny-llada", "steps": step, "planned_steps": args.steps, "finished": loop.finished,
         "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []), "train_tokens_seen": int(extra["tokens"]),

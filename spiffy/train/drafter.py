@@ -40,7 +40,7 @@ from spiffy.train import common
 from spiffy.train.corpus import build_corpus, load_split
 
 
-def load_target(path: str | Path, dtype: torch.dtype | str = "float32"):
+def load_frozen_target(path: str | Path, dtype: torch.dtype | str = "float32"):
     """Load a Qwen3 target checkpoint dir through spiffy's loader (frozen, eval mode) and its tokenizer (or None)."""
 
     root = Path(path)
@@ -223,7 +223,7 @@ def start_run(args: argparse.Namespace) -> tuple[Path, torch.nn.Module, Any, int
     common.seed_everything(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target, tok = load_target(args.target)
+    target, tok = load_frozen_target(args.target)
     if tok is None:
         raise CheckpointError(f"no tokenizer in {args.target!r}; fix: save the tokenizer next to the target weights")
     return out, target, tok, mask_token_of(tok, int(target.config.vocab_size), args.mask_token_id)

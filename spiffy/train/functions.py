@@ -125,11 +125,11 @@ def load_or_build(out: Path, tokenizer: Any, documents: list[str], length: int, 
             rows = torch.cat([rows] + [m_rows] * mbpp_copies)
             lens = torch.cat([lens] + [m_lens] * mbpp_copies)
         common.save_keyed(path, key, rows=rows, prompt_lens=lens, mbpp_rows=torch.tensor(n_mbpp))
-    return rows, lens, {**summary(rows, lens, eos_id), "corpus_rows": int(rows.shape[0]) - n_mbpp * int(mbpp_copies),
+    return rows, lens, {**rows_summary(rows, lens, eos_id), "corpus_rows": int(rows.shape[0]) - n_mbpp * int(mbpp_copies),
                         "mbpp_rows": n_mbpp, "mbpp_copies": int(mbpp_copies)}
 
 
-def summary(rows: torch.Tensor, prompt_lens: torch.Tensor, eos_id: int) -> dict[str, Any]:
+def rows_summary(rows: torch.Tensor, prompt_lens: torch.Tensor, eos_id: int) -> dict[str, Any]:
     """Row count and answer lengths (tokens before the first end-of-text after the prompt) of function rows."""
     positions = torch.arange(rows.shape[1])[None, :]
     is_end = (positions >= prompt_lens[:, None]) & (rows == eos_id)

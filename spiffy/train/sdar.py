@@ -172,7 +172,7 @@ def init_from_qwen3(src: str | Path, max_positions: int | None = None) -> tuple[
 
 
 @torch.no_grad()
-def sample_completion(model: torch.nn.Module, tok: Any, prompt: str, gen_length: int = 32, block: int = 16) -> str:
+def sample_sdar_completion(model: torch.nn.Module, tok: Any, prompt: str, gen_length: int = 32, block: int = 16) -> str:
     """Greedy SDAR decoding (one token per step) of ``prompt`` with spiffy's decoder."""
     model.eval()
     ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
@@ -342,7 +342,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.export_step is not None:
         step = load_snapshot(model, out, args.export_step)
     ev = evaluate(model, held_w, mask_id, blocks)
-    samples = {p: sample_completion(model, tok, p, args.sample_tokens, min(blocks)) for p in common.SAMPLE_PROMPTS}
+    samples = {p: sample_sdar_completion(model, tok, p, args.sample_tokens, min(blocks)) for p in common.SAMPLE_PROMPTS}
     metrics = {
         "model": "tiny-sdar", "init": str(args.init), "start_from": args.start_from, "steps": step, "planned_steps": args.steps,
         "trained_steps": loop.step, "exported_snapshot": args.export_step,

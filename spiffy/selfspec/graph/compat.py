@@ -1,7 +1,7 @@
 """Graph/runtime compatibility: what a graph was calibrated for versus what a run uses.
 
 :func:`runtime_signature` describes a run (each family's session describes its own rule; the model-config
-fingerprint hashes the architecture fields whose spellings the family registry holds); :func:`check_compatible`
+fingerprint hashes the architecture fields whose spellings the family registry holds); :func:`check_calibrated_for`
 compares it with a graph's ``calibrated_for`` section.
 """
 
@@ -14,7 +14,8 @@ import warnings
 from typing import Any, Mapping
 
 from spiffy.checkpoint_ref import checkpoint_name, split_reference
-from spiffy.decoding.factory import family_of, recalibration_flags
+from spiffy.decoding.factory import recalibration_flags
+from spiffy.models.loading import family_of
 from spiffy.errors import GraphMismatchError
 from spiffy.models.registry import fingerprint_fields
 
@@ -53,7 +54,7 @@ class GraphCompatibilityWarning(UserWarning):
 
 
 
-def check_compatible(
+def check_calibrated_for(
     calibrated_for: Mapping[str, Any], runtime: Mapping[str, Any], *, path: str | None = None, warn: bool = True
 ) -> None:
     """Compare the graph's ``calibrated_for`` with the runtime configuration.
@@ -222,7 +223,7 @@ __all__ = [
     "INCOMPATIBLE_FIELDS",
     "SOFT_FIELDS",
     "GraphCompatibilityWarning",
-    "check_compatible",
+    "check_calibrated_for",
     "model_config_fingerprint",
     "model_name",
     "runtime_signature",

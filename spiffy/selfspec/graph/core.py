@@ -8,7 +8,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from spiffy.errors import GraphError
 from spiffy.io import atomic_write_text
-from spiffy.selfspec.graph.compat import check_compatible, with_model_revision
+from spiffy.selfspec.graph.compat import check_calibrated_for, with_model_revision
 from spiffy.selfspec.graph.fileformat import parse, pretty, read_graph_file, to_json_dict
 from spiffy.selfspec.graph.nodes import DraftNode, Pair, is_int, is_parent, static_tps
 from spiffy.selfspec.graph.validation import validate_nodes
@@ -177,7 +177,7 @@ class DraftGraph:
             GraphMismatchError: an incompatible field differs; ``.field``, ``.graph_value``, ``.runtime_value`` name
                 the first, ``.mismatches`` lists all ``(field, graph value, runtime value)``.
         """
-        check_compatible(self.calibrated_for, runtime, path=self.path, warn=warn)
+        check_calibrated_for(self.calibrated_for, runtime, path=self.path, warn=warn)
     # ------------------------------------------------------------------ JSON
     def to_json_dict(self) -> dict[str, Any]:
         """The versioned file content as a JSON-ready dict."""

@@ -1,0 +1,34 @@
+"""The chat templates of the tiny checkpoints' tokenizers, one per family style (a family's registry entry,
+:mod:`spiffy.models.registry`, names its template).
+
+* :data:`LLADA_CHAT_TEMPLATE`: Llama-3 style (``<|start_header_id|>role<|end_header_id|>``, turns end with
+  ``<|eot_id|>``), as LLaDA-8B-Instruct's tokenizer.
+* :data:`CHATML_TEMPLATE`: ChatML (``<|im_start|>role``, turns end with ``<|im_end|>``), as SDAR and Qwen3.
+* :data:`DREAM_CHAT_TEMPLATE`: ChatML with Dream's default system prompt.
+"""
+
+from __future__ import annotations
+
+LLADA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+DREAM_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}" + CHATML_TEMPLATE
+)
+
+
+__all__ = ["CHATML_TEMPLATE", "DREAM_CHAT_TEMPLATE", "LLADA_CHAT_TEMPLATE"]
