@@ -39,7 +39,6 @@ LAYERS: dict[str, int] = {
     "spiffy.decoding": 3,
     "spiffy.selfspec": 4,
     "spiffy.arspec": 4,
-    "spiffy.ar": 4,  # the AR package's old path (its stage functions move to spiffy.arspec)
     "spiffy.api": 5,
     "spiffy.compat": 5,
     "spiffy.embedded": 5,
@@ -53,7 +52,6 @@ LAYER_NAMES = {0: "base", 1: "kernels", 2: "models", 3: "decoding", 4: "methods"
 #: same-layer packages that must not import each other (either direction)
 FORBIDDEN_PEERS: tuple[tuple[str, str], ...] = (
     ("spiffy.selfspec", "spiffy.arspec"),
-    ("spiffy.selfspec", "spiffy.ar"),
 )
 
 #: the roof: may import anything
@@ -64,7 +62,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {  # none of them reaches spiffy.selfsp
     # deprecated one-release re-exports of the old front-door paths; resolved on first use (PEP 562)
     ("spiffy.decoding", "spiffy.api"): "deprecated lazy re-export of generate / DiffusionResult",
     ("spiffy.decoding", "spiffy.compat"): "deprecated lazy re-export of llada_generate / dream_diffusion_generate",
-    ("spiffy.ar.cli", "spiffy.cli.generate_ar"): "deprecated lazy re-export of the AR generate command (now in cli)",
 }
 
 #: the AR side's known upward imports (none left: the AR half of the redesign removed them; kept so a regression
