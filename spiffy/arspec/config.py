@@ -6,14 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from spiffy.arspec.methods import Method, get_accept, get_method
+from spiffy.arspec.methods import DEFAULT_ACCEPT, DEFAULT_METHOD, Method, get_accept, get_method
 from spiffy.errors import ConfigError
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["ARSpecConfig", "DEFAULT_BUDGET", "stop_id_tuple"]
+__all__ = ["ARSpecConfig", "DEFAULT_BUDGET", "DEFAULT_DRAFTS", "stop_id_tuple"]
 
-#: DDTree nodes verified per round (root excluded) when no budget is given
+#: tree nodes verified per round (root excluded) when no budget is given
 DEFAULT_BUDGET = 64
+#: SpecDiff-2 joint drafts per round when no count is given
+DEFAULT_DRAFTS = 4
 
 
 def stop_id_tuple(stop_token_ids: int | Iterable[int] | None) -> tuple[int, ...]:
@@ -45,11 +47,11 @@ class ARSpecConfig:
             draws the token at absolute position ``p`` with noise keyed by ``(seed, p)``.
     """
 
-    method: str = "ddtree"
+    method: str = DEFAULT_METHOD.name
     budget: int = DEFAULT_BUDGET
     chain_length: int | None = None
-    drafts: int = 1
-    accept: str = "coupled"
+    drafts: int = DEFAULT_DRAFTS
+    accept: str = DEFAULT_ACCEPT
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     block_size: int | None = None

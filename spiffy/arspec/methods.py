@@ -33,6 +33,11 @@ __all__ = [
     "AR",
     "AcceptSpec",
     "CHAIN_BASELINE",
+    "DEFAULT_ACCEPT",
+    "DEFAULT_METHOD",
+    "DDTREE_DLLM",
+    "DEER",
+    "SPECDIFF",
     "DDTREE",
     "DFLASH",
     "DFLASH_DRAFTER",
@@ -64,6 +69,7 @@ class DrafterKind:
     """A kind of drafter checkpoint (``name`` as :data:`spiffy.models.ar_drafters.DRAFTER_KINDS` spells it).
 
     Attributes:
+        label: how tables name it.
         needs_target_features: the drafter reads hidden states of target layers (forward hooks on the target).
         proposes_batch: rows whose drafters share one model propose in one drafter forward.
         embedded: the embedded checkpoint of this kind (:func:`spiffy.embedded.embedded_model_path`).
@@ -71,14 +77,16 @@ class DrafterKind:
     """
 
     name: str
+    label: str
     needs_target_features: bool
     proposes_batch: bool
     embedded: str
     help: str
 
 
-DFLASH_DRAFTER = DrafterKind("dflash", True, True, "ar-drafter", "a DFlash drafter reading the target's hidden states")
-DLLM_DRAFTER = DrafterKind("dllm", False, True, "ar-dllm-drafter",
+DFLASH_DRAFTER = DrafterKind("dflash", "DFlash", True, True, "ar-drafter",
+                             "a DFlash drafter reading the target's hidden states")
+DLLM_DRAFTER = DrafterKind("dllm", "dLLM", False, True, "ar-dllm-drafter",
                            "a diffusion LM sharing the target's tokenizer, conditioned on the committed tokens")
 
 
@@ -87,25 +95,28 @@ class AcceptSpec:
     """An acceptance rule: ``rule(sampling)`` builds it.
 
     Attributes:
-        equal_to_ar: ``"token for token"`` (the output is plain AR's for a seed) or ``"in distribution"``.
+        exact_tokens: the output is plain AR's token for token for a seed (otherwise equal in distribution only,
+            at ``T > 0``; at ``T = 0`` every rule is the greedy walk).
         samples_from_drafter: at ``T > 0`` the rule needs drafts that are draws from the drafter's distribution
             ``q`` (speculative sampling's ``min(1, p/q)``), so chains sample instead of taking argmaxes.
     """
 
     name: str
     rule: Callable[[SamplingConfig], AcceptanceRule]
-    equal_to_ar: str
+    exact_tokens: bool
     samples_from_drafter: bool
     help: str
 
 
 #: the acceptance rules by name, the default first
 ACCEPT_RULES: dict[str, AcceptSpec] = {
-    "coupled": AcceptSpec("coupled", CoupledRule, "token for token", False,
+    "coupled": AcceptSpec("coupled", CoupledRule, True, False,
                           "position-keyed coupling: equal to AR token for token"),
-    "rejection": AcceptSpec("rejection", RejectionRule, "in distribution", True,
+    "rejection": AcceptSpec("rejection", RejectionRule, False, True,
                             "speculative sampling min(1, p/q) and the residual: equal to AR in distribution"),
 }
+#: the acceptance rule used when none is named
+DEFAULT_ACCEPT: str = next(iter(ACCEPT_RULES))
 
 
 def get_accept(name: str) -> AcceptSpec:
@@ -269,6 +280,8 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (AR, DFLASH, DDTREE, DDTREE_DL
 METHODS: tuple[str, ...] = tuple(REGISTRY)
 #: the chain method that ``speedup_vs_dflash`` compares against
 CHAIN_BASELINE = DFLASH
+#: the method run when none is named (with a drafter; without one: :data:`AR`)
+DEFAULT_METHOD = DDTREE
 
 
 def get_method(name: str | Method) -> Method:
