@@ -208,10 +208,14 @@ def draft(drafters: Sequence[Drafter | None], roots: Sequence[tuple[int, int]], 
         depths: positions to draft after each root.
     """
     out: list[torch.Tensor | None] = [None] * len(drafters)
+    drafting = [i for i, (d, depth) in enumerate(zip(drafters, depths)) if d is not None and depth > 0]
+    if len(drafting) == 1:  # nothing to share a forward with
+        i = drafting[0]
+        out[i] = drafters[i].propose(roots[i][0], roots[i][1], int(depths[i]))  # type: ignore[union-attr]
+        return out
     groups: dict[Any, list[int]] = {}
-    for i, (d, depth) in enumerate(zip(drafters, depths)):
-        if d is None or depth <= 0:
-            continue
+    for i in drafting:
+        d = drafters[i]
         key = d.batch_key() if isinstance(d, BatchDrafter) else None
         groups.setdefault(("alone", i) if key is None else (type(d), key), []).append(i)
     for key, rows in groups.items():
@@ -297,8 +301,11 @@ def commit(runner: TargetRunner, valid: torch.Tensor, context_len: int, keep: Se
     extra = int(cache.get_seq_length()) - (context_len + width)
     if extra > 0:
         cache.crop(-extra)  # transformers 5.x: a negative count of positions to drop
-    lengths = torch.tensor([len(k) for k in keep], device=valid.device)
-    new = torch.arange(width, device=valid.device).view(1, -1) < lengths.view(-1, 1)
+    lengths = [len(k) for k in keep]
+    if min(lengths) == width:  # no holes (always so for one row)
+        new = valid.new_ones(len(keep), width)
+    else:
+        new = torch.arange(width, device=valid.device).view(1, -1) < torch.tensor(lengths, device=valid.device).view(-1, 1)
     return torch.cat([valid[:, :context_len], new], dim=1)
 
 

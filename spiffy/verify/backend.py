@@ -291,6 +291,22 @@ def compile_tree(
     return CompiledDraft(ids.view(1, r), pos.view(1, r), _additive(full, dtype).view(1, 1, r, context_len + r), offsets)
 
 
+def _ancestor_pairs(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(node, ancestor)`` index pairs of a tree's ancestor-or-self relation (:func:`tree_ancestor_mask`'s ``True``
+    entries), from its parent list (``-1`` = a child of the root; parents precede children)."""
+    chains: list[list[int]] = []
+    nodes: list[int] = []
+    ancestors: list[int] = []
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError("every parent index must be smaller than its node's index (parents precede children)")
+        chain = (chains[p] if p >= 0 else []) + [i]
+        chains.append(chain)
+        nodes.extend([i] * len(chain))
+        ancestors.extend(chain)
+    return torch.tensor(nodes, dtype=torch.long), torch.tensor(ancestors, dtype=torch.long)
+
+
 def compile_tree_rows(
     trees: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     prefix_rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -335,27 +351,37 @@ def compile_tree_rows(
     if staging[0].shape[0] < batch or staging[0].shape[1] < width:
         raise ValueError(f"staging buffers {tuple(staging[0].shape)} are smaller than the round [{batch}, {width}]")
     ids, pos, vis = staging[0][:batch, :width], staging[1][:batch, :width], staging[2][:batch, :width, :width]
-    ids.fill_(int(pad_token))
     vis.zero_()
-    diag = torch.arange(width)
-    vis[:, diag, diag] = True  # padding rows see themselves (keeps their softmax finite)
     for b, ((tok, tpos, par), (pre_tok, pre_pos)) in enumerate(zip(trees, prefix_rows)):
         n_pre, r = pres[b], rows[b]
         n = r - n_pre
-        if n and bool((par >= torch.arange(n)).any()):
-            raise ValueError("every parent index must be smaller than its node's index (parents precede children)")
         ids[b, :n_pre] = pre_tok.reshape(-1)
-        ids[b, n_pre:r] = tok.reshape(-1)
         pos[b, :n_pre] = pre_pos.reshape(-1)
-        pos[b, n_pre:r] = tpos.reshape(-1)
-        pos[b, r:] = pos[b, r - 1] if r else 0
         vis[b, :r, :n_pre] = True  # the prefix sees itself, every node sees the prefix
-        vis[b, n_pre:r, n_pre:r] = tree_ancestor_mask(par.reshape(-1), None if max_depths is None else max_depths[b])
-    real = (diag.view(1, -1) < torch.tensor(rows).view(-1, 1)).to(dev)  # [B, R]: rows that are not padding
-    context = context_visible.to(torch.bool).unsqueeze(1) & real.unsqueeze(2)  # [B, R, C]
+        if n:
+            ids[b, n_pre:r] = tok.reshape(-1)
+            pos[b, n_pre:r] = tpos.reshape(-1)
+            if par.device.type == "cpu":  # a host tree: its ancestor pairs in Python, one scatter
+                node, ancestor = _ancestor_pairs(par.reshape(-1).tolist())
+                vis[b, n_pre:r, n_pre:r][node, ancestor] = True
+            else:
+                if bool((par >= torch.arange(n, device=par.device)).any()):
+                    raise ValueError("every parent index must be smaller than its node's index (parents precede "
+                                     "children)")
+                vis[b, n_pre:r, n_pre:r] = tree_ancestor_mask(par.reshape(-1), None if max_depths is None
+                                                              else max_depths[b]).cpu()
+        if r < width:  # padding rows: the pad token at the last position, each sees only itself
+            ids[b, r:] = int(pad_token)
+            pos[b, r:] = pos[b, r - 1] if r else 0
+            vis[b, r:, r:].fill_diagonal_(True)
+    context = context_visible.to(torch.bool).unsqueeze(1).expand(batch, width, context_len)
     full = torch.cat([context, vis.to(dev)], dim=2)
-    compiled = CompiledDraft(ids.to(dev), pos.to(dev), _additive(full, dtype).view(batch, 1, width, context_len + width),
-                             None)
+    for b, r in enumerate(rows):
+        if r < width:
+            full[b, r:, :context_len] = False  # padding rows see no cached position
+    additive = torch.zeros(batch, 1, width, context_len + width, dtype=dtype, device=dev)
+    additive.view(batch, width, -1).masked_fill_(~full, torch.finfo(dtype).min)
+    compiled = CompiledDraft(ids.to(dev), pos.to(dev), additive, None)
     return compiled, rows
 
 
