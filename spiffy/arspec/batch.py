@@ -23,16 +23,16 @@ named by each :class:`~spiffy.arspec.ContextUpdate`); rows whose drafters share 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from spiffy.arspec.config import ARSpecConfig
+from spiffy.arspec.config import DEFAULT_MAX_NEW_TOKENS, ARSpecConfig
 from spiffy.arspec.dllm_drafter import as_drafter
 from spiffy.arspec.drafter import ContextUpdate, Drafter
-from spiffy.arspec.methods import get_method, make_rule
+from spiffy.arspec.methods import DEFAULT_METHOD, get_method, make_rule
 from spiffy.arspec.result import ARGenerationResult
 from spiffy.arspec.rules import AcceptanceRule, TargetLogits
 from spiffy.arspec.sampling import sample_keyed
@@ -54,7 +54,7 @@ from spiffy.arspec.stages import (
 from spiffy.errors import ConfigError
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["speculative_generate_batch", "ddtree_generate_batch", "prompt_lists"]
+__all__ = ["GenerateKeywords", "speculative_generate_batch", "ddtree_generate_batch", "prompt_lists"]
 
 
 def prompt_lists(prompts: Sequence[Any] | torch.Tensor) -> list[list[int]]:
@@ -236,14 +236,29 @@ def _leave_finished(runner: TargetRunner, valid: torch.Tensor, live: list[int], 
     return [live[i] for i in kept], drop_rows(runner, valid, kept)
 
 
+class GenerateKeywords(TypedDict, total=False):
+    """The keyword arguments :func:`ddtree_generate_batch` and :func:`~spiffy.arspec.ddtree_generate` share."""
+
+    method: str
+    budget: int | None
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | Sequence[int]
+    stop_token_ids: int | Sequence[int] | None
+    block_size: int | None
+    progress: bool
+
+
 def ddtree_generate_batch(
     target: nn.Module,
     drafter: Any,
     prompts: Sequence[Sequence[int]] | torch.Tensor,
     *,
-    method: str = "ddtree",
+    method: str = DEFAULT_METHOD.name,
     budget: int | None = None,
-    max_new_tokens: int = 128,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,

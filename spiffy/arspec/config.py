@@ -10,12 +10,14 @@ from spiffy.arspec.methods import DEFAULT_ACCEPT, DEFAULT_METHOD, Method, get_ac
 from spiffy.errors import ConfigError
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["ARSpecConfig", "DEFAULT_BUDGET", "DEFAULT_DRAFTS", "stop_id_tuple"]
+__all__ = ["ARSpecConfig", "DEFAULT_BUDGET", "DEFAULT_DRAFTS", "DEFAULT_MAX_NEW_TOKENS", "stop_id_tuple"]
 
 #: tree nodes verified per round (root excluded) when no budget is given
 DEFAULT_BUDGET = 64
 #: SpecDiff-2 joint drafts per round when no count is given
 DEFAULT_DRAFTS = 4
+#: generated tokens at most when no limit is given
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def stop_id_tuple(stop_token_ids: int | Iterable[int] | None) -> tuple[int, ...]:
@@ -52,7 +54,7 @@ class ARSpecConfig:
     chain_length: int | None = None
     drafts: int = DEFAULT_DRAFTS
     accept: str = DEFAULT_ACCEPT
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop_token_ids: tuple[int, ...] = ()
     block_size: int | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

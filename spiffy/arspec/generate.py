@@ -8,12 +8,13 @@ kernels, caches, sampling and timing; with the coupled rule all of them produce 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
-from spiffy.arspec.batch import ddtree_generate_batch, prompt_lists, speculative_generate_batch
+from spiffy.arspec.batch import GenerateKeywords, ddtree_generate_batch, prompt_lists, speculative_generate_batch
 from spiffy.arspec.config import ARSpecConfig
 from spiffy.arspec.drafter import Drafter
 from spiffy.arspec.result import ARGenerationResult
@@ -61,41 +62,19 @@ def speculative_generate(
                                       progress=progress)[0]
 
 
-def ddtree_generate(
-    target: nn.Module,
-    drafter: Any,
-    input_ids: Any,
-    *,
-    method: str = "ddtree",
-    budget: int | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    stop_token_ids: int | Iterable[int] | None = None,
-    block_size: int | None = None,
-    progress: bool = False,
-) -> ARGenerationResult:
+def ddtree_generate(target: nn.Module, drafter: Any, input_ids: Any, **keywords: Unpack[GenerateKeywords]
+                    ) -> ARGenerationResult:
     """Generate one prompt with a Qwen3 target by ``method`` (DDTree trees by default) with the coupled rule:
-    :func:`~spiffy.arspec.ddtree_generate_batch` of one row (the same arguments; ``seed`` one integer).
+    :func:`~spiffy.arspec.ddtree_generate_batch` of one row, with the same keyword arguments and defaults
+    (``method``, ``budget``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+    ``stop_token_ids``, ``block_size``, ``progress``).
 
     Args:
         drafter: a :class:`~spiffy.models.dflash.DFlashDraftModel`, a dLLM drafter model or any
             :class:`~spiffy.arspec.Drafter` (ignored, may be ``None``, for ``method="ar"``).
         input_ids: the prompt, ``[P]`` or ``[1, P]`` token ids (list or tensor).
-        method, budget: a name of :data:`spiffy.arspec.methods.METHODS`; tree nodes per round (root excluded;
-            default :data:`spiffy.arspec.config.DEFAULT_BUDGET`, 0 = no drafts).
-        temperature, top_p, top_k, seed: the target's decoding rule; the token at absolute position ``p`` uses noise
-            keyed by ``(seed, p)``, so every method draws the same tokens.
-        stop_token_ids: generation ends right after the first generated stop token (kept in the output).
-        block_size: drafted block length (default: the drafter's).
     Raises:
         ConfigError: unknown method, ``budget < 0``, bad sampling, missing drafter, batch > 1;
         DrafterMismatchError: drafter and target do not fit; PromptTooLongError.
     """
-    return ddtree_generate_batch(
-        target, drafter, [one_prompt(input_ids)], method=method, budget=budget, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=int(seed), stop_token_ids=stop_token_ids,  # type: ignore[arg-type]
-        block_size=block_size, progress=progress,
-    )[0]
+    return ddtree_generate_batch(target, drafter, [one_prompt(input_ids)], **keywords)[0]

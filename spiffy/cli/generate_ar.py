@@ -29,7 +29,7 @@ import torch
 from transformers import AutoTokenizer
 
 from spiffy.arspec import ARGenerationResult, ARSpecConfig, as_drafter, speculative_generate_batch
-from spiffy.arspec.config import DEFAULT_BUDGET, DEFAULT_DRAFTS
+from spiffy.arspec.config import DEFAULT_BUDGET, DEFAULT_DRAFTS, DEFAULT_MAX_NEW_TOKENS
 from spiffy.arspec.methods import (
     ACCEPT_RULES,
     AR,
@@ -69,8 +69,8 @@ _AR_ONLY: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--accept",), dict(default=None, choices=tuple(ACCEPT_RULES),
                         help=f"AR mode acceptance rule (default {DEFAULT_ACCEPT}): "
                              + "; ".join(f"{a.name}: {a.help}" for a in ACCEPT_RULES.values()))),
-    (("--max-new-tokens",), dict(type=int, default=128, metavar="N",
-                                help="AR mode: maximum number of generated tokens (default 128)")),
+    (("--max-new-tokens",), dict(type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                                help=f"AR mode: maximum number of generated tokens (default {DEFAULT_MAX_NEW_TOKENS})")),
     (("--chain-length",), dict(type=int, default=None, metavar="N",
                               help="AR mode, chain methods: drafted tokens per round (default: the drafter's block "
                                    "size - 1)")),
@@ -113,8 +113,7 @@ def add_ar_arguments(parser: argparse.ArgumentParser, shared: bool = False) -> a
 
 def ar_config_from_args(args: argparse.Namespace, method: str, stops: Sequence[int]) -> ARSpecConfig:
     """The :class:`~spiffy.arspec.ARSpecConfig` of parsed AR flags (``None`` flags take the config's defaults)."""
-    given = {"budget": getattr(args, "budget", None), "drafts": getattr(args, "drafts", None),
-             "accept": getattr(args, "accept", None)}
+    given = {knob: getattr(args, knob, None) for knob in ("budget", "drafts", "accept", "max_new_tokens")}
     sampling = SamplingConfig.from_loose(
         getattr(args, "temperature", 0.0), getattr(args, "top_p", None), getattr(args, "top_k", None),
         int(getattr(args, "seed", 0) or 0),
@@ -123,7 +122,6 @@ def ar_config_from_args(args: argparse.Namespace, method: str, stops: Sequence[i
         method=method,
         chain_length=getattr(args, "chain_length", None),
         **{k: v for k, v in given.items() if v is not None},
-        max_new_tokens=int(getattr(args, "max_new_tokens", 128)),
         stop_token_ids=tuple(stops),
         sampling=sampling,
     )
