@@ -3,6 +3,7 @@ and the registry of methods."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,10 @@ from spiffy.arspec import (
     Drafter,
     SamplingConfig,
     TargetLogits,
+    METHODS,
     ddtree_generate,
+    get_method,
+    make_rule,
     speculative_generate,
 )
 from spiffy.errors import ConfigError
@@ -164,3 +168,46 @@ def test_the_old_ar_package_is_gone():
     """spiffy.ar (a shim no release shipped) is deleted: its names live in spiffy.arspec and spiffy.models."""
     assert not (Path(spiffy.__file__).parent / "ar").exists()
     assert spiffy.ddtree_generate is ddtree_generate
+
+
+def _literal_names(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {n for elt in node.elts for n in _literal_names(elt)}
+    return set()
+
+
+def test_method_names_are_compared_in_the_registry_only():
+    """No module but spiffy/arspec/methods.py compares a method with a name literal (``cfg.method == "ddtree"``,
+    ``method in ("deer", "specdiff")``): the others ask the method objects."""
+    root = Path(spiffy.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "arspec" / "methods.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            if not any("method" in ast.unparse(side) for side in sides):
+                continue
+            if any(_literal_names(side) & set(METHODS) for side in sides):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+def test_registry_builds_every_method_and_rule():
+    """Every registry entry builds a config and a rule; a bad name is a ConfigError naming the choices."""
+    for name in METHODS:
+        spec = get_method(name)
+        assert spec.name == name and spec.help and spec.label and spec.shape in ("none", "chain", "tree")
+        cfg = ARSpecConfig(method=name)
+        assert cfg.spec is spec and cfg.uses_drafter == spec.needs_drafter
+        for accept in spec.accepts:
+            assert make_rule(ARSpecConfig(method=name, accept=accept)) is not None
+    assert ARSpecConfig(method=get_method("dflash")).method == "dflash"
+    with pytest.raises(ConfigError, match="ddtree"):
+        get_method("beam")
+    with pytest.raises(ConfigError, match="coupled"):
+        ARSpecConfig(accept="maybe")
