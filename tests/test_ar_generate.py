@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from spiffy.ar import ARGenerationResult, ddtree_generate
-from spiffy.ar.checkpoints import make_tiny_dflash, make_tiny_target
-from spiffy.ar.cli import load_target
-from spiffy.ar.drafter import DFlashDraftModel, load_drafter
-from spiffy.ar.sampling import sample_tokens
+from spiffy.arspec import ARGenerationResult, ddtree_generate
+from spiffy.arspec.sampling import sample_tokens
+from spiffy.models import load_target, make_tiny_dflash, make_tiny_target
+from spiffy.models.dflash import DFlashDraftModel, load_drafter
 from spiffy.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -260,7 +259,7 @@ def test_input_forms_and_errors(pair, prompt):
 
 
 def test_public_import():
-    from spiffy.ar import ddtree_generate as a
+    from spiffy.arspec import ddtree_generate as a
     import spiffy
 
     assert spiffy.ddtree_generate is a

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spiffy.ar.tree import build_chain, build_ddtree
+from spiffy.arspec.tree import build_chain, build_ddtree
 from spiffy.errors import ConfigError
 from spiffy.verify import DraftStructure, compile_packed
 

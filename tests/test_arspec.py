@@ -1,11 +1,15 @@
 """spiffy.arspec interfaces: a drafter that is not DFlash, a pluggable acceptance rule, the configuration object,
-and the deprecated spiffy.ar paths."""
+and the registry of methods."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 
+import spiffy
 from spiffy.arspec import (
     Acceptance,
     ARSpecConfig,
@@ -14,7 +18,10 @@ from spiffy.arspec import (
     Drafter,
     SamplingConfig,
     TargetLogits,
+    METHODS,
     ddtree_generate,
+    get_method,
+    make_rule,
     speculative_generate,
 )
 from spiffy.errors import ConfigError
@@ -48,6 +55,9 @@ class TokenDrafter:
         self.wrong_every = wrong_every
         self.context: list[int] = []
         self.attached = False
+
+    def check(self, target) -> None:  # noqa: ANN001
+        assert target.config.vocab_size == self.vocab
 
     def attach(self, target) -> None:  # noqa: ANN001
         self.context, self.attached = [], True
@@ -83,7 +93,7 @@ def test_token_conditioned_drafter_is_lossless(target, prompt, method, temperatu
     for wrong_every in (0, 4):
         drafter = TokenDrafter(ar.tokens, len(prompt), vocab, wrong_every)
         assert isinstance(drafter, Drafter)
-        cfg = ARSpecConfig(method=method, tree_budget=12, max_new_tokens=n, sampling=sampling)
+        cfg = ARSpecConfig(method=method, budget=12, max_new_tokens=n, sampling=sampling)
         res = speculative_generate(target, drafter, prompt, cfg)
         assert res.tokens == ar.tokens[:n], (method, wrong_every)
         assert not drafter.attached  # detached at the end
@@ -109,7 +119,7 @@ def test_acceptance_rule_is_pluggable_and_target_logits_are_lazy(target, prompt)
             return out
 
     drafter = TokenDrafter(ar.tokens, len(prompt), target.config.vocab_size, wrong_every=3)
-    cfg = ARSpecConfig(method="ddtree", tree_budget=16, max_new_tokens=24, sampling=sampling)
+    cfg = ARSpecConfig(method="ddtree", budget=16, max_new_tokens=24, sampling=sampling)
     res = speculative_generate(target, drafter, prompt, cfg, rule=Recording())
     assert res.tokens == ar.tokens[:24]
     assert len(seen) == res.rounds
@@ -121,7 +131,7 @@ def test_acceptance_rule_is_pluggable_and_target_logits_are_lazy(target, prompt)
 def test_chain_length_and_tree_budget_are_separate(target, prompt):
     ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=20))
     drafter = TokenDrafter(ar.tokens, len(prompt), target.config.vocab_size)
-    short = speculative_generate(target, drafter, prompt, ARSpecConfig(method="dflash", chain_length=2, tree_budget=0, max_new_tokens=14))
+    short = speculative_generate(target, drafter, prompt, ARSpecConfig(method="dflash", chain_length=2, budget=0, max_new_tokens=14))
     assert short.tokens == ar.tokens[:14]
     assert max(short.nodes_per_round) == 2 and short.budget == 2
     whole = speculative_generate(target, drafter, prompt, ARSpecConfig(method="dflash", max_new_tokens=14))
@@ -133,7 +143,7 @@ def test_chain_length_and_tree_budget_are_separate(target, prompt):
 def test_config_validation():
     for kwargs, word in [
         (dict(method="beam"), "method"),
-        (dict(tree_budget=-1), "budget"),
+        (dict(budget=-1), "budget"),
         (dict(chain_length=-2), "chain_length"),
         (dict(max_new_tokens=-1), "max_new_tokens"),
         (dict(block_size=0), "block_size"),
@@ -144,7 +154,7 @@ def test_config_validation():
         ARSpecConfig(sampling=SamplingConfig(temperature=-1.0))
     assert ARSpecConfig(stop_token_ids=7).stop_token_ids == (7,)
     assert ARSpecConfig(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
-    assert not ARSpecConfig(method="ddtree", tree_budget=0).uses_drafter
+    assert not ARSpecConfig(method="ddtree", budget=0).uses_drafter
     assert ARSpecConfig(method="dflash").uses_drafter and not ARSpecConfig(method="ar").uses_drafter
 
 
@@ -154,15 +164,50 @@ def test_ddtree_generate_accepts_any_drafter(target, prompt):
     assert ddtree_generate(target, drafter, prompt, method="ddtree", budget=8, max_new_tokens=12).tokens == ar.tokens
 
 
-def test_deprecated_paths_are_the_new_objects():
-    import spiffy.ar as ar
-    import spiffy.ar.cli as ar_cli
-    import spiffy.arspec as arspec
-    import spiffy.cli.generate_ar as generate_ar
-    import spiffy.models as models
+def test_the_old_ar_package_is_gone():
+    """spiffy.ar (a shim no release shipped) is deleted: its names live in spiffy.arspec and spiffy.models."""
+    assert not (Path(spiffy.__file__).parent / "ar").exists()
+    assert spiffy.ddtree_generate is ddtree_generate
 
-    assert ar.ddtree_generate is arspec.ddtree_generate
-    assert ar.build_ddtree is arspec.build_ddtree and ar.DraftTree is arspec.DraftTree
-    assert ar.load_drafter is models.load_drafter and ar.DFlashDraftModel is models.DFlashDraftModel
-    assert ar.make_tiny_dflash is models.make_tiny_dflash and ar.save_drafter is models.save_drafter
-    assert ar_cli.main is generate_ar.main and ar_cli.load_target is models.load_target
+
+def _literal_names(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {n for elt in node.elts for n in _literal_names(elt)}
+    return set()
+
+
+def test_method_names_are_compared_in_the_registry_only():
+    """No module but spiffy/arspec/methods.py compares a method with a name literal (``cfg.method == "ddtree"``,
+    ``method in ("deer", "specdiff")``): the others ask the method objects."""
+    root = Path(spiffy.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "arspec" / "methods.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            if not any("method" in ast.unparse(side) for side in sides):
+                continue
+            if any(_literal_names(side) & set(METHODS) for side in sides):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+def test_registry_builds_every_method_and_rule():
+    """Every registry entry builds a config and a rule; a bad name is a ConfigError naming the choices."""
+    for name in METHODS:
+        spec = get_method(name)
+        assert spec.name == name and spec.help and spec.label and spec.shape in ("none", "chain", "tree")
+        cfg = ARSpecConfig(method=name)
+        assert cfg.spec is spec and cfg.uses_drafter == spec.needs_drafter
+        for accept in spec.accepts:
+            assert make_rule(ARSpecConfig(method=name, accept=accept)) is not None
+    assert ARSpecConfig(method=get_method("dflash")).method == "dflash"
+    with pytest.raises(ConfigError, match="ddtree"):
+        get_method("beam")
+    with pytest.raises(ConfigError, match="coupled"):
+        ARSpecConfig(accept="maybe")

@@ -70,7 +70,7 @@ class Oracle(DFlashDraftModel):
 
 def _config(method: str, n: int, sampling: tuple, seed: int, stop: tuple[int, ...] = ()) -> ARSpecConfig:
     t, p, k = sampling
-    return ARSpecConfig(method=method, tree_budget=24, max_new_tokens=n, stop_token_ids=stop,
+    return ARSpecConfig(method=method, budget=24, max_new_tokens=n, stop_token_ids=stop,
                         sampling=SamplingConfig(temperature=t, top_p=p, top_k=k, seed=seed))
 
 

@@ -11,7 +11,7 @@ import torch
 
 from spiffy.arspec import ARSpecConfig, ContextUpdate, SamplingConfig, speculative_generate
 from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
-from spiffy.arspec.batch_draft import draft_rows
+from spiffy.arspec.stages import draft as draft_rows
 from spiffy.arspec.dllm_drafter import DLLMDrafter
 from spiffy.arspec.generate import ddtree_generate
 from spiffy.models import load_drafter, load_target, make_tiny_dflash, make_tiny_target
@@ -89,7 +89,7 @@ def test_dllm_batched_generation_equals_rows_alone(target, paths, layout, temper
     model = _dllm(paths, layout)
     calls = _count_calls(model)
     for method in ("deer", "specdiff", "ddtree"):
-        cfg = ARSpecConfig(method=method, tree_budget=6, drafts=3, max_new_tokens=14,
+        cfg = ARSpecConfig(method=method, budget=6, drafts=3, max_new_tokens=14,
                            sampling=SamplingConfig(temperature=temperature, seed=2))
         solo = [speculative_generate(target, DLLMDrafter(model), p, cfg) for p in PROMPTS]
         calls[0] = 0

@@ -55,6 +55,9 @@ class OracleDrafter:
         self.block_size = BLOCK
         self.continuation, self.n_prompt, self.vocab, self.wrong_every = continuation, n_prompt, vocab, wrong_every
 
+    def check(self, target) -> None:  # noqa: ANN001
+        pass
+
     def attach(self, target) -> None:  # noqa: ANN001
         pass
 
@@ -163,7 +166,7 @@ def test_aligned_layout_is_lossless(target, paths, prompt, temperature):
     sampling = SamplingConfig(temperature=temperature, seed=6)
     ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=18, sampling=sampling))
     for method in METHODS:
-        cfg = ARSpecConfig(method=method, tree_budget=8, drafts=3, max_new_tokens=18, sampling=sampling)
+        cfg = ARSpecConfig(method=method, budget=8, drafts=3, max_new_tokens=18, sampling=sampling)
         assert speculative_generate(target, drafter, prompt, cfg).tokens == ar.tokens, method
     steps = DLLMDrafter(drafter.model, denoise_steps=2)
     cfg = ARSpecConfig(method="deer", max_new_tokens=18, sampling=sampling)
@@ -176,7 +179,7 @@ def test_aligned_layout_is_lossless(target, paths, prompt, temperature):
 def test_greedy_equals_ar_for_every_method_drafter_and_rule(target, drafters, prompt, kind, method, accept):
     sampling = SamplingConfig(temperature=0.0)
     ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=20, sampling=sampling))
-    cfg = ARSpecConfig(method=method, tree_budget=10, drafts=3, accept=accept, max_new_tokens=20, sampling=sampling)
+    cfg = ARSpecConfig(method=method, budget=10, drafts=3, accept=accept, max_new_tokens=20, sampling=sampling)
     assert speculative_generate(target, drafters[kind], prompt, cfg).tokens == ar.tokens
 
 
@@ -186,7 +189,7 @@ def test_coupled_sampling_equals_ar_same_seed(target, drafters, prompt, kind, me
     for seed in (0, 7):
         sampling = SamplingConfig(temperature=1.0, top_k=50, seed=seed)
         ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=20, sampling=sampling))
-        cfg = ARSpecConfig(method=method, tree_budget=10, drafts=4, max_new_tokens=20, sampling=sampling)
+        cfg = ARSpecConfig(method=method, budget=10, drafts=4, max_new_tokens=20, sampling=sampling)
         assert speculative_generate(target, drafters[kind], prompt, cfg).tokens == ar.tokens, seed
 
 
@@ -198,7 +201,7 @@ def test_oracle_drafter_is_lossless_and_accepts_runs(target, prompt, method, tem
     ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=n + BLOCK, sampling=sampling))
     for wrong_every in (0, 4):
         drafter = OracleDrafter(ar.tokens, len(prompt), target.config.vocab_size, wrong_every)
-        cfg = ARSpecConfig(method=method, tree_budget=12, drafts=4, max_new_tokens=n, sampling=sampling)
+        cfg = ARSpecConfig(method=method, budget=12, drafts=4, max_new_tokens=n, sampling=sampling)
         res = speculative_generate(target, drafter, prompt, cfg)
         assert res.tokens == ar.tokens[:n], (method, wrong_every)
         if wrong_every == 0:
@@ -211,13 +214,13 @@ def test_rejection_rule_is_reproducible_and_uses_the_min_p_over_q_acceptance(tar
     ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=30, sampling=sampling))
     drafter = OracleDrafter(ar.tokens, len(prompt), target.config.vocab_size)
     for method in ("deer", "specdiff", "ddtree"):
-        cfg = ARSpecConfig(method=method, tree_budget=8, drafts=2, accept="rejection", max_new_tokens=24,
+        cfg = ARSpecConfig(method=method, budget=8, drafts=2, accept="rejection", max_new_tokens=24,
                            sampling=sampling)
         a = speculative_generate(target, drafter, prompt, cfg)
         b = speculative_generate(target, drafter, prompt, cfg)
         assert a.tokens == b.tokens and len(a.tokens) == 24
         other = speculative_generate(target, drafter, prompt, ARSpecConfig(
-            method=method, tree_budget=8, drafts=2, accept="rejection", max_new_tokens=24,
+            method=method, budget=8, drafts=2, accept="rejection", max_new_tokens=24,
             sampling=SamplingConfig(temperature=1.0, seed=12)))
         assert other.tokens != a.tokens  # the seed matters
 
@@ -228,8 +231,8 @@ def test_specdiff_config():
     with pytest.raises(ConfigError, match="acceptance rule"):
         ARSpecConfig(accept="typical")
     assert not ARSpecConfig(method="specdiff", drafts=0).uses_drafter
-    assert ARSpecConfig(method="specdiff", drafts=4).reported_budget(6) == 20
-    assert ARSpecConfig(method="deer", chain_length=3).reported_budget(6) == 3
+    assert ARSpecConfig(method="specdiff", drafts=4).draft_nodes(6) == 20
+    assert ARSpecConfig(method="deer", chain_length=3).draft_nodes(6) == 3
     assert ARSpecConfig(method="specdiff").samples_drafts
     assert not ARSpecConfig(method="deer", accept="rejection").samples_drafts  # greedy: argmax chain
     assert ARSpecConfig(method="deer", accept="rejection", sampling=SamplingConfig(temperature=0.7)).samples_drafts
@@ -240,7 +243,7 @@ def test_denoise_steps_keep_the_output_lossless(target, paths, prompt):
     sampling = SamplingConfig(temperature=1.0, seed=2)
     ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=16, sampling=sampling))
     for method in ("deer", "ddtree"):
-        cfg = ARSpecConfig(method=method, tree_budget=8, max_new_tokens=16, sampling=sampling)
+        cfg = ARSpecConfig(method=method, budget=8, max_new_tokens=16, sampling=sampling)
         assert speculative_generate(target, drafter, prompt, cfg).tokens == ar.tokens
 
 
@@ -257,7 +260,7 @@ def test_shipped_models_float32_coupled_equals_ar(temperature):
     ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=32, sampling=sampling))
     for kind, drafter in drafters.items():
         for method in METHODS:
-            cfg = ARSpecConfig(method=method, tree_budget=16, drafts=4, max_new_tokens=32, sampling=sampling)
+            cfg = ARSpecConfig(method=method, budget=16, drafts=4, max_new_tokens=32, sampling=sampling)
             assert speculative_generate(target, drafter, prompt, cfg).tokens == ar.tokens, (kind, method)
 
 
@@ -282,7 +285,7 @@ def test_batched_rows_equal_single_runs_with_dllm_drafters(target, paths, accept
 
     prompts = [[5, 17, 42, 8, 99], [7, 7, 1], [120, 2, 9, 4]]
     for method in ("deer", "specdiff", "ddtree"):
-        cfg = ARSpecConfig(method=method, tree_budget=6, drafts=3, accept=accept, max_new_tokens=12,
+        cfg = ARSpecConfig(method=method, budget=6, drafts=3, accept=accept, max_new_tokens=12,
                            sampling=SamplingConfig(temperature=1.0, seed=2))
         drafters = [as_drafter(load_ar_drafter(paths["dllm"], dtype=torch.float64)) for _ in prompts]
         batch = speculative_generate_batch(target, drafters, prompts, cfg)

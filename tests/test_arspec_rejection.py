@@ -314,7 +314,7 @@ def test_rejection_generation_matches_the_exact_distribution(tiny_pair, method):
     counts: Counter = Counter()
     rounds = 0
     for seed in range(E2E_N):
-        cfg = ARSpecConfig(method=method, tree_budget=2, drafts=3, accept="rejection", max_new_tokens=E2E_NEW,
+        cfg = ARSpecConfig(method=method, budget=2, drafts=3, accept="rejection", max_new_tokens=E2E_NEW,
                            sampling=SamplingConfig(temperature=1.0, seed=seed))
         res = speculative_generate(target, drafter, E2E_PROMPT, cfg)
         counts[tuple(res.tokens)] += 1

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spiffy.ar import ddtree_generate, load_drafter
-from spiffy.ar.checkpoints import make_tiny_dflash, make_tiny_target
+from spiffy.arspec import ddtree_generate
+from spiffy.models import load_drafter, make_tiny_dflash, make_tiny_target
 from spiffy.bench.fidelity import NEAR_TIE_ULPS, explain_ar_divergence, rounding_bound, spacing
 from spiffy.decoding import make_session
 from spiffy.api import generate

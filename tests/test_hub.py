@@ -26,9 +26,8 @@ from test_readme import commands
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import scan_cache_dir
 
-from spiffy.ar import ddtree_generate, load_drafter
-from spiffy.ar.checkpoints import make_tiny_dflash
-from spiffy.ar.cli import load_target
+from spiffy.arspec import ddtree_generate
+from spiffy.models import load_drafter, load_target, make_tiny_dflash
 from spiffy.checkpoint_ref import checkpoint_name, hub_id_from_cache_path, parse_hub_id, split_reference
 from spiffy.cli.main import main
 from spiffy.decoding import DecodeConfig, make_session

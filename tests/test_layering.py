@@ -52,15 +52,13 @@ LAYERS, LAYER_NAMES = _layers_from_architecture()
 #: same-layer packages that must not import each other (either direction)
 FORBIDDEN_PEERS: tuple[tuple[str, str], ...] = (
     ("spiffy.selfspec", "spiffy.arspec"),
-    ("spiffy.selfspec", "spiffy.ar"),
 )
 
 #: the roof: may import anything
 ROOF = "spiffy"
 
 #: (importer, imported module) pairs allowed to break the rule, and why. Each must still occur.
-EXCEPTIONS: dict[tuple[str, str], str] = {  # the dLLM side has none (its deprecated re-exports were deleted)
-    ("spiffy.ar.cli", "spiffy.cli.generate_ar"): "deprecated lazy re-export of the AR generate command (now in cli)",
+EXCEPTIONS: dict[tuple[str, str], str] = {  # none: the deprecated re-exports of both sides were deleted
 }
 
 #: the AR side's known upward imports (none left: the AR half of the redesign removed them; kept so a regression

@@ -133,7 +133,6 @@ def test_cli_tiny_writes_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_cli_tiny_dflash(tmp_path: Path, tiny_qwen3: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("spiffy.ar.checkpoints")
     from spiffy.cli.main import main
     from spiffy.models import family_of, mask_token_id
 

@@ -127,7 +127,7 @@ def test_dflash_methods_equal_plain_load(ar_models, method):
 def test_dllm_drafter_methods_equal_plain_load(ar_models, method):
     plain, placed = ar_models
     prompt = [5, 9, 17, 33]
-    cfg = ARSpecConfig(method=method, tree_budget=12, max_new_tokens=14)
+    cfg = ARSpecConfig(method=method, budget=12, max_new_tokens=14)
     ref = speculative_generate(plain["target"], as_drafter(plain["dllm"]), prompt, cfg)
     got = speculative_generate(placed["target"], as_drafter(placed["dllm"]), prompt, cfg)
     assert got.tokens == ref.tokens
@@ -262,7 +262,7 @@ def test_cli_bench_ar_with_device_map(ar_paths, tmp_path):
 def test_batched_ragged_ddtree_equals_plain_load(ar_models):
     plain, placed = ar_models
     prompts = [[5, 6, 7, 8, 9, 10], [3, 4], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
-    cfg = ARSpecConfig(method="ddtree", tree_budget=10, max_new_tokens=10)
+    cfg = ARSpecConfig(method="ddtree", budget=10, max_new_tokens=10)
     ref = speculative_generate_batch(plain["target"], [as_drafter(plain["dflash"]) for _ in prompts], prompts, cfg)
     got = speculative_generate_batch(placed["target"], [as_drafter(placed["dflash"]) for _ in prompts], prompts, cfg)
     assert [r.tokens for r in got] == [r.tokens for r in ref]

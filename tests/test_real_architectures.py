@@ -134,7 +134,7 @@ def test_llada_matches_the_official_weight_map(tmp_path: Path) -> None:
 
 
 def test_dflash_drafter_fits_the_qwen3_8b_target(tmp_path: Path) -> None:
-    from spiffy.ar.drafter import check_compatible, drafter_settings
+    from spiffy.models.dflash import check_compatible, drafter_settings
 
     _, drafter = _meta_model("z-lab--Qwen3-8B-DFlash-b16", tmp_path / "d")
     _, target = _meta_model("Qwen--Qwen3-8B", tmp_path / "t")

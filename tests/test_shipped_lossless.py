@@ -34,7 +34,7 @@ def dllms() -> dict[str, tuple[torch.nn.Module, object, list]]:
 
 @pytest.fixture(scope="module")
 def qwen3() -> tuple[torch.nn.Module, object, object]:
-    from spiffy.ar import load_drafter
+    from spiffy.models import load_drafter
 
     target_dir = embedded_model_path("ar-target")
     target = load_model(target_dir, dtype="float32")
@@ -71,7 +71,7 @@ def test_spiffy_on_shipped_dllms_is_lossless(dllms, kind: str, stem: str, config
 
 @pytest.mark.parametrize(("temperature", "seed", "prompts"), [(0.0, 0, CODE_PROMPTS), (0.8, 3, CODE_PROMPTS[:1])])
 def test_dflash_and_ddtree_on_shipped_qwen3_are_lossless(qwen3, temperature: float, seed: int, prompts) -> None:
-    from spiffy.ar import ddtree_generate
+    from spiffy.arspec import ddtree_generate
 
     target, drafter, tok = qwen3
     for text in prompts:

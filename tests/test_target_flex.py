@@ -93,7 +93,7 @@ def test_flex_target_decodes_like_sdpa(models, method):
 
 def test_flex_target_batched_ragged_like_sdpa(models):
     prompts = [[5, 6, 7, 8, 9, 10], [3, 4], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
-    cfg = ARSpecConfig(method="ddtree", tree_budget=10, max_new_tokens=10)
+    cfg = ARSpecConfig(method="ddtree", budget=10, max_new_tokens=10)
     ref = speculative_generate_batch(models["sdpa"], [as_drafter(models["drafter"]) for _ in prompts], prompts, cfg)
     got = speculative_generate_batch(models["flex"], [as_drafter(models["drafter"]) for _ in prompts], prompts, cfg)
     assert [r.tokens for r in got] == [r.tokens for r in ref]

@@ -65,7 +65,7 @@ def test_slot_weights_and_anchors():
 def test_parallel_training_blocks_equal_inference_forward(env):
     """Each training block (several per sequence, one masked forward) must equal the drafter's inference call
     for that block alone: context = target features strictly before the anchor, block = [anchor token, MASK...]."""
-    from spiffy.ar.drafter import DFlashDraftModel, TargetFeatureHooks
+    from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks
 
     target, tok = dtrain.load_frozen_target(env / "target", dtype="float64")
     cfg = dtrain.build_drafter_config(target.config, 2, 4, [0, 2], dtrain.mask_token_of(tok, target.config.vocab_size))
@@ -90,7 +90,7 @@ def test_parallel_training_blocks_equal_inference_forward(env):
 
 
 def test_train_loss_decreases_saves_loadable_drafter(env, tmp_path):
-    from spiffy.ar.drafter import check_compatible, load_drafter
+    from spiffy.models.dflash import check_compatible, load_drafter
 
     base = dtrain.train(_args(env, tmp_path / "d0", "--steps", "0"))
     m = dtrain.train(_args(env, tmp_path / "d1", "--steps", "25"))

@@ -50,7 +50,7 @@ def test_qwen3_target_and_drafter_load_and_fit():
     ids = torch.tensor([tok("def f(x):\n    return", add_special_tokens=False)["input_ids"]])
     assert torch.isfinite(target(input_ids=ids).logits).all()
     if (DRAFTER / "config.json").is_file():
-        from spiffy.ar.drafter import check_compatible, load_drafter
+        from spiffy.models.dflash import check_compatible, load_drafter
 
         drafter = load_drafter(DRAFTER, dtype="float32")
         check_compatible(drafter, target)

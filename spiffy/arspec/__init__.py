@@ -12,12 +12,14 @@ Public API::
 
 or, with any :class:`Drafter` and :class:`AcceptanceRule`::
 
-    cfg = ARSpecConfig(method="ddtree", tree_budget=256, max_new_tokens=512, sampling=SamplingConfig(temperature=1.0, seed=0))
+    cfg = ARSpecConfig(method="ddtree", budget=256, max_new_tokens=512, sampling=SamplingConfig(temperature=1.0, seed=0))
     res = speculative_generate(target, DFlashDrafter(drafter), input_ids, cfg, rule=CoupledRule(cfg.sampling))
 
-Batches: ``ddtree_generate_batch(target, drafter, [ids_a, ids_b, ...], seed=[...])`` (one target forward per round
-for every row; row ``b`` equals ``ddtree_generate`` of prompt ``b`` alone).
+Batches are the implementation: ``ddtree_generate_batch(target, drafter, [ids_a, ids_b, ...], seed=[...])`` (one
+target forward per round for every row; row ``b`` equals ``ddtree_generate`` of prompt ``b`` alone, which is a
+batch of one).
 
+The methods are objects in one registry (:mod:`spiffy.arspec.methods`: ``REGISTRY``, ``get_method``):
 ``method="dflash"`` is the vanilla DFlash chain and ``method="ar"`` plain AR decoding, on the same code path.
 A standalone diffusion LM drafts too (:class:`DLLMDrafter`; ``load_ar_drafter`` + :func:`as_drafter` pick the kind
 from the checkpoint): ``method="deer"`` (its chain) and ``method="specdiff"`` (``drafts`` sampled joint drafts as
@@ -31,11 +33,13 @@ one tree); ``accept="rejection"`` switches to speculative sampling (:class:`Reje
 from __future__ import annotations
 
 from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
-from spiffy.arspec.config import ACCEPT_RULES, DEFAULT_TREE_BUDGET, METHODS, ARSpecConfig
+from spiffy.arspec.config import DEFAULT_BUDGET, ARSpecConfig
 from spiffy.arspec.dllm_drafter import DLLMDrafter, as_drafter
-from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter
-from spiffy.arspec.generate import DEFAULT_BUDGET, ARGenerationResult, ddtree_generate, make_rule, speculative_generate
+from spiffy.arspec.drafter import BatchDrafter, ContextUpdate, DFlashDrafter, Drafter
+from spiffy.arspec.generate import ddtree_generate, speculative_generate
+from spiffy.arspec.methods import ACCEPT_RULES, METHODS, REGISTRY, AcceptSpec, DrafterKind, Method, get_method, make_rule
 from spiffy.arspec.rejection import RejectionRule
+from spiffy.arspec.result import ARGenerationResult
 from spiffy.arspec.rules import Acceptance, AcceptanceRule, CoupledRule, TargetLogits
 from spiffy.arspec.sampling import sample_keyed, sample_tokens
 from spiffy.arspec.stages import STAGES
@@ -46,17 +50,21 @@ __all__ = [
     "ACCEPT_RULES",
     "ARGenerationResult",
     "ARSpecConfig",
+    "AcceptSpec",
     "Acceptance",
     "AcceptanceRule",
+    "BatchDrafter",
     "ContextUpdate",
     "CoupledRule",
     "DEFAULT_BUDGET",
-    "DEFAULT_TREE_BUDGET",
     "DFlashDrafter",
     "DLLMDrafter",
     "DraftTree",
     "Drafter",
+    "DrafterKind",
     "METHODS",
+    "Method",
+    "REGISTRY",
     "RejectionRule",
     "STAGES",
     "SamplingConfig",
@@ -67,6 +75,7 @@ __all__ = [
     "ddtree_generate",
     "ddtree_generate_batch",
     "empty_tree",
+    "get_method",
     "make_rule",
     "sample_keyed",
     "sample_tokens",

@@ -1,29 +1,23 @@
-"""One configuration object for AR speculative generation (method, draft sizes, limits, sampling)."""
+"""One configuration object for AR speculative generation (method, draft sizes, limits, sampling), validated once
+where it enters."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from spiffy.arspec.methods import DEFAULT_ACCEPT, DEFAULT_METHOD, Method, get_accept, get_method
 from spiffy.errors import ConfigError
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["ARSpecConfig", "ACCEPT_RULES", "CHAIN_METHODS", "METHODS", "METHOD_LABELS", "DEFAULT_TREE_BUDGET", "stop_id_tuple"]
+__all__ = ["ARSpecConfig", "DEFAULT_BUDGET", "DEFAULT_DRAFTS", "DEFAULT_MAX_NEW_TOKENS", "stop_id_tuple"]
 
-#: ``ddtree``: the optimal draft tree; ``dflash``: the chain of the drafter's argmaxes (DFlash paper); ``deer``: the
-#: same chain, from a dLLM drafter (DEER paper; sampled from the drafter under the rejection rule at T > 0);
-#: ``specdiff``: ``drafts`` joint drafts sampled from the drafter's position-wise marginals, verified together as
-#: one tree (SpecDiff-2 self-selection); ``ar``: no drafts
-METHODS: tuple[str, ...] = ("ddtree", "dflash", "deer", "specdiff", "ar")
-#: how reports and tables name each method (the papers' spellings)
-METHOD_LABELS: dict[str, str] = {"ddtree": "DDTree", "dflash": "DFlash", "deer": "DEER", "specdiff": "SpecDiff-2", "ar": "AR"}
-#: methods that verify one chain per round
-CHAIN_METHODS: tuple[str, ...] = ("dflash", "deer")
-#: ``coupled``: position-keyed coupling (equal to AR token for token); ``rejection``: speculative sampling
-#: (min(1, p/q) and the residual; equal to AR in distribution)
-ACCEPT_RULES: tuple[str, ...] = ("coupled", "rejection")
-#: DDTree nodes per round (root excluded) when none is given
-DEFAULT_TREE_BUDGET = 64
+#: tree nodes verified per round (root excluded) when no budget is given
+DEFAULT_BUDGET = 64
+#: SpecDiff-2 joint drafts per round when no count is given
+DEFAULT_DRAFTS = 4
+#: generated tokens at most when no limit is given
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def stop_id_tuple(stop_token_ids: int | Iterable[int] | None) -> tuple[int, ...]:
@@ -40,42 +34,44 @@ class ARSpecConfig:
     """How :func:`spiffy.arspec.speculative_generate` decodes.
 
     Attributes:
-        method: one of :data:`METHODS`.
-        tree_budget: ``ddtree`` only: draft-tree nodes verified per round (root excluded); ``0`` = no drafts.
-        chain_length: ``dflash``, ``deer``, ``specdiff``: drafted tokens per draft and round; ``None`` =
-            ``block_size - 1`` (a whole block); ``0`` = no drafts.
+        method: a name of :data:`spiffy.arspec.methods.METHODS` (what it drafts: :attr:`spec`).
+        budget: tree methods (``ddtree``, ``ddtree-dllm``): draft-tree nodes verified per round (root excluded);
+            ``0`` = no drafts.
+        chain_length: chain methods (``dflash``, ``deer``, ``specdiff``): drafted tokens per draft and round;
+            ``None`` = ``block_size - 1`` (a whole block); ``0`` = no drafts.
         drafts: ``specdiff`` only: joint drafts sampled per round (``K``; ``0`` = no drafts).
-        accept: the acceptance rule, one of :data:`ACCEPT_RULES`.
+        accept: the acceptance rule, a name of :data:`spiffy.arspec.methods.ACCEPT_RULES`.
         max_new_tokens: hard cap on generated tokens.
         stop_token_ids: generation ends right after the first generated one of these (it is kept in the output).
         block_size: drafted block length including the root (bonus) token; ``None`` = the drafter's own.
-        sampling: the target's decoding rule (temperature, top-p, top-k, seed; ``seed=None`` means 0). Every method
+        sampling: the target's decoding rule (temperature, top-p, top-k, seed; ``seed=None`` means 0; "off" is
+            ``top_p=1.0`` / ``top_k=0`` as everywhere in :class:`~spiffy.sampling.SamplingConfig`). Every method
             draws the token at absolute position ``p`` with noise keyed by ``(seed, p)``.
     """
 
-    method: str = "ddtree"
-    tree_budget: int = DEFAULT_TREE_BUDGET
+    method: str = DEFAULT_METHOD.name
+    budget: int = DEFAULT_BUDGET
     chain_length: int | None = None
-    drafts: int = 1
-    accept: str = "coupled"
-    max_new_tokens: int = 128
+    drafts: int = DEFAULT_DRAFTS
+    accept: str = DEFAULT_ACCEPT
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop_token_ids: tuple[int, ...] = ()
     block_size: int | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; fix: use one of {', '.join(METHODS)}")
-        if int(self.tree_budget) < 0:
-            raise ConfigError(
-                f"tree budget must be >= 0, got {self.tree_budget}; fix: pass a node budget such as 64 (0 = no drafts)"
-            )
+        spec = get_method(self.method)
+        object.__setattr__(self, "method", spec.name)
+        if int(self.budget) < 0:
+            raise ConfigError(f"budget must be >= 0, got {self.budget}; fix: pass a node budget such as "
+                              f"{DEFAULT_BUDGET} (0 = no drafts)")
         if self.chain_length is not None and int(self.chain_length) < 0:
             raise ConfigError(f"chain_length must be >= 0, got {self.chain_length}; fix: pass None for a whole block")
         if int(self.drafts) < 0:
             raise ConfigError(f"drafts must be >= 0, got {self.drafts}; fix: pass --drafts K with K >= 1 (e.g. 4)")
-        if self.accept not in ACCEPT_RULES:
-            raise ConfigError(f"unknown acceptance rule {self.accept!r}; fix: use one of {', '.join(ACCEPT_RULES)}")
+        if get_accept(self.accept).name not in spec.accepts:
+            raise ConfigError(f"method {spec.name} does not take the {self.accept} rule; fix: use one of "
+                              f"{', '.join(spec.accepts)}")
         if int(self.max_new_tokens) < 0:
             raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.block_size is not None and int(self.block_size) < 1:
@@ -85,39 +81,26 @@ class ARSpecConfig:
         object.__setattr__(self, "stop_token_ids", stop_id_tuple(self.stop_token_ids))
 
     @property
+    def spec(self) -> Method:
+        """The method object :attr:`method` names (:mod:`spiffy.arspec.methods`)."""
+        return get_method(self.method)
+
+    @property
     def uses_drafter(self) -> bool:
-        """Whether any round drafts (DDTree with budget 0 and a chain of length 0 run as plain AR)."""
-        if self.method == "ddtree":
-            return int(self.tree_budget) > 0
-        if self.method == "specdiff" and int(self.drafts) == 0:
-            return False
-        if self.method in CHAIN_METHODS or self.method == "specdiff":
-            return self.chain_length is None or int(self.chain_length) > 0
-        return False
+        """Whether any round drafts (a zero budget, chain length or draft count runs as plain AR)."""
+        return self.spec.drafts(self)
 
     def draft_depth(self, block: int) -> int:
         """Deepest drafted position per round for a block of ``block`` tokens (before the ``max_new_tokens`` cap)."""
-        if not self.uses_drafter:
-            return 0
-        depth = block - 1
-        if self.method != "ddtree" and self.chain_length is not None:
-            depth = min(depth, int(self.chain_length))
-        return depth
+        return self.spec.draft_depth(self, block)
 
-    def reported_budget(self, block: int) -> int:
-        """Draft nodes per round as reported in results: the tree budget, the chain length (times the number of
-        drafts for specdiff: an upper bound, common prefixes are merged), or 0 for AR."""
-        if self.method == "ddtree":
-            return int(self.tree_budget)
-        if self.method in CHAIN_METHODS or self.method == "specdiff":
-            length = self.draft_depth(block) if self.chain_length is not None else block - 1
-            return length * (int(self.drafts) if self.method == "specdiff" else 1)
-        return 0
+    def draft_nodes(self, block: int) -> int:
+        """Draft nodes per round as results report them (``ARGenerationResult.budget``): the budget of a tree
+        method, the chain length (times the number of drafts for specdiff: an upper bound), 0 for AR."""
+        return self.spec.draft_nodes(self, block)
 
     @property
     def samples_drafts(self) -> bool:
         """Whether draft tokens are sampled from the drafter (specdiff always; the chain methods under the
         rejection rule at T > 0, where sampling from ``q`` is what makes ``min(1, p/q)`` the acceptance)."""
-        if self.method == "specdiff":
-            return True
-        return self.method in CHAIN_METHODS and self.accept == "rejection" and float(self.sampling.temperature) > 0
+        return self.spec.samples(self)

@@ -35,12 +35,12 @@ the step that fixed it. One step (the default) gives the position-wise marginals
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable, Sequence
 
 import torch
 from torch import nn
 
-from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter
+from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter, append_rows, new_rows, stack_caches
 from spiffy.errors import ConfigError
 from spiffy.models.ar_drafters import check_dllm_compatible, dllm_drafter_settings
 from spiffy.models.cache import KVCache
@@ -81,7 +81,7 @@ class DraftPass:
 
 
 class DLLMDrafter:
-    """:class:`~spiffy.arspec.Drafter` for a dLLM checkpoint (SDAR, LLaDA or Dream model of spiffy).
+    """:class:`~spiffy.arspec.drafter.BatchDrafter` for a dLLM checkpoint (SDAR, LLaDA or Dream model of spiffy).
 
     Args:
         model: the loaded dLLM (``spiffy.models.load_ar_drafter`` / ``load_model``).
@@ -164,10 +164,45 @@ class DLLMDrafter:
         """After ``step`` ran in a forward shared with other rows: append the kept committed rows' K/V (per layer
         ``[1, H, keep - start, D]``) to the cache and drop them from the pending tokens, as :meth:`propose` does."""
         assert self._cache is not None, "absorb before attach()"
-        for i, (k, v) in enumerate(zip(keys, values)):
-            if k is not None and v is not None and k.shape[-2] > 0:
-                self._cache.append(i, k, v)
+        append_rows(self._cache, keys, values)
         self._pending = self._pending[step.keep - step.start :]
+
+    def batch_key(self) -> Hashable | None:
+        """Rows of one model with one layout share a forward when they denoise in one step."""
+        if self.denoise_steps != 1:
+            return None
+        return (id(self.model), self.layout, self.attention_block, self.shifted)
+
+    @classmethod
+    def propose_batch(cls, drafters: Sequence["DLLMDrafter"], roots: Sequence[tuple[int, int]],
+                      depths: Sequence[int]) -> list[torch.Tensor]:
+        """One dLLM forward over ``[cached prefix ; newly committed tokens ; root, MASK x depth]`` of every row."""
+        passes = [d.draft_pass(tok, pos, depth) for d, (tok, pos), depth in zip(drafters, roots, depths)]
+        first = drafters[0]
+        dev = first._device
+        b = len(drafters)
+        cache, lengths, width_cache = stack_caches([d._cache for d in drafters], first._num_layers)  # type: ignore[misc]
+        width = max(len(p.ids) for p in passes)
+        ids = torch.full((b, width), first.mask_token_id, dtype=torch.long, device=dev)
+        positions = torch.zeros((b, width), dtype=torch.long, device=dev)
+        # padding queries see only themselves (their outputs are discarded); every padding key is hidden
+        visible = torch.eye(width, dtype=torch.bool, device=dev)
+        visible = torch.cat([torch.zeros((width, width_cache), dtype=torch.bool, device=dev), visible], dim=1)
+        visible = visible[None].repeat(b, 1, 1)
+        for r, p in enumerate(passes):
+            q = len(p.ids)
+            ids[r, :q] = torch.tensor(p.ids, dtype=torch.long, device=dev)
+            positions[r] = p.start + torch.arange(width, device=dev)
+            own = p.mask[0, 0].to(dev)  # [q, start + q]
+            visible[r, :q, width_cache - lengths[r] : width_cache] = own[:, : p.start]
+            visible[r, :q, width_cache : width_cache + q] = own[:, p.start :]
+        logits = first.model(ids, attention_mask=visible[:, None], position_ids=positions, past_key_values=cache,
+                             cache_policy="append").logits
+        out = []
+        for r, (d, p) in enumerate(zip(drafters, passes)):
+            d.absorb(p, *new_rows(cache, width_cache, r, p.keep - p.start))
+            out.append(logits[r, p.first : p.first + p.depth])
+        return out
 
     def propose(self, root_token: int, root_position: int, depth: int) -> torch.Tensor:
         """``[depth, V]`` logits for positions ``root_position + 1 .. root_position + depth`` (one forward, or

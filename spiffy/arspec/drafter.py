@@ -4,25 +4,33 @@ A drafter proposes, in one pass, a distribution for each of the next ``depth`` p
 pending bonus token), conditioned on the committed context and whatever state it keeps. After each verification it
 is told which tokens joined the committed context (:class:`ContextUpdate`).
 
-Lifecycle within one generation::
+Lifecycle within one generation (every generation is a batch; a drafter follows one row of it)::
 
+    drafter.check(target)                        # raise DrafterMismatchError unless it fits the target
     drafter.attach(target)                       # before the prefill: bind to the target, fresh state
     drafter.commit(ContextUpdate(prompt...))     # after the prefill
     loop: logits = drafter.propose(root_token, root_position, depth)   # [depth, V]
           ... build, verify ...
           drafter.commit(ContextUpdate(root + accepted tokens ...))
-    drafter.detach()                             # always (finally)
+    drafter.detach()                             # always (finally), or when its row leaves the batch
+
+A drafter may also propose for several rows in ONE forward (:class:`BatchDrafter`): drafters whose
+:meth:`~BatchDrafter.batch_key` agree share the forward of their class's :meth:`~BatchDrafter.propose_batch`, which
+gives each row what it proposes alone. The stacked-cache helpers (:func:`stack_caches`, :func:`new_rows`) serve
+those forwards: each row's drafter keeps its own context cache (what it holds when its prompt is decoded alone);
+for the shared forward the caches are stacked, left padded to the longest (per layer ``[B, H, C_max, D]``), each
+row's new rows padded on the right, and one boolean mask hides every padding key from every row.
 
 :class:`DFlashDrafter` conditions on target features (hidden states of chosen target layers, captured by
-:class:`~spiffy.models.dflash.TargetFeatureHooks` during the target's own forwards). A standalone drafter (a dLLM
-conditioned on the committed tokens, issue 13's DEER / SpecDiff-2) implements the same four methods from
-``ContextUpdate.tokens`` alone and ignores ``target_rows``.
+:class:`~spiffy.models.dflash.TargetFeatureHooks` during the target's own forwards; the update names the batch row).
+A standalone drafter (a dLLM conditioned on the committed tokens: :class:`~spiffy.arspec.DLLMDrafter`) implements
+the same methods from ``ContextUpdate.tokens`` alone and ignores ``target_rows``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Hashable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -32,7 +40,7 @@ from spiffy.models.cache import KVCache
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, check_compatible
 from spiffy.torch_utils import execution_device
 
-__all__ = ["ContextUpdate", "Drafter", "DFlashDrafter"]
+__all__ = ["BatchDrafter", "ContextUpdate", "Drafter", "DFlashDrafter", "append_rows", "new_rows", "stack_caches"]
 
 
 @dataclass(frozen=True)
@@ -44,11 +52,14 @@ class ContextUpdate:
         start: absolute position of ``tokens[0]``.
         target_rows: the rows of the latest target forward that computed these tokens, one per token (features
             of these rows describe the committed context; rows not listed belonged to rejected drafts).
+        batch_row: the batch row of the latest target forward that holds this generation (0 for one prompt; rows
+            are renumbered as finished ones leave the batch).
     """
 
     tokens: Sequence[int]
     start: int
     target_rows: Sequence[int]
+    batch_row: int = 0
 
 
 @runtime_checkable
@@ -60,6 +71,11 @@ class Drafter(Protocol):
     """
 
     block_size: int
+
+    def check(self, target: nn.Module) -> None:
+        """Raise :class:`~spiffy.errors.DrafterMismatchError` unless the drafter fits ``target`` (called for every
+        drafter given, even when the run drafts nothing)."""
+        ...
 
     def attach(self, target: nn.Module) -> None:
         """Bind to ``target`` before its prefill and start from an empty context (raise on a mismatch)."""
@@ -83,8 +99,67 @@ class Drafter(Protocol):
         ...
 
 
+@runtime_checkable
+class BatchDrafter(Drafter, Protocol):
+    """A :class:`Drafter` whose rows can share one drafting forward (the capability "proposes for a whole batch")."""
+
+    def batch_key(self) -> Hashable | None:
+        """Drafters of one class with equal keys share a forward; ``None``: this one proposes alone."""
+        ...
+
+    @classmethod
+    def propose_batch(cls, drafters: Sequence["BatchDrafter"], roots: Sequence[tuple[int, int]],
+                      depths: Sequence[int]) -> list[torch.Tensor]:
+        """Each row's ``[depth, V]`` logits, in one forward, equal to what ``drafters[i].propose(*roots[i],
+        depths[i])`` gives alone (each row's state advances as it would alone)."""
+        ...
+
+
+def stack_caches(caches: Sequence[KVCache], num_layers: int) -> tuple[KVCache, list[int], int]:
+    """One batch cache of the rows' caches, left padded; returns it, each row's length and the padded length."""
+    lengths = [c.get_seq_length() for c in caches]
+    width = max(lengths)
+    batched = KVCache(num_layers)
+    if width == 0:
+        return batched, lengths, 0
+    ref = next(c for c, n in zip(caches, lengths) if n > 0)
+    for layer in range(num_layers):
+        k0, v0 = ref.layer(layer)
+        assert k0 is not None and v0 is not None
+        keys = k0.new_zeros((len(caches), k0.shape[1], width, k0.shape[3]))
+        values = v0.new_zeros((len(caches), v0.shape[1], width, v0.shape[3]))
+        for r, (c, n) in enumerate(zip(caches, lengths)):
+            if n:
+                k, v = c.layer(layer)
+                keys[r, :, width - n :] = k[0]  # type: ignore[index]
+                values[r, :, width - n :] = v[0]  # type: ignore[index]
+        batched.keys[layer], batched.values[layer] = keys, values
+    return batched, lengths, width
+
+
+def new_rows(cache: KVCache, start: int, row: int, count: int) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Row ``row``'s K/V of batch-cache positions ``[start, start + count)``, per layer ``[1, H, count, D]``."""
+    keys: list[torch.Tensor | None] = []
+    values: list[torch.Tensor | None] = []
+    for k, v in zip(cache.keys, cache.values):
+        if k is None or v is None or count == 0:
+            keys.append(None)
+            values.append(None)
+        else:
+            keys.append(k[row : row + 1, :, start : start + count])
+            values.append(v[row : row + 1, :, start : start + count])
+    return keys, values
+
+
+def append_rows(cache: KVCache, keys: list[torch.Tensor | None], values: list[torch.Tensor | None]) -> None:
+    """Append per-layer K/V ``[1, H, N, D]`` (``None`` or empty: nothing) to ``cache``."""
+    for i, (k, v) in enumerate(zip(keys, values)):
+        if k is not None and v is not None and k.shape[-2] > 0:
+            cache.append(i, k, v)
+
+
 class DFlashDrafter:
-    """:class:`Drafter` for a :class:`~spiffy.models.dflash.DFlashDraftModel` (target-feature conditioned).
+    """:class:`BatchDrafter` for a :class:`~spiffy.models.dflash.DFlashDraftModel` (target-feature conditioned).
 
     The block ``[root, MASK x depth]`` is embedded with the target's embeddings and read out through the target's
     ``lm_head``; the drafter's context K/V cache holds exactly the committed rows' projected features.
@@ -106,24 +181,12 @@ class DFlashDrafter:
         self._pending: torch.Tensor | None = None
         self._block: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
-        self._owns_hooks = True
-        #: batched generation: which row of the target's batch this drafter follows (``None``: batch of one)
-        self.batch_row: int | None = None
 
     def check(self, target: nn.Module) -> None:
         """Raise :class:`~spiffy.errors.DrafterMismatchError` unless the model fits ``target``."""
         check_compatible(self.model, target)
 
     def attach(self, target: nn.Module) -> None:
-        self._bind(target, None)
-
-    def attach_row(self, target: nn.Module, hooks: TargetFeatureHooks, row: int) -> None:
-        """Batched generation: follow batch row ``row`` of ``target``, reading features from ``hooks`` shared by
-        every row's drafter (the caller owns them: it clears them after each forward's commits and removes them)."""
-        self._bind(target, hooks)
-        self.batch_row = int(row)
-
-    def _bind(self, target: nn.Module, hooks: TargetFeatureHooks | None) -> None:
         self.check(target)
         embed = target.get_input_embeddings()
         device = execution_device(embed)  # the embedding's weight may be offloaded (device_map)
@@ -134,8 +197,7 @@ class DFlashDrafter:
             )
         self._embed = embed
         self._head = target.lm_head
-        self._owns_hooks = hooks is None
-        self._hooks = TargetFeatureHooks(target, self.model.target_layer_ids) if hooks is None else hooks
+        self._hooks = TargetFeatureHooks(target, self.model.target_layer_ids)
         self._cache = self.model.new_cache()
         self._pending = None
         # allocated once per generation: the block (slot 0 takes the root each round) and a position ramp
@@ -160,44 +222,72 @@ class DFlashDrafter:
         self._pending = self._pending[:, :0]  # the new context is in the drafter's cache now
         return self.model.compute_logits(hidden[0, 1:], self._head)
 
-    def batch_inputs(self) -> tuple[torch.Tensor, KVCache, nn.Module, nn.Module]:
-        """What a drafting forward shared with other rows (:mod:`spiffy.arspec.batch_draft`) needs from this row:
-        the pending context features ``[1, N, F]``, the context cache, the target's embeddings and ``lm_head``."""
-        if self._hooks is None or self._pending is None or self._cache is None:
-            raise RuntimeError("DFlashDrafter.batch_inputs before attach() and the prompt's commit()")
-        return self._pending, self._cache, self._embed, self._head  # type: ignore[return-value]
-
-    def batch_absorb(self, keys: list[torch.Tensor | None], values: list[torch.Tensor | None]) -> None:
-        """After a shared drafting forward: append this row's new context K/V (per layer ``[1, H, N, D]``, ``None``
-        for none) to its cache, as :meth:`propose` would have, and clear the pending context."""
-        assert self._cache is not None and self._pending is not None, "batch_absorb before batch_inputs"
-        for i, (k, v) in enumerate(zip(keys, values)):
-            if k is not None and v is not None and k.shape[-2] > 0:
-                self._cache.append(i, k, v)
-        self._pending = self._pending[:, :0]
-
     def commit(self, update: ContextUpdate) -> None:
-        """Queue the committed rows' target features as the next draft's new context (block K/V are never
-        cached, so nothing drafted needs rolling back)."""
+        """Queue the committed rows' target features (of batch row ``update.batch_row``) as the next draft's new
+        context (block K/V are never cached, so nothing drafted needs rolling back)."""
         if self._hooks is None:
             raise RuntimeError("DFlashDrafter.commit before attach()")
-        feats = self._hooks.features()
-        if self.batch_row is not None:
-            feats = feats[self.batch_row : self.batch_row + 1]
-        feats = feats[:, list(update.target_rows)]
+        feats = self._hooks.features(update.batch_row)[:, list(update.target_rows)]
         if self._pending is None or self._pending.shape[1] == 0:
             self._pending = feats
         else:
             self._pending = torch.cat([self._pending, feats], dim=1)
-        if self._owns_hooks:
-            self._hooks.clear()
+        self._hooks.clear()
 
     def detach(self) -> None:
-        if self._hooks is not None and self._owns_hooks:
+        if self._hooks is not None:
             self._hooks.remove()
         self._hooks = None
         self._cache = None
         self._pending = None
         self._block = None
         self._positions = None
-        self.batch_row = None
+
+    def batch_key(self) -> Hashable | None:
+        """Rows of one drafter model share a forward, unless the model's forward or head is overridden or it has
+        sliding-window layers (whose mask assumes one unpadded row)."""
+        model = self.model
+        plain = (type(model).forward is DFlashDraftModel.forward
+                 and type(model).compute_logits is DFlashDraftModel.compute_logits)
+        return id(model) if plain and not any(model.sliding_layers) else None
+
+    @classmethod
+    def propose_batch(cls, drafters: Sequence["DFlashDrafter"], roots: Sequence[tuple[int, int]],
+                      depths: Sequence[int]) -> list[torch.Tensor]:
+        """One DFlash forward over ``[cached context ; new context ; root, MASK x depth]`` of every row."""
+        for d in drafters:
+            if d._hooks is None or d._pending is None or d._cache is None:
+                raise RuntimeError("DFlashDrafter.propose_batch before attach() and the prompt's commit()")
+        model = drafters[0].model
+        embed, head = drafters[0]._embed, drafters[0]._head
+        dev = model.device
+        b = len(drafters)
+        n_ctx = [int(d._pending.shape[1]) for d in drafters]  # type: ignore[union-attr]
+        width_ctx = max(n_ctx)
+        blocks = [int(depth) + 1 for depth in depths]
+        width_blk = max(blocks)
+        first = drafters[0]._pending
+        feats = first.new_zeros((b, width_ctx, first.shape[-1]))  # type: ignore[union-attr]
+        ids = torch.full((b, width_blk), model.mask_token_id, dtype=torch.long, device=dev)
+        positions = torch.zeros((b, width_ctx + width_blk), dtype=torch.long, device=dev)
+        ramp = torch.arange(width_blk, device=dev)
+        for r, (d, (tok, pos)) in enumerate(zip(drafters, roots)):
+            n = n_ctx[r]
+            feats[r, :n] = d._pending[0]  # type: ignore[index]
+            ids[r, 0] = int(tok)
+            positions[r, :n] = torch.arange(pos - n, pos, device=dev)
+            positions[r, width_ctx:] = pos + ramp
+        cache, lengths, width_cache = stack_caches([d._cache for d in drafters], model.num_layers)  # type: ignore[misc]
+        keys = torch.arange(width_cache + width_ctx + width_blk, device=dev)
+        visible = torch.zeros((b, keys.numel()), dtype=torch.bool, device=dev)
+        for r in range(b):
+            visible[r, width_cache - lengths[r] : width_cache] = True
+            visible[r, width_cache : width_cache + n_ctx[r]] = True
+            visible[r, width_cache + width_ctx : width_cache + width_ctx + blocks[r]] = True
+        hidden = model(feats, embed(ids), positions, past_key_values=cache, attention_mask=visible[:, None, None, :])  # type: ignore[misc]
+        out = []
+        for r, d in enumerate(drafters):
+            append_rows(d._cache, *new_rows(cache, width_cache, r, n_ctx[r]))  # type: ignore[arg-type]
+            d._pending = d._pending[:, :0]  # type: ignore[index]
+            out.append(model.compute_logits(hidden[r, 1 : blocks[r]], head))
+        return out

@@ -1,19 +1,23 @@
-"""The stages of one AR speculative round, each a small function, and the clock that times them.
+"""The stages of one batched AR speculative round, each a small function over tensors, and the clock that times them.
 
-One round, starting from the committed context (target K/V cache of length ``C``) and the pending root (bonus)
-token at position ``p0``:
+Every generation is a batch (one prompt is a batch of one). A round starts from the committed context (one target
+K/V cache of ``B`` rows with a per-row validity mask ``valid [B, C]``) and each row's pending root (bonus) token at
+its position ``p0``:
 
-1. :func:`draft`: the drafter proposes ``[L, V]`` logits for positions ``p0 + 1 .. p0 + L``;
-2. :func:`build_tree`: DDTree (:func:`~spiffy.arspec.tree.build_ddtree`, the optimal ``tree_budget``-node tree),
-   the DFlash chain (argmax per depth) or nothing (plain AR);
-3. :func:`compile_round`: ``[root, nodes...]`` through :func:`spiffy.verify.compile_tree` (node position = ``p0`` +
-   depth; every row sees the committed cache, its ancestors and itself);
-4. :func:`verify`: ONE target forward over all rows on top of the cache, giving lazy per-node target logits;
-   the acceptance rule then walks the tree;
-5. :func:`commit`: the target's K/V of the accepted rows are moved to the front of the appended window and the
-   rest cropped (the drafter is told the same rows).
+1. :func:`draft`: each row's drafter proposes ``[L, V]`` logits for positions ``p0 + 1 .. p0 + L`` (rows whose
+   drafters share a model in one forward, :class:`~spiffy.arspec.drafter.BatchDrafter`);
+2. :func:`build_trees`: each row's method builds its draft structure (:meth:`spiffy.arspec.methods.Method.build_tree`);
+3. :func:`compile_round`: every row's ``[root, nodes...]`` through :func:`spiffy.verify.compile_tree_rows` into
+   preallocated staging buffers (:class:`RoundBuffers`): ids, positions ``[B, R]`` and a 4-D mask (a row sees its
+   own committed context, its ancestors and itself);
+4. :func:`verify`: ONE target forward over those tensors on top of the cache. It takes tensors only and returns
+   the final hidden states ``[B, R, H]``: the seam where ``torch.compile`` or CUDA-graph capture can wrap the step;
+   each row's acceptance rule then walks its tree on lazily computed logits;
+5. :func:`commit`: each row's kept K/V rows move to the front of the appended window, the window is cropped to the
+   longest kept list and the shorter rows' trailing columns are marked invalid (holes, never seen again: position
+   ids are explicit); :func:`drop_rows` removes finished rows from the cache batch.
 
-The prefill (:func:`prefill`) is the round-zero forward over the prompt.
+The prefill (:func:`prefill_inputs`, :func:`prefill`) is the round-zero forward over the left-padded prompts.
 """
 
 from __future__ import annotations
@@ -26,28 +30,29 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from spiffy.arspec.config import ARSpecConfig
-from spiffy.arspec.drafter import Drafter
-from spiffy.arspec.rules import TargetLogits
-from spiffy.arspec.sampling import tempered
-from spiffy.arspec.selfselect import build_sampled_tree, proposal_probs, sample_drafts
-from spiffy.arspec.tree import DraftTree, build_chain, build_ddtree, empty_tree
-from spiffy.errors import ConfigError
+from spiffy.arspec.drafter import BatchDrafter, Drafter
+from spiffy.arspec.methods import DraftKnobs, Method
+from spiffy.arspec.tree import DraftTree
+from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.torch_utils import execution_device
-from spiffy.verify import CompiledDraft, compile_tree
+from spiffy.verify import CompiledDraft, compile_tree_rows
 
 __all__ = [
     "STAGES",
+    "RoundBuffers",
     "StageClock",
     "TargetRunner",
-    "prefill",
-    "draft",
-    "build_tree",
-    "compile_round",
-    "verify",
+    "build_trees",
+    "cache_tensors_with_index",
+    "check_context",
     "commit",
-    "compact_cache",
+    "compile_round",
+    "draft",
+    "drop_rows",
+    "prefill",
+    "prefill_inputs",
     "sync",
+    "verify",
 ]
 
 STAGES: tuple[str, ...] = ("draft", "tree_build", "compile", "verify", "commit")
@@ -84,8 +89,8 @@ class TargetRunner:
 
     Attributes:
         backbone: ``target.model`` (hidden states); lm_head: ``target.lm_head``.
-        device, dtype: of the target's embeddings (the attention mask is built in this dtype).
-        cache: a transformers ``DynamicCache`` holding exactly the committed context.
+        device, dtype: of the target's embeddings (inputs and the attention mask are built there, in this dtype).
+        cache: a transformers ``DynamicCache`` holding exactly the committed context of every batch row.
     """
 
     backbone: nn.Module
@@ -96,7 +101,8 @@ class TargetRunner:
 
     @classmethod
     def for_target(cls, target: nn.Module) -> "TargetRunner":
-        """Split ``target`` (a transformers ``Qwen3ForCausalLM`` with sdpa or eager attention); fresh cache."""
+        """Split ``target`` (a transformers decoder such as ``Qwen3ForCausalLM``, sdpa or eager attention); fresh
+        cache."""
         backbone = getattr(target, "model", None)
         head = getattr(target, "lm_head", None)
         if backbone is None or head is None:
@@ -114,73 +120,139 @@ class TargetRunner:
 
     @property
     def context_len(self) -> int:
-        """Committed positions in the cache."""
+        """Cached positions (committed context plus holes; the same for every batch row)."""
         return int(self.cache.get_seq_length())
 
 
-def prefill(runner: TargetRunner, prompt: torch.Tensor) -> torch.Tensor:
-    """Forward the prompt ``[1, P]`` into the empty cache; returns ``[1, V]`` logits of the first new token."""
-    n_prompt = int(prompt.shape[1])
-    out = runner.backbone(
-        input_ids=prompt,
-        position_ids=torch.arange(n_prompt, device=runner.device).view(1, -1),
-        past_key_values=runner.cache,
-        use_cache=True,
-    )
+def check_context(target: nn.Module, prompt_len: int, max_new_tokens: int) -> None:
+    """PromptTooLongError unless ``prompt_len + max_new_tokens`` fits the target's ``max_position_embeddings``."""
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit is not None and prompt_len + max_new_tokens > int(limit):
+        raise PromptTooLongError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the target's context of {limit}; "
+            "fix: shorten the prompt or lower max_new_tokens"
+        )
+
+
+@dataclass
+class RoundBuffers:
+    """Host staging of one round's verification inputs, allocated once per generation for its widest round and
+    filled in place every round (:func:`spiffy.verify.compile_tree_rows`'s ``staging``).
+
+    Attributes:
+        ids, positions: ``[B, W]`` long; visible: ``[B, W, W]`` bool (``W`` = 1 + the most draft nodes of a round).
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, width: int) -> "RoundBuffers":
+        return cls(torch.empty(rows, width, dtype=torch.long), torch.empty(rows, width, dtype=torch.long),
+                   torch.empty(rows, width, width, dtype=torch.bool))
+
+    def ensure(self, rows: int, width: int) -> "RoundBuffers":
+        """These buffers if a round of ``rows`` x ``width`` fits them, else larger ones."""
+        if self.ids.shape[0] >= rows and self.ids.shape[1] >= width:
+            return self
+        return RoundBuffers.allocate(max(rows, int(self.ids.shape[0])), max(width, int(self.ids.shape[1])))
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device),
+                       torch.full((), torch.finfo(dtype).min, dtype=dtype, device=visible.device))
+
+
+def prefill_inputs(prompts: Sequence[Sequence[int]], device: torch.device, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]]:
+    """The prefill's tensors for left-padded prompts.
+
+    Returns:
+        ``(ids [B, P], positions [B, P], mask [B, 1, P, P] or None, valid [B, P] bool, pads)``: a row's position ids
+        count from its first real token; its padding columns are invalid and seen by no row. ``mask`` is ``None``
+        when no row is padded (the model's own causal mask: a batch of one runs exactly as one sequence).
+    """
+    width = max(len(p) for p in prompts)
+    pads = [width - len(p) for p in prompts]
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, pads[b]:] = torch.tensor(list(p), dtype=torch.long)
+    ids = ids.to(device)
+    cols = torch.arange(width, device=device)
+    if not any(pads):
+        return ids, cols.view(1, -1).expand(len(prompts), -1), None, torch.ones_like(ids, dtype=torch.bool), pads
+    pad_t = torch.tensor(pads, dtype=torch.long, device=device)
+    valid = cols.view(1, -1) >= pad_t.view(-1, 1)
+    visible = (cols.view(-1, 1) >= cols.view(1, -1)).unsqueeze(0) & valid.unsqueeze(1)
+    visible = visible | torch.eye(width, dtype=torch.bool, device=device).unsqueeze(0)  # padding rows see themselves
+    positions = (cols.view(1, -1) - pad_t.view(-1, 1)).clamp(min=0)
+    return ids, positions, _additive(visible, dtype).unsqueeze(1), valid, pads
+
+
+def prefill(runner: TargetRunner, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Forward the prompts ``[B, P]`` into the empty cache; returns ``[B, V]`` logits of each row's first new token."""
+    out = runner.backbone(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=runner.cache,
+                          use_cache=True)
     return runner.lm_head(out.last_hidden_state[:, -1])
 
 
-def draft(drafter: Drafter | None, root_token: int, root_position: int, depth: int) -> torch.Tensor | None:
-    """``[depth, V]`` drafter logits for the positions after the root, or ``None`` when nothing is drafted."""
-    if drafter is None or depth <= 0:
-        return None
-    return drafter.propose(root_token, root_position, depth)
+def draft(drafters: Sequence[Drafter | None], roots: Sequence[tuple[int, int]], depths: Sequence[int]
+          ) -> list[torch.Tensor | None]:
+    """Every row's ``[depth, V]`` draft logits (``None``: no drafter or nothing to draft), with one forward per group
+    of rows whose :class:`~spiffy.arspec.drafter.BatchDrafter` keys agree; any other row proposes alone.
 
-
-def build_tree(config: ARSpecConfig, draft_logits: torch.Tensor | None, root_position: int = 0) -> DraftTree:
-    """The draft structure of one round from the drafter's ``[L, V]`` logits.
-
-    ``dflash`` / ``deer``: the argmax chain, or (:attr:`ARSpecConfig.samples_drafts`: rejection rule at T > 0) one
-    draft sampled from the drafter; ``specdiff``: ``drafts`` joint drafts sampled from the drafter's position-wise
-    marginals and merged into one tree (:mod:`spiffy.arspec.selfselect`; draws keyed by ``root_position``);
-    ``ddtree``: the optimal ``tree_budget``-node tree of the drafter's distribution at the sampling temperature
-    (:func:`~spiffy.arspec.sampling.tempered`); no logits: an empty tree (plain AR).
+    Args:
+        drafters: one drafter per row (``None``: plain AR).
+        roots: ``(root token, root position)`` per row.
+        depths: positions to draft after each root.
     """
-    if draft_logits is None:
-        return empty_tree()
-    if config.samples_drafts:
-        probs = proposal_probs(draft_logits, config.sampling)
-        count = int(config.drafts) if config.method == "specdiff" else 1
-        return build_sampled_tree(probs, sample_drafts(probs, count, config.sampling, root_position))
-    if config.method != "ddtree":
-        return build_chain(draft_logits)
-    scores = tempered(draft_logits, float(config.sampling.temperature))
-    return build_ddtree(torch.log_softmax(scores, dim=-1), int(config.tree_budget))
+    out: list[torch.Tensor | None] = [None] * len(drafters)
+    drafting = [i for i, (d, depth) in enumerate(zip(drafters, depths)) if d is not None and depth > 0]
+    if len(drafting) == 1:  # nothing to share a forward with
+        i = drafting[0]
+        out[i] = drafters[i].propose(roots[i][0], roots[i][1], int(depths[i]))  # type: ignore[union-attr]
+        return out
+    groups: dict[Any, list[int]] = {}
+    for i in drafting:
+        d = drafters[i]
+        key = d.batch_key() if isinstance(d, BatchDrafter) else None
+        groups.setdefault(("alone", i) if key is None else (type(d), key), []).append(i)
+    for key, rows in groups.items():
+        if len(rows) == 1:
+            i = rows[0]
+            out[i] = drafters[i].propose(roots[i][0], roots[i][1], int(depths[i]))  # type: ignore[union-attr]
+            continue
+        logits = key[0].propose_batch([drafters[i] for i in rows], [roots[i] for i in rows],
+                                      [int(depths[i]) for i in rows])
+        for i, lg in zip(rows, logits):
+            out[i] = lg
+    return out
 
 
-def compile_round(
-    runner: TargetRunner, tree: DraftTree, root_token: int, root_position: int, root_rows: tuple[torch.Tensor, torch.Tensor]
-) -> CompiledDraft:
-    """Model inputs ``[1, 1 + N]`` for ``[root, nodes...]`` with the tree mask over ``[cache ; rows]``.
+def build_trees(methods: Sequence[Method], configs: Sequence[DraftKnobs], draft_logits: Sequence[torch.Tensor | None],
+                roots: Sequence[tuple[int, int]]) -> list[DraftTree]:
+    """Each row's draft structure: its method's :meth:`~spiffy.arspec.methods.Method.build_tree`."""
+    return [m.build_tree(c, lg, pos) for m, c, lg, (_tok, pos) in zip(methods, configs, draft_logits, roots)]
 
-    ``root_rows`` is a pair of ``[1]`` long CPU buffers reused across rounds (filled here with the root).
+
+def compile_round(trees: Sequence[DraftTree], roots: Sequence[tuple[int, int]], valid: torch.Tensor,
+                  dtype: torch.dtype, buffers: RoundBuffers) -> tuple[CompiledDraft, list[int]]:
+    """Model inputs ``[B, R]`` for every row's ``[root, nodes...]`` with the tree mask over ``[cache ; rows]``.
+
+    Returns ``(compiled, rows)``: row ``b`` occupies verification rows ``[0, rows[b])``.
     """
-    root_rows[0][0] = int(root_token)
-    root_rows[1][0] = int(root_position)
-    return compile_tree(
-        tree.tokens,
-        tree.depths + root_position,
-        tree.parents,
-        context_len=runner.context_len,
-        dtype=runner.dtype,
-        device=runner.device,
-        prefix_rows=root_rows,
-        max_depth=tree.max_depth(),  # host-side tree: no per-level device sync while building the mask
+    return compile_tree_rows(
+        [(t.tokens, t.depths + pos, t.parents) for t, (_tok, pos) in zip(trees, roots)],
+        [(torch.tensor([tok]), torch.tensor([pos])) for tok, pos in roots],
+        valid, dtype=dtype, max_depths=[t.max_depth() for t in trees],
+        staging=(buffers.ids, buffers.positions, buffers.visible),
     )
 
 
-def verify(runner: TargetRunner, compiled: CompiledDraft) -> TargetLogits:
-    """ONE target forward over the compiled rows on top of the cache (their K/V are appended to it)."""
+def verify(runner: TargetRunner, compiled: CompiledDraft) -> torch.Tensor:
+    """ONE target forward over the compiled rows on top of the cache (their K/V are appended to it); returns the
+    final hidden states ``[B, R, H]`` (the head runs lazily, per visited node: :class:`~spiffy.arspec.TargetLogits`)."""
     out = runner.backbone(
         input_ids=compiled.input_ids,
         position_ids=compiled.position_ids,
@@ -188,7 +260,7 @@ def verify(runner: TargetRunner, compiled: CompiledDraft) -> TargetLogits:
         past_key_values=runner.cache,
         use_cache=True,
     )
-    return TargetLogits(out.last_hidden_state[0], runner.lm_head)
+    return out.last_hidden_state
 
 
 def cache_tensors_with_index(cache: Any, index: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -208,24 +280,38 @@ def cache_tensors_with_index(cache: Any, index: torch.Tensor) -> Iterator[tuple[
             yield t, idx
 
 
-def compact_cache(cache: Any, start: int, rows: Sequence[int]) -> None:
-    """Keep cached positions ``[0, start)`` and ``start + rows`` (in that order); drop the rest of the window."""
-    total = int(cache.get_seq_length())
-    window = total - start
-    keep = len(rows)
-    if list(rows) != list(range(keep)):
-        cpu_src = torch.tensor([start + r for r in rows], dtype=torch.long)
-        for t, src in cache_tensors_with_index(cache, cpu_src):
-            t[..., start : start + keep, :] = t.index_select(-2, src)
-    if window > keep:
-        cache.crop(-(window - keep))  # transformers 5.x: a negative count of positions to drop
+def commit(runner: TargetRunner, valid: torch.Tensor, context_len: int, keep: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Keep each row's listed verification rows (root first) right behind the first ``context_len`` cached positions.
 
-
-def commit(runner: TargetRunner, context_len: int, accepted: Sequence[int]) -> list[int]:
-    """Keep the root's and the accepted nodes' K/V behind the first ``context_len`` cached positions.
-
-    Returns the kept rows of the verification forward (``[0] + [node + 1 ...]``).
+    Args:
+        valid: ``[B, context_len]`` bool, each row's visible cached positions before the round.
+        keep: per row, the kept rows of the verification forward (``[0] + [node + 1, ...]``), in order.
+    Returns:
+        ``[B, context_len + W]`` the new validity mask (``W`` = the longest kept list; shorter rows' trailing
+        columns are ``False``). Nothing moves when every row keeps a prefix of its window (a chain's accepted path).
     """
-    rows = [0] + [int(n) + 1 for n in accepted]
-    compact_cache(runner.cache, context_len, rows)
-    return rows
+    cache = runner.cache
+    width = max(len(k) for k in keep)
+    if any(list(k) != list(range(len(k))) for k in keep):
+        src = torch.tensor([[context_len + r for r in k] + [context_len + k[0]] * (width - len(k)) for k in keep],
+                           dtype=torch.long)
+        for t, idx in cache_tensors_with_index(cache, src):
+            index = idx.view(idx.shape[0], 1, width, 1).expand(t.shape[0], t.shape[1], width, t.shape[3])
+            t[:, :, context_len : context_len + width] = t.gather(2, index)
+    extra = int(cache.get_seq_length()) - (context_len + width)
+    if extra > 0:
+        cache.crop(-extra)  # transformers 5.x: a negative count of positions to drop
+    lengths = [len(k) for k in keep]
+    if min(lengths) == width:  # no holes (always so for one row)
+        new = valid.new_ones(len(keep), width)
+    else:
+        new = torch.arange(width, device=valid.device).view(1, -1) < torch.tensor(lengths, device=valid.device).view(-1, 1)
+    return torch.cat([valid[:, :context_len], new], dim=1)
+
+
+def drop_rows(runner: TargetRunner, valid: torch.Tensor, kept: Sequence[int]) -> torch.Tensor:
+    """Keep only batch rows ``kept`` (in that order) of the cache; returns their validity rows."""
+    idx = torch.tensor(list(kept), dtype=torch.long, device=valid.device)
+    if len(kept):
+        runner.cache.batch_select_indices(idx)
+    return valid[idx]

@@ -21,6 +21,18 @@ from typing import Any, Sequence
 import torch
 
 from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, speculative_generate
+from spiffy.arspec.methods import (
+    AR,
+    CHAIN_BASELINE,
+    DEFAULT_ACCEPT,
+    DFLASH_DRAFTER,
+    DLLM_DRAFTER,
+    METHODS,
+    REGISTRY,
+    Method,
+    get_accept,
+    get_method,
+)
 from spiffy.bench.common import (
     add_times,
     check_bench_inputs,
@@ -42,14 +54,18 @@ from spiffy.models.prompting import prompt_token_ids, stop_token_ids
 TAU_NOTE = "tau = tokens committed per verification round including the bonus token, macro average over responses"
 
 
-#: methods ``spiffy bench ar`` can run; ``ddtree-dllm`` is DDTree from the dLLM drafter's marginals
-BENCH_METHODS: tuple[str, ...] = ("ar", "dflash", "ddtree", "ddtree-dllm", "deer", "specdiff")
+#: methods ``spiffy bench ar`` can run: the registry's (:mod:`spiffy.arspec.methods`)
+BENCH_METHODS: tuple[str, ...] = METHODS
+#: the bench flag that supplies each drafter kind
+DRAFTER_FLAGS: dict[str, str] = {DFLASH_DRAFTER.name: "--drafter DIR", DLLM_DRAFTER.name: "--dllm-drafter DIR"}
+#: ``BenchEntry.drafter`` of a method without a drafter
+NO_DRAFTER = "none"
 
 
 @dataclass(frozen=True)
 class BenchEntry:
-    """One measured configuration: a method, its drafter (``"dflash"``, ``"dllm"`` or ``"none"``), the node budget
-    (ddtree) or number of drafts (specdiff), and the acceptance rule."""
+    """One measured configuration: a method of the registry, its drafter kind (``"dflash"``, ``"dllm"`` or
+    ``"none"``), the node budget (tree methods) or number of drafts (specdiff), and the acceptance rule."""
 
     name: str
     method: str
@@ -59,44 +75,42 @@ class BenchEntry:
     accept: str
 
 
+def _entries_of(method: Method, budgets: Sequence[int], drafts: Sequence[int]) -> list[BenchEntry]:
+    """One entry per size of ``method``'s sizing knob (``ddtree@64``, ``specdiff@K4``), or one entry."""
+    kind = method.drafter.name if method.drafter is not None else NO_DRAFTER
+    if method.size_knob == "budget":
+        return [BenchEntry(f"{method.name}@{b}", method.name, kind, int(b), 1, DEFAULT_ACCEPT) for b in budgets]
+    if method.size_knob == "drafts":
+        return [BenchEntry(f"{method.name}@K{k}", method.name, kind, None, int(k), DEFAULT_ACCEPT) for k in drafts]
+    return [BenchEntry(method.name, method.name, kind, None, 1, DEFAULT_ACCEPT)]
+
+
 def plan_entries(
     budgets: Sequence[int],
     *,
     methods: Sequence[str] | None = None,
-    accepts: Sequence[str] = ("coupled",),
+    accepts: Sequence[str] = (DEFAULT_ACCEPT,),
     drafts: Sequence[int] = (1, 4, 8),
     have_dflash: bool = True,
     have_dllm: bool = False,
 ) -> list[BenchEntry]:
     """The configurations of one bench run, AR first. ``methods`` (default: every one whose drafter is present)
-    picks among :data:`BENCH_METHODS`; each non-AR method runs once per rule in ``accepts`` (the coupled rule keeps
-    the historical names, e.g. ``ddtree@64``; the rejection rule appends ``/rejection``)."""
-    wanted = list(methods) if methods else [m for m in BENCH_METHODS if m in ("ar",)
-                                            or (have_dflash and m in ("dflash", "ddtree"))
-                                            or (have_dllm and m in ("ddtree-dllm", "deer", "specdiff"))]
+    picks among :data:`BENCH_METHODS`; each drafted method runs once per rule in ``accepts`` (the default rule keeps
+    the historical names, e.g. ``ddtree@64``; another rule appends ``/rule``)."""
+    present = {kind.name for kind, have in ((DFLASH_DRAFTER, have_dflash), (DLLM_DRAFTER, have_dllm)) if have}
+    wanted = list(methods) if methods else [m.name for m in REGISTRY.values()
+                                            if m.drafter is None or m.drafter.name in present]
     unknown = [m for m in wanted if m not in BENCH_METHODS]
     if unknown:
         raise ConfigError(f"unknown bench method(s) {', '.join(unknown)}; fix: choose from {', '.join(BENCH_METHODS)}")
-    for m in wanted:
-        if m in ("dflash", "ddtree") and not have_dflash:
-            raise ConfigError(f"bench method {m} needs a DFlash drafter; fix: pass --drafter DIR")
-        if m in ("ddtree-dllm", "deer", "specdiff") and not have_dllm:
-            raise ConfigError(f"bench method {m} needs a dLLM drafter; fix: pass --dllm-drafter DIR")
-    base: list[BenchEntry] = []
-    for m in wanted:
-        if m == "dflash":
-            base.append(BenchEntry("dflash", "dflash", "dflash", None, 1, "coupled"))
-        elif m == "ddtree":
-            base += [BenchEntry(f"ddtree@{b}", "ddtree", "dflash", int(b), 1, "coupled") for b in budgets]
-        elif m == "ddtree-dllm":
-            base += [BenchEntry(f"ddtree-dllm@{b}", "ddtree", "dllm", int(b), 1, "coupled") for b in budgets]
-        elif m == "deer":
-            base.append(BenchEntry("deer", "deer", "dllm", None, 1, "coupled"))
-        elif m == "specdiff":
-            base += [BenchEntry(f"specdiff@K{k}", "specdiff", "dllm", None, int(k), "coupled") for k in drafts]
-    entries = [BenchEntry("ar", "ar", "none", 0, 1, "coupled")]
+    for name in wanted:
+        kind = get_method(name).drafter
+        if kind is not None and kind.name not in present:
+            raise ConfigError(f"bench method {name} needs {kind.help}; fix: pass {DRAFTER_FLAGS[kind.name]}")
+    base = [e for name in wanted if get_method(name).needs_drafter for e in _entries_of(get_method(name), budgets, drafts)]
+    entries = [BenchEntry(AR.name, AR.name, NO_DRAFTER, 0, 1, DEFAULT_ACCEPT)]
     for rule in accepts:
-        suffix = "" if rule == "coupled" else f"/{rule}"
+        suffix = "" if rule == DEFAULT_ACCEPT else f"/{get_accept(rule).name}"
         entries += [BenchEntry(e.name + suffix, e.method, e.drafter, e.budget, e.drafts, rule) for e in base]
     return entries
 
@@ -144,7 +158,7 @@ def run_ar_bench(
     dllm_drafter: Any = None,
     dllm_drafter_name: str | None = None,
     methods: Sequence[str] | None = None,
-    accepts: Sequence[str] = ("coupled",),
+    accepts: Sequence[str] = (DEFAULT_ACCEPT,),
     drafts: Sequence[int] = (1, 4, 8),
 ) -> dict[str, Any]:
     """Benchmark AR against every drafted method (:func:`plan_entries`) on ``prompts``; returns a JSON-ready dict.
@@ -169,16 +183,16 @@ def run_ar_bench(
                            have_dflash=drafter is not None, have_dllm=dllm_drafter is not None)
     keys = [(e.name, e.method, e.budget) for e in entries]
     by_name = {e.name: e for e in entries}
-    wrapped = {"dflash": as_drafter(drafter) if drafter is not None else None,
-               "dllm": as_drafter(dllm_drafter) if dllm_drafter is not None else None, "none": None}
+    wrapped = {DFLASH_DRAFTER.name: as_drafter(drafter) if drafter is not None else None,
+               DLLM_DRAFTER.name: as_drafter(dllm_drafter) if dllm_drafter is not None else None, NO_DRAFTER: None}
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=int(seed))
     encoded = [(p, prompt_token_ids(tokenizer, p.prompt, chat=chat)) for p in prompts]
 
     def _expects_identical(e: BenchEntry) -> bool:
-        return e.accept == "coupled" or float(temperature) == 0
+        return get_accept(e.accept).exact_tokens or float(temperature) == 0
 
     def _run_entry(ids: list[int], e: BenchEntry) -> Any:
-        cfg = ARSpecConfig(method=e.method, tree_budget=int(e.budget or 0), drafts=e.drafts, accept=e.accept,
+        cfg = ARSpecConfig(method=e.method, budget=int(e.budget or 0), drafts=e.drafts, accept=e.accept,
                            max_new_tokens=int(max_new_tokens), stop_token_ids=tuple(stops), sampling=sampling)
         return speculative_generate(target, wrapped[e.drafter], ids, cfg)
 
@@ -229,7 +243,7 @@ def run_ar_bench(
         if isinstance(outs, str):
             skipped.append({"id": prompt.id, "reason": outs})
             continue
-        ref = outs["ar"].tokens
+        ref = outs[AR.name].tokens
         row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "new_tokens": len(ref), "methods": {}}
         for name, _method, _budget in keys:
             r = outs[name]
@@ -273,8 +287,8 @@ def run_ar_bench(
     def _mean(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else 0.0
 
-    tpot_ar = _mean(acc["ar"]["tpots"])
-    tpot_df = _mean(acc["dflash"]["tpots"]) if "dflash" in acc else 0.0
+    tpot_ar = _mean(acc[AR.name]["tpots"])
+    tpot_df = _mean(acc[CHAIN_BASELINE.name]["tpots"]) if CHAIN_BASELINE.name in acc else 0.0
     methods: list[dict[str, Any]] = []
     for name, method, _budget in keys:
         a = acc[name]
@@ -338,10 +352,11 @@ def run_ar_bench(
         "near_tie_rule": NEAR_TIE_RULE,
         "all_divergences_near_ties": all(x.get("near_tie") is True for m in methods for x in m["mismatches"]),
         "per_prompt": per_prompt,
-        "samples": [{"id": r["id"], "text": t[:400]} for r, t in zip(per_prompt[:3], acc["ar"]["texts"][:3])],
+        "samples": [{"id": r["id"], "text": t[:400]} for r, t in zip(per_prompt[:3], acc[AR.name]["texts"][:3])],
         "environment": {**environment_info(target, device if device is not None else getattr(target, "device", None)),
                         "processes": dp.world_size},
     }
 
 
-__all__ = ["BENCH_METHODS", "BenchEntry", "plan_entries", "run_ar_bench", "stop_token_ids", "TAU_NOTE"]
+__all__ = ["BENCH_METHODS", "BenchEntry", "DRAFTER_FLAGS", "NO_DRAFTER", "plan_entries", "run_ar_bench", "stop_token_ids",
+           "TAU_NOTE"]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from spiffy.arspec.stages import TargetRunner, compile_round, prefill, verify
+from spiffy.arspec.stages import RoundBuffers, TargetRunner, compile_round, prefill, prefill_inputs, verify
 from spiffy.arspec.tree import build_ddtree
 from spiffy.decoding import DecodeConfig, make_session
 from spiffy.embedded import embedded_model_path, is_embedded_available
@@ -86,16 +86,17 @@ def _ddtree_rows(budgets: Sequence[int], device: torch.device, context: int, dep
     target = load_model(embedded_model_path("ar-target"), device=device)
     vocab = int(target.config.vocab_size)
     runner = TargetRunner.for_target(target)
-    prompt = (torch.arange(context) % (vocab // 2) + 3).unsqueeze(0).to(device)
+    prompt = (torch.arange(context) % (vocab // 2) + 3).tolist()
     g = torch.Generator().manual_seed(0)
     logprobs = torch.log_softmax(torch.randn(depth, vocab, generator=g) * 3, dim=-1)
-    root_rows = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    buffers = RoundBuffers.allocate(1, 1 + max([0, *budgets]))
     peaks: dict[int, int] = {}
     with torch.no_grad():
-        prefill(runner, prompt)
+        ids, positions, mask, valid, _pads = prefill_inputs([prompt], runner.device, runner.dtype)
+        prefill(runner, ids, positions, mask)
         for budget in [0, *budgets]:
             tree = build_ddtree(logprobs, int(budget))
-            compiled = compile_round(runner, tree, 5, context, root_rows)
+            compiled, _rows = compile_round([tree], [(5, context)], valid, runner.dtype, buffers)
             peaks[int(budget)] = peak_bytes(lambda: verify(runner, compiled), device)
             runner.cache.crop(-(1 + tree.num_nodes))
     return [{"model": "tiny Qwen3 target (embedded)", "case": f"DDTree, budget {b} (AR: 1 row)",

@@ -43,7 +43,8 @@ from transformers import DynamicCache
 
 from spiffy._version import __version__
 from spiffy.arspec.config import ARSpecConfig
-from spiffy.arspec.stages import TargetRunner, build_tree, commit, compile_round
+from spiffy.arspec.methods import DDTREE
+from spiffy.arspec.stages import RoundBuffers, TargetRunner, build_trees, commit, compile_round
 from spiffy.arspec.tree import DraftTree
 from spiffy.bench.ddtree_reference import reference_build, reference_visibility
 from spiffy.bench.memory import MEMORY_METHODS, measure_memory
@@ -207,21 +208,24 @@ def _best_path(tree: DraftTree, length: int) -> list[int]:
 
 def _round_stages(config: ARSpecConfig, logits: torch.Tensor, runner: TargetRunner, context: int,
                   cache_shape: tuple[int, int, int], clock: Callable[[str], None] | None = None) -> DraftTree:
-    """One round's non-forward stages; ``clock(stage)`` is called after each timed stage."""
-    root_rows = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    """One round's non-forward stages (the generation loop's own stage functions, a batch of one); ``clock(stage)``
+    is called after each timed stage."""
+    valid = torch.ones(1, context, dtype=torch.bool)
+    buffers = RoundBuffers.allocate(1, 1 + int(config.budget))
+    roots = [(1, context)]
     if clock:
         clock(None)  # start the clock here
-    tree = build_tree(config, logits, context)
+    tree = build_trees([config.spec], [config], [logits], roots)[0]
     if clock:
         clock("tree_build")
-    compile_round(runner, tree, 1, context, root_rows)
+    compile_round([tree], roots, valid, runner.dtype, buffers)
     if clock:
         clock("compile")
     _append(runner.cache, *cache_shape, 1 + tree.num_nodes, runner.cache.layers[0].keys.dtype)  # the forward's K/V
     accepted = _best_path(tree, ACCEPTED_PATH)
     if clock:
         clock(None)
-    commit(runner, context, accepted)
+    commit(runner, valid, context, [[0] + [a + 1 for a in accepted]])
     if clock:
         clock("commit")
     runner.cache.crop(-(1 + len(accepted)))  # back to the committed context for the next measurement
@@ -242,7 +246,7 @@ def measure_ddtree(vocab: int = QWEN3_VOCAB, depth: int = 16, budgets: Sequence[
     runner = TargetRunner(None, None, torch.device("cpu"), torch.float32, _cache(*cache_shape, context, torch.bfloat16))  # type: ignore[arg-type]
     rows = []
     for budget in budgets:
-        config = ARSpecConfig(method="ddtree", tree_budget=int(budget))
+        config = ARSpecConfig(method=DDTREE.name, budget=int(budget))
         times: dict[str, list[float]] = {k: [] for k in ("tree_build", "compile", "commit", "builder", "reference",
                                                           "reference_visibility")}
         for _ in range(max(1, repeats)):  # whole rounds: build, compile, then commit on the big cache
@@ -259,7 +263,7 @@ def measure_ddtree(vocab: int = QWEN3_VOCAB, depth: int = 16, budgets: Sequence[
         for _ in range(max(1, repeats)):  # the builders alone, alternating; each gets freshly written logits (as
             fresh = logits.clone()       # right after the drafter's forward; the copy is not timed)
             t0 = time.perf_counter()
-            build_tree(config, fresh, context)
+            config.spec.build_tree(config, fresh, context)
             times["builder"].append(time.perf_counter() - t0)
             ref = reference_build(logits.clone(), int(budget))
             times["reference"].append(ref.copy_seconds + ref.heap_seconds)
@@ -281,7 +285,7 @@ def ddtree_sync_counts(vocab: int, depth: int, budget: int, context: int = 16,
     """Would-be device syncs of one round's non-forward stages (tree build, compile, commit), exact integers."""
     logits = synthetic_draft_logits(depth, vocab)
     runner = TargetRunner(None, None, torch.device("cpu"), torch.float32, _cache(*cache_shape, context, torch.float32))  # type: ignore[arg-type]
-    config = ARSpecConfig(method="ddtree", tree_budget=int(budget))
+    config = ARSpecConfig(method=DDTREE.name, budget=int(budget))
     counts: dict[str, int] = {}
     counter = SyncCounter()
 

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from spiffy.arspec.methods import CHAIN_BASELINE, DDTREE, DEFAULT_ACCEPT, get_method
 from spiffy.errors import ConfigError
 
 
@@ -244,7 +245,7 @@ def markdown_ar(res: dict[str, Any]) -> str:
             f"{_ratio(m['speedup_vs_ar'], _interval(m, 'speedup_vs_ar'))} | "
             f"{_ratio(m['speedup_vs_dflash'], _interval(m, 'speedup_vs_dflash'))} | {ident} | "
             f"{_f(m['degenerate']['distinct_token_ratio'], 3)} | {_f(m['degenerate']['whitespace_share'], 3)} | "
-            f"{m.get('drafter_kind', '')} | {m.get('accept', 'coupled')} | {m.get('drafts', '') if m['method'] == 'specdiff' else ''} | "
+            f"{m.get('drafter_kind', '')} | {m.get('accept', DEFAULT_ACCEPT)} | {m.get('drafts', '') if get_method(m['method']).size_knob == 'drafts' else ''} | "
             f"{_f(m.get('nfe_per_token'))} |"
         )
     lines += _interval_legend(res)
@@ -329,9 +330,8 @@ def plot_ar(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """``tradeoff.png`` and ``acceptance_histogram.png`` of an AR results dict."""
     plt = _pyplot()
     methods = res["methods"]
-    tree = [m for m in methods if m["method"] == "ddtree" and m.get("drafter_kind", "dflash") == "dflash"
-            and m.get("accept", "coupled") == "coupled"]
-    dflash = next((m for m in methods if m["method"] == "dflash"), None)
+    tree = [m for m in methods if m["method"] == DDTREE.name and m.get("accept", DEFAULT_ACCEPT) == DEFAULT_ACCEPT]
+    dflash = next((m for m in methods if m["method"] == CHAIN_BASELINE.name), None)
     paths: list[Path] = []
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [m["budget"] for m in tree]
@@ -356,7 +356,7 @@ def plot_ar(res: dict[str, Any], out_dir: Path) -> list[Path]:
     finally:
         plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
-    shown = [m for m in methods if m["method"] != "ar"]
+    shown = [m for m in methods if get_method(m["method"]).needs_drafter]
     keys = sorted({int(k) for m in shown for k in m["acceptance_histogram"]} | {1})
     width = 0.8 / max(1, len(shown))
     for i, m in enumerate(shown):

@@ -30,8 +30,9 @@ import torch
 
 from spiffy.api import generate
 from spiffy.arspec.batch import speculative_generate_batch
-from spiffy.arspec.config import METHOD_LABELS, ARSpecConfig
+from spiffy.arspec.config import ARSpecConfig
 from spiffy.arspec.dllm_drafter import as_drafter
+from spiffy.arspec.methods import AR, DDTREE, DDTREE_DLLM, DEER, DFLASH, DLLM_DRAFTER, SPECDIFF
 from spiffy.bench.common import environment_info
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.bench.stats import interval_method, ratio_of_means_interval
@@ -141,16 +142,16 @@ def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tok
             return [list(r.tokens) for r in res], sum(int(r.rounds) for r in res)
         return call
 
-    label = METHOD_LABELS
-    methods = {label["ar"]: make(ARSpecConfig(method="ar", **common), None),  # type: ignore[arg-type]
-               label["dflash"]: make(ARSpecConfig(method="dflash", **common), drafter)}  # type: ignore[arg-type]
-    methods.update({f"{label['ddtree']} {b}": make(ARSpecConfig(method="ddtree", tree_budget=int(b), **common), drafter)  # type: ignore[arg-type]
+    methods = {AR.label: make(ARSpecConfig(method=AR.name, **common), None),  # type: ignore[arg-type]
+               DFLASH.label: make(ARSpecConfig(method=DFLASH.name, **common), drafter)}  # type: ignore[arg-type]
+    methods.update({f"{DDTREE.label} {b}": make(ARSpecConfig(method=DDTREE.name, budget=int(b), **common), drafter)  # type: ignore[arg-type]
                     for b in budgets})
     if dllm_drafter is not None:
-        methods[label["deer"]] = make(ARSpecConfig(method="deer", **common), dllm_drafter)  # type: ignore[arg-type]
-        methods.update({f"{label['specdiff']} K={k}": make(ARSpecConfig(method="specdiff", drafts=int(k), **common), dllm_drafter)  # type: ignore[arg-type]
+        methods[DEER.label] = make(ARSpecConfig(method=DEER.name, **common), dllm_drafter)  # type: ignore[arg-type]
+        methods.update({f"{SPECDIFF.label} K={k}": make(ARSpecConfig(method=SPECDIFF.name, drafts=int(k), **common), dllm_drafter)  # type: ignore[arg-type]
                         for k in drafts})
-        methods.update({f"{label['ddtree']} {b} (dLLM)": make(ARSpecConfig(method="ddtree", tree_budget=int(b), **common), dllm_drafter)  # type: ignore[arg-type]
+        methods.update({f"{DDTREE_DLLM.label} {b} ({DLLM_DRAFTER.label})":
+                        make(ARSpecConfig(method=DDTREE_DLLM.name, budget=int(b), **common), dllm_drafter)  # type: ignore[arg-type]
                         for b in budgets})
     return methods
 
@@ -158,7 +159,7 @@ def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tok
 def throughput_report(kind: str, rows: list[dict[str, Any]], *, model: Any, device: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """JSON-ready report: the rows plus speedups over the plain method at the same batch size, each with its 95%
     interval over the calls (``speedup_interval``; ``None`` for the plain method itself and for a single call)."""
-    plain = "baseline" if kind == "dllm" else METHOD_LABELS["ar"]
+    plain = "baseline" if kind == "dllm" else AR.label
     base = {r["batch_size"]: r for r in rows if r["method"] == plain}
     for r in rows:
         ref = base.get(r["batch_size"])

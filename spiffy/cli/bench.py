@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spiffy.arspec import ACCEPT_RULES
+from spiffy.arspec.methods import ACCEPT_RULES, DEFAULT_ACCEPT, DLLM_DRAFTER, METHODS, REGISTRY, methods_help
 from spiffy.bench.ar import plan_entries, run_ar_bench
 from spiffy.bench.common import parse_budgets
 from spiffy.bench.datasets import load_benchmark_prompts
@@ -98,12 +98,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     a.add_argument("--target", default=None, metavar="DIR|ID", help="Qwen3 target checkpoint: directory or Hub id (default: the embedded demo target)")
     a.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash drafter checkpoint: directory or Hub id (default: the embedded demo drafter)")
     a.add_argument("--dllm-drafter", default=None, metavar="DIR",
-                   help="dLLM drafter sharing the target's tokenizer (enables ddtree-dllm, deer, specdiff; default: the "
-                        "embedded one when neither --target nor --drafter is given and it is shipped)")
+                   help="dLLM drafter sharing the target's tokenizer (enables "
+                        + ", ".join(m.name for m in REGISTRY.values() if m.drafter is DLLM_DRAFTER)
+                        + "; default: the embedded one when neither --target nor --drafter is given and it is shipped)")
     a.add_argument("--methods", default=None, metavar="LIST",
-                   help="comma-separated subset of ar,dflash,ddtree,ddtree-dllm,deer,specdiff (default: all whose drafter is present)")
-    a.add_argument("--accept", default="coupled", metavar="LIST",
-                   help="comma-separated acceptance rules: coupled, rejection (default coupled)")
+                   help=f"comma-separated subset of {','.join(METHODS)} (default: all whose drafter is present): "
+                        f"{methods_help()}")
+    a.add_argument("--accept", default=DEFAULT_ACCEPT, metavar="LIST",
+                   help=f"comma-separated acceptance rules: {', '.join(ACCEPT_RULES)} (default {DEFAULT_ACCEPT})")
     a.add_argument("--drafts", default="1,4,8", metavar="LIST", help="SpecDiff-2 draft counts K (default 1,4,8)")
     a.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="generated tokens per prompt at most (default 128)")
     _common(a, "16,32,64,128,256")

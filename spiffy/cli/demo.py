@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from spiffy.arspec.config import METHOD_LABELS
+from spiffy.arspec.methods import get_method
 from spiffy.bench.ar import run_ar_bench
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.bench.dllm import run_dllm_bench
@@ -243,13 +243,12 @@ def _ar_part(args: argparse.Namespace, paths: dict[str, Path], prompts: list[Any
     tokenizer = load_tokenizer(paths["target"])
     dllm_dir = paths.get("dllm_drafter")
     dllm_drafter = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None
-    methods = ["ar", "dflash", "ddtree"] + (["deer", "specdiff", "ddtree-dllm"] if dllm_drafter is not None else [])
     return run_ar_bench(target, drafter, tokenizer, prompts, [int(args.ddtree_budget)],
                         max_new_tokens=int(args.max_new_tokens), chat=False, warmup=1,
                         progress=not args.no_progress, target_name=str(paths["target"]),
                         drafter_name=str(paths["drafter"]), dataset="demo", device=device,
                         dllm_drafter=dllm_drafter, dllm_drafter_name=str(dllm_dir) if dllm_dir else None,
-                        methods=methods, drafts=[int(args.drafts)])
+                        drafts=[int(args.drafts)])  # every method whose drafter is present
 
 
 LEGEND = """\
@@ -307,11 +306,12 @@ def format_dllm(res: dict[str, Any], prompts: list[Any]) -> str:
 
 def _shape(m: dict[str, Any]) -> str:
     """What a method drafts per round: a chain, ``K=`` sampled drafts, or a tree ``budget`` nodes large."""
-    if m["method"] == "specdiff":
+    spec = get_method(m["method"])
+    if spec.size_knob == "drafts":
         return f"K={m['drafts']}"
-    if m["method"] == "ddtree":
+    if spec.size_knob == "budget":
         return f"budget {m['budget']}"
-    return "-" if m["method"] == "ar" else "chain"
+    return spec.shape if spec.needs_drafter else "-"
 
 
 def format_ar(res: dict[str, Any], prompts: list[Any]) -> str:
@@ -326,8 +326,9 @@ def format_ar(res: dict[str, Any], prompts: list[Any]) -> str:
               "|--------|---------|--------|-------------------|----------|---------------|-----------------|"]
     for m in res["methods"]:
         ident = f"{m['identical']}/{res['num_prompts']}" + ("" if m["identical_fraction"] == 1.0 else "  MISMATCH")
-        drafter = {"none": "-", "dflash": "DFlash", "dllm": "dLLM"}.get(m["drafter_kind"], m["drafter_kind"])
-        lines.append(f"| {METHOD_LABELS.get(m['method'], m['method'])} | {drafter} | {_shape(m)} | {m['tau']:.2f} | "
+        spec = get_method(m["method"])
+        drafter = spec.drafter.label if spec.drafter is not None else "-"
+        lines.append(f"| {spec.label} | {drafter} | {_shape(m)} | {m['tau']:.2f} | "
                      f"{_num(m['tokens_per_s'])} | {_x(m['speedup_vs_ar'])} | {ident} |")
     lines.append("")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from spiffy.api import generate
+from spiffy.arspec.config import DEFAULT_BUDGET
 from spiffy.cli.generate_ar import EMBEDDED_DLLM_METHODS, add_ar_arguments, run_generate
 from spiffy.cli.placement import add_placement_arguments, placement_kwargs
 from spiffy.decoding import DecodeConfig
@@ -145,7 +146,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "with K draft steps, no calibration)")
     parser.add_argument("--budget", type=int, default=None, metavar="D",
                         help="draft nodes kept per step with --graph (default: the D* the graph was tuned for, else 3); "
-                             "AR mode: DDTree node budget")
+                             f"AR mode: tree nodes per round (default {DEFAULT_BUDGET}; 0 = no drafts)")
     parser.add_argument("--score", default=None, choices=SCORES,
                         help="pruning score that picks the --budget nodes (default: the one the graph was calibrated "
                              "for, else gm)")

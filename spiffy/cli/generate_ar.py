@@ -10,9 +10,10 @@ without ``--target`` / ``--drafter`` uses the embedded tiny Qwen3 target and the
 :func:`add_ar_arguments` with ``shared=True`` adds any shared flag the parser still lacks, so the module also works
 stand-alone (:func:`main`, ``python -m spiffy.cli.generate_ar``).
 
-Draft sizes have their own names: ``--tree-budget N`` (DDTree nodes per round) and ``--chain-length N`` (DFlash
-drafted tokens per round). ``--budget``, which means "drafts kept per step" in dLLM mode, is still read as the
-tree budget in AR mode when ``--tree-budget`` is not given.
+Method names, their help texts and which drafter kind (and embedded checkpoint) each one uses come from the
+registry, :mod:`spiffy.arspec.methods`. Draft sizes: ``--budget N`` (tree nodes per round of ``ddtree`` /
+``ddtree-dllm``; the knob ``ARSpecConfig.budget``), ``--chain-length N`` (drafted tokens per round of a chain),
+``--drafts K`` (SpecDiff-2); a flag left out takes :class:`~spiffy.arspec.ARSpecConfig`'s default.
 """
 
 from __future__ import annotations
@@ -27,9 +28,19 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoTokenizer
 
-from spiffy.arspec import ARGenerationResult, ARSpecConfig, as_drafter, speculative_generate
-from spiffy.arspec.batch import speculative_generate_batch
-from spiffy.arspec.config import ACCEPT_RULES, DEFAULT_TREE_BUDGET, METHODS
+from spiffy.arspec import ARGenerationResult, ARSpecConfig, as_drafter, speculative_generate_batch
+from spiffy.arspec.config import DEFAULT_BUDGET, DEFAULT_DRAFTS, DEFAULT_MAX_NEW_TOKENS
+from spiffy.arspec.methods import (
+    ACCEPT_RULES,
+    AR,
+    DEFAULT_ACCEPT,
+    DEFAULT_METHOD,
+    DLLM_DRAFTER,
+    METHODS,
+    REGISTRY,
+    get_method,
+    methods_help,
+)
 from spiffy.cli.placement import add_placement_arguments, placement_kwargs
 from spiffy.embedded import embedded_model_path
 from spiffy.errors import CheckpointError, ConfigError, SpiffyError
@@ -48,27 +59,26 @@ _AR_ONLY: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--drafter",), dict(default=None, metavar="DIR|ID",
                          help="AR mode: drafter for the target, directory or Hub id: DFlash or a dLLM sharing its "
                               "tokenizer (the kind is read from its config.json; needed by every method but ar)")),
-    (("--method",), dict(default=None, choices=tuple(m for m in METHODS if m != "ar") + ("ar",),
-                        help="AR mode decoding method: ddtree (optimal draft tree, default with --drafter), "
-                             "dflash (chain of drafter argmaxes), deer (the chain from a dLLM drafter), specdiff "
-                             "(--drafts K sampled drafts verified as one tree), ar (plain autoregressive, default "
-                             "without --drafter); deer and specdiff without --target/--drafter use the embedded models")),
-    (("--drafts",), dict(type=int, default=4, metavar="K",
-                        help="AR mode, specdiff: joint drafts sampled per round and verified together (default 4)")),
-    (("--accept",), dict(default="coupled", choices=ACCEPT_RULES,
-                        help="AR mode acceptance rule: coupled (position-keyed, equal to AR token for token; default) "
-                             "or rejection (speculative sampling min(1, p/q), equal to AR in distribution)")),
-    (("--max-new-tokens",), dict(type=int, default=128, metavar="N",
-                                help="AR mode: maximum number of generated tokens (default 128)")),
-    (("--tree-budget",), dict(type=int, default=None, metavar="N",
-                             help=f"AR mode, ddtree: draft-tree nodes verified per round (default {DEFAULT_TREE_BUDGET}; "
-                                  "0 = no drafts; --budget is read as this when it is not given)")),
+    (("--method",), dict(default=None, choices=METHODS,
+                        help=f"AR mode decoding method (default {DEFAULT_METHOD.name} with --drafter, {AR.name} without): "
+                             f"{methods_help()}; the dLLM-drafter methods without --target/--drafter use the "
+                             "embedded models")),
+    (("--drafts",), dict(type=int, default=None, metavar="K",
+                        help=f"AR mode, specdiff: joint drafts sampled per round and verified together (default "
+                             f"{DEFAULT_DRAFTS})")),
+    (("--accept",), dict(default=None, choices=tuple(ACCEPT_RULES),
+                        help=f"AR mode acceptance rule (default {DEFAULT_ACCEPT}): "
+                             + "; ".join(f"{a.name}: {a.help}" for a in ACCEPT_RULES.values()))),
+    (("--max-new-tokens",), dict(type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                                help=f"AR mode: maximum number of generated tokens (default {DEFAULT_MAX_NEW_TOKENS})")),
     (("--chain-length",), dict(type=int, default=None, metavar="N",
-                              help="AR mode, dflash: drafted tokens per round (default: the drafter's block size - 1)")),
+                              help="AR mode, chain methods: drafted tokens per round (default: the drafter's block "
+                                   "size - 1)")),
 ]
 
-#: methods that fall back to the embedded target and dLLM drafter when neither --target nor --drafter is given
-EMBEDDED_DLLM_METHODS: tuple[str, ...] = ("deer", "specdiff")
+#: methods that fall back to the embedded target and their drafter kind's embedded drafter when neither --target nor
+#: --drafter is given
+EMBEDDED_DLLM_METHODS: tuple[str, ...] = tuple(m.name for m in REGISTRY.values() if m.drafter is DLLM_DRAFTER)
 
 _SHARED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--prompt",), dict(default="", help="prompt text (tokenized as is unless --chat)")),
@@ -76,7 +86,7 @@ _SHARED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--json",), dict(action="store_true", help="print one JSON object with tokens, text and statistics")),
     (("--dtype",), dict(default=None, help="model dtype: float32 (CPU default), bfloat16, float16, float64 or auto")),
     (("--budget",), dict(type=int, default=None, metavar="B",
-                        help="AR mode: DDTree node budget per round (default 64; 0 = no drafts)")),
+                        help=f"AR mode: tree nodes per round (default {DEFAULT_BUDGET}; 0 = no drafts)")),
     (("--temperature",), dict(type=float, default=0.0, help="sampling temperature (0 = greedy)")),
     (("--top-p",), dict(type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")),
     (("--top-k",), dict(type=int, default=0, help="top-k sampling (0 = off)")),
@@ -102,21 +112,16 @@ def add_ar_arguments(parser: argparse.ArgumentParser, shared: bool = False) -> a
 
 
 def ar_config_from_args(args: argparse.Namespace, method: str, stops: Sequence[int]) -> ARSpecConfig:
-    """The :class:`~spiffy.arspec.ARSpecConfig` of parsed AR flags (``None`` flags mean their defaults)."""
-    tree_budget = getattr(args, "tree_budget", None)
-    if tree_budget is None:
-        tree_budget = getattr(args, "budget", None)
+    """The :class:`~spiffy.arspec.ARSpecConfig` of parsed AR flags (``None`` flags take the config's defaults)."""
+    given = {knob: getattr(args, knob, None) for knob in ("budget", "drafts", "accept", "max_new_tokens")}
     sampling = SamplingConfig.from_loose(
         getattr(args, "temperature", 0.0), getattr(args, "top_p", None), getattr(args, "top_k", None),
         int(getattr(args, "seed", 0) or 0),
     )
     return ARSpecConfig(
         method=method,
-        tree_budget=DEFAULT_TREE_BUDGET if tree_budget is None else int(tree_budget),
         chain_length=getattr(args, "chain_length", None),
-        drafts=int(getattr(args, "drafts", 4) if getattr(args, "drafts", None) is not None else 4),
-        accept=getattr(args, "accept", None) or "coupled",
-        max_new_tokens=int(getattr(args, "max_new_tokens", 128)),
+        **{k: v for k, v in given.items() if v is not None},
         stop_token_ids=tuple(stops),
         sampling=sampling,
     )
@@ -140,13 +145,14 @@ def run_generate(args: argparse.Namespace) -> int:
     """Run AR-mode generation for ``spiffy generate --target DIR ...``; prints text or one JSON object."""
     target_dir = getattr(args, "target", None)
     drafter_dir = getattr(args, "drafter", None)
-    method = getattr(args, "method", None) or ("ddtree" if drafter_dir else "ar")
+    spec = get_method(getattr(args, "method", None) or (DEFAULT_METHOD if drafter_dir else AR))
+    method = spec.name
     if not target_dir and not drafter_dir and method in EMBEDDED_DLLM_METHODS:
         target_dir = str(embedded_model_path("ar-target"))
-        drafter_dir = str(embedded_model_path("ar-dllm-drafter"))
+        drafter_dir = str(embedded_model_path(spec.drafter.embedded))  # type: ignore[union-attr]
     if not target_dir:
         raise ConfigError("AR mode needs --target DIR (a Qwen3 checkpoint directory)")
-    if method != "ar" and not drafter_dir:
+    if spec.needs_drafter and not drafter_dir:
         raise ConfigError(
             f"--method {method} needs --drafter DIR (a DFlash or dLLM drafter); fix: add it or use --method ar"
         )
@@ -160,10 +166,7 @@ def run_generate(args: argparse.Namespace) -> int:
     target = load_target(target_dir, dtype, device, **placement)
     if placement:  # the drafter and the inputs go where the target's embedding computes
         device = str(model_device(target))
-    drafter = None
-    if method != "ar":
-        drafter = as_drafter(load_ar_drafter(drafter_dir, dtype=dtype, device=device))
-        drafter.check(target)  # type: ignore[attr-defined]
+    drafter_model = load_ar_drafter(drafter_dir, dtype=dtype, device=device) if spec.needs_drafter else None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -173,11 +176,11 @@ def run_generate(args: argparse.Namespace) -> int:
     chat = bool(getattr(args, "chat", False))
     config = replace(config, stop_token_ids=tuple(stop_token_ids(target, tokenizer, chat)))
     batch = [prompt_token_ids(tokenizer, p, chat=chat, require_template=True) for p in prompts]
-    if len(batch) == 1:
-        results = [speculative_generate(target, drafter, batch[0], config, progress=not bool(getattr(args, "no_progress", False)))]
-    else:  # one batched run: per-row trees in one verification forward; row r equals prompt r decoded alone
-        drafters = None if drafter is None else [drafter] + [as_drafter(drafter.model) for _ in batch[1:]]
-        results = speculative_generate_batch(target, drafters, batch, config)
+    # one batched run (one prompt is a batch of one): per-row trees in one verification forward; row r equals
+    # prompt r decoded alone; each row its own drafter wrapper (the core checks it against the target)
+    drafters = None if drafter_model is None else [as_drafter(drafter_model) for _ in batch]
+    results = speculative_generate_batch(target, drafters, batch, config,
+                                         progress=not bool(getattr(args, "no_progress", False)))
     for prompt, ids, res in zip(prompts, batch, results):
         _print_row(res, args, tokenizer, prompt, ids, config, target_dir, drafter_dir, dtype, device)
     return 0

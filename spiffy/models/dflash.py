@@ -354,13 +354,15 @@ class TargetFeatureHooks:
 
         return fn
 
-    def features(self) -> torch.Tensor:
-        """``[B, R, nT*H]`` concatenated captured outputs of the latest forward."""
+    def features(self, batch_row: int | None = None) -> torch.Tensor:
+        """``[B, R, nT*H]`` concatenated captured outputs of the latest forward (``batch_row``: that batch row
+        only, ``[1, R, nT*H]``, sliced before concatenating)."""
         missing = [i for i in self.layer_ids if i not in self._out]
         if missing:
             raise RuntimeError(f"no features captured for target layers {missing}: run a target forward first")
         first = self._out[self.layer_ids[0]].device  # layers may sit on several devices (device_map)
-        return torch.cat([self._out[i].to(first) for i in self.layer_ids], dim=-1)
+        rows = slice(None) if batch_row is None else slice(int(batch_row), int(batch_row) + 1)
+        return torch.cat([self._out[i][rows].to(first) for i in self.layer_ids], dim=-1)
 
     def clear(self) -> None:
         self._out.clear()

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from spiffy.arspec import ARSpecConfig, DLLMDrafter, speculative_generate
+from spiffy.arspec.methods import DEER
 from spiffy.errors import CheckpointError, ConfigError
 from spiffy.models.ar_drafters import check_dllm_compatible, load_ar_drafter
 from spiffy.models.loading import load_model, save_checkpoint
@@ -211,7 +212,7 @@ def heldout_acceptance(target: torch.nn.Module, model: torch.nn.Module, prompts:
     drafter = DLLMDrafter(model, block_size=block)
     taus = []
     for ids in prompts:
-        res = speculative_generate(target, drafter, ids, ARSpecConfig(method="deer", max_new_tokens=max_new_tokens))
+        res = speculative_generate(target, drafter, ids, ARSpecConfig(method=DEER.name, max_new_tokens=max_new_tokens))
         taus.append(round(float(res.tau), 3))
     return {"tau": sum(taus) / max(1, len(taus)), "tau_per_prompt": taus, "prompts": len(taus),
             "max_new_tokens": max_new_tokens}

@@ -291,22 +291,46 @@ def compile_tree(
     return CompiledDraft(ids.view(1, r), pos.view(1, r), _additive(full, dtype).view(1, 1, r, context_len + r), offsets)
 
 
+def _ancestor_pairs(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(node, ancestor)`` index pairs of a tree's ancestor-or-self relation (:func:`tree_ancestor_mask`'s ``True``
+    entries), from its parent list (``-1`` = a child of the root; parents precede children)."""
+    chains: list[list[int]] = []
+    nodes: list[int] = []
+    ancestors: list[int] = []
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError("every parent index must be smaller than its node's index (parents precede children)")
+        chain = (chains[p] if p >= 0 else []) + [i]
+        chains.append(chain)
+        nodes.extend([i] * len(chain))
+        ancestors.extend(chain)
+    return torch.tensor(nodes, dtype=torch.long), torch.tensor(ancestors, dtype=torch.long)
+
+
 def compile_tree_rows(
     trees: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     prefix_rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
     context_visible: torch.Tensor,
     dtype: torch.dtype = torch.float32,
     pad_token: int = 0,
+    max_depths: Sequence[int] | None = None,
+    staging: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[CompiledDraft, list[int]]:
-    """One tree per batch row (batched DDTree / DFlash verification): :func:`compile_tree` of every row, padded to
-    the longest row and stacked, with a per-row view of the shared cache.
+    """One tree per batch row (batched DDTree / DFlash verification; one prompt is a batch of one): each row laid
+    out as :func:`compile_tree` lays it out, padded to the longest row and stacked, with a per-row view of the
+    shared cache.
 
     Args:
-        trees: per batch row ``(tokens [N_b], positions [N_b], parents [N_b])`` as in :func:`compile_tree`.
+        trees: per batch row ``(tokens [N_b], positions [N_b], parents [N_b])`` as in :func:`compile_tree` (host
+            tensors: the rows are assembled on the host and moved to the device once).
         prefix_rows: per batch row ``(tokens [P_b], positions [P_b])`` real rows placed first (the root).
         context_visible: ``[B, C]`` bool, the cached positions each batch row may see (its committed context; left
             padding and the holes left by other rows' longer commits are ``False``).
         dtype: mask dtype; pad_token: token id of the padding rows.
+        max_depths: each row's tree depth when the caller knows it (no host synchronisation per tree level).
+        staging: preallocated host buffers ``(ids [B', W'], positions [B', W'], visible [B', W', W'] bool)`` with
+            ``B' >= B`` and ``W' >= R``, reused across calls (a generation allocates them once for its widest
+            round); ``None`` allocates them here.
     Returns:
         ``(compiled, rows)``: ``input_ids`` / ``position_ids`` ``[B, R]`` and ``attention_mask [B, 1, R, C + R]``
         (``R`` = the longest ``P_b + N_b``); batch row ``b`` occupies rows ``[0, rows[b])`` (prefix then nodes, as
@@ -317,23 +341,48 @@ def compile_tree_rows(
                          "context rows must match (one per batch row)")
     dev = context_visible.device
     context_len = int(context_visible.shape[1])
-    rows = [int(pre[0].numel()) + int(tok.numel()) for (tok, _p, _q), pre in zip(trees, prefix_rows)]
+    pres = [int(pre[0].numel()) for pre in prefix_rows]
+    rows = [p + int(tok.numel()) for (tok, _p, _q), p in zip(trees, pres)]
     width = max(rows) if rows else 0
     batch = len(trees)
-    ids = torch.full((batch, width), int(pad_token), dtype=torch.long, device=dev)
-    pos = torch.zeros(batch, width, dtype=torch.long, device=dev)
-    vis = torch.zeros(batch, width, context_len + width, dtype=torch.bool, device=dev)
-    diag = torch.arange(width, device=dev)
-    vis[:, diag, context_len + diag] = True  # padding rows see themselves (keeps their softmax finite)
-    for b, ((tok, tpos, par), pre) in enumerate(zip(trees, prefix_rows)):
-        one = compile_tree(tok, tpos, par, 0, dtype=dtype, device=dev, prefix_rows=pre)
-        r = rows[b]
-        ids[b, :r] = one.input_ids[0]
-        pos[b, :r] = one.position_ids[0]
-        pos[b, r:] = one.position_ids[0, -1]
-        vis[b, :r, context_len : context_len + r] = one.attention_mask[0, 0] == 0
-        vis[b, :r, :context_len] = context_visible[b].to(torch.bool)
-    return CompiledDraft(ids, pos, _additive(vis, dtype).view(batch, 1, width, context_len + width), None), rows
+    if staging is None:
+        staging = (torch.empty(batch, width, dtype=torch.long), torch.empty(batch, width, dtype=torch.long),
+                   torch.empty(batch, width, width, dtype=torch.bool))
+    if staging[0].shape[0] < batch or staging[0].shape[1] < width:
+        raise ValueError(f"staging buffers {tuple(staging[0].shape)} are smaller than the round [{batch}, {width}]")
+    ids, pos, vis = staging[0][:batch, :width], staging[1][:batch, :width], staging[2][:batch, :width, :width]
+    vis.zero_()
+    for b, ((tok, tpos, par), (pre_tok, pre_pos)) in enumerate(zip(trees, prefix_rows)):
+        n_pre, r = pres[b], rows[b]
+        n = r - n_pre
+        ids[b, :n_pre] = pre_tok.reshape(-1)
+        pos[b, :n_pre] = pre_pos.reshape(-1)
+        vis[b, :r, :n_pre] = True  # the prefix sees itself, every node sees the prefix
+        if n:
+            ids[b, n_pre:r] = tok.reshape(-1)
+            pos[b, n_pre:r] = tpos.reshape(-1)
+            if par.device.type == "cpu":  # a host tree: its ancestor pairs in Python, one scatter
+                node, ancestor = _ancestor_pairs(par.reshape(-1).tolist())
+                vis[b, n_pre:r, n_pre:r][node, ancestor] = True
+            else:
+                if bool((par >= torch.arange(n, device=par.device)).any()):
+                    raise ValueError("every parent index must be smaller than its node's index (parents precede "
+                                     "children)")
+                vis[b, n_pre:r, n_pre:r] = tree_ancestor_mask(par.reshape(-1), None if max_depths is None
+                                                              else max_depths[b]).cpu()
+        if r < width:  # padding rows: the pad token at the last position, each sees only itself
+            ids[b, r:] = int(pad_token)
+            pos[b, r:] = pos[b, r - 1] if r else 0
+            vis[b, r:, r:].fill_diagonal_(True)
+    context = context_visible.to(torch.bool).unsqueeze(1).expand(batch, width, context_len)
+    full = torch.cat([context, vis.to(dev)], dim=2)
+    for b, r in enumerate(rows):
+        if r < width:
+            full[b, r:, :context_len] = False  # padding rows see no cached position
+    additive = torch.zeros(batch, 1, width, context_len + width, dtype=dtype, device=dev)
+    additive.view(batch, width, -1).masked_fill_(~full, torch.finfo(dtype).min)
+    compiled = CompiledDraft(ids.to(dev), pos.to(dev), additive, None)
+    return compiled, rows
 
 
 def follow(
