@@ -248,13 +248,13 @@ def projections(data: dict[str, Any]) -> dict[str, Any]:
         if name in cost:
             out[name] = gc_costs.project_dllm(cost[name]["rows"], measured)
     ar = bench_res.get("ar", {}).get("results", {})
-    taus = [{"method": m["method"], "budget": m.get("budget") or 0, "tau": m["tau"]}
-            for m in ar.get("methods", []) if m.get("method") in ("dflash", "ddtree") and m.get("tau")]
+    taus = [{"method": m["method"], "budget": m["budget"], "tau": m["tau"]}  # the bench ran ar, dflash and ddtree
+            for m in ar.get("methods", []) if m.get("budget") and m.get("tau")]
     drafter_ms = cost.get("Qwen3-8B", {}).get("drafter", {}).get("ms", 0.0)
     for name in ("Qwen3-8B", "Qwen3-30B-A3B"):
         for mode in ("eager", "cuda_graph"):
             if name in cost:
-                out[f"{name} {mode}"] = gc_costs.project_ar(cost[name][mode], taus, drafter_ms, 16)
+                out[f"{name} {mode}"] = gc_costs.project_ar(cost[name][mode], taus, drafter_ms)
     return out
 
 

@@ -321,18 +321,19 @@ def project_dllm(costs: Sequence[dict[str, Any]], measured: Sequence[dict[str, A
     return out
 
 
-def project_ar(costs: Sequence[dict[str, Any]], measured: Sequence[dict[str, Any]], drafter_ms: float,
-               chain_block: int) -> list[dict[str, Any]]:
+def project_ar(costs: Sequence[dict[str, Any]], measured: Sequence[dict[str, Any]],
+               drafter_ms: float) -> list[dict[str, Any]]:
     """Projected DDTree / DFlash speedups over AR: ``tau x t(1 token) / (t(drafter) + t(verify 1 + B))``.
 
-    ``measured`` rows are ``{"method", "budget", "tau"}`` (the DFlash chain verifies ``chain_block`` nodes: its
-    budget is ``chain_block - 1``). Uses the nearest measured verification budget at or above the tree's."""
+    ``measured`` rows are ``{"method", "budget", "tau"}`` (``budget``: the draft nodes a round verifies besides the
+    root, as ``spiffy bench ar`` reports them; a DFlash chain of block 16 verifies 15). Uses the nearest measured
+    verification budget at or above the round's."""
     by_budget = {row["budget"]: row["ms"] for row in costs if "ms" in row}
     if 0 not in by_budget:
         return []
     out = []
     for m in measured:
-        budget = chain_block - 1 if m["method"] == "dflash" else int(m["budget"])
+        budget = int(m["budget"])
         fits = sorted(b for b in by_budget if b >= budget)
         if not fits:
             continue
