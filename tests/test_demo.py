@@ -17,7 +17,7 @@ from spiffy.embedded import (
 )
 from spiffy.errors import ConfigError
 
-SMALL = ["--gen-length", "8", "--block-length", "4", "--max-new-tokens", "8", "--ddtree-budget", "6",
+SMALL = ["--gen-length", "8", "--block-length", "4", "--max-new-tokens", "8", "--tree-budget", "6",
          "--max-prompts", "1", "--dtype", "float64", "--no-progress"]
 
 

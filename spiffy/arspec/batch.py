@@ -37,6 +37,7 @@ from spiffy.arspec.rules import AcceptanceRule, TargetLogits
 from spiffy.arspec.sampling import sample_keyed
 from spiffy.arspec.stages import StageClock, TargetRunner, build_tree, cache_tensors_with_index, sync
 from spiffy.errors import ConfigError
+from spiffy.models.cache import hf_cache
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks
 from spiffy.sampling import SamplingConfig
 from spiffy.verify import compile_tree_rows
@@ -94,7 +95,7 @@ def _prefill(runner: TargetRunner, prompts: list[list[int]]) -> tuple[torch.Tens
         input_ids=ids,
         position_ids=(cols.view(1, -1) - pad_t.view(-1, 1)).clamp(min=0),
         attention_mask=_additive(visible, runner.dtype).unsqueeze(1),
-        past_key_values=runner.cache,
+        **hf_cache(runner.cache),
         use_cache=True,
     )
     return runner.lm_head(out.last_hidden_state[:, -1]), valid, pads
@@ -229,7 +230,7 @@ def speculative_generate_batch(
             clock.lap("compile")
             hidden = runner.backbone(
                 input_ids=compiled.input_ids, position_ids=compiled.position_ids,
-                attention_mask=compiled.attention_mask, past_key_values=runner.cache, use_cache=True,
+                attention_mask=compiled.attention_mask, **hf_cache(runner.cache), use_cache=True,
             ).last_hidden_state
             outcomes = [
                 row_rules[b].accept(tree, TargetLogits(hidden[i, : widths[i]], runner.lm_head), logits, pos)

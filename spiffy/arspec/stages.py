@@ -33,6 +33,7 @@ from spiffy.arspec.sampling import tempered
 from spiffy.arspec.selfselect import build_sampled_tree, proposal_probs, sample_drafts
 from spiffy.arspec.tree import DraftTree, build_chain, build_ddtree, empty_tree
 from spiffy.errors import ConfigError
+from spiffy.models.cache import hf_cache
 from spiffy.torch_utils import execution_device
 from spiffy.verify import CompiledDraft, compile_tree
 
@@ -124,7 +125,7 @@ def prefill(runner: TargetRunner, prompt: torch.Tensor) -> torch.Tensor:
     out = runner.backbone(
         input_ids=prompt,
         position_ids=torch.arange(n_prompt, device=runner.device).view(1, -1),
-        past_key_values=runner.cache,
+        **hf_cache(runner.cache),
         use_cache=True,
     )
     return runner.lm_head(out.last_hidden_state[:, -1])
@@ -185,7 +186,7 @@ def verify(runner: TargetRunner, compiled: CompiledDraft) -> TargetLogits:
         input_ids=compiled.input_ids,
         position_ids=compiled.position_ids,
         attention_mask=compiled.attention_mask,
-        past_key_values=runner.cache,
+        **hf_cache(runner.cache),
         use_cache=True,
     )
     return TargetLogits(out.last_hidden_state[0], runner.lm_head)

@@ -1,18 +1,12 @@
-"""AR mode of ``spiffy generate``: ``spiffy generate --target DIR [--drafter DIR] --method ar|dflash|ddtree|deer|specdiff
-[--drafts K] [--accept coupled|rejection] ...``.
+"""AR mode of ``spiffy generate`` at run time: ``spiffy generate --method ddtree|dflash|deer|specdiff|ar
+[--target DIR --drafter DIR] [--tree-budget N | --chain-length N | --drafts K] [--accept coupled|rejection] ...``.
 
-The drafter may be a DFlash drafter or a dLLM (the kind is read from its config.json). ``--method deer|specdiff``
-without ``--target`` / ``--drafter`` uses the embedded tiny Qwen3 target and the embedded tiny dLLM drafter.
+The flags are defined once, in :mod:`spiffy.cli.flags` (AR-only) and :mod:`spiffy.cli.generate` (shared with dLLM
+mode); this module only runs. ``--method`` without ``--target`` runs on the embedded pair: the tiny Qwen3 target
+with its DFlash drafter (ddtree, dflash) or its diffusion drafter (deer, specdiff). The drafter may be a DFlash
+drafter or a dLLM (the kind is read from its config.json).
 
-``spiffy/cli/generate.py`` defines the flags shared with the dLLM mode (``--prompt``, ``--chat``, ``--json``,
-``--dtype``, ``--budget``, ``--temperature``, ``--top-p``, ``--top-k``, ``--seed``) and calls
-:func:`add_ar_arguments` for the AR-only ones; when ``--target`` is given it delegates to :func:`run_generate`.
-:func:`add_ar_arguments` with ``shared=True`` adds any shared flag the parser still lacks, so the module also works
-stand-alone (:func:`main`, ``python -m spiffy.cli.generate_ar``).
-
-Draft sizes have their own names: ``--tree-budget N`` (DDTree nodes per round) and ``--chain-length N`` (DFlash
-drafted tokens per round). ``--budget``, which means "drafts kept per step" in dLLM mode, is still read as the
-tree budget in AR mode when ``--tree-budget`` is not given.
+Each method reads its own draft-size flag (:data:`METHOD_FLAGS`); a flag the chosen method does not read is refused.
 """
 
 from __future__ import annotations
@@ -29,10 +23,11 @@ from transformers import AutoTokenizer
 
 from spiffy.arspec import ARGenerationResult, ARSpecConfig, as_drafter, speculative_generate
 from spiffy.arspec.batch import speculative_generate_batch
-from spiffy.arspec.config import ACCEPT_RULES, DEFAULT_TREE_BUDGET, METHODS
-from spiffy.cli.placement import add_placement_arguments, placement_kwargs
+from spiffy.cli.flags import refuse
+from spiffy.cli.placement import placement_kwargs
+from spiffy.cli.runtime import default_device, set_threads
 from spiffy.embedded import embedded_model_path
-from spiffy.errors import CheckpointError, ConfigError, SpiffyError
+from spiffy.errors import CheckpointError, ConfigError
 from spiffy.models.ar_drafters import load_ar_drafter
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import load_target, read_config_dict
@@ -40,86 +35,57 @@ from spiffy.models.prompting import stop_token_ids
 from spiffy.sampling import SamplingConfig
 from spiffy.torch_utils import model_device, resolve_dtype
 
-__all__ = ["add_ar_arguments", "ar_config_from_args", "run_generate", "main", "load_target"]
+__all__ = ["METHOD_FLAGS", "ar_config_from_args", "run_generate"]
 
-_AR_ONLY: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("--target",), dict(default=None, metavar="DIR|ID",
-                        help="AR mode: Qwen3 target checkpoint, a directory or a Hub id ORG/NAME[@REVISION]")),
-    (("--drafter",), dict(default=None, metavar="DIR|ID",
-                         help="AR mode: drafter for the target, directory or Hub id: DFlash or a dLLM sharing its "
-                              "tokenizer (the kind is read from its config.json; needed by every method but ar)")),
-    (("--method",), dict(default=None, choices=tuple(m for m in METHODS if m != "ar") + ("ar",),
-                        help="AR mode decoding method: ddtree (optimal draft tree, default with --drafter), "
-                             "dflash (chain of drafter argmaxes), deer (the chain from a dLLM drafter), specdiff "
-                             "(--drafts K sampled drafts verified as one tree), ar (plain autoregressive, default "
-                             "without --drafter); deer and specdiff without --target/--drafter use the embedded models")),
-    (("--drafts",), dict(type=int, default=4, metavar="K",
-                        help="AR mode, specdiff: joint drafts sampled per round and verified together (default 4)")),
-    (("--accept",), dict(default="coupled", choices=ACCEPT_RULES,
-                        help="AR mode acceptance rule: coupled (position-keyed, equal to AR token for token; default) "
-                             "or rejection (speculative sampling min(1, p/q), equal to AR in distribution)")),
-    (("--max-new-tokens",), dict(type=int, default=128, metavar="N",
-                                help="AR mode: maximum number of generated tokens (default 128)")),
-    (("--tree-budget",), dict(type=int, default=None, metavar="N",
-                             help=f"AR mode, ddtree: draft-tree nodes verified per round (default {DEFAULT_TREE_BUDGET}; "
-                                  "0 = no drafts; --budget is read as this when it is not given)")),
-    (("--chain-length",), dict(type=int, default=None, metavar="N",
-                              help="AR mode, dflash: drafted tokens per round (default: the drafter's block size - 1)")),
-]
-
-#: methods that fall back to the embedded target and dLLM drafter when neither --target nor --drafter is given
-EMBEDDED_DLLM_METHODS: tuple[str, ...] = ("deer", "specdiff")
-
-_SHARED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("--prompt",), dict(default="", help="prompt text (tokenized as is unless --chat)")),
-    (("--chat",), dict(action="store_true", help="wrap the prompt in the tokenizer's chat template")),
-    (("--json",), dict(action="store_true", help="print one JSON object with tokens, text and statistics")),
-    (("--dtype",), dict(default=None, help="model dtype: float32 (CPU default), bfloat16, float16, float64 or auto")),
-    (("--budget",), dict(type=int, default=None, metavar="B",
-                        help="AR mode: DDTree node budget per round (default 64; 0 = no drafts)")),
-    (("--temperature",), dict(type=float, default=0.0, help="sampling temperature (0 = greedy)")),
-    (("--top-p",), dict(type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")),
-    (("--top-k",), dict(type=int, default=0, help="top-k sampling (0 = off)")),
-    (("--seed",), dict(type=int, default=0, help="sampling seed")),
-]
-
-
-def _has_option(parser: argparse.ArgumentParser, flag: str) -> bool:
-    return flag in getattr(parser, "_option_string_actions", {})
-
-
-def add_ar_arguments(parser: argparse.ArgumentParser, shared: bool = False) -> argparse.ArgumentParser:
-    """Add the AR-mode flags (``--target --drafter --method --max-new-tokens``) to ``parser``.
-
-    Flags the parser already defines are skipped. With ``shared=True`` also add the flags shared with the dLLM
-    mode (``--prompt --chat --json --dtype --budget --temperature --top-p --top-k --seed``) where missing.
-    """
-    specs = _AR_ONLY + (_SHARED if shared else [])
-    for flags, kwargs in specs:
-        if not any(_has_option(parser, f) for f in flags):
-            parser.add_argument(*flags, **kwargs)
-    return parser
+#: the method-specific flags (dest names) each method reads; the others are refused for it
+#: (to come from the method registry of spiffy.arspec once it holds them)
+METHOD_FLAGS: dict[str, frozenset[str]] = {
+    "ddtree": frozenset({"tree_budget", "accept"}),
+    "dflash": frozenset({"chain_length", "accept"}),
+    "deer": frozenset({"chain_length", "accept"}),
+    "specdiff": frozenset({"chain_length", "drafts", "accept"}),
+    "ar": frozenset(),
+}
+#: which embedded drafter each method runs with when --target is not given
+EMBEDDED_DRAFTER: dict[str, str | None] = {
+    "ddtree": "ar-drafter", "dflash": "ar-drafter", "deer": "ar-dllm-drafter", "specdiff": "ar-dllm-drafter",
+    "ar": None,
+}
 
 
 def ar_config_from_args(args: argparse.Namespace, method: str, stops: Sequence[int]) -> ARSpecConfig:
-    """The :class:`~spiffy.arspec.ARSpecConfig` of parsed AR flags (``None`` flags mean their defaults)."""
-    tree_budget = getattr(args, "tree_budget", None)
-    if tree_budget is None:
-        tree_budget = getattr(args, "budget", None)
+    """The :class:`~spiffy.arspec.ARSpecConfig` of parsed AR flags (unset flags keep ARSpecConfig's defaults)."""
     sampling = SamplingConfig.from_loose(
         getattr(args, "temperature", 0.0), getattr(args, "top_p", None), getattr(args, "top_k", None),
         int(getattr(args, "seed", 0) or 0),
     )
-    return ARSpecConfig(
-        method=method,
-        tree_budget=DEFAULT_TREE_BUDGET if tree_budget is None else int(tree_budget),
-        chain_length=getattr(args, "chain_length", None),
-        drafts=int(getattr(args, "drafts", 4) if getattr(args, "drafts", None) is not None else 4),
-        accept=getattr(args, "accept", None) or "coupled",
-        max_new_tokens=int(getattr(args, "max_new_tokens", 128)),
-        stop_token_ids=tuple(stops),
-        sampling=sampling,
-    )
+    flags = {"tree_budget": "tree_budget", "chain_length": "chain_length", "drafts": "drafts", "accept": "accept",
+             "max_new_tokens": "max_new_tokens"}
+    given = {field: getattr(args, dest) for field, dest in flags.items() if getattr(args, dest, None) is not None}
+    if method == "specdiff":  # the command line's SpecDiff-2 default: 4 drafts (the library's default is 1)
+        given.setdefault("drafts", 4)
+    return ARSpecConfig(method=method, stop_token_ids=tuple(stops), sampling=sampling, **given)
+
+
+def _resolve_pair(args: argparse.Namespace, method: str) -> tuple[str, str | None]:
+    """``(target, drafter)`` directories: as given, or the embedded pair for ``method`` when --target is not given."""
+    target_dir = getattr(args, "target", None)
+    drafter_dir = getattr(args, "drafter", None)
+    if not target_dir:
+        if drafter_dir:
+            raise ConfigError("--drafter needs --target (a drafter is made for one target); fix: add --target DIR, "
+                              "or drop --drafter to run on the embedded target and drafter")
+        target_dir = str(embedded_model_path("ar-target"))
+        kind = EMBEDDED_DRAFTER[method]
+        drafter_dir = str(embedded_model_path(kind)) if kind else None
+    if method != "ar" and not drafter_dir:
+        raise ConfigError(
+            f"--method {method} needs --drafter DIR (a DFlash or dLLM drafter); fix: add it or use --method ar"
+        )
+    if method == "ar" and drafter_dir:
+        raise ConfigError("--method ar decodes without a drafter; fix: drop --drafter, or pick a speculative method "
+                          "(--method ddtree)")
+    return target_dir, drafter_dir
 
 
 def _encode(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
@@ -151,21 +117,17 @@ def _print_result(res: ARGenerationResult, args: argparse.Namespace, text_out: s
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Run AR-mode generation for ``spiffy generate --target DIR ...``; prints text or one JSON object."""
-    target_dir = getattr(args, "target", None)
-    drafter_dir = getattr(args, "drafter", None)
-    method = getattr(args, "method", None) or ("ddtree" if drafter_dir else "ar")
-    if not target_dir and not drafter_dir and method in EMBEDDED_DLLM_METHODS:
-        target_dir = str(embedded_model_path("ar-target"))
-        drafter_dir = str(embedded_model_path("ar-dllm-drafter"))
-    if not target_dir:
-        raise ConfigError("AR mode needs --target DIR (a Qwen3 checkpoint directory)")
-    if method != "ar" and not drafter_dir:
-        raise ConfigError(
-            f"--method {method} needs --drafter DIR (a DFlash or dLLM drafter); fix: add it or use --method ar"
-        )
+    """Run AR-mode generation (``spiffy generate --method METHOD [--target DIR --drafter DIR] ...``); prints text or
+    one JSON object per prompt."""
+    method = getattr(args, "method", None) or ("ddtree" if getattr(args, "drafter", None) else "ar")
+    asked = set(getattr(args, "given", set())) - {"method", "target", "drafter"}
+    method_specific = {"tree_budget", "chain_length", "drafts", "accept"}
+    refuse(asked & method_specific - METHOD_FLAGS[method], f"do not apply to --method {method}",
+           "drop them (--tree-budget: ddtree; --chain-length: dflash, deer, specdiff; --drafts: specdiff; "
+           "--accept: every method but ar)", getattr(args, "command_parser", None))
+    target_dir, drafter_dir = _resolve_pair(args, method)
     config = ar_config_from_args(args, method, ())  # bad flags fail before any model is loaded
-    device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(getattr(args, "device", None))
     target_dir = checkpoint_dir(target_dir)  # a directory, or a Hub id such as Qwen/Qwen3-8B
     config_file = Path(target_dir) / "config.json"
     raw = read_config_dict(target_dir) if config_file.is_file() else {}
@@ -175,9 +137,10 @@ def run_generate(args: argparse.Namespace) -> int:
     if placement:  # the drafter and the inputs go where the target's embedding computes
         device = str(model_device(target))
     drafter = None
-    if method != "ar":
+    if drafter_dir is not None:
         drafter = as_drafter(load_ar_drafter(drafter_dir, dtype=dtype, device=device))
         drafter.check(target)  # type: ignore[attr-defined]
+    set_threads(getattr(args, "threads", None), target, getattr(drafter, "model", None))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -218,21 +181,3 @@ def _print_row(
         tokens_per_second=(len(res.tokens) / res.seconds) if res.seconds > 0 else None,
     )
     _print_result(res, args, tokenizer.decode(res.tokens, skip_special_tokens=True), extra)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m spiffy.cli.generate_ar --target DIR ...``)."""
-    parser = argparse.ArgumentParser(prog="spiffy-ar", description="AR-mode generation with DDTree / DFlash / AR")
-    add_ar_arguments(parser, shared=True)
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    add_placement_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_generate(args)
-    except SpiffyError as exc:
-        print(f"spiffy generate: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

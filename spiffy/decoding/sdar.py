@@ -360,6 +360,22 @@ class SDARSession(DecodeSession):
         out[:, s:e] = torch.where(transfer, tokens, cur)
         return out
 
+    def planned_steps(self) -> int | None:
+        """A block ends when no mask is left in it, so a block the prompt partly fills takes fewer steps:
+        per block, the steps of the schedule (at most ``schedule[step]`` tokens each) that unmask its masks."""
+        if self.config.tokens_per_step == "dynamic":
+            return None
+        total = 0
+        for block in range(self.num_blocks):
+            s, e = self.block_bounds(block)
+            masks = int((self.x[:, s:e] == self.mask_id).sum(dim=1).max())
+            steps = done = 0
+            while done < masks:  # bounded: every schedule entry is >= 1
+                done += max(1, int(self.schedule[min(steps, len(self.schedule) - 1)]))
+                steps += 1
+            total += steps
+        return total
+
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         if self.stopped:
             return True
