@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from spiffy.ar import ddtree_generate
 from spiffy.ar.checkpoints import make_tiny_dflash, make_tiny_target, save_drafter
-from spiffy.ar.cli import load_target
+from spiffy.models import load_target
 from spiffy.ar.drafter import DFlashDraftModel, TargetFeatureHooks, default_target_layer_ids, load_drafter
 from spiffy.errors import CheckpointError, CheckpointKeyError, DrafterMismatchError, MissingTokenError
 

@@ -9,7 +9,7 @@ import torch
 
 from spiffy.ar import ARGenerationResult, ddtree_generate
 from spiffy.ar.checkpoints import make_tiny_dflash, make_tiny_target
-from spiffy.ar.cli import load_target
+from spiffy.models import load_target
 from spiffy.ar.drafter import DFlashDraftModel, load_drafter
 from spiffy.ar.sampling import sample_tokens
 from spiffy.errors import ConfigError

@@ -156,13 +156,10 @@ def test_ddtree_generate_accepts_any_drafter(target, prompt):
 
 def test_deprecated_paths_are_the_new_objects():
     import spiffy.ar as ar
-    import spiffy.ar.cli as ar_cli
     import spiffy.arspec as arspec
-    import spiffy.cli.generate_ar as generate_ar
     import spiffy.models as models
 
     assert ar.ddtree_generate is arspec.ddtree_generate
     assert ar.build_ddtree is arspec.build_ddtree and ar.DraftTree is arspec.DraftTree
     assert ar.load_drafter is models.load_drafter and ar.DFlashDraftModel is models.DFlashDraftModel
     assert ar.make_tiny_dflash is models.make_tiny_dflash and ar.save_drafter is models.save_drafter
-    assert ar_cli.main is generate_ar.main and ar_cli.load_target is models.load_target

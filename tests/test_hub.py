@@ -28,7 +28,7 @@ from huggingface_hub import scan_cache_dir
 
 from spiffy.ar import ddtree_generate, load_drafter
 from spiffy.ar.checkpoints import make_tiny_dflash
-from spiffy.ar.cli import load_target
+from spiffy.models import load_target
 from spiffy.checkpoint_ref import checkpoint_name, hub_id_from_cache_path, parse_hub_id, split_reference
 from spiffy.cli.main import main
 from spiffy.decoding import DecodeConfig, generate, make_session

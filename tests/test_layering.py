@@ -64,7 +64,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {  # none of them reaches spiffy.selfsp
     # deprecated one-release re-exports of the old front-door paths; resolved on first use (PEP 562)
     ("spiffy.decoding", "spiffy.api"): "deprecated lazy re-export of generate / DiffusionResult",
     ("spiffy.decoding", "spiffy.compat"): "deprecated lazy re-export of llada_generate / dream_diffusion_generate",
-    ("spiffy.ar.cli", "spiffy.cli.generate_ar"): "deprecated lazy re-export of the AR generate command (now in cli)",
 }
 
 #: the AR side's known upward imports (none left: the AR half of the redesign removed them; kept so a regression

@@ -2,8 +2,7 @@
 
 * the DFlash drafter model and its loader: :mod:`spiffy.models.dflash` (``spiffy.models.load_drafter``);
 * checkpoint writers (``make_tiny_dflash``, ``make_tiny_target``, ``save_drafter``): :mod:`spiffy.models.ar_checkpoints`;
-* generation, sampling and the tree builder: :mod:`spiffy.arspec`;
-* the command line (``spiffy.ar.cli``): :mod:`spiffy.cli.generate_ar`.
+* generation, sampling and the tree builder: :mod:`spiffy.arspec` (the command line: `spiffy generate --method ...`).
 
 Every name below is the same object as in its new home.
 """

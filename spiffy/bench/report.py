@@ -9,26 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 from spiffy.errors import ConfigError
-
-
-def _atomic_write(path: Path, write: Callable[[str], None], suffix: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.", suffix=suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+from spiffy.io import atomic_write_with
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
@@ -39,7 +24,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(text)
 
-    _atomic_write(p, _w, ".tmp")
+    atomic_write_with(p, _w)  # spiffy.io: the file gets the umask's mode, not the temporary file's 0600
     return p
 
 
@@ -218,21 +203,28 @@ def _pyplot() -> Any:
 
 
 def _save_fig(fig: Any, path: Path) -> Path:
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"), ".png")
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     return path
 
 
 def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """``tradeoff.png`` and ``acceptance_histogram.png`` of a dLLM results dict."""
     plt = _pyplot()
-    runs = [r for r in res["runs"] if r.get("method", "spiffy") == "spiffy"]  # FreeDave rows: see results.md
+    runs = [r for r in res["runs"] if r.get("method", "spiffy") == "spiffy"]  # FreeDave rows: their own series
     budgets = [r["budget"] for r in runs]
     paths: list[Path] = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(budgets, [r["nfe_reduction"] or 0 for r in runs], "o-", label="NFE reduction")
-    ax.plot(budgets, [r["speedup"] or 0 for r in runs], "s--", label="wall-clock speedup")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("draft budget D* (nodes kept per step)")
+    ax.plot(budgets, [r["nfe_reduction"] or 0 for r in runs], "o-", label="Spiffy NFE reduction")
+    ax.plot(budgets, [r["speedup"] or 0 for r in runs], "s--", label="Spiffy wall-clock speedup")
+    freedave = sorted((r for r in res["runs"] if r.get("method") == "freedave"), key=lambda r: r["budget"])
+    if freedave:  # FreeDave with K draft steps verifies K - 1 drafts per call: the same x as Spiffy at D = K - 1
+        ax.plot([r["budget"] for r in freedave], [r["nfe_reduction"] or 0 for r in freedave], "^-",
+                label="FreeDave NFE reduction")
+        ax.plot([r["budget"] for r in freedave], [r["speedup"] or 0 for r in freedave], "v--",
+                label="FreeDave wall-clock speedup")
+    ax.axhline(1.0, color="grey", lw=0.8, label="baseline")
+    _integer_ticks(ax, sorted({int(r["budget"]) for r in res["runs"]}))
+    ax.set_xlabel("draft budget D (drafts verified per model call)")
     ax.set_ylabel("x over baseline")
     ax.set_title(f"Spiffy budget trade-off ({res.get('dataset')}, {res.get('num_prompts')} prompts)")
     ax.legend()
@@ -247,6 +239,7 @@ def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
         total = sum(r["acceptance_histogram"].values()) or 1
         ax.bar([k + i * width for k in keys], [r["acceptance_histogram"].get(str(k), 0) / total for k in keys],
                width=width, label=f"D*={r['budget']}")
+    _integer_ticks(ax, keys, offset=(len(runs) - 1) * width / 2)
     ax.set_xlabel("accepted drafts per verification forward")
     ax.set_ylabel("fraction of forwards")
     ax.set_title("Spiffy acceptance histogram")
@@ -258,26 +251,57 @@ def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
+def _integer_ticks(ax: Any, values: list[int], offset: float = 0.0) -> None:
+    """Ticks at the integer ``values`` only (shifted by ``offset``: the centre of a group of side-by-side bars),
+    labelled as integers (no 0.5 / 1.25 ticks, no 2^4 labels)."""
+    if ax.get_xscale() == "log":  # keep labels apart: on a log axis 15 and 16 would print on top of each other
+        kept: list[int] = []
+        for v in sorted(values):
+            if not kept or v >= kept[-1] * 1.25:
+                kept.append(v)
+        values = kept
+    ax.set_xticks([v + offset for v in values])
+    ax.set_xticklabels([str(int(v)) for v in values])
+    ax.minorticks_off()
+
+
+def _series_label(m: dict[str, Any]) -> str:
+    """How a method row is named in a plot: method, drafter kind, and the rule when it is not the coupled one."""
+    names = {"ddtree": "DDTree", "dflash": "DFlash", "deer": "DEER", "specdiff": "SpecDiff-2"}
+    label = names.get(m["method"], m["method"])
+    if m["method"] == "ddtree" and m.get("drafter_kind") == "dllm":
+        label += " (dLLM drafter)"
+    if m.get("accept", "coupled") != "coupled":
+        label += f", {m['accept']}"
+    return label
+
+
 def plot_ar(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """``tradeoff.png`` and ``acceptance_histogram.png`` of an AR results dict."""
     plt = _pyplot()
     methods = res["methods"]
-    tree = [m for m in methods if m["method"] == "ddtree" and m.get("drafter_kind", "dflash") == "dflash"
-            and m.get("accept", "coupled") == "coupled"]
-    dflash = next((m for m in methods if m["method"] == "dflash"), None)
     paths: list[Path] = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [m["budget"] for m in tree]
-    ax.plot(xs, [m["tau"] for m in tree], "o-", label="DDTree tau")
-    ax.plot(xs, [m["speedup_vs_ar"] or 0 for m in tree], "s--", label="DDTree speedup vs AR")
-    if dflash is not None:
-        ax.axhline(dflash["tau"], color="C0", ls=":", label="DFlash tau")
-        ax.axhline(dflash["speedup_vs_ar"] or 0, color="C1", ls=":", label="DFlash speedup vs AR")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("DDTree node budget")
-    ax.set_ylabel("tau (tokens/round) / speedup")
-    ax.set_title(f"DDTree budget trade-off ({res.get('dataset')}, {res.get('num_prompts')} prompts)")
-    ax.legend(fontsize=8)
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series: dict[str, list[dict[str, Any]]] = {}
+    for m in methods:  # one series per method, drafter and rule; its points are the budgets measured
+        if m["method"] != "ar":
+            series.setdefault(_series_label(m), []).append(m)
+    for k, (label, rows) in enumerate(series.items()):
+        rows = sorted(rows, key=lambda m: m["budget"])
+        style = dict(marker="os^vDP*Xhp<>"[k % 12], ls="-" if len(rows) > 1 else "none", label=label)
+        ax_tau.plot([m["budget"] for m in rows], [m["tau"] for m in rows], **style)
+        ax_speed.plot([m["budget"] for m in rows], [m["speedup_vs_ar"] or 0 for m in rows], **style)
+    ax_tau.axhline(1.0, color="grey", lw=0.8, label="AR (tau 1)")
+    ax_speed.axhline(1.0, color="grey", lw=0.8, label="AR (1x)")
+    budgets = sorted({int(m["budget"]) for m in methods if m["method"] != "ar" and m["budget"] > 0})
+    for ax, ylabel in ((ax_tau, "tau (tokens per target forward)"), (ax_speed, "speedup vs AR")):
+        ax.set_xscale("log", base=2)
+        if budgets:
+            _integer_ticks(ax, budgets)
+        ax.set_xlabel("draft nodes verified per round (tree budget; chain length x drafts)")
+        ax.set_ylabel(ylabel)
+    ax_speed.legend(fontsize=7, loc="best")
+    fig.suptitle(f"Speculative methods vs plain AR ({res.get('dataset')}, {res.get('num_prompts')} prompts)")
     try:
         paths.append(_save_fig(fig, out_dir / "tradeoff.png"))
     finally:
@@ -290,6 +314,7 @@ def plot_ar(res: dict[str, Any], out_dir: Path) -> list[Path]:
         total = sum(m["acceptance_histogram"].values()) or 1
         ax.bar([k + i * width for k in keys], [m["acceptance_histogram"].get(str(k), 0) / total for k in keys],
                width=width, label=m["name"])
+    _integer_ticks(ax, keys, offset=(len(shown) - 1) * width / 2)
     ax.set_xlabel("acceptance length per round (bonus included)")
     ax.set_ylabel("fraction of rounds")
     ax.set_title("Acceptance-length histogram")
