@@ -54,9 +54,19 @@ def _env_lines(env: dict[str, Any]) -> list[str]:
     ]
 
 
+def divergence_verdict(entry: dict[str, Any]) -> str:
+    """``""`` when every output of a method row equals its baseline; ``"near tie"`` when each divergence was proven
+    a rounding-level near tie (:mod:`spiffy.bench.fidelity`: half precision); ``"MISMATCH"`` otherwise."""
+    if entry["identical_fraction"] >= 1.0:
+        return ""
+    mism = entry.get("mismatches") or []
+    return "near tie" if mism and all(m.get("near_tie") is True for m in mism) else "MISMATCH"
+
+
 def _identical_cell(entry: dict[str, Any], num_prompts: Any) -> str:
     ident = f"{entry['identical']}/{num_prompts} ({100 * entry['identical_fraction']:.0f}%)"
-    return f"**MISMATCH** {ident}" if entry["identical_fraction"] < 1.0 else ident
+    verdict = divergence_verdict(entry)
+    return f"**{verdict}** {ident}" if verdict == "MISMATCH" else (f"{ident}, {verdict}" if verdict else ident)
 
 
 def _gap_note(m: dict[str, Any]) -> str:
@@ -341,6 +351,7 @@ def write_report(res: dict[str, Any], out_dir: str | os.PathLike[str], *, plots:
 
 
 __all__ = [
+    "divergence_verdict",
     "markdown_ar",
     "markdown_dllm",
     "markdown_report",

@@ -17,7 +17,7 @@ from spiffy.bench.overheads import markdown_overheads, run_overheads
 from spiffy.bench.report import markdown_report, write_report
 from spiffy.bench.throughput import ar_methods, dllm_methods, encode_prompts, markdown_throughput, measure, parse_batch_sizes, throughput_report
 from spiffy.cli.placement import placement_kwargs
-from spiffy.cli.runtime import check_output_path, decode_config, set_threads
+from spiffy.cli.runtime import check_output_path, decode_config, quiet_loading, set_threads
 from spiffy.distributed import join_data_parallel
 from spiffy.embedded import compatible_shipped_graph, embedded_model_path, is_embedded_available, resolve_graph_argument
 from spiffy.errors import ConfigError
@@ -125,6 +125,7 @@ def run_ar(args: argparse.Namespace) -> int:
     dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
     args.is_main_rank, device = dp.is_main, str(dp.device)
     placement = placement_kwargs(args)
+    quiet_loading()
     target = load_model(target_dir, dtype=args.dtype, device=device, **placement)
     device = str(model_device(target)) if placement else device  # drafters and inputs: the embedding's device
     dtype = next(target.parameters()).dtype

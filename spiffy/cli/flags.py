@@ -207,7 +207,8 @@ def flag_of(dest: str, parser: argparse.ArgumentParser | None = None) -> str:
 
 
 def refuse(asked: Iterable[str], why: str, fix: str, parser: argparse.ArgumentParser | None = None) -> None:
-    """ConfigError naming every flag in ``asked`` (dest names): ``"--a, --b <why>; fix: <fix>"``; nothing if empty."""
+    """ConfigError naming every flag in ``asked`` (dest names): ``"--a, --b: <why>; fix: <fix>"``; nothing if
+    ``asked`` is empty. A flag that does not apply is refused, never ignored."""
     flags = sorted(flag_of(dest, parser) for dest in asked)
     if flags:
-        raise ConfigError(f"{', '.join(flags)} {why}; fix: {fix}")
+        raise ConfigError(f"{', '.join(flags)}: {why}; fix: {fix}")

@@ -25,7 +25,7 @@ from spiffy.arspec import ARGenerationResult, ARSpecConfig, as_drafter, speculat
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.cli.flags import refuse
 from spiffy.cli.placement import placement_kwargs
-from spiffy.cli.runtime import default_device, set_threads
+from spiffy.cli.runtime import default_device, quiet_loading, set_threads
 from spiffy.embedded import embedded_model_path
 from spiffy.errors import CheckpointError, ConfigError
 from spiffy.models.ar_drafters import load_ar_drafter
@@ -122,7 +122,7 @@ def run_generate(args: argparse.Namespace) -> int:
     method = getattr(args, "method", None) or ("ddtree" if getattr(args, "drafter", None) else "ar")
     asked = set(getattr(args, "given", set())) - {"method", "target", "drafter"}
     method_specific = {"tree_budget", "chain_length", "drafts", "accept"}
-    refuse(asked & method_specific - METHOD_FLAGS[method], f"do not apply to --method {method}",
+    refuse(asked & method_specific - METHOD_FLAGS[method], f"not read by --method {method}",
            "drop them (--tree-budget: ddtree; --chain-length: dflash, deer, specdiff; --drafts: specdiff; "
            "--accept: every method but ar)", getattr(args, "command_parser", None))
     target_dir, drafter_dir = _resolve_pair(args, method)
@@ -133,6 +133,7 @@ def run_generate(args: argparse.Namespace) -> int:
     raw = read_config_dict(target_dir) if config_file.is_file() else {}
     dtype = resolve_dtype(getattr(args, "dtype", None) or "float32", raw)
     placement = placement_kwargs(args)
+    quiet_loading()
     target = load_target(target_dir, dtype, device, **placement)
     if placement:  # the drafter and the inputs go where the target's embedding computes
         device = str(model_device(target))

@@ -45,12 +45,13 @@ def run(args: argparse.Namespace) -> int:
     asked = set(getattr(args, "given", set()))
     parser = getattr(args, "command_parser", None)
     if asked & AR_SELECTORS:
-        refuse(asked & DLLM_ONLY, "only apply to diffusion LMs, but --target/--drafter/--method selected AR mode",
-               "drop them (AR mode's own flags: --tree-budget, --chain-length, --drafts, --max-new-tokens), or drop "
-               "--target/--drafter/--method to decode with a diffusion LM", parser)
+        refuse(asked & DLLM_ONLY, "diffusion-LM flags, and --target/--drafter/--method chose AR mode",
+               "drop them (AR mode sizes its drafts with --tree-budget N for ddtree, --chain-length N, --drafts K for "
+               "specdiff, and its output with --max-new-tokens N), or drop --target/--drafter/--method to decode "
+               "with a diffusion LM", parser)
         return generate_ar.run_generate(args)
-    refuse(asked & set(AR_FLAGS), "only apply to AR mode (a Qwen3 target with a drafter)",
-           "drop them (a diffusion LM sets its length with --gen-length), or add --method METHOD for AR mode", parser)
+    refuse(asked & set(AR_FLAGS), "AR-mode flags (a Qwen3 target with a drafter), and no --method/--target chose AR mode",
+           "drop them (a diffusion LM sets its length with --gen-length N), or add --method METHOD for AR mode", parser)
     return run_dllm(args, asked)
 
 
@@ -79,7 +80,7 @@ def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
     model_dir = args.model or default_dllm_path(" or --method METHOD for AR mode")
     graph_arg = args.graph if args.graph is not None else (AUTO_GRAPH if shipped_graphs(model_dir) else NO_GRAPH)
     if graph_arg == NO_GRAPH:
-        refuse(asked & {"budget", "score"}, "only apply with a draft graph (Spiffy), and none runs here",
+        refuse(asked & {"budget", "score"}, "Spiffy flags, and no draft graph runs here",
                "drop them, or pass --graph FILE|NAME|auto (`spiffy calibrate` makes one)", args.command_parser)
     source = _defaults_graph(graph_arg, model_dir)
     recorded = _recorded(load_graph(source)) if source is not None else {}
@@ -124,7 +125,7 @@ def _choose_graph(args: argparse.Namespace, graph_arg: str, model: Any, model_di
         except ConfigError as exc:
             if args.graph is not None:  # the user asked for auto: their error
                 raise
-            refuse(set(args.given) & {"budget", "score"}, f"need a draft graph, and {exc}", "drop them",
+            refuse(set(args.given) & {"budget", "score"}, f"Spiffy flags, and {exc}", "drop them",
                    args.command_parser)
             print(f"spiffy generate: note: decoding with the baseline (no Spiffy): {exc}", file=sys.stderr)
             return None, None

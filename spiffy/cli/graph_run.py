@@ -38,7 +38,7 @@ def write_chain(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy graph``; returns the exit status (GraphError propagates to the CLI's error handler)."""
-    refuse(set(getattr(args, "given", set())) - ACTION_FLAGS[args.action], f"do not apply to `spiffy graph {args.action}`",
+    refuse(set(getattr(args, "given", set())) - ACTION_FLAGS[args.action], f"not read by `spiffy graph {args.action}`",
            "drop them (show: --json; render: --out, --dpi; chain: --out, --depth, --model, --threads and the "
            "decoding flags)", getattr(args, "command_parser", None))
     if args.action == "chain":

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 from spiffy._version import __version__
 from spiffy.cli.flags import given
@@ -63,8 +64,16 @@ Run `spiffy COMMAND --help` for the options of a command.
 """
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``spiffy generate: error: <problem>; see `spiffy generate --help` `` (exit 2)
+    instead of the whole usage block. Subcommand parsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="spiffy", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"spiffy {__version__}")

@@ -4,7 +4,7 @@
 * :func:`decode_config`: the :class:`~spiffy.decoding.DecodeConfig` of the decoding flags the user set, on top of
   defaults (a graph's calibrated configuration, or the class defaults).
 * :func:`check_output_path`: an output location is refused before any work starts, not after it.
-* :func:`default_device`.
+* :func:`default_device`, :func:`quiet_loading`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from spiffy.cli.flags import DLLM_DECODING_FLAGS
 from spiffy.decoding import DecodeConfig
 from spiffy.errors import ConfigError
 
-__all__ = ["SMALL_MODEL_PARAMETERS", "check_output_path", "decode_config", "default_device", "set_threads"]
+__all__ = ["SMALL_MODEL_PARAMETERS", "check_output_path", "decode_config", "default_device", "quiet_loading",
+           "set_threads"]
 
 #: models below this many parameters run on one thread by default (see flags.THREADS_HELP)
 SMALL_MODEL_PARAMETERS = 50_000_000
@@ -39,6 +41,11 @@ def set_threads(requested: int | None, *models: Any) -> int:
     if requested:
         torch.set_num_threads(int(requested))
     return torch.get_num_threads()
+
+
+def quiet_loading() -> None:
+    """No "Loading weights" bar from transformers' loaders: a command's own progress bar is the one that counts."""
+    hf_logging.disable_progress_bar()
 
 
 def default_device(requested: str | None) -> str:
