@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from spiffy.cli.flags import add_decoding_arguments, add_sampling_arguments, add_threads_argument
+from spiffy.cli.flags import add_decoding_arguments, add_sampling_arguments, add_threads_argument, plain_text
 from spiffy.cli.names import OVERHEAD_BUDGETS, SCORE_HELP, SCORES
 from spiffy.cli.placement import add_placement_arguments
 
@@ -58,16 +58,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Create the ``bench`` subparser with its ``dllm``, ``ar`` and ``overheads`` modes (no torch import; the work
     is in :mod:`spiffy.cli.bench_run`)."""
     parser = subparsers.add_parser(
-        "bench", help="benchmark baseline vs speculative decoding (dLLM: Spiffy; AR: DFlash / DDTree)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "bench", help="benchmark speculative decoding against its baseline (dLLM: Spiffy, FreeDave; AR: DFlash, "
+                      "DDTree, DEER, SpecDiff-2)",
+        description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     modes = parser.add_subparsers(dest="bench_mode", metavar="MODE")
-    d = modes.add_parser("dllm", help="diffusion LM: baseline vs Spiffy at each budget",
-                         description="Baseline vs Spiffy speculative decoding of a diffusion LM, same process and prompts.")
-    d.add_argument("--model", default=None, metavar="DIR|ID", help="LLaDA/Dream/SDAR checkpoint: directory or Hub id ORG/NAME[@REV] (default: the embedded demo dLLM)")
+    d = modes.add_parser("dllm", help="diffusion LM: baseline vs Spiffy at each budget (and FreeDave)",
+                         description="Baseline vs Spiffy speculative decoding of a diffusion LM, same process and "
+                                     "prompts.")
+    d.add_argument("--model", default=None, metavar="DIR|ID",
+                   help="LLaDA/Dream/SDAR checkpoint: directory or Hub id ORG/NAME[@REV] (default: the small SDAR "
+                        "model embedded in the package)")
     d.add_argument("--graph", default=None, metavar="FILE",
-                   help="calibrated draft graph: a file, or the name of a graph shipped with the model (default: the shipped "
-                        "graph calibrated for these decoding flags; make one with `spiffy calibrate`)")
+                   help="calibrated draft graph: a file, or the name of a graph shipped with the model (default: the "
+                        "shipped graph calibrated for these decoding flags; make one with `spiffy calibrate`)")
     d.add_argument("--freedave", default=None, metavar="LIST",
                    help="also run FreeDave with these draft steps K, e.g. 2,4,6: each model call verifies K states "
                         "(the real one and the K-1 most confident next ones, no calibration), like Spiffy at budget "
@@ -76,19 +80,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _common(d, "1,3,5", "Spiffy budgets D (drafts verified per model call)")
     add_decoding_arguments(d)
     d.set_defaults(run="bench_run", command_parser=d, bench_mode="dllm")
-    a = modes.add_parser("ar", help="Qwen3 target: AR vs DFlash vs DDTree at each budget",
-                         description="Plain AR vs vanilla DFlash vs DDTree on one Qwen3 target, same process and prompts.")
-    a.add_argument("--target", default=None, metavar="DIR|ID", help="Qwen3 target checkpoint: directory or Hub id (default: the embedded demo target)")
-    a.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash drafter checkpoint: directory or Hub id (default: the embedded demo drafter)")
+    a = modes.add_parser("ar", help="Qwen3 target: AR vs DFlash, DDTree, DEER, SpecDiff-2 at each budget",
+                         description="Plain AR vs DFlash, DDTree and, with a diffusion drafter, DEER, SpecDiff-2 and "
+                                     "DDTree over the diffusion drafter, on one Qwen3 target, same process and prompts.")
+    a.add_argument("--target", default=None, metavar="DIR|ID",
+                   help="Qwen3 target checkpoint: directory or Hub id (default: the embedded demo target)")
+    a.add_argument("--drafter", default=None, metavar="DIR|ID",
+                   help="DFlash drafter checkpoint: directory or Hub id (default: the embedded demo drafter)")
     a.add_argument("--dllm-drafter", default=None, metavar="DIR",
-                   help="dLLM drafter sharing the target's tokenizer (enables ddtree-dllm, deer, specdiff; default: the "
-                        "embedded one when neither --target nor --drafter is given and it is shipped)")
+                   help="diffusion-LM drafter sharing the target's tokenizer (enables ddtree-dllm, deer, specdiff; "
+                        "default: the embedded one when neither --target nor --drafter is given and it is shipped)")
     a.add_argument("--methods", default=None, metavar="LIST",
-                   help="comma-separated subset of ar,dflash,ddtree,ddtree-dllm,deer,specdiff (default: all whose drafter is present)")
+                   help="comma-separated subset of ar, dflash, ddtree, ddtree-dllm (DDTree over the diffusion "
+                        "drafter), deer, specdiff (default: all whose drafter is present)")
     a.add_argument("--accept", default="coupled", metavar="LIST",
                    help="comma-separated acceptance rules: coupled, rejection (default coupled)")
-    a.add_argument("--drafts", default="1,4,8", metavar="LIST", help="SpecDiff-2 draft counts K (default 1,4,8)")
-    a.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="generated tokens per prompt at most (default 128)")
+    a.add_argument("--drafts", default="1,4,8", metavar="LIST",
+                   help="SpecDiff-2 draft counts K: drafts sampled per round and verified together (default 1,4,8)")
+    a.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="generated tokens per prompt at most (default 128)")
     _common(a, "16,32,64,128,256", "DDTree tree budgets (draft nodes verified per target forward)")
     add_sampling_arguments(a)
     a.set_defaults(run="bench_run", command_parser=a, bench_mode="ar")

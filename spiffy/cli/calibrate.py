@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from spiffy.cli.flags import add_decoding_arguments, add_threads_argument
+from spiffy.cli.flags import add_decoding_arguments, add_threads_argument, plain_text
 from spiffy.cli.names import SCORE_HELP, SCORES
 
 
@@ -33,7 +33,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "calibrate",
         help="calibrate a Spiffy draft graph for a diffusion LM and decoding configuration",
-        description=__doc__,
+        description=plain_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default=None, metavar="DIR|ID",
@@ -48,9 +48,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-prompts", type=int, default=None, metavar="N", help="use only the first N prompts")
     parser.add_argument("--objective", default="greedy", choices=("greedy", "cumfreq", "degree1", "exact"),
                         help="how the nodes are chosen: greedy (repeatedly add the draft that saves the most model "
-                             "calls given those already kept; default), cumfreq (the drafts seen most often, with "
-                             "their parents: the paper's rule), degree1 (like cumfreq, but each draft extends one "
-                             "parent only), or exact (the best set by integer programming; small calibrations)")
+                             "calls given those already kept; default), cumfreq (repeatedly add the draft the "
+                             "recorded trajectories passed through most often: the paper's cumulative-frequency "
+                             "rule), degree1 (as cumfreq, counting also how often the draft's parents were passed "
+                             "through: the paper's degree-1 rule), or exact (the best set by integer programming; "
+                             "small calibrations)")
     parser.add_argument("--max-level", type=int, default=None, metavar="L",
                         help="longest draft recorded, in steps ahead of the real state (default: up to the block "
                              "end). A small L (around the --budget you run) leaves nodes for alternative drafts "
@@ -61,7 +63,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "default one, one limited to drafts at most D steps ahead, and the chain of the D most "
                              "confident next states, FreeDave's drafts), the run-time selection is replayed on the "
                              "calibration prompts with each score, and the candidate that saves the most model calls "
-                             "is kept, unless it beats the chain by less than the noise (then the chain); the graph "
+                             "is kept if it saves clearly more than the chain (by more than two standard errors over the "
+                             "prompts), else the chain; the graph "
                              "records D, its shape and score, and `spiffy graph show` prints what each candidate saved")
     parser.add_argument("--score", default=None, choices=SCORES,
                         help="the score recorded in the graph for generate/bench to run it with. " + SCORE_HELP)

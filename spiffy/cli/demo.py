@@ -1,13 +1,15 @@
 """``spiffy demo``: a small end-to-end tour on the embedded tiny models (or checkpoints given by path).
 
-Decodes a few short code prompts with a diffusion LM (baseline vs Spiffy self-speculation) and with a Qwen3 target
-(plain AR vs DFlash vs DDTree with its DFlash drafter, and, with a diffusion drafter, DEER, SpecDiff-2 and DDTree over
-the diffusion drafter's marginals), prints the generated text and two tables: NFE, reduction, tokens/s, speedup and
-the identical-output check; τ, speedup and the identical-output check; then a legend of the columns and a note on CPU
-versus GPU wall-clock. Without arguments it uses the models shipped in ``spiffy/data/models`` (see
-:mod:`spiffy.embedded`); ``--model --graph --target --drafter --dllm-drafter`` override them. When
-no calibrated graph is available for the dLLM, one is calibrated on the fly on a few built-in code prompts (the
-output says so, and --random-tiny checkpoints always do). Takes about a minute on 2 CPU cores (README).
+Decodes a few short code prompts with a diffusion LM (the baseline decoder vs Spiffy self-speculation) and with a
+Qwen3 target (plain AR vs DFlash and DDTree with its DFlash drafter; with a diffusion drafter also DEER, SpecDiff-2
+and DDTree over the diffusion drafter's per-position distributions). It prints the generated text and two tables:
+for the diffusion LM the model calls (NFE), their reduction, tokens/s, speedup and whether every output equals the
+baseline's; for the AR target tau (tokens per target forward), speedup and the same check; then a legend of the
+columns and a note on CPU versus GPU wall-clock. Without arguments it uses the models shipped inside the package;
+``--model --graph --target --drafter --dllm-drafter`` replace them. When no calibrated graph is available for the
+diffusion LM, one is calibrated on the fly on a few built-in code prompts (the output says so; --random-tiny
+checkpoints always are). Takes about 20 s of CPU time on the embedded models (the wall-clock grows with the load
+of the machine).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from spiffy.cli.flags import add_threads_argument
+from spiffy.cli.flags import add_threads_argument, plain_text
 
 #: short code prompts (raw text: the embedded models are code-completion models)
 DEMO_PROMPTS: tuple[str, ...] = (
@@ -39,7 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Create the ``demo`` subparser (no torch import; the tour is in :mod:`spiffy.cli.demo_run`)."""
     parser = subparsers.add_parser(
         "demo", help="run a short demo on the embedded tiny models (Spiffy and DDTree, with speedups)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default=None, metavar="DIR|ID", help="diffusion LM checkpoint, directory or Hub id (default: the embedded one)")
     parser.add_argument("--graph", default=None, metavar="FILE",

@@ -11,6 +11,8 @@ refuse a flag that does not apply instead of ignoring it (:func:`refuse`).
 from __future__ import annotations
 
 import argparse
+import re
+import textwrap
 from typing import Any, Iterable
 
 from spiffy.cli.names import ACCEPT_RULES, AR_METHODS, DEFAULT_TREE_BUDGET
@@ -25,6 +27,7 @@ __all__ = [
     "add_threads_argument",
     "flag_of",
     "given",
+    "plain_text",
     "probability",
     "refuse",
     "threshold",
@@ -90,16 +93,14 @@ DLLM_DECODING_FLAGS: tuple[str, ...] = (
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, *, sampling: bool = True,
-                           defaults: str = "DecodeConfig's") -> argparse.ArgumentParser:
+                           defaults: str = "the defaults below") -> argparse.ArgumentParser:
     """Add the dLLM decoding flags (one per :class:`~spiffy.decoding.DecodeConfig` field); unset flags are ``None``.
 
     ``defaults`` says in the help where unset values come from (``generate``: the model's shipped graph).
     """
-    g = parser.add_argument_group(
-        "decoding (diffusion LMs)",
-        f"Unset flags take {defaults} values. A draft graph only runs with the decoding rule it was calibrated for "
-        "(block length, steps per block, threshold, remasking, cache, temperature); gen length may differ.",
-    )
+    g = parser.add_argument_group("decoding (diffusion LMs)", textwrap.fill(
+        f"Unset flags take {defaults}. A draft graph only runs with the decoding rule it was calibrated for "
+        "(block length, steps per block, threshold, remasking, cache, temperature); gen length may differ.", 100))
     g.add_argument("--gen-length", type=int, default=None, metavar="N",
                    help="number of generated positions, all masked at the start (default 128)")
     g.add_argument("--block-length", type=int, default=None, metavar="B",
@@ -156,11 +157,9 @@ AR_FLAGS: tuple[str, ...] = ("target", "drafter", "method", "drafts", "accept", 
 
 def add_ar_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The AR-mode flags of ``spiffy generate`` (Qwen3 target, its drafter, the method and its draft sizes)."""
-    g = parser.add_argument_group(
-        "AR mode (a Qwen3 target with a drafter)",
+    g = parser.add_argument_group("AR mode (a Qwen3 target with a drafter)", textwrap.fill(
         "--target, --drafter or --method selects AR mode. --method alone runs on the embedded pair: the tiny "
-        "Qwen3 target with its DFlash drafter (ddtree, dflash) or its diffusion drafter (deer, specdiff).",
-    )
+        "Qwen3 target with its DFlash drafter (ddtree, dflash) or its diffusion drafter (deer, specdiff).", 100))
     g.add_argument("--target", default=None, metavar="DIR|ID",
                    help="Qwen3 target checkpoint: a directory or a Hub id ORG/NAME[@REVISION]")
     g.add_argument("--drafter", default=None, metavar="DIR|ID",
@@ -175,7 +174,8 @@ def add_ar_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help=f"ddtree: draft-tree nodes (tokens) verified per target forward (default "
                         f"{DEFAULT_TREE_BUDGET}; 0 = no drafts)")
     g.add_argument("--chain-length", type=int, default=None, metavar="N",
-                   help="dflash, deer: drafted tokens per round (default: the drafter's block size - 1)")
+                   help="dflash, deer, specdiff: drafted tokens per draft and round (default: the drafter's "
+                        "block size - 1)")
     g.add_argument("--drafts", type=int, default=None, metavar="K",
                    help="specdiff: drafts sampled per round and verified together (default 4)")
     g.add_argument("--accept", default=None, choices=ACCEPT_RULES,
@@ -184,6 +184,12 @@ def add_ar_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help="generated tokens at most (default 128)")
     return parser
+
+
+def plain_text(doc: str | None) -> str:
+    """A module docstring as ``--help`` text: reStructuredText roles and double backquotes become plain text."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc or "")
+    return text.replace("``", "`").replace("::\n", ":\n")
 
 
 def given(args: argparse.Namespace, parser: argparse.ArgumentParser) -> set[str]:

@@ -27,7 +27,7 @@ step) and Spiffy self-speculation: the same tokens as the baseline decoder, fewe
 
 AR mode starts with --target, --drafter or --method: a Qwen3 target decodes token by token and a drafter proposes
 continuations the target verifies in one forward. --method without --target uses the embedded target and its
-drafter. Every speculative output equals the plain decoder's output.
+drafter. Every speculative output equals plain AR's (with --accept rejection: in distribution).
 
 A flag that does not apply to the chosen mode or method is refused (exit 2), never ignored.
 --json prints one JSON object (tokens, text, model calls, seconds, configuration) on stdout; the progress bar
@@ -78,7 +78,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument("--score", default=None, choices=SCORES,
                    help=SCORE_HELP)
     add_placement_arguments(parser)
-    add_decoding_arguments(parser, defaults="the draft graph's calibrated values, else DecodeConfig's")
+    add_decoding_arguments(parser, defaults="the draft graph's calibrated values, else the defaults below")
     add_ar_arguments(parser)
     parser.set_defaults(run="generate_run", command_parser=parser)
     return parser

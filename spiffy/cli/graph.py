@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from spiffy.cli.flags import DLLM_DECODING_FLAGS, add_decoding_arguments, add_threads_argument
+from spiffy.cli.flags import DLLM_DECODING_FLAGS, add_decoding_arguments, add_threads_argument, plain_text
 
 #: the flags each action reads (dest names); any other flag set by the user is refused
 ACTION_FLAGS: dict[str, frozenset[str]] = {
@@ -33,7 +33,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "graph",
         help="inspect, validate or render a calibrated draft-graph file",
-        description=__doc__,
+        description=plain_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("action", choices=("show", "validate", "render", "chain"),
