@@ -286,18 +286,23 @@ def _series_label(m: dict[str, Any]) -> str:
     return label
 
 
+def tradeoff_series(methods: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The series of the AR trade-off plot: one per method, drafter kind and acceptance rule (every row of the table
+    but plain AR, which is the reference line), its points the budgets measured, in budget order."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for m in methods:
+        if m["method"] != "ar":
+            series.setdefault(_series_label(m), []).append(m)
+    return {label: sorted(rows, key=lambda m: m["budget"]) for label, rows in series.items()}
+
+
 def plot_ar(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """``tradeoff.png`` and ``acceptance_histogram.png`` of an AR results dict."""
     plt = _pyplot()
     methods = res["methods"]
     paths: list[Path] = []
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))
-    series: dict[str, list[dict[str, Any]]] = {}
-    for m in methods:  # one series per method, drafter and rule; its points are the budgets measured
-        if m["method"] != "ar":
-            series.setdefault(_series_label(m), []).append(m)
-    for k, (label, rows) in enumerate(series.items()):
-        rows = sorted(rows, key=lambda m: m["budget"])
+    for k, (label, rows) in enumerate(tradeoff_series(methods).items()):
         style = dict(marker="os^vDP*Xhp<>"[k % 12], ls="-" if len(rows) > 1 else "none", label=label)
         ax_tau.plot([m["budget"] for m in rows], [m["tau"] for m in rows], **style)
         ax_speed.plot([m["budget"] for m in rows], [m["speedup_vs_ar"] or 0 for m in rows], **style)
@@ -357,6 +362,7 @@ __all__ = [
     "markdown_report",
     "plot_ar",
     "plot_dllm",
+    "tradeoff_series",
     "write_json_atomic",
     "write_report",
     "write_text_atomic",

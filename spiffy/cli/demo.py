@@ -19,6 +19,11 @@ from typing import Any
 
 from spiffy.cli.flags import add_threads_argument, plain_text
 
+#: the flags (dest names) only the diffusion part reads, and only the AR part reads (refused with the other --only)
+DLLM_PART_FLAGS: frozenset[str] = frozenset({"model", "graph", "gen_length", "block_length", "budget"})
+AR_PART_FLAGS: frozenset[str] = frozenset({"target", "drafter", "dllm_drafter", "drafts", "max_new_tokens",
+                                           "tree_budget"})
+
 #: short code prompts (raw text: the embedded models are code-completion models)
 DEMO_PROMPTS: tuple[str, ...] = (
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from spiffy.arspec.config import METHOD_LABELS
-from spiffy.cli.demo import CALIBRATION_PROMPTS, DEMO_PROMPTS
+from spiffy.cli.demo import AR_PART_FLAGS, CALIBRATION_PROMPTS, DEMO_PROMPTS, DLLM_PART_FLAGS
+from spiffy.cli.flags import refuse
 from spiffy.cli.runtime import default_device, quiet_loading, set_threads
 from spiffy.bench.ar import run_ar_bench
 from spiffy.bench.datasets import BenchPrompt
@@ -291,6 +292,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    asked = set(getattr(args, "given", set()))
+    parser = getattr(args, "command_parser", None)
+    if args.only == "ar":
+        refuse(asked & DLLM_PART_FLAGS, "read by the diffusion part only, and --only ar skips it",
+               "drop them, or drop --only ar", parser)
+    if args.only == "dllm":
+        refuse(asked & AR_PART_FLAGS, "read by the AR part only, and --only dllm skips it",
+               "drop them, or drop --only dllm", parser)
     paths, do_dllm, do_ar = _resolve(args)
     if getattr(args, "random_tiny", False):
         print("note: --random-tiny: tiny RANDOM checkpoints; outputs are gibberish and acceptance rates mean nothing, "
