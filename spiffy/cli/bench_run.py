@@ -91,6 +91,11 @@ def run_dllm(args: argparse.Namespace) -> int:
         graph_path = compatible_shipped_graph(model, model_dir, cfg, **extra)
         print(f"spiffy bench dllm: using the graph shipped with the model: {graph_path}", file=sys.stderr)
     graph = load_graph(graph_path)
+    beyond = [b for b in budgets if b > len(graph)]
+    if beyond:  # the rows still run (at most one draft per node and step): said once, not left to the reader
+        print(f"spiffy bench dllm: note: budget(s) {', '.join(map(str, beyond))} exceed the graph's {len(graph)} "
+              f"nodes; those rows keep all {len(graph)} nodes per step (the same drafts as --budgets {len(graph)})",
+              file=sys.stderr)
     if _batch_sizes(args):
         methods = dllm_methods(model, tokenizer, cfg, graph, budgets, device, extra, score=args.score)
         return _throughput(args, "dllm", methods, model, tokenizer, prompts, device, graph=str(graph_path),
