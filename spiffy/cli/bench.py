@@ -78,7 +78,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "K-1; same run, same prompts")
     d.add_argument("--score", default=None, choices=SCORES, help="pruning score of the Spiffy rows. " + SCORE_HELP)
     _common(d, "1,3,5", "Spiffy budgets D (drafts verified per model call)")
-    add_decoding_arguments(d)
+    add_decoding_arguments(d, defaults="the values of the graph the run uses (--graph, else the model's first "
+                                       "shipped graph), else the defaults below")
     d.set_defaults(run="bench_run", command_parser=d, bench_mode="dllm")
     a = modes.add_parser("ar", help="Qwen3 target: AR vs DFlash, DDTree, DEER, SpecDiff-2 at each budget",
                          description="Plain AR vs DFlash, DDTree and, with a diffusion drafter, DEER, SpecDiff-2 and "

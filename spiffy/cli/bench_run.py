@@ -19,7 +19,13 @@ from spiffy.bench.throughput import ar_methods, dllm_methods, encode_prompts, ma
 from spiffy.cli.placement import placement_kwargs
 from spiffy.cli.runtime import check_output_path, decode_config, quiet_loading, set_threads
 from spiffy.distributed import join_data_parallel
-from spiffy.embedded import compatible_shipped_graph, embedded_model_path, is_embedded_available, resolve_graph_argument
+from spiffy.embedded import (
+    compatible_shipped_graph,
+    embedded_model_path,
+    is_embedded_available,
+    resolve_graph_argument,
+    shipped_graphs,
+)
 from spiffy.errors import ConfigError
 from spiffy.io import atomic_write_json, atomic_write_text
 from spiffy.models import load_ar_drafter, load_drafter, load_model, load_tokenizer
@@ -79,7 +85,10 @@ def run_dllm(args: argparse.Namespace) -> int:
     model_dir = checkpoint_dir(args.model) if args.model else embedded_model_path("dllm")
     graph_path = resolve_graph_argument(args.graph, model_dir) if args.graph else None
     prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
-    cfg, extra = decode_config(args)
+    shipped = shipped_graphs(model_dir)
+    source = graph_path or (shipped[0] if shipped else None)  # unset decoding flags take this graph's values
+    recorded = load_graph(source).meta.get("calibration", {}) if source is not None else {}
+    cfg, extra = decode_config(args, recorded.get("decode_config") if isinstance(recorded, dict) else None)
     dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
     args.is_main_rank, device = dp.is_main, str(dp.device)
     placement = placement_kwargs(args)

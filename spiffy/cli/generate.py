@@ -70,7 +70,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "the model (e.g. tiny-sdar-s1), auto (the shipped graph calibrated for these decoding flags), "
                         "freedave:K (FreeDave: the K most confident next states as a chain, no calibration), or none "
                         "(the baseline decoder). Default: auto when the model ships graphs (the embedded one does), "
-                        "else none. Unset decoding flags take the graph's calibrated values")
+                        "else none. Unset decoding flags, --dtype and --chat take the calibrated values of this graph "
+                        "(of the model's first shipped graph with auto, none or freedave:K)")
     d.add_argument("--budget", type=int, default=None, metavar="D",
                    help="drafts per step: how many draft states of the graph are verified in each model call "
                         f"(the call's batch is 1 + D rows; default: the D the graph was tuned for, else "

@@ -70,6 +70,8 @@ def decode_config(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
+    if base and getattr(args, "steps", None) is None and base.get("steps") is not None:
+        values["steps"] = _steps_keeping_the_rate(base, values)
     if values.get("top_k") == 0:  # the flag's documented "0 = off"
         values["top_k"] = None
     values["temperature"] = float(values.get("temperature") or 0.0)
@@ -80,6 +82,19 @@ def decode_config(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     if strategy is not None:
         extra["strategy"] = strategy
     return DecodeConfig(**values), extra
+
+
+def _steps_keeping_the_rate(base: dict[str, Any], values: dict[str, Any]) -> int | None:
+    """Total steps for the gen length / block length in ``values`` that unmask as many tokens per step as ``base``
+    (a graph's recorded configuration) did: a graph is calibrated for a rate, not for a total, so ``--gen-length
+    128`` on a graph calibrated at 64 positions in 64 steps takes 128 steps. ``None`` (one token per step) when the
+    rate does not divide the new length."""
+    base_gen = int(base["gen_length"])
+    base_block = int(base.get("block_length") or base_gen)
+    per_block = int(base["steps"]) // max(1, base_gen // base_block)
+    gen = int(values.get("gen_length", base_gen))
+    steps, rest = divmod(gen * per_block, base_block)
+    return steps if rest == 0 and steps > 0 else None
 
 
 def check_output_path(path: str | os.PathLike[str], flag: str = "--out", *, directory: bool = False) -> Path:
