@@ -215,9 +215,7 @@ def check_graph(graph: Any, model: Any, session: DecodeSession) -> None:
 def _progress_bar(session: DecodeSession, cfg: Any, enabled: bool) -> Any:
     if not enabled:
         return None
-    total = None
-    if isinstance(cfg, DecodeConfig) and cfg.tokens_per_step != "dynamic":
-        total = int(cfg.resolved_steps)
+    total = session.planned_steps() if isinstance(cfg, DecodeConfig) else None
     return tqdm(total=total, desc="denoising", unit="step", file=sys.stderr, leave=False)
 
 

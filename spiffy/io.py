@@ -84,8 +84,11 @@ def replace_dir(src: Path, dst: Path) -> None:
     """Move directory ``src`` onto ``dst``, replacing ``dst`` if it exists (the old copy is removed after the swap).
 
     Used to publish a fully written checkpoint directory in one step: readers see the old or the new directory,
-    never a mixture.
+    never a mixture. ``src`` gets the umask's directory mode first (``mkdtemp`` creates it 0700, which would leave a
+    published checkpoint readable by its owner only).
     """
+    if src.is_dir() and not src.is_symlink():
+        os.chmod(src, _umask_mode(0o777))
     if dst.exists() or dst.is_symlink():
         backup = dst.parent / f".{dst.name}.old-{os.getpid()}-{id(src)}"
         os.replace(dst, backup)

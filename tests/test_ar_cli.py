@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -10,7 +9,6 @@ import pytest
 import torch
 
 from spiffy.models import make_tiny_dflash
-from spiffy.cli.generate_ar import add_ar_arguments, main as ar_main
 
 torch.set_num_threads(1)
 
@@ -34,7 +32,8 @@ def test_generate_json_all_methods_agree(tiny_qwen3, drafter_dir, capsys):
     runs = {}
     for method in ("ar", "dflash", "ddtree"):
         extra = [] if method == "ar" else ["--drafter", str(drafter_dir)]
-        runs[method] = _json_run(common + extra + ["--method", method, "--budget", "6"], capsys)
+        budget = ["--tree-budget", "6"] if method == "ddtree" else []
+        runs[method] = _json_run(common + extra + ["--method", method] + budget, capsys)
     for payload in runs.values():
         assert {"tokens", "text", "rounds", "tau", "seconds", "acceptance_lengths", "stage_times"} <= set(payload)
         assert payload["tokens"] == runs["ar"]["tokens"]
@@ -48,12 +47,13 @@ def test_generate_sampling_chat_and_text_output(tiny_qwen3, drafter_dir, capsys)
             "--max-new-tokens", "7", "--temperature", "1.0", "--top-k", "20", "--seed", "3", "--dtype", "float64",
             "--no-progress", "--json"]
     a = _json_run(base + ["--method", "ddtree"], capsys)
-    b = _json_run(base + ["--method", "ar"], capsys)
+    plain = [f for f in base if f != str(drafter_dir) and f != "--drafter"]  # plain AR takes no drafter
+    b = _json_run(plain + ["--method", "ar"], capsys)
     assert a["tokens"] == b["tokens"] and a["temperature"] == 1.0 and a["top_k"] == 20
     # plain text mode prints the decoded text on stdout, statistics on stderr
     from spiffy.cli.main import main
 
-    assert main(base[:-1] + ["--method", "ar"]) == 0
+    assert main(plain[:-1] + ["--method", "ar"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() == b["text"].strip()
     assert "tokens in" in captured.err
@@ -64,19 +64,10 @@ def test_cli_errors(tiny_qwen3, drafter_dir, capsys):
 
     assert main(["generate", "--target", str(tiny_qwen3), "--method", "ddtree", "--prompt", "x", "--no-progress"]) == 2
     assert "--drafter" in capsys.readouterr().err
-    assert main(["generate", "--target", str(tiny_qwen3), "--drafter", str(drafter_dir), "--budget", "-2",
+    with pytest.raises(SystemExit):  # argparse: a negative tree budget is no budget (exit 2, usage on stderr)
+        main(["generate", "--target", str(tiny_qwen3), "--drafter", str(drafter_dir), "--tree-budget", "-2",
+              "--prompt", "x", "--no-progress"])
+    assert "--tree-budget must be >= 0" in capsys.readouterr().err
+    assert main(["generate", "--target", str(tiny_qwen3), "--temperature", "-1", "--max-new-tokens", "2",
                  "--prompt", "x", "--no-progress"]) == 2
-    assert "budget" in capsys.readouterr().err
-    # the stand-alone entry point adds the shared flags itself
-    assert ar_main(["--target", str(tiny_qwen3), "--temperature", "-1", "--max-new-tokens", "2"]) == 2
     assert "temperature" in capsys.readouterr().err
-
-
-def test_add_ar_arguments_skips_existing_flags():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--budget", type=int, default=3)
-    add_ar_arguments(parser, shared=True)
-    add_ar_arguments(parser, shared=True)  # idempotent
-    args = parser.parse_args(["--target", "t", "--method", "dflash", "--top-p", "0.5"])
-    assert args.target == "t" and args.method == "dflash" and args.budget == 3 and args.top_p == 0.5
-    assert args.max_new_tokens == 128

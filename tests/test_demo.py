@@ -17,8 +17,12 @@ from spiffy.embedded import (
 )
 from spiffy.errors import ConfigError
 
-SMALL = ["--gen-length", "8", "--block-length", "4", "--max-new-tokens", "8", "--ddtree-budget", "6",
-         "--max-prompts", "1", "--dtype", "float64", "--no-progress"]
+#: small runs: the flags of the diffusion part, of the AR part, and of both (a part's flags with the other part's
+#: --only are refused)
+DLLM_SMALL = ["--gen-length", "8", "--block-length", "4"]
+AR_SMALL = ["--max-new-tokens", "8", "--tree-budget", "6"]
+BOTH = ["--max-prompts", "1", "--dtype", "float64", "--no-progress"]
+SMALL = DLLM_SMALL + AR_SMALL + BOTH
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,7 @@ def test_demo_with_a_diffusion_drafter_adds_deer_specdiff_and_ddtree_rows(
     assert main(["tiny", "dllm-drafter", str(dllm), "--target", str(tiny_qwen3), "--set", "block_size=4"]) == 0
     capsys.readouterr()
     rc = main(["demo", "--only", "ar", "--target", str(tiny_qwen3), "--drafter", str(tiny_drafter),
-               "--dllm-drafter", str(dllm), "--drafts", "3", *SMALL])
+               "--dllm-drafter", str(dllm), "--drafts", "3", *AR_SMALL, *BOTH])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     out = captured.out
@@ -66,7 +70,7 @@ def test_demo_with_a_diffusion_drafter_adds_deer_specdiff_and_ddtree_rows(
 
 
 def test_demo_rejects_a_dflash_checkpoint_as_diffusion_drafter(tiny_qwen3: Path, tiny_drafter: Path, capsys) -> None:
-    argv = ["demo", "--only", "ar", "--target", str(tiny_qwen3), "--drafter", str(tiny_drafter), *SMALL]
+    argv = ["demo", "--only", "ar", "--target", str(tiny_qwen3), "--drafter", str(tiny_drafter), *AR_SMALL, *BOTH]
     assert main([*argv, "--dllm-drafter", str(tiny_drafter)]) == 2
     assert "is a dflash drafter" in capsys.readouterr().err
     assert main([*argv, "--drafts", "0"]) == 2
@@ -82,7 +86,7 @@ def test_demo_with_graph_only_dllm(tiny_llada: Path, tmp_path: Path, capsys) -> 
                       DecodeConfig(gen_length=8, block_length=4), nodes=3, chat=False, progress=False)
     gpath = tmp_path / "graph.json"
     graph.save(gpath)
-    rc = main(["demo", "--only", "dllm", "--model", str(tiny_llada), "--graph", str(gpath), *SMALL])
+    rc = main(["demo", "--only", "dllm", "--model", str(tiny_llada), "--graph", str(gpath), *DLLM_SMALL, *BOTH])
     out = capsys.readouterr().out
     assert rc == 0
     assert "calibrated on the fly" not in out and "| Spiffy" in out and "AR target" not in out

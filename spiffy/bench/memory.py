@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -33,6 +35,23 @@ MEMORY_METHODS: dict[str, str] = {
 }
 
 
+@contextlib.contextmanager
+def _kineto_silenced() -> Iterator[None]:
+    """The profiler's C++ side (kineto) prints ``profiler_start`` / ``profiler_stop`` and allocator notes on file
+    descriptor 2 at every use, with no setting to turn them off: point fd 2 at /dev/null while it runs (Python
+    errors still propagate as exceptions)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
+
+
 def peak_bytes(fn: Callable[[], Any], device: torch.device | str) -> int:
     """Peak bytes of ``fn()`` on ``device`` (see the module docstring for what each device's figure means)."""
     dev = torch.device(device)
@@ -43,7 +62,8 @@ def peak_bytes(fn: Callable[[], Any], device: torch.device | str) -> int:
         fn()
         torch.cuda.synchronize(dev)
         return int(torch.cuda.max_memory_allocated(dev) - before)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with _kineto_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                                     with_stack=True) as prof:
         fn()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "timeline.json")

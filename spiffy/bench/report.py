@@ -13,27 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from spiffy.arspec.methods import CHAIN_BASELINE, DDTREE, DEFAULT_ACCEPT, get_method
+from spiffy.arspec.methods import DEFAULT_ACCEPT, DFLASH_DRAFTER, REGISTRY, get_method
 from spiffy.errors import ConfigError
-
-
-def _atomic_write(path: Path, write: Callable[[str], None], suffix: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.", suffix=suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+from spiffy.io import atomic_write_with
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
@@ -44,7 +29,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(text)
 
-    _atomic_write(p, _w, ".tmp")
+    atomic_write_with(p, _w)  # spiffy.io: the file gets the umask's mode, not the temporary file's 0600
     return p
 
 
@@ -113,9 +98,19 @@ def _env_lines(env: dict[str, Any]) -> list[str]:
     ]
 
 
+def divergence_verdict(entry: dict[str, Any]) -> str:
+    """``""`` when every output of a method row equals its baseline; ``"near tie"`` when each divergence was proven
+    a rounding-level near tie (:mod:`spiffy.bench.fidelity`: half precision); ``"MISMATCH"`` otherwise."""
+    if entry["identical_fraction"] >= 1.0:
+        return ""
+    mism = entry.get("mismatches") or []
+    return "near tie" if mism and all(m.get("near_tie") is True for m in mism) else "MISMATCH"
+
+
 def _identical_cell(entry: dict[str, Any], num_prompts: Any) -> str:
     ident = f"{entry['identical']}/{num_prompts} ({100 * entry['identical_fraction']:.0f}%)"
-    return f"**MISMATCH** {ident}" if entry["identical_fraction"] < 1.0 else ident
+    verdict = divergence_verdict(entry)
+    return f"**{verdict}** {ident}" if verdict == "MISMATCH" else (f"{ident}, {verdict}" if verdict else ident)
 
 
 def _gap_note(m: dict[str, Any]) -> str:
@@ -278,29 +273,32 @@ def _pyplot() -> Any:
 
 
 def _save_fig(fig: Any, path: Path) -> Path:
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"), ".png")
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     return path
 
 
 def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """``tradeoff.png`` and ``acceptance_histogram.png`` of a dLLM results dict."""
     plt = _pyplot()
-    runs = [r for r in res["runs"] if r.get("method", "spiffy") == "spiffy"]
-    rivals = [r for r in res["runs"] if r.get("method") == "freedave"]  # at D* = K - 1: the same states per forward
+    runs = [r for r in res["runs"] if r.get("method", "spiffy") == "spiffy"]  # FreeDave rows: their own series
     budgets = [r["budget"] for r in runs]
     paths: list[Path] = []
     fig, ax = plt.subplots(figsize=(6, 4))
     # error bars: the 95% intervals over prompts (none in results written before they were reported)
     ax.errorbar(budgets, [r["nfe_reduction"] or 0 for r in runs], yerr=_error_bars(runs, "nfe_reduction"),
-                fmt="o-", capsize=3, label="NFE reduction")
+                fmt="o-", capsize=3, label="Spiffy NFE reduction")
     ax.errorbar(budgets, [r["speedup"] or 0 for r in runs], yerr=_error_bars(runs, "speedup"), fmt="s--",
-                capsize=3, label="wall-clock speedup")
-    if rivals:
-        ax.errorbar([r["budget"] + 0.08 for r in rivals], [r["nfe_reduction"] or 0 for r in rivals],
-                    yerr=_error_bars(rivals, "nfe_reduction"), fmt="^:", capsize=3,
-                    label="FreeDave NFE reduction (same states)")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("draft budget D* (nodes kept per step)")
+                capsize=3, label="Spiffy wall-clock speedup")
+    freedave = sorted((r for r in res["runs"] if r.get("method") == "freedave"), key=lambda r: r["budget"])
+    if freedave:  # FreeDave with K draft steps verifies K - 1 drafts per call: the same x as Spiffy at D = K - 1
+        xs = [r["budget"] + 0.08 for r in freedave]  # beside Spiffy's point at the same states per forward
+        ax.errorbar(xs, [r["nfe_reduction"] or 0 for r in freedave], yerr=_error_bars(freedave, "nfe_reduction"),
+                    fmt="^-", capsize=3, label="FreeDave NFE reduction")
+        ax.errorbar(xs, [r["speedup"] or 0 for r in freedave], yerr=_error_bars(freedave, "speedup"), fmt="v--",
+                    capsize=3, label="FreeDave wall-clock speedup")
+    ax.axhline(1.0, color="grey", lw=0.8, label="baseline")
+    _integer_ticks(ax, sorted({int(r["budget"]) for r in res["runs"]}))
+    ax.set_xlabel("draft budget D (drafts verified per model call)")
     ax.set_ylabel("x over baseline (bars: 95% interval over prompts)")
     ax.set_title(f"Spiffy budget trade-off ({res.get('dataset')}, {res.get('num_prompts')} prompts)")
     ax.legend()
@@ -315,6 +313,7 @@ def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
         total = sum(r["acceptance_histogram"].values()) or 1
         ax.bar([k + i * width for k in keys], [r["acceptance_histogram"].get(str(k), 0) / total for k in keys],
                width=width, label=f"D*={r['budget']}")
+    _integer_ticks(ax, keys, offset=(len(runs) - 1) * width / 2)
     ax.set_xlabel("accepted drafts per verification forward")
     ax.set_ylabel("fraction of forwards")
     ax.set_title("Spiffy acceptance histogram")
@@ -326,31 +325,65 @@ def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
+def _integer_ticks(ax: Any, values: list[int], offset: float = 0.0) -> None:
+    """Ticks at the integer ``values`` only (shifted by ``offset``: the centre of a group of side-by-side bars),
+    labelled as integers (no 0.5 / 1.25 ticks, no 2^4 labels)."""
+    if ax.get_xscale() == "log":  # keep labels apart: on a log axis 15 and 16 would print on top of each other
+        kept: list[int] = []
+        for v in sorted(values):
+            if not kept or v >= kept[-1] * 1.25:
+                kept.append(v)
+        values = kept
+    ax.set_xticks([v + offset for v in values])
+    ax.set_xticklabels([str(int(v)) for v in values])
+    ax.minorticks_off()
+
+
+def _series_label(m: dict[str, Any]) -> str:
+    """How a method row is named in a plot: method, drafter kind, and the rule when it is not the coupled one."""
+    spec = get_method(m["method"])
+    label = spec.label
+    shared = sum(other.label == spec.label for other in REGISTRY.values()) > 1  # DDTree over either drafter kind
+    if shared and spec.drafter is not None and spec.drafter is not DFLASH_DRAFTER:
+        label += f" ({spec.drafter.label} drafter)"
+    if m.get("accept", DEFAULT_ACCEPT) != DEFAULT_ACCEPT:
+        label += f", {m['accept']}"
+    return label
+
+
+def tradeoff_series(methods: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The series of the AR trade-off plot: one per method, drafter kind and acceptance rule (every row of the table
+    but plain AR, which is the reference line), its points the budgets measured, in budget order."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for m in methods:
+        if get_method(m["method"]).needs_drafter:  # plain AR is the reference line
+            series.setdefault(_series_label(m), []).append(m)
+    return {label: sorted(rows, key=lambda m: m["budget"]) for label, rows in series.items()}
+
+
 def plot_ar(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """``tradeoff.png`` and ``acceptance_histogram.png`` of an AR results dict."""
     plt = _pyplot()
     methods = res["methods"]
-    tree = [m for m in methods if m["method"] == DDTREE.name and m.get("accept", DEFAULT_ACCEPT) == DEFAULT_ACCEPT]
-    dflash = next((m for m in methods if m["method"] == CHAIN_BASELINE.name), None)
     paths: list[Path] = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [m["budget"] for m in tree]
-    # error bars and bands: the 95% intervals over prompts (none in results written before they were reported)
-    ax.errorbar(xs, [m["tau"] for m in tree], yerr=_error_bars(tree, "tau"), fmt="o-", capsize=3,
-                label="DDTree tau")
-    ax.errorbar(xs, [m["speedup_vs_ar"] or 0 for m in tree], yerr=_error_bars(tree, "speedup_vs_ar"),
-                fmt="s--", capsize=3, label="DDTree speedup vs AR")
-    if dflash is not None:
-        for value, name, color in (("tau", "tau", "C0"), ("speedup_vs_ar", "speedup vs AR", "C1")):
-            ax.axhline(dflash[value] or 0, color=color, ls=":", label=f"DFlash {name}")
-            band = _interval(dflash, value)
-            if band:
-                ax.axhspan(band["low"], band["high"], color=color, alpha=0.12)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("DDTree node budget")
-    ax.set_ylabel("tau (tokens/round) / speedup (95% intervals)")
-    ax.set_title(f"DDTree budget trade-off ({res.get('dataset')}, {res.get('num_prompts')} prompts)")
-    ax.legend(fontsize=8)
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for k, (label, rows) in enumerate(tradeoff_series(methods).items()):
+        style = dict(marker="os^vDP*Xhp<>"[k % 12], ls="-" if len(rows) > 1 else "none", label=label)
+        xs = [m["budget"] for m in rows]
+        ax_tau.errorbar(xs, [m["tau"] for m in rows], yerr=_error_bars(rows, "tau"), capsize=3, **style)
+        ax_speed.errorbar(xs, [m["speedup_vs_ar"] or 0 for m in rows], yerr=_error_bars(rows, "speedup_vs_ar"),
+                          capsize=3, **style)
+    ax_tau.axhline(1.0, color="grey", lw=0.8, label="AR (tau 1)")
+    ax_speed.axhline(1.0, color="grey", lw=0.8, label="AR (1x)")
+    budgets = sorted({int(m["budget"]) for m in methods if get_method(m["method"]).needs_drafter and m["budget"] > 0})
+    for ax, ylabel in ((ax_tau, "tau (tokens per target forward)"), (ax_speed, "speedup vs AR")):
+        ax.set_xscale("log", base=2)
+        if budgets:
+            _integer_ticks(ax, budgets)
+        ax.set_xlabel("draft nodes verified per round (tree budget; chain length x drafts)")
+        ax.set_ylabel(ylabel + " (bars: 95% intervals)")
+    ax_speed.legend(fontsize=7, loc="best")
+    fig.suptitle(f"Speculative methods vs plain AR ({res.get('dataset')}, {res.get('num_prompts')} prompts)")
     try:
         paths.append(_save_fig(fig, out_dir / "tradeoff.png"))
     finally:
@@ -363,6 +396,7 @@ def plot_ar(res: dict[str, Any], out_dir: Path) -> list[Path]:
         total = sum(m["acceptance_histogram"].values()) or 1
         ax.bar([k + i * width for k in keys], [m["acceptance_histogram"].get(str(k), 0) / total for k in keys],
                width=width, label=m["name"])
+    _integer_ticks(ax, keys, offset=(len(shown) - 1) * width / 2)
     ax.set_xlabel("acceptance length per round (bonus included)")
     ax.set_ylabel("fraction of rounds")
     ax.set_title("Acceptance-length histogram")
@@ -389,11 +423,13 @@ def write_report(res: dict[str, Any], out_dir: str | os.PathLike[str], *, plots:
 
 
 __all__ = [
+    "divergence_verdict",
     "markdown_ar",
     "markdown_dllm",
     "markdown_report",
     "plot_ar",
     "plot_dllm",
+    "tradeoff_series",
     "write_json_atomic",
     "write_report",
     "write_text_atomic",

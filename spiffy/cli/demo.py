@@ -1,45 +1,28 @@
 """``spiffy demo``: a small end-to-end tour on the embedded tiny models (or checkpoints given by path).
 
-Decodes a few short code prompts with a diffusion LM (baseline vs Spiffy self-speculation) and with a Qwen3 target
-(plain AR vs DFlash vs DDTree with its DFlash drafter, and, with a diffusion drafter, DEER, SpecDiff-2 and DDTree over
-the diffusion drafter's marginals), prints the generated text and two tables: NFE, reduction, tokens/s, speedup and
-the identical-output check; τ, speedup and the identical-output check; then a legend of the columns and a note on CPU
-versus GPU wall-clock. Without arguments it uses the models shipped in ``spiffy/data/models`` (see
-:mod:`spiffy.embedded`); ``--model --graph --target --drafter --dllm-drafter`` override them. When
-no calibrated graph is available for the dLLM, one is calibrated on the fly on a few built-in code prompts (the
-output says so, and --random-tiny checkpoints always do). Takes about a minute on 2 CPU cores (README).
+Decodes a few short code prompts with a diffusion LM (the baseline decoder vs Spiffy self-speculation) and with a
+Qwen3 target (plain AR vs DFlash and DDTree with its DFlash drafter; with a diffusion drafter also DEER, SpecDiff-2
+and DDTree over the diffusion drafter's per-position distributions). It prints the generated text and two tables:
+for the diffusion LM the model calls (NFE), their reduction, tokens/s, speedup and whether every output equals the
+baseline's; for the AR target tau (tokens per target forward), speedup and the same check; then a legend of the
+columns and a note on CPU versus GPU wall-clock. Without arguments it uses the models shipped inside the package;
+``--model --graph --target --drafter --dllm-drafter`` replace them. When no calibrated graph is available for the
+diffusion LM, one is calibrated on the fly on a few built-in code prompts (the output says so; --random-tiny
+checkpoints always are). Takes about 20 s of CPU time on the embedded models (the wall-clock grows with the load
+of the machine).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
-import torch
+from spiffy.cli.flags import add_threads_argument, plain_text
 
-from spiffy.arspec.methods import get_method
-from spiffy.bench.ar import run_ar_bench
-from spiffy.bench.datasets import BenchPrompt
-from spiffy.bench.dllm import run_dllm_bench
-from spiffy.decoding import DecodeConfig
-from spiffy.embedded import (
-    embedded_graph_path,
-    embedded_model_path,
-    is_embedded_available,
-    missing_message,
-    resolve_graph_argument,
-)
-from spiffy.errors import ConfigError
-from spiffy.models import load_drafter, load_model, load_tokenizer
-from spiffy.models.ar_drafters import drafter_kind, load_ar_drafter, make_tiny_dllm_drafter
-from spiffy.models.hub import checkpoint_dir
-from spiffy.models.tiny import make_tiny
-from spiffy.selfspec.calibrate import calibrate
-from spiffy.selfspec.graph import load_graph
+#: the flags (dest names) only the diffusion part reads, and only the AR part reads (refused with the other --only)
+DLLM_PART_FLAGS: frozenset[str] = frozenset({"model", "graph", "gen_length", "block_length", "budget"})
+AR_PART_FLAGS: frozenset[str] = frozenset({"target", "drafter", "dllm_drafter", "drafts", "max_new_tokens",
+                                           "tree_budget"})
 
 #: short code prompts (raw text: the embedded models are code-completion models)
 DEMO_PROMPTS: tuple[str, ...] = (
@@ -58,11 +41,12 @@ CALIBRATION_PROMPTS: tuple[str, ...] = (
 )
 
 
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Create the ``demo`` subparser."""
+    """Create the ``demo`` subparser (no torch import; the tour is in :mod:`spiffy.cli.demo_run`)."""
     parser = subparsers.add_parser(
         "demo", help="run a short demo on the embedded tiny models (Spiffy and DDTree, with speedups)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default=None, metavar="DIR|ID", help="diffusion LM checkpoint, directory or Hub id (default: the embedded one)")
     parser.add_argument("--graph", default=None, metavar="FILE",
@@ -78,16 +62,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--gen-length", type=int, default=32, metavar="N", help="dLLM generated positions (default 32)")
     parser.add_argument("--block-length", type=int, default=None, metavar="B",
                         help="dLLM block length (default: the graph's, else 16)")
-    parser.add_argument("--budget", type=int, default=3, metavar="D", help="Spiffy drafts kept per step (default 3)")
+    parser.add_argument("--budget", type=int, default=3, metavar="D",
+                        help="Spiffy drafts verified per model call (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="AR generated tokens (default 32)")
-    parser.add_argument("--ddtree-budget", type=int, default=32, metavar="B", help="DDTree node budget (default 32)")
+    parser.add_argument("--tree-budget", type=int, default=32, metavar="N",
+                        help="DDTree draft-tree nodes verified per target forward (default 32)")
     parser.add_argument("--max-prompts", type=int, default=len(DEMO_PROMPTS), metavar="N",
                         help=f"number of demo prompts (1..{len(DEMO_PROMPTS)}, default {len(DEMO_PROMPTS)})")
     parser.add_argument("--dtype", default=None, help="model dtype (default float32 on CPU)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="CPU threads for torch (default 1: these tiny models gain nothing from more, and on a "
-                             "busy machine extra threads cost several times the wall-clock; 0 = torch's default)")
+    add_threads_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument(
         "--random-tiny",
@@ -95,286 +79,5 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="use freshly written tiny RANDOM checkpoints (spiffy tiny) for every part not given by path: shows the "
         "machinery and the identical-output check anywhere; acceptance numbers of random weights mean nothing",
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(run="demo_run", command_parser=parser)
     return parser
-
-
-def _resolve(args: argparse.Namespace) -> tuple[dict[str, Path], bool, bool]:
-    """Paths of the parts to run: ``({'dllm', 'target', 'drafter': path}, run_dllm, run_ar)``; raises ConfigError
-    listing everything missing."""
-    do_dllm = args.only in (None, "dllm")
-    do_ar = args.only in (None, "ar")
-    paths: dict[str, Path] = {}
-    missing: list[str] = []
-    wanted = []
-    if do_dllm:
-        wanted.append(("dllm", args.model, "dllm", "--model"))
-    if do_ar:
-        wanted += [("target", args.target, "ar-target", "--target"), ("drafter", args.drafter, "ar-drafter", "--drafter")]
-    for key, explicit, kind, flag in wanted:
-        if not explicit and getattr(args, "random_tiny", False):
-            explicit = str(_random_tiny(kind))
-        if explicit:
-            paths[key] = _checkpoint(flag, explicit)
-            continue
-        try:
-            paths[key] = embedded_model_path(kind)
-        except ConfigError:
-            missing.append(f"  - {flag}: {missing_message(kind)}")
-    if do_ar and not missing:
-        dllm_drafter = _dllm_drafter_path(args)
-        if dllm_drafter is not None:
-            paths["dllm_drafter"] = dllm_drafter
-    if missing:
-        raise ConfigError(
-            "spiffy demo needs checkpoints that are not available:\n" + "\n".join(missing) + "\n"
-            "fix: pass them explicitly, e.g. `spiffy demo --model DIR --graph FILE --target DIR --drafter DIR` "
-            "(tiny random ones: `spiffy tiny llada DIR`, `spiffy tiny qwen3 DIR`, `spiffy tiny dflash DIR --target DIR`), "
-            "or run only one part with --only dllm|ar"
-        )
-    return paths, do_dllm, do_ar
-
-
-def _checkpoint(flag: str, value: str) -> Path:
-    """The checkpoint directory a flag names (a directory, or a Hub id ORG/NAME[@REV]); ConfigError without a
-    config.json there."""
-    path = checkpoint_dir(value)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{flag} {path}: no config.json there; fix: pass a checkpoint directory")
-    return path
-
-
-def _dllm_drafter_path(args: argparse.Namespace) -> Path | None:
-    """The diffusion drafter of the AR part: ``--dllm-drafter``; a tiny random one with ``--random-tiny``; else the
-    embedded one when it is shipped and the target is the embedded one too (it was aligned to that target); else
-    ``None`` (the DEER / SpecDiff-2 rows are skipped)."""
-    if args.dllm_drafter:
-        path = _checkpoint("--dllm-drafter", args.dllm_drafter)
-        kind = drafter_kind(path)
-        if kind != "dllm":
-            raise ConfigError(f"--dllm-drafter {path} is a {kind} drafter; fix: pass a diffusion drafter (e.g. "
-                              "`spiffy tiny dllm-drafter DIR --target TARGET`), or a DFlash one with --drafter")
-        return path
-    if args.target:  # the embedded / random drafter shares only the embedded / random target's tokenizer
-        return None
-    if getattr(args, "random_tiny", False):
-        return _random_tiny("ar-dllm-drafter")
-    return embedded_model_path("ar-dllm-drafter") if is_embedded_available("ar-dllm-drafter") else None
-
-
-_RANDOM_TINY_DIR: Path | None = None
-
-
-def _random_tiny(kind: str) -> Path:
-    """Write (once per process) a tiny random checkpoint for ``kind`` into a temporary directory."""
-    global _RANDOM_TINY_DIR
-    if _RANDOM_TINY_DIR is None:
-        _RANDOM_TINY_DIR = Path(tempfile.mkdtemp(prefix="spiffy-demo-"))
-    root = _RANDOM_TINY_DIR
-    if kind == "dllm":
-        out = root / "tiny-llada"
-        if not out.exists():
-            make_tiny("llada", out, seed=0)
-        return out
-    target = root / "tiny-qwen3"
-    if not target.exists():
-        make_tiny("qwen3", target, seed=0)
-    if kind == "ar-target":
-        return target
-    if kind == "ar-dllm-drafter":
-        out = root / "tiny-dllm-drafter"
-        if not out.exists():
-            make_tiny_dllm_drafter(out, target, seed=0)
-        return out
-    out = root / "tiny-dflash"
-    if not out.exists():
-        make_tiny("dflash", out, seed=0, target=target)
-    return out
-
-
-def _demo_config(graph: Any, gen_length: int, block_length: int | None) -> Any:
-    """The decoding config: the graph's calibrated rule with the demo's gen_length, else a one-token-per-step one."""
-    dec = None
-    if graph is not None:
-        cal = graph.meta.get("calibration", {}) if isinstance(graph.meta, dict) else {}
-        dec = cal.get("decode_config") if isinstance(cal, dict) else None
-    if dec:
-        cfg = DecodeConfig.from_dict({k: v for k, v in dec.items() if k != "seed"})
-        bl = int(block_length or cfg.resolved_block_length)
-        spb = cfg.steps_per_block
-        n = max(1, gen_length // bl)
-        steps = None if cfg.steps is None and spb == bl else n * spb
-        return cfg.replace(gen_length=n * bl, block_length=bl, steps=steps)
-    bl = int(block_length or 16)
-    n = max(1, gen_length // bl)
-    return DecodeConfig(gen_length=n * bl, block_length=bl)
-
-
-def _dllm_part(args: argparse.Namespace, model_dir: Path, prompts: list[Any], device: str) -> dict[str, Any]:
-    model = load_model(model_dir, dtype=args.dtype, device=device)
-    tokenizer = load_tokenizer(model_dir)
-    # the graphs shipped with this very checkpoint (none for --random-tiny ones: those calibrate on the fly)
-    graph_path = resolve_graph_argument(args.graph, model_dir) if args.graph else embedded_graph_path(model_dir)
-    note = None
-    if graph_path is not None:
-        graph = load_graph(graph_path)
-        cfg = _demo_config(graph, args.gen_length, args.block_length)
-    else:
-        cfg = _demo_config(None, args.gen_length, args.block_length)
-        t0 = time.perf_counter()
-        print(f"no calibrated graph for {model_dir}: calibrating one on the fly "
-              f"({len(CALIBRATION_PROMPTS)} built-in code prompts, 10 nodes)...", file=sys.stderr)
-        graph = calibrate(model, tokenizer, list(CALIBRATION_PROMPTS), cfg, nodes=10, chat=False,
-                          progress=not args.no_progress, dataset="demo-code")
-        note = (f"graph calibrated on the fly ({len(CALIBRATION_PROMPTS)} built-in code prompts, "
-                f"{time.perf_counter() - t0:.1f}s; projected NFE reduction {graph.projected.get('reduction', 0):.2f}x)")
-    res = run_dllm_bench(model, tokenizer, prompts, cfg, graph, [int(args.budget)], chat=False, warmup=1,
-                         progress=not args.no_progress, model_name=str(model_dir), dataset="demo",
-                         graph_path=str(graph_path) if graph_path else "(calibrated on the fly)", device=device)
-    res["graph_note"] = note
-    return res
-
-
-def _ar_part(args: argparse.Namespace, paths: dict[str, Path], prompts: list[Any], device: str) -> dict[str, Any]:
-    """AR vs DFlash vs DDTree, plus DEER / SpecDiff-2 / DDTree over the diffusion drafter when there is one."""
-    target = load_model(paths["target"], dtype=args.dtype, device=device)
-    dtype = next(target.parameters()).dtype
-    drafter = load_drafter(paths["drafter"], dtype=dtype, device=device)
-    tokenizer = load_tokenizer(paths["target"])
-    dllm_dir = paths.get("dllm_drafter")
-    dllm_drafter = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None
-    return run_ar_bench(target, drafter, tokenizer, prompts, [int(args.ddtree_budget)],
-                        max_new_tokens=int(args.max_new_tokens), chat=False, warmup=1,
-                        progress=not args.no_progress, target_name=str(paths["target"]),
-                        drafter_name=str(paths["drafter"]), dataset="demo", device=device,
-                        dllm_drafter=dllm_drafter, dllm_drafter_name=str(dllm_dir) if dllm_dir else None,
-                        drafts=[int(args.drafts)])  # every method whose drafter is present
-
-
-LEGEND = """\
-What the tables mean:
-  NFE        model forward calls (function evaluations); the dLLM baseline makes one per denoising step
-  tau        tokens produced per target forward (verification round), including the bonus token; plain AR = 1
-  drafter    DFlash: a small model reading the target's hidden states; dLLM: a diffusion LM drafting a block
-             from the committed tokens alone (DEER: one chain; SpecDiff-2: K sampled drafts verified together as
-             a tree; DDTree: the best tree under the node budget from either drafter's per-position distributions)
-  identical  speculative outputs equal to their baseline token for token (lossless: always all of them)
-  speedup    wall-clock ratio against the baseline, measured in this process on these prompts"""
-
-#: the honest word on wall-clock, printed after every demo
-WALL_CLOCK_NOTE = (
-    "Wall-clock: on a CPU a forward over 1 + D rows costs about 1 + D times one row, so these tiny models decode "
-    "no faster with fewer forwards (speedups below 1x are expected here); on a GPU a large model is memory-bound, "
-    "extra rows in a batch are nearly free, and fewer forwards become the speedup."
-)
-
-#: shown with the embedded (trained) checkpoints, whose text is not the point
-QUALITY_NOTE = (
-    "note: the embedded models are tiny (about 4M parameters, 45 minutes to 4 hours of CPU training each): their "
-    "text is Python-shaped but often repetitive; what the demo shows is the identical-output check, NFE and tau."
-)
-
-
-def _x(v: Any) -> str:
-    return "n/a" if v is None else f"{v:.2f}x"
-
-
-def _num(v: Any) -> str:
-    return "n/a" if v is None else f"{v:.1f}"
-
-
-def format_dllm(res: dict[str, Any], prompts: list[Any]) -> str:
-    """Generated texts and the baseline-vs-Spiffy table of a demo run."""
-    b, r = res["baseline"], res["runs"][0]
-    dec = res["decoding"]
-    lines = [f"== diffusion LM: {res['model']} ({res['family']}), gen_length {dec['gen_length']}, block "
-             f"{dec['block_length']}, Spiffy budget {r['budget']} ==", ""]
-    if res.get("graph_note"):
-        lines += [f"note: {res['graph_note']}", ""]
-    for p, s in zip(prompts, res.get("outputs", [])):
-        lines += [f"--- prompt: {p.prompt!r}", p.prompt + s, ""]
-    ident = f"{r['identical']}/{res['num_prompts']}" + ("" if r["identical_fraction"] == 1.0 else "  MISMATCH")
-    lines += [
-        "| decoder  | NFE | NFE reduction | tokens/s | speedup | identical |",
-        "|----------|-----|---------------|----------|---------|-----------|",
-        f"| baseline | {b['nfe_total']} | 1.00x | {_num(b['tokens_per_s'])} | 1.00x | - |",
-        f"| Spiffy   | {r['nfe_total']} | {_x(r['nfe_reduction'])} | {_num(r['tokens_per_s'])} | {_x(r['speedup'])} | {ident} |",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _shape(m: dict[str, Any]) -> str:
-    """What a method drafts per round: a chain, ``K=`` sampled drafts, or a tree ``budget`` nodes large."""
-    spec = get_method(m["method"])
-    if spec.size_knob == "drafts":
-        return f"K={m['drafts']}"
-    if spec.size_knob == "budget":
-        return f"budget {m['budget']}"
-    return spec.shape if spec.needs_drafter else "-"
-
-
-def format_ar(res: dict[str, Any], prompts: list[Any]) -> str:
-    """Generated texts and the AR-vs-speculative table of a demo run (one row per method and drafter)."""
-    head = f"== AR target: {res['target']} + DFlash drafter {res['drafter']}"
-    if res.get("dllm_drafter"):
-        head += f" + dLLM drafter {res['dllm_drafter']}"
-    lines = [f"{head}, max_new_tokens {res['decoding']['max_new_tokens']} ==", ""]
-    for p, s in zip(prompts, res.get("outputs", [])):
-        lines += [f"--- prompt: {p.prompt!r}", p.prompt + s, ""]
-    lines += ["| method | drafter | drafts | tau (incl. bonus) | tokens/s | speedup vs AR | identical to AR |",
-              "|--------|---------|--------|-------------------|----------|---------------|-----------------|"]
-    for m in res["methods"]:
-        ident = f"{m['identical']}/{res['num_prompts']}" + ("" if m["identical_fraction"] == 1.0 else "  MISMATCH")
-        spec = get_method(m["method"])
-        drafter = spec.drafter.label if spec.drafter is not None else "-"
-        lines.append(f"| {spec.label} | {drafter} | {_shape(m)} | {m['tau']:.2f} | "
-                     f"{_num(m['tokens_per_s'])} | {_x(m['speedup_vs_ar'])} | {ident} |")
-    lines.append("")
-    return "\n".join(lines)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``spiffy demo``; returns 0, or 1 when a speculative output differs from its baseline."""
-    if not 1 <= int(args.max_prompts) <= len(DEMO_PROMPTS):
-        raise ConfigError(f"--max-prompts must be in 1..{len(DEMO_PROMPTS)}, got {args.max_prompts}")
-    if int(args.drafts) < 1:
-        raise ConfigError(f"--drafts must be >= 1, got {args.drafts}; fix: pass e.g. --drafts 4")
-    paths, do_dllm, do_ar = _resolve(args)
-    if getattr(args, "random_tiny", False):
-        print("note: --random-tiny: tiny RANDOM checkpoints; outputs are gibberish and acceptance rates mean nothing, "
-              "but every speculative output must still equal its baseline.\n")
-    elif not (args.model or args.target or args.drafter):
-        print(QUALITY_NOTE + "\n")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if int(args.threads) < 0:
-        raise ConfigError(f"--threads must be >= 0, got {args.threads}; fix: pass 1 (default) or 0 for torch's default")
-    threads_before = torch.get_num_threads()
-    if int(args.threads) > 0:
-        torch.set_num_threads(int(args.threads))
-    try:
-        ok = _tour(args, paths, do_dllm, do_ar, device)
-    finally:  # the caller's setting back (the demo may run inside a larger process)
-        torch.set_num_threads(threads_before)
-    return 0 if ok else 1
-
-
-def _tour(args: argparse.Namespace, paths: dict[str, Path], do_dllm: bool, do_ar: bool, device: str) -> bool:
-    """Run the requested parts, print their tables, the legend and the timing line; True when all identical."""
-    prompts = [BenchPrompt(str(k), p, "demo") for k, p in enumerate(DEMO_PROMPTS[: int(args.max_prompts)])]
-    t0 = time.perf_counter()
-    ok = True
-    if do_dllm:
-        res = _dllm_part(args, paths["dllm"], prompts, device)
-        res["outputs"] = [s["text"] for s in res.get("samples", [])]
-        print(format_dllm(res, prompts))
-        ok &= bool(res["all_identical"])
-    if do_ar:
-        res = _ar_part(args, paths, prompts, device)
-        res["outputs"] = [s["text"] for s in res.get("samples", [])]
-        print(format_ar(res, prompts))
-        ok &= bool(res["all_identical"])
-    print(LEGEND + "\n" + WALL_CLOCK_NOTE + "\n")
-    print(f"demo finished in {time.perf_counter() - t0:.1f}s on {device} ({torch.get_num_threads()} thread(s)); speculative "
-          f"outputs {'identical to their baselines' if ok else 'DIFFER from their baselines (a bug: please report it)'}.")
-    return ok

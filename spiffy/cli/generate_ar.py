@@ -1,19 +1,12 @@
-"""AR mode of ``spiffy generate``: ``spiffy generate --target DIR [--drafter DIR] --method ar|dflash|ddtree|deer|specdiff
-[--drafts K] [--accept coupled|rejection] ...``.
+"""AR mode of ``spiffy generate`` at run time: ``spiffy generate --method ddtree|dflash|deer|specdiff|ar
+[--target DIR --drafter DIR] [--tree-budget N | --chain-length N | --drafts K] [--accept coupled|rejection] ...``.
 
-The drafter may be a DFlash drafter or a dLLM (the kind is read from its config.json). ``--method deer|specdiff``
-without ``--target`` / ``--drafter`` uses the embedded tiny Qwen3 target and the embedded tiny dLLM drafter.
+The flags are defined once, in :mod:`spiffy.cli.flags` (AR-only) and :mod:`spiffy.cli.generate` (shared with dLLM
+mode); this module only runs. ``--method`` without ``--target`` runs on the embedded pair: the tiny Qwen3 target
+with its DFlash drafter (ddtree, dflash) or its diffusion drafter (deer, specdiff). The drafter may be a DFlash
+drafter or a dLLM (the kind is read from its config.json).
 
-``spiffy/cli/generate.py`` defines the flags shared with the dLLM mode (``--prompt``, ``--chat``, ``--json``,
-``--dtype``, ``--budget``, ``--temperature``, ``--top-p``, ``--top-k``, ``--seed``) and calls
-:func:`add_ar_arguments` for the AR-only ones; when ``--target`` is given it delegates to :func:`run_generate`.
-:func:`add_ar_arguments` with ``shared=True`` adds any shared flag the parser still lacks, so the module also works
-stand-alone (:func:`main`, ``python -m spiffy.cli.generate_ar``).
-
-Method names, their help texts and which drafter kind (and embedded checkpoint) each one uses come from the
-registry, :mod:`spiffy.arspec.methods`. Draft sizes: ``--budget N`` (tree nodes per round of ``ddtree`` /
-``ddtree-dllm``; the knob ``ARSpecConfig.budget``), ``--chain-length N`` (drafted tokens per round of a chain),
-``--drafts K`` (SpecDiff-2); a flag left out takes :class:`~spiffy.arspec.ARSpecConfig`'s default.
+Each method reads its own draft-size flag (:func:`method_flags`, from the method registry); a flag the chosen method does not read is refused.
 """
 
 from __future__ import annotations
@@ -28,22 +21,14 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoTokenizer
 
-from spiffy.arspec import ARGenerationResult, ARSpecConfig, as_drafter, speculative_generate_batch
-from spiffy.arspec.config import DEFAULT_BUDGET, DEFAULT_DRAFTS, DEFAULT_MAX_NEW_TOKENS
-from spiffy.arspec.methods import (
-    ACCEPT_RULES,
-    AR,
-    DEFAULT_ACCEPT,
-    DEFAULT_METHOD,
-    DLLM_DRAFTER,
-    METHODS,
-    REGISTRY,
-    get_method,
-    methods_help,
-)
-from spiffy.cli.placement import add_placement_arguments, placement_kwargs
+from spiffy.arspec import ARGenerationResult, ARSpecConfig, as_drafter
+from spiffy.arspec.batch import speculative_generate_batch
+from spiffy.arspec.methods import AR, DEFAULT_METHOD, Chain, Method, get_method
+from spiffy.cli.flags import refuse
+from spiffy.cli.placement import placement_kwargs
+from spiffy.cli.runtime import default_device, quiet_loading, set_threads
 from spiffy.embedded import embedded_model_path
-from spiffy.errors import CheckpointError, ConfigError, SpiffyError
+from spiffy.errors import CheckpointError, ConfigError
 from spiffy.models.ar_drafters import load_ar_drafter
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import load_target, read_config_dict
@@ -51,80 +36,56 @@ from spiffy.models.prompting import prompt_token_ids, stop_token_ids
 from spiffy.sampling import SamplingConfig
 from spiffy.torch_utils import model_device, resolve_dtype
 
-__all__ = ["add_ar_arguments", "ar_config_from_args", "run_generate", "main", "load_target"]
+__all__ = ["ar_config_from_args", "method_flags", "run_generate"]
 
-_AR_ONLY: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("--target",), dict(default=None, metavar="DIR|ID",
-                        help="AR mode: Qwen3 target checkpoint, a directory or a Hub id ORG/NAME[@REVISION]")),
-    (("--drafter",), dict(default=None, metavar="DIR|ID",
-                         help="AR mode: drafter for the target, directory or Hub id: DFlash or a dLLM sharing its "
-                              "tokenizer (the kind is read from its config.json; needed by every method but ar)")),
-    (("--method",), dict(default=None, choices=METHODS,
-                        help=f"AR mode decoding method (default {DEFAULT_METHOD.name} with --drafter, {AR.name} without): "
-                             f"{methods_help()}; the dLLM-drafter methods without --target/--drafter use the "
-                             "embedded models")),
-    (("--drafts",), dict(type=int, default=None, metavar="K",
-                        help=f"AR mode, specdiff: joint drafts sampled per round and verified together (default "
-                             f"{DEFAULT_DRAFTS})")),
-    (("--accept",), dict(default=None, choices=tuple(ACCEPT_RULES),
-                        help=f"AR mode acceptance rule (default {DEFAULT_ACCEPT}): "
-                             + "; ".join(f"{a.name}: {a.help}" for a in ACCEPT_RULES.values()))),
-    (("--max-new-tokens",), dict(type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
-                                help=f"AR mode: maximum number of generated tokens (default {DEFAULT_MAX_NEW_TOKENS})")),
-    (("--chain-length",), dict(type=int, default=None, metavar="N",
-                              help="AR mode, chain methods: drafted tokens per round (default: the drafter's block "
-                                   "size - 1)")),
-]
-
-#: methods that fall back to the embedded target and their drafter kind's embedded drafter when neither --target nor
-#: --drafter is given
-EMBEDDED_DLLM_METHODS: tuple[str, ...] = tuple(m.name for m in REGISTRY.values() if m.drafter is DLLM_DRAFTER)
-
-_SHARED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("--prompt",), dict(default="", help="prompt text (tokenized as is unless --chat)")),
-    (("--chat",), dict(action="store_true", help="wrap the prompt in the tokenizer's chat template")),
-    (("--json",), dict(action="store_true", help="print one JSON object with tokens, text and statistics")),
-    (("--dtype",), dict(default=None, help="model dtype: float32 (CPU default), bfloat16, float16, float64 or auto")),
-    (("--budget",), dict(type=int, default=None, metavar="B",
-                        help=f"AR mode: tree nodes per round (default {DEFAULT_BUDGET}; 0 = no drafts)")),
-    (("--temperature",), dict(type=float, default=0.0, help="sampling temperature (0 = greedy)")),
-    (("--top-p",), dict(type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")),
-    (("--top-k",), dict(type=int, default=0, help="top-k sampling (0 = off)")),
-    (("--seed",), dict(type=int, default=0, help="sampling seed")),
-]
-
-
-def _has_option(parser: argparse.ArgumentParser, flag: str) -> bool:
-    return flag in getattr(parser, "_option_string_actions", {})
-
-
-def add_ar_arguments(parser: argparse.ArgumentParser, shared: bool = False) -> argparse.ArgumentParser:
-    """Add the AR-mode flags (``--target --drafter --method --max-new-tokens``) to ``parser``.
-
-    Flags the parser already defines are skipped. With ``shared=True`` also add the flags shared with the dLLM
-    mode (``--prompt --chat --json --dtype --budget --temperature --top-p --top-k --seed``) where missing.
-    """
-    specs = _AR_ONLY + (_SHARED if shared else [])
-    for flags, kwargs in specs:
-        if not any(_has_option(parser, f) for f in flags):
-            parser.add_argument(*flags, **kwargs)
-    return parser
+def method_flags(method: Method) -> frozenset[str]:
+    """The method-specific flags (dest names) ``method`` reads; the others are refused for it. From the registry:
+    its sizing knob (``--tree-budget`` for a tree budget, ``--drafts``), ``--chain-length`` for a method whose drafts
+    follow the drafter's block (chains and sampled drafts), ``--accept`` for every method that drafts."""
+    flags = set()
+    if method.size_knob == "budget":
+        flags.add("tree_budget")
+    if method.size_knob == "drafts":
+        flags.add("drafts")
+    if isinstance(method, Chain):
+        flags.add("chain_length")
+    if method.needs_drafter:
+        flags.add("accept")
+    return frozenset(flags)
 
 
 def ar_config_from_args(args: argparse.Namespace, method: str, stops: Sequence[int]) -> ARSpecConfig:
-    """The :class:`~spiffy.arspec.ARSpecConfig` of parsed AR flags (``None`` flags take the config's defaults)."""
-    given = {knob: getattr(args, knob, None) for knob in ("budget", "drafts", "accept", "max_new_tokens")}
+    """The :class:`~spiffy.arspec.ARSpecConfig` of parsed AR flags (unset flags keep ARSpecConfig's defaults)."""
     sampling = SamplingConfig.from_loose(
         getattr(args, "temperature", 0.0), getattr(args, "top_p", None), getattr(args, "top_k", None),
         int(getattr(args, "seed", 0) or 0),
     )
-    return ARSpecConfig(
-        method=method,
-        chain_length=getattr(args, "chain_length", None),
-        **{k: v for k, v in given.items() if v is not None},
-        stop_token_ids=tuple(stops),
-        sampling=sampling,
-    )
+    # config field <- flag (dest): the tree budget is ARSpecConfig.budget; --budget is Spiffy's (dLLM mode)
+    flags = {"budget": "tree_budget", "chain_length": "chain_length", "drafts": "drafts", "accept": "accept",
+             "max_new_tokens": "max_new_tokens"}
+    given = {field: getattr(args, dest) for field, dest in flags.items() if getattr(args, dest, None) is not None}
+    return ARSpecConfig(method=method, stop_token_ids=tuple(stops), sampling=sampling, **given)
+
+
+def _resolve_pair(args: argparse.Namespace, method: str) -> tuple[str, str | None]:
+    """``(target, drafter)`` directories: as given, or the embedded pair for ``method`` when --target is not given."""
+    target_dir = getattr(args, "target", None)
+    drafter_dir = getattr(args, "drafter", None)
+    if not target_dir:
+        if drafter_dir:
+            raise ConfigError("--drafter needs --target (a drafter is made for one target); fix: add --target DIR, "
+                              "or drop --drafter to run on the embedded target and drafter")
+        target_dir = str(embedded_model_path("ar-target"))
+        kind = get_method(method).drafter
+        drafter_dir = str(embedded_model_path(kind.embedded)) if kind else None
+    if get_method(method).needs_drafter and not drafter_dir:
+        raise ConfigError(
+            f"--method {method} needs --drafter DIR (a DFlash or dLLM drafter); fix: add it or use --method ar"
+        )
+    if not get_method(method).needs_drafter and drafter_dir:
+        raise ConfigError("--method ar decodes without a drafter; fix: drop --drafter, or pick a speculative method "
+                          "(--method ddtree)")
+    return target_dir, drafter_dir
 
 
 def _print_result(res: ARGenerationResult, args: argparse.Namespace, text_out: str, extra: dict[str, Any]) -> None:
@@ -142,31 +103,31 @@ def _print_result(res: ARGenerationResult, args: argparse.Namespace, text_out: s
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Run AR-mode generation for ``spiffy generate --target DIR ...``; prints text or one JSON object."""
-    target_dir = getattr(args, "target", None)
-    drafter_dir = getattr(args, "drafter", None)
-    spec = get_method(getattr(args, "method", None) or (DEFAULT_METHOD if drafter_dir else AR))
-    method = spec.name
-    if not target_dir and not drafter_dir and method in EMBEDDED_DLLM_METHODS:
-        target_dir = str(embedded_model_path("ar-target"))
-        drafter_dir = str(embedded_model_path(spec.drafter.embedded))  # type: ignore[union-attr]
-    if not target_dir:
-        raise ConfigError("AR mode needs --target DIR (a Qwen3 checkpoint directory)")
-    if spec.needs_drafter and not drafter_dir:
-        raise ConfigError(
-            f"--method {method} needs --drafter DIR (a DFlash or dLLM drafter); fix: add it or use --method ar"
-        )
+    """Run AR-mode generation (``spiffy generate --method METHOD [--target DIR --drafter DIR] ...``); prints text or
+    one JSON object per prompt."""
+    method = getattr(args, "method", None) or (DEFAULT_METHOD.name if getattr(args, "drafter", None) else AR.name)
+    asked = set(getattr(args, "given", set())) - {"method", "target", "drafter"}
+    method_specific = {"tree_budget", "chain_length", "drafts", "accept"}
+    refuse(asked & method_specific - method_flags(get_method(method)), f"not read by --method {method}",
+           "drop them (--tree-budget: ddtree; --chain-length: dflash, deer, specdiff; --drafts: specdiff; "
+           "--accept: every method but ar)", getattr(args, "command_parser", None))
+    target_dir, drafter_dir = _resolve_pair(args, method)
     config = ar_config_from_args(args, method, ())  # bad flags fail before any model is loaded
-    device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(getattr(args, "device", None))
     target_dir = checkpoint_dir(target_dir)  # a directory, or a Hub id such as Qwen/Qwen3-8B
     config_file = Path(target_dir) / "config.json"
     raw = read_config_dict(target_dir) if config_file.is_file() else {}
     dtype = resolve_dtype(getattr(args, "dtype", None) or "float32", raw)
     placement = placement_kwargs(args)
+    quiet_loading()
     target = load_target(target_dir, dtype, device, **placement)
     if placement:  # the drafter and the inputs go where the target's embedding computes
         device = str(model_device(target))
-    drafter_model = load_ar_drafter(drafter_dir, dtype=dtype, device=device) if spec.needs_drafter else None
+    drafter_model = None
+    if drafter_dir is not None:
+        drafter_model = load_ar_drafter(drafter_dir, dtype=dtype, device=device)
+        as_drafter(drafter_model).check(target)  # a mismatched pair fails before any prompt is encoded
+    set_threads(getattr(args, "threads", None), target, drafter_model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -207,21 +168,3 @@ def _print_row(
         tokens_per_second=(len(res.tokens) / res.seconds) if res.seconds > 0 else None,
     )
     _print_result(res, args, tokenizer.decode(res.tokens, skip_special_tokens=True), extra)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m spiffy.cli.generate_ar --target DIR ...``)."""
-    parser = argparse.ArgumentParser(prog="spiffy-ar", description="AR-mode generation with DDTree / DFlash / AR")
-    add_ar_arguments(parser, shared=True)
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    add_placement_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_generate(args)
-    except SpiffyError as exc:
-        print(f"spiffy generate: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

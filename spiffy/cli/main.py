@@ -1,6 +1,9 @@
 """Entry point of the ``spiffy`` command: dispatches to one module per subcommand.
 
-Each subcommand module in :mod:`spiffy.cli` defines ``add_parser(subparsers) -> argparse.ArgumentParser`` and
+Each subcommand has a parser module in :mod:`spiffy.cli` that defines ``add_parser(subparsers)`` and imports
+neither torch nor transformers, so ``spiffy --help``, ``spiffy --version`` and ``spiffy COMMAND --help`` start in
+a fraction of a second. The parser records, with ``set_defaults(run=NAME, command_parser=PARSER)``, the module of
+:mod:`spiffy.cli` that does the work; :func:`main` imports it only when the command runs and calls its
 ``run(args) -> int``.
 """
 
@@ -10,9 +13,16 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 from spiffy._version import __version__
+from spiffy.cli.flags import given
 from spiffy.errors import SpiffyError
+
+#: the package of the run modules (``run=NAME`` names ``spiffy.cli.NAME``)
+CLI_PACKAGE = "spiffy.cli"
+#: attributes main() adds to the parsed arguments (not flags; a command that records its flags leaves them out)
+CLI_INTERNAL: tuple[str, ...] = ("command", "run", "command_parser", "given", "bench_parser")
 
 # subcommand name -> module, in the order `spiffy --help` lists them
 SUBCOMMANDS: dict[str, str] = {
@@ -28,29 +38,42 @@ SUBCOMMANDS: dict[str, str] = {
 DESCRIPTION = """\
 spiffy: lossless speculative decoding.
 
-  Diffusion LLMs (LLaDA, Dream, SDAR): Spiffy self-speculation with calibrated draft graphs.
-  Qwen3 targets: DDTree tree decoding with a DFlash block-diffusion drafter.
+  Diffusion LLMs (LLaDA, Dream, SDAR): Spiffy self-speculation. A draft graph, calibrated offline, predicts the
+    states the decoder will reach next; each model call verifies the real state and a few drafts as one batch.
+  Qwen3 targets with a drafter: DDTree (a tree of drafted continuations verified in one forward), DFlash (the
+    drafter's best chain), DEER and SpecDiff-2 (diffusion drafters), plain AR.
 
 Every speculative path reproduces its baseline token for token; only the number of model calls changes.
+Without --model / --target the small models embedded in the package are used.
 """
 
 EPILOG = """\
 examples:
   spiffy demo                                       # end-to-end tour on the embedded tiny models
+  spiffy generate --prompt "def add(a, b):"         # the embedded diffusion LM with Spiffy and its shipped graph
+  spiffy generate --method ddtree --prompt "def add(a, b):"   # the embedded Qwen3 target + DFlash drafter
+  spiffy generate --method deer --prompt "def add(a, b):"     # ... + its diffusion drafter (also: specdiff)
   spiffy tiny llada /tmp/tiny-llada                 # write a tiny random LLaDA checkpoint
-  spiffy generate --model /tmp/tiny-llada --prompt "def f(x):" --json
   spiffy calibrate --model /tmp/tiny-llada --prompts default --out graph.json
   spiffy generate --model /tmp/tiny-llada --prompt "def f(x):" --graph graph.json --budget 3
   spiffy graph show graph.json
   spiffy tiny qwen3 /tmp/q && spiffy tiny dflash /tmp/d --target /tmp/q
-  spiffy generate --target /tmp/q --drafter /tmp/d --method ddtree --budget 64 --prompt "def f(x):" --json
+  spiffy generate --target /tmp/q --drafter /tmp/d --method ddtree --tree-budget 64 --prompt "def f(x):" --json
 
 Run `spiffy COMMAND --help` for the options of a command.
 """
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``spiffy generate: error: <problem>; see `spiffy generate --help` `` (exit 2)
+    instead of the whole usage block. Subcommand parsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="spiffy", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"spiffy {__version__}")
@@ -72,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    handler = getattr(args, "handler", None)
-    if handler is None:
-        parser.error(f"subcommand {args.command!r} has no handler")
+    run_module = getattr(args, "run", None)
+    if run_module is None:
+        parser.error(f"subcommand {args.command!r} has no run module")
+    args.given = given(args, args.command_parser)  # before a command fills in defaults
     try:
-        return int(handler(args) or 0)
+        return int(importlib.import_module(f"{CLI_PACKAGE}.{run_module}").run(args) or 0)
     except SpiffyError as exc:
         print(f"spiffy {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from spiffy.errors import ConfigError
-from spiffy.models.ar_drafters import make_tiny_dllm_drafter
-from spiffy.models.tiny import TINY_FAMILIES, make_tiny
+from spiffy.cli.flags import add_threads_argument
+from spiffy.cli.names import TINY_FAMILIES
 
 #: AR drafters written for a --target (besides the model families)
 DRAFTER_CHOICES: tuple[str, ...] = ("dllm-drafter",)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Create the ``tiny`` subcommand parser."""
+    """Create the ``tiny`` subcommand parser (no torch import; the work is in :mod:`spiffy.cli.tiny_run`)."""
     parser = subparsers.add_parser(
         "tiny",
         help="write a tiny random checkpoint (LLaDA, Dream, SDAR, Qwen3, DFlash, dLLM drafter) for tests and demos",
@@ -43,48 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="KEY=VALUE",
         help="override a config key (VALUE parsed as JSON when possible), e.g. --set num_hidden_layers=3; repeatable",
     )
-    parser.set_defaults(handler=run)
+    add_threads_argument(parser, "CPU threads torch may use while writing (default 1: the checkpoints are tiny; 0 = "
+                                 "torch's default); the weights do not depend on it")
+    parser.set_defaults(run="tiny_run", command_parser=parser)
     return parser
-
-
-def _parse_overrides(items: list[str]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
-def run(args: argparse.Namespace) -> int:
-    """Build the checkpoint and print what was written."""
-    overrides = _parse_overrides(args.overrides)
-    if args.family == "dllm-drafter":
-        if args.target is None:
-            raise ConfigError("dllm-drafter needs --target DIR (a Qwen3 checkpoint, e.g. from `spiffy tiny qwen3 DIR`)")
-        path = make_tiny_dllm_drafter(args.outdir, args.target, seed=args.seed, **overrides)
-        return _report(args, path)
-    if args.family == "dflash":
-        if args.target is None:
-            raise ConfigError("family dflash needs --target DIR (a Qwen3 checkpoint, e.g. from `spiffy tiny qwen3 DIR`)")
-        overrides["target"] = args.target
-    elif args.target is not None:
-        raise ConfigError("--target is only used with dflash and dllm-drafter")
-    return _report(args, make_tiny(args.family, args.outdir, seed=args.seed, **overrides))
-
-
-def _report(args: argparse.Namespace, path: Path) -> int:
-    """Print what was written."""
-    print(f"wrote tiny {args.family} checkpoint (seed {args.seed}) to {path}")
-    total = 0
-    for f in sorted(Path(path).iterdir()):
-        if f.is_file():
-            size = f.stat().st_size
-            total += size
-            print(f"  {f.name:<40} {size:>10,d} bytes")
-    print(f"  {'total':<40} {total:>10,d} bytes")
-    return 0

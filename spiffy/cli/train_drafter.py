@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 
-from spiffy.train import d2a, drafter
+from spiffy.train.arguments import RECIPES, add_d2a_arguments, add_drafter_arguments
 
 HELP = "train a drafter (DFlash block diffusion, or a dLLM via D2A / streak distillation) for a frozen Qwen3 target"
 
 EPILOG = """\
-The drafter is trained on continuations the target generates from Python standard-library prompts (built offline
-into ~/.cache/spiffy/corpus unless --corpus is given). Re-run with --resume to continue an interrupted run.
+The drafter is trained on continuations the target generates from Python standard-library prompts. The prompt
+corpus (about 8 MB) is built once from this Python's standard library into $SPIFFY_CACHE/corpus or
+~/.cache/spiffy/corpus (the command says which, and whether it reuses it) unless --corpus DIR is given. Re-run with
+--resume to continue an interrupted run.
 
 --recipe dflash (default): random anchors, blocks of --block-size, same-position targets and position-decayed
 loss weights; the DFlash drafter is written to OUT/model (config.json with dflash_config + safetensors) and loads
@@ -31,25 +33,16 @@ weights alpha^(R-i)) or SpecDiff-2's streak distillation; written to OUT/model (
 with MODEL_CARD.md reporting the held-out DEER acceptance length.
 """
 
-RECIPE_CHOICES: tuple[str, ...] = ("dflash",) + d2a.RECIPES
+RECIPE_CHOICES: tuple[str, ...] = ("dflash",) + RECIPES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Create the ``train-drafter`` subparser."""
+    """Create the ``train-drafter`` subparser (no torch import; training runs in :mod:`spiffy.cli.train_drafter_run`)."""
     parser = subparsers.add_parser("train-drafter", help=HELP, description=HELP, epilog=EPILOG,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", choices=RECIPE_CHOICES, default="dflash",
                         help="dflash (DFlash drafter, default), or a dLLM-drafter recipe: d2a-stage1, d2a-stage2, streak")
-    drafter.add_arguments(parser)
-    d2a.add_arguments(parser)
-    parser.set_defaults(handler=run)
+    add_drafter_arguments(parser)
+    add_d2a_arguments(parser)
+    parser.set_defaults(run="train_drafter_run", command_parser=parser)
     return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run drafter training; returns 0 on success."""
-    if getattr(args, "recipe", "dflash") == "dflash":
-        drafter.train(args)
-    else:
-        d2a.train(args)
-    return 0

@@ -135,8 +135,9 @@ def _check_context(model: Any, prompt_len: int, gen_length: int) -> None:
     if ctx is not None and prompt_len + gen_length > ctx:
         raise PromptTooLongError(
             f"prompt ({prompt_len} tokens) + gen_length ({gen_length}) = {prompt_len + gen_length} exceeds the "
-            f"model's context of {ctx} positions; fix: shorten the prompt or lower gen_length to at most "
-            f"{max(ctx - prompt_len, 0)}"
+            f"model's context of {ctx} positions; fix: "
+            + (f"shorten the prompt or lower gen_length to at most {ctx - prompt_len}" if ctx > prompt_len else
+               f"shorten the prompt to at most {max(ctx - gen_length, 1)} tokens")
         )
 
 

@@ -107,6 +107,15 @@ def _prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 
 # ---------------------------------------------------------------------------------------------------- session
+def _context_fix(room: int, prompt_len: int, gen_length: int, block: int) -> str:
+    """What to shorten when a prompt of ``prompt_len`` plus ``gen_length`` exceeds ``room`` whole-block positions:
+    gen_length (a multiple of the block) if a shorter one fits, else the prompt."""
+    fitting_gen = max(0, room - prompt_len) // block * block
+    if fitting_gen >= block:
+        return f"shorten the prompt or lower gen_length to at most {fitting_gen}"
+    return f"shorten the prompt to at most {max(room - gen_length, 1)} tokens"
+
+
 class SDARSession(DecodeSession):
     """One SDAR generation (see the module doc for the exact semantics).
 
@@ -172,8 +181,8 @@ class SDARSession(DecodeSession):
         if max_pos is not None and self.total_length > int(max_pos):
             raise PromptTooLongError(
                 f"prompt ({P} tokens) + gen_length ({cfg.gen_length}) padded to whole blocks of {B} needs "
-                f"{self.total_length} positions but the model's context is {int(max_pos)}; fix: shorten the prompt "
-                f"or lower gen_length to at most {max(0, (int(max_pos) // B) * B - P) // B * B}"
+                f"{self.total_length} positions but the model's context is {int(max_pos)}; fix: "
+                + _context_fix((int(max_pos) // B) * B, P, int(cfg.gen_length), B)
             )
         x = torch.full((input_ids.shape[0], self.total_length), self.mask_id, dtype=torch.long, device=device)
         ids = input_ids.to(device)
@@ -338,6 +347,22 @@ class SDARSession(DecodeSession):
         out = x.clone()
         out[:, s:e] = torch.where(transfer, tokens, cur)
         return out
+
+    def planned_steps(self) -> int | None:
+        """A block ends when no mask is left in it, so a block the prompt partly fills takes fewer steps:
+        per block, the steps of the schedule (at most ``schedule[step]`` tokens each) that unmask its masks."""
+        if self.config.tokens_per_step == "dynamic":
+            return None
+        total = 0
+        for block in range(self.num_blocks):
+            s, e = self.block_bounds(block)
+            masks = int((self.x[:, s:e] == self.mask_id).sum(dim=1).max())
+            steps = done = 0
+            while done < masks:  # bounded: every schedule entry is >= 1
+                done += max(1, int(self.schedule[min(steps, len(self.schedule) - 1)]))
+                steps += 1
+            total += steps
+        return total
 
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         if self.stopped:

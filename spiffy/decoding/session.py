@@ -140,6 +140,14 @@ class DecodeSession(ABC):
         start = self.prompt_len + block * self.block_length
         return start, start + self.block_length
 
+    def planned_steps(self) -> int | None:
+        """Steps the baseline loop takes under a static schedule (what a progress bar counts to): blocks x steps per
+        block; ``None`` when the rule decides as it goes (threshold decoding). A stop token may end it sooner."""
+        cfg = getattr(self, "config", None)
+        if cfg is None or getattr(cfg, "tokens_per_step", None) == "dynamic":
+            return None
+        return int(self.num_blocks) * int(cfg.steps_per_block)
+
     @abstractmethod
     def begin_block(self, block: int) -> torch.Tensor | None:
         """Block-start work (e.g. the refreshing full forward of ``prefix``/``dual`` cache modes, SDAR's commit of

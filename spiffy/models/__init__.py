@@ -7,6 +7,7 @@ Uniform forward contract of spiffy's own diffusion models (``LLaDAModelLM``, ``D
                 use_cache=None, store_kv=None, cache_policy=None, output_hidden_states=False)
     out.logits            # [B, L, V], raw and unshifted (Dream's shift is the decoder's business)
     out.past_key_values   # the cache passed in, or a new KVCache when use_cache=True and none was passed
+                          # (transformers >= 5.2x names the field out.cache: spiffy.models.cache.HF_CACHE_NAME)
     out.hidden_states     # when output_hidden_states=True
 
 ``past_key_values`` is a :class:`~spiffy.models.cache.KVCache` or a transformers ``DynamicCache``; a cache of
@@ -76,3 +77,6 @@ __all__ = [
     "TargetFeatureHooks",
 ]
 
+# transformers' AutoConfig / AutoModel / AutoModelForCausalLM know LLaDA, Dream and SDAR once the families are
+# importable (spiffy/__init__.py triggers this import when transformers is imported first)
+register_with_transformers()

@@ -17,6 +17,13 @@ from tqdm import tqdm
 
 from spiffy.errors import CheckpointError, ConfigError
 from spiffy.io import atomic_torch_save, atomic_write_json, atomic_write_text, atomic_write_with
+from spiffy.train.arguments import (  # noqa: F401 - the trainers' parsers call them as common.add_*
+    add_corpus_arguments,
+    add_eval_arguments,
+    add_optim_arguments,
+    add_output_arguments,
+    add_run_arguments,
+)
 
 TRAIN_STATE = "train_state.pt"
 
@@ -201,50 +208,6 @@ def file_size_mb(path: str | os.PathLike[str]) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 SAMPLE_PROMPTS = ["def ", "import os\n\n\ndef get_", "class Foo:\n    def __init__(self", "    for i in range("]
-
-
-def add_corpus_arguments(p: Any) -> None:
-    """``--corpus``, ``--max-files``, ``--heldout-percent`` (shared by every trainer)."""
-    p.add_argument("--corpus", default=None, help="corpus dir (built if missing; default ~/.cache/spiffy/corpus)")
-    p.add_argument("--max-files", type=int, default=None, help="use only the first N corpus files (tests)")
-    p.add_argument("--heldout-percent", type=int, default=5, help="percent of corpus files held out (path hash)")
-
-
-def add_optim_arguments(p: Any, steps: int) -> None:
-    """``--batch-size``, ``--steps``, ``--lr``, ``--warmup``, ``--weight-decay`` of the from-scratch LM trainers."""
-    p.add_argument("--batch-size", type=int, default=16, help="windows per step")
-    p.add_argument("--steps", type=int, default=steps, help="total optimizer steps (cosine schedule length)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=50, help="warm-up steps")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
-
-
-def add_eval_arguments(p: Any, eval_windows: int = 32) -> None:
-    """The held-out evaluation and logging cadence options every trainer shares."""
-    p.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (0: only at the end)")
-    p.add_argument("--eval-windows", type=int, default=eval_windows, help="held-out windows evaluated")
-    p.add_argument("--log-every", type=int, default=10, help="log a line to OUT/train_log.jsonl every N steps")
-
-
-def add_run_arguments(p: Any, max_minutes: float, ckpt_every: int) -> None:
-    """``--max-minutes``, ``--schedule``, ``--stop-after``, ``--resume``, ``--ckpt-every`` (shared run control)."""
-    p.add_argument("--max-minutes", type=float, default=max_minutes, help="wall-clock budget of this invocation")
-    p.add_argument("--schedule", choices=["steps", "time"], default="steps",
-                   help="cosine over --steps (deterministic) or over the --max-minutes budget (always ends annealed; "
-                        "the budget then counts total training time across resumes)")
-    p.add_argument("--stop-after", type=int, default=None,
-                   help="stop this invocation after N steps (the run can be resumed later with --resume)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
-    p.add_argument("--ckpt-every", type=int, default=ckpt_every, help="save the training state every N steps")
-    p.add_argument("--keep-every", type=int, default=0, metavar="N",
-                   help="also keep the weights of every N-th step as OUT/snapshots/step-N.pt (for checkpoint "
-                        "selection on validation prompts; loadable by --start-from; default 0: none)")
-
-
-def add_output_arguments(p: Any, dtype_help: str = "dtype of the exported weights") -> None:
-    """``--threads`` and ``--save-dtype``."""
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help=dtype_help)
 
 
 def adamw_decay_groups(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:

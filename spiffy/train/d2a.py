@@ -46,12 +46,13 @@ from spiffy.models.ar_drafters import check_dllm_compatible, load_ar_drafter
 from spiffy.models.loading import load_model, save_checkpoint
 from spiffy.models.sdar import SDARConfig, SDARForCausalLM
 from spiffy.train import common
+from spiffy.train.arguments import RECIPES
+from spiffy.train.arguments import add_d2a_arguments as add_arguments
 from spiffy.torch_utils import model_dtype
 from spiffy.train.drafter import corpus_streams, sample_anchors, start_run, target_continue
 
 __all__ = ["RECIPES", "add_arguments", "dllm_block_inputs", "recipe_loss", "sdar_from_target", "train"]
 
-RECIPES: tuple[str, ...] = ("d2a-stage1", "d2a-stage2", "streak")
 
 
 def sdar_from_target(target: torch.nn.Module, mask_token_id: int, block_size: int, shifted: bool = True,
@@ -281,19 +282,3 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     common.write_cards(final, out, f"dLLM drafter ({args.recipe})", metrics, body)
     print(json.dumps({k: v for k, v in metrics.items() if k != "invocations"}, indent=2))
     return metrics
-
-
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the dLLM-recipe options that the DFlash trainer's parser lacks (``--init``, ``--alpha``, ...)."""
-    p.add_argument("--init", default=None, metavar="DIR|target",
-                   help="dLLM recipes: initial weights: an SDAR checkpoint sharing the target's vocabulary, or "
-                        "'target' (an SDAR copy of the target's own weights)")
-    p.add_argument("--init-layers", type=int, default=None,
-                   help="with --init target: keep only the first N target layers (a smaller, cheaper drafter)")
-    p.add_argument("--alpha", type=float, default=1.01,
-                   help="d2a-stage2: position weight base, slot i of R masked gets alpha^(R-i) (the paper saw 1.05 diverge)")
-    p.add_argument("--max-masked", type=int, default=96, help="d2a-stage2: R ~ U(1, max) masked tokens per step")
-    p.add_argument("--streak-ce", type=float, default=0.1, help="streak: weight of the auxiliary cross entropy")
-    p.add_argument("--eval-prompts", type=int, default=8, help="dLLM recipes: held-out prompts for the model card")
-    p.add_argument("--eval-new-tokens", type=int, default=48, help="dLLM recipes: tokens generated per held-out prompt")
-    return p

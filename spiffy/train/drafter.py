@@ -34,9 +34,11 @@ from transformers import DynamicCache, Qwen3Config
 
 from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError, MissingTokenError
 from spiffy.models.ar_checkpoints import save_drafter
+from spiffy.models.cache import HF_CACHE_NAME, hf_cache
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, default_target_layer_ids, load_drafter
 from spiffy.models.loading import load_model, load_tokenizer, read_config_dict
 from spiffy.train import common
+from spiffy.train.arguments import add_drafter_arguments as add_arguments
 from spiffy.train.corpus import build_corpus, load_split
 
 
@@ -115,7 +117,7 @@ def target_continue(target: torch.nn.Module, prompts: torch.Tensor, total_len: i
 
     seq = prompts
     cache = DynamicCache(config=target.config)
-    out = target(input_ids=seq, past_key_values=cache, use_cache=True)
+    out = target(input_ids=seq, use_cache=True, **hf_cache(cache))
     for _ in range(total_len - prompts.shape[1]):
         logits = out.logits[:, -1].float()
         arg = logits.argmax(-1)
@@ -123,7 +125,7 @@ def target_continue(target: torch.nn.Module, prompts: torch.Tensor, total_len: i
         smp = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         nxt = torch.where(greedy, arg, smp)[:, None]
         seq = torch.cat([seq, nxt], dim=1)
-        out = target(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        out = target(input_ids=nxt, use_cache=True, **hf_cache(getattr(out, HF_CACHE_NAME)))
     return seq
 
 
@@ -337,39 +339,6 @@ def evaluate(args: argparse.Namespace, drafter: torch.nn.Module, target: torch.n
     per_slot = correct[:, :, 1:].float().sum((0, 1)) / valid[:, :, 1:].float().sum((0, 1)).clamp(min=1)
     return {"loss": tot["loss"] / max(1, tot["n"]), "tau": float(run.float().mean() + 1),
             "per_slot_acc": [round(float(x), 4) for x in per_slot], "blocks": int(run.numel())}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the drafter-training options to ``p`` (shared by ``python -m`` and ``spiffy train-drafter``)."""
-    p.add_argument("--target", required=True, help="frozen Qwen3 target checkpoint dir (weights + tokenizer)")
-    p.add_argument("--out", required=True, help="run dir (train_state.pt, logs); the drafter goes to OUT/model")
-    common.add_corpus_arguments(p)
-    p.add_argument("--data", choices=["target", "corpus"], default="target",
-                   help="train on target-generated continuations (default) or raw corpus windows")
-    p.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers")
-    p.add_argument("--intermediate", type=int, default=None, help="drafter MLP size (default: the target's)")
-    p.add_argument("--block-size", type=int, default=16, help="block length B (bonus + B-1 masks)")
-    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
-                   help="target layers to read features from (default: SPEC rule from the layer counts)")
-    p.add_argument("--mask-token-id", type=int, default=None, help="mask id (default: the tokenizer's <|MASK|>)")
-    p.add_argument("--seq-len", type=int, default=160, help="sequence length (prompt + continuation)")
-    p.add_argument("--prompt-len", type=int, default=32, help="corpus prompt tokens before the target continues")
-    p.add_argument("--num-anchors", type=int, default=16, help="blocks per sequence")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    p.add_argument("--greedy-frac", type=float, default=0.5, help="fraction of rows continued greedily")
-    p.add_argument("--temperature", type=float, default=1.0, help="temperature of the sampled rows")
-    p.add_argument("--gamma", type=float, default=7.0, help="slot loss decay exp(-(k-1)/gamma); <= 0: uniform")
-    p.add_argument("--init-norm-gain", type=float, default=0.1, help="initial gain of the drafter's final norm")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps (cosine schedule length)")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
-    common.add_run_arguments(p, max_minutes=20.0, ckpt_every=20)
-    p.add_argument("--log-every", type=int, default=5, help="log to OUT/train_log.jsonl every N steps")
-    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the final metrics")
-    common.add_output_arguments(p, "dtype of the saved drafter weights")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

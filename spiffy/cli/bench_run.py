@@ -1,0 +1,235 @@
+"""``spiffy bench`` at run time (the parser and what each mode measures: :mod:`spiffy.cli.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from spiffy.arspec import ACCEPT_RULES
+from spiffy.bench.ar import plan_entries, run_ar_bench
+from spiffy.bench.common import parse_budgets
+from spiffy.bench.datasets import load_benchmark_prompts
+from spiffy.bench.dllm import run_dllm_bench
+from spiffy.bench.overheads import markdown_overheads, run_overheads
+from spiffy.bench.report import markdown_report, write_report
+from spiffy.bench.throughput import ar_methods, dllm_methods, encode_prompts, markdown_throughput, measure, parse_batch_sizes, throughput_report
+from spiffy.cli.placement import placement_kwargs
+from spiffy.cli.runtime import check_output_path, decode_config, quiet_loading, set_threads
+from spiffy.distributed import join_data_parallel
+from spiffy.embedded import (
+    compatible_shipped_graph,
+    embedded_model_path,
+    is_embedded_available,
+    resolve_graph_argument,
+    shipped_graphs,
+)
+from spiffy.errors import ConfigError
+from spiffy.io import atomic_write_json, atomic_write_text
+from spiffy.models import load_ar_drafter, load_drafter, load_model, load_tokenizer
+from spiffy.models.hub import checkpoint_dir
+from spiffy.models.prompting import stop_token_ids
+from spiffy.selfspec.freedave import parse_freedave_steps
+from spiffy.selfspec.graph import load_graph
+from spiffy.torch_utils import model_device
+
+
+def _no_mode(args: argparse.Namespace) -> int:
+    args.bench_parser.print_help(sys.stderr)
+    print("\nspiffy bench: choose a mode: dllm, ar or overheads", file=sys.stderr)
+    return 2
+
+
+def _finish(args: argparse.Namespace, res: dict[str, Any], mismatch_warning: str) -> int:
+    """Write the reports to ``--out``, print the Markdown report; 1 (with ``mismatch_warning``) if any output differs,
+    unless every divergence was proven a near tie within the dtype's rounding (AR in half precision)."""
+    if not getattr(args, "is_main_rank", True):  # under torchrun every rank holds the report; rank 0 writes it
+        return 0 if res["all_identical"] or res.get("all_divergences_near_ties") else 1
+    written = write_report(res, args.out, plots=not args.no_plots)
+    print(markdown_report(res))
+    for path in written.values():
+        print(f"wrote {path}", file=sys.stderr)
+    if not res["all_identical"]:
+        if res.get("all_divergences_near_ties"):
+            # half precision: every divergence was proven a rounding-level near tie (spiffy.bench.fidelity)
+            print(f"spiffy bench: note: {mismatch_warning}, each at a near tie within {res.get('dtype')} rounding "
+                  "(see results.md)", file=sys.stderr)
+            return 0
+        print(f"spiffy bench: WARNING: {mismatch_warning} (see results.md)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _plots_possible(args: argparse.Namespace) -> None:
+    """Without matplotlib (a plain install lacks the 'plot' extra), skip the PNGs with a note instead of failing
+    after the whole benchmark has run."""
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
+        print("spiffy bench: note: matplotlib is not installed, so no PNG plots (results.json and results.md are "
+              "written); fix: pip install 'spiffy-decoding[plot]'", file=sys.stderr)
+        args.no_plots = True
+
+
+def announce_cost(command: str, prompts: int, configurations: list[str], unit: str, warmup: int) -> None:
+    """Tell the user, before a long run starts, how many decodes it will make (prompts x configurations)."""
+    runs = prompts * len(configurations)
+    warm = f", after {warmup} untimed warm-up round(s)" if warmup else ""
+    print(f"{command}: {prompts} prompt(s) x {len(configurations)} configuration(s) ({', '.join(configurations)}) = "
+          f"{runs} {unit}{warm}; the progress bar shows the ETA", file=sys.stderr)
+
+
+def run_dllm(args: argparse.Namespace) -> int:
+    """``spiffy bench dllm``."""
+    budgets = parse_budgets(args.budgets)
+    model_dir = checkpoint_dir(args.model) if args.model else embedded_model_path("dllm")
+    graph_path = resolve_graph_argument(args.graph, model_dir) if args.graph else None
+    prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
+    shipped = shipped_graphs(model_dir)
+    source = graph_path or (shipped[0] if shipped else None)  # unset decoding flags take this graph's values
+    recorded = load_graph(source).meta.get("calibration", {}) if source is not None else {}
+    cfg, extra = decode_config(args, recorded.get("decode_config") if isinstance(recorded, dict) else None)
+    dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
+    args.is_main_rank, device = dp.is_main, str(dp.device)
+    placement = placement_kwargs(args)
+    model = load_model(model_dir, dtype=args.dtype, device=device, **placement)
+    device = str(model_device(model)) if placement else device  # inputs go where the embedding computes
+    set_threads(args.threads, model)
+    tokenizer = load_tokenizer(model_dir)
+    if graph_path is None:  # the graph shipped with the model for these decoding flags
+        graph_path = compatible_shipped_graph(model, model_dir, cfg, **extra)
+        print(f"spiffy bench dllm: using the graph shipped with the model: {graph_path}", file=sys.stderr)
+    graph = load_graph(graph_path)
+    beyond = [b for b in budgets if b > len(graph)]
+    if beyond:  # the rows still run (at most one draft per node and step): said once, not left to the reader
+        print(f"spiffy bench dllm: note: budget(s) {', '.join(map(str, beyond))} exceed the graph's {len(graph)} "
+              f"nodes; those rows keep all {len(graph)} nodes per step (the same drafts as --budgets {len(graph)})",
+              file=sys.stderr)
+    if _batch_sizes(args):
+        methods = dllm_methods(model, tokenizer, cfg, graph, budgets, device, extra, score=args.score)
+        return _throughput(args, "dllm", methods, model, tokenizer, prompts, device, graph=str(graph_path),
+                           gen_length=cfg.gen_length)
+    freedave = [parse_freedave_steps(v) for v in (args.freedave or "").split(",") if v.strip()]
+    announce_cost("spiffy bench dllm", len(prompts),
+                  ["baseline"] + [f"Spiffy D*={b}" for b in budgets] + [f"FreeDave {k}" for k in freedave],
+                  f"decodes of {cfg.gen_length} positions", args.warmup)
+    res = run_dllm_bench(
+        model, tokenizer, prompts, cfg, graph, budgets, config_overrides=extra, chat=not args.no_chat,
+        warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
+        graph_path=str(graph_path), device=device, parallel=dp, freedave=freedave, score=args.score,
+    )
+    return _finish(args, res, "some speculative outputs differ from the baseline")
+
+
+def run_ar(args: argparse.Namespace) -> int:
+    """``spiffy bench ar``."""
+    budgets = parse_budgets(args.budgets)
+    accepts = [a.strip() for a in str(args.accept).split(",") if a.strip()]
+    bad = [a for a in accepts if a not in ACCEPT_RULES]
+    if bad or not accepts:
+        raise ConfigError(f"--accept {args.accept!r}: use a comma-separated list of {', '.join(ACCEPT_RULES)}")
+    drafts = parse_budgets(args.drafts, minimum=1)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    dllm_dir = checkpoint_dir(args.dllm_drafter) if args.dllm_drafter else None
+    if dllm_dir is None and not args.target and not args.drafter and is_embedded_available("ar-dllm-drafter"):
+        dllm_dir = embedded_model_path("ar-dllm-drafter")
+    target_dir = checkpoint_dir(args.target) if args.target else embedded_model_path("ar-target")
+    drafter_dir = checkpoint_dir(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
+    prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
+    dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
+    args.is_main_rank, device = dp.is_main, str(dp.device)
+    placement = placement_kwargs(args)
+    quiet_loading()
+    target = load_model(target_dir, dtype=args.dtype, device=device, **placement)
+    device = str(model_device(target)) if placement else device  # drafters and inputs: the embedding's device
+    dtype = next(target.parameters()).dtype
+    drafter = load_drafter(drafter_dir, dtype=dtype, device=device)
+    dllm = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None
+    set_threads(args.threads, target, drafter, dllm)
+    tokenizer = load_tokenizer(target_dir)
+    if _batch_sizes(args):
+        methods = ar_methods(
+            target, drafter, budgets, max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0,
+            top_p=1.0 if args.top_p is None else args.top_p, top_k=0 if args.top_k is None else args.top_k,
+            seed=args.seed or 0, stops=stop_token_ids(target, tokenizer, not args.no_chat), dllm_drafter=dllm,
+            drafts=drafts,
+        )
+        return _throughput(args, "ar", methods, target, tokenizer, prompts, device,
+                           max_new_tokens=args.max_new_tokens)
+    planned = plan_entries(budgets, methods=methods, accepts=accepts, drafts=drafts, have_dflash=True,
+                           have_dllm=dllm is not None)
+    announce_cost("spiffy bench ar", len(prompts), [e.name for e in planned],
+                  f"generations of up to {args.max_new_tokens} tokens", args.warmup)
+    res = run_ar_bench(
+        target, drafter, tokenizer, prompts, budgets, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
+        top_k=0 if args.top_k is None else args.top_k, seed=args.seed, chat=not args.no_chat, warmup=args.warmup,
+        progress=not args.no_progress, target_name=str(target_dir), drafter_name=str(drafter_dir),
+        dataset=args.dataset, device=device, parallel=dp, dllm_drafter=dllm,
+        dllm_drafter_name=str(dllm_dir) if dllm_dir is not None else None, methods=methods, accepts=accepts,
+        drafts=drafts,
+    )
+    return _finish(args, res, "some outputs differ from plain AR")
+
+
+def _batch_sizes(args: argparse.Namespace) -> list[int]:
+    """The batch sizes of a throughput run (empty: the usual report)."""
+    if args.batch_sizes is not None and args.batch_size is not None:
+        raise ConfigError("give --batch-sizes or --batch-size, not both")
+    if args.batch_size is not None:
+        return parse_batch_sizes(str(args.batch_size))
+    return [] if args.batch_sizes is None else parse_batch_sizes(args.batch_sizes)
+
+
+def _throughput(args: argparse.Namespace, kind: str, methods: dict[str, Any], model: Any, tokenizer: Any,
+                prompts: list[Any], device: str, **meta: Any) -> int:
+    """Measure every method at every batch size; write throughput.json / throughput.md into --out (rank 0)."""
+    sizes = _batch_sizes(args)
+    encoded = encode_prompts(tokenizer, prompts, chat=not args.no_chat)
+    n = max(len(encoded), max(sizes))
+    announce_cost(f"spiffy bench {kind}", n, [f"{m} @ batch {b}" for m in methods for b in sizes], "decodes",
+                  args.warmup)
+    rows = measure(methods, encoded, sizes, device, warmup=args.warmup)
+    res = throughput_report(kind, rows, model=model, device=device,
+                            meta=dict(dataset=args.dataset, prompts=n, batch_sizes=sizes, **meta))
+    if getattr(args, "is_main_rank", True):
+        out = Path(args.out)
+        atomic_write_json(out / "throughput.json", res)
+        atomic_write_text(out / "throughput.md", markdown_throughput(res))
+        print(markdown_throughput(res))
+        print(f"wrote {out / 'throughput.json'} and {out / 'throughput.md'}", file=sys.stderr)
+    bad = [r for r in rows if r["method"] not in ("baseline",) and r["identical_to_batch_1"] < 1.0]
+    if bad:
+        print("spiffy bench: WARNING: batched outputs differ from batch 1 for "
+              + ", ".join(f"{r['method']} @ {r['batch_size']}" for r in bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``spiffy bench MODE``; returns the exit status (1 when an output differs from its baseline)."""
+    if args.bench_mode in ("dllm", "ar", "overheads"):
+        check_output_path(args.out, directory=True)  # before the run, not after it
+    if args.bench_mode in ("dllm", "ar"):
+        _batch_sizes(args)  # bad --batch-sizes fail before any model is loaded
+        _plots_possible(args)
+    if args.bench_mode == "dllm":
+        return run_dllm(args)
+    if args.bench_mode == "ar":
+        return run_ar(args)
+    if args.bench_mode == "overheads":
+        return run_overheads_cli(args)
+    return _no_mode(args)
+
+
+def run_overheads_cli(args: argparse.Namespace) -> int:
+    """``spiffy bench overheads``: measure, write results.json / results.md (/ overheads.png), print the tables."""
+    _plots_possible(args)
+    budgets = parse_budgets(args.budgets, minimum=1)
+    threads = 1 if args.threads is None else (args.threads or None)  # 0: leave torch's default
+    res = run_overheads(args.out, repeats=args.repeats, threads=threads, budgets=budgets, vocab=args.vocab,
+                        nodes=args.nodes, spiffy_budget=args.spiffy_budget, memory=not args.no_memory,
+                        plots=not args.no_plots, keep_freed_memory=not args.no_steady_allocator)
+    print(markdown_overheads(res))
+    print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'results.md'}", file=sys.stderr)
+    return 0
