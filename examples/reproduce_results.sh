@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the README's results tables on the embedded tiny models (CPU, ~15 minutes on 2 cores).
+# Regenerate the results tables of docs/RESULTS.md on the embedded tiny models (CPU, ~15 minutes on 2 cores).
 # Outputs: runs/<name>/{results.json,results.md,*.png}; the Markdown tables are copied to examples/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

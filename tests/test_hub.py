@@ -273,9 +273,9 @@ def test_cli_commands_by_id(offline, tmp_path: Path, capsys) -> None:
 
 
 def test_readme_real_checkpoint_blocks_run_against_the_cache(offline, tmp_path: Path, monkeypatch, capsys) -> None:
-    """The README's "Real checkpoints" commands and Python lines, as written, against the offline cache (sizes made
+    """The "Real checkpoints" commands (docs/MODELS.md) and Python lines, as written, against the offline cache (sizes made
     small with the flags a user would append; ``device="cuda"`` becomes the CPU where there is no GPU)."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    readme = (REPO / "docs" / "MODELS.md").read_text(encoding="utf-8")  # the README's "Real checkpoints" section
     shell = [b for b in grab_code_blocks(readme, lang="bash") if LLADA in b]
     python = [b for b in grab_code_blocks(readme, lang="python") if REAL_IDS["sdar"] in b]
     assert len(shell) == 1 and len(python) == 1

@@ -1,6 +1,7 @@
 """The README's commands, run as the README writes them (blocks extracted with mktestdocs).
 
-Every ``bash`` and ``python`` block of README.md is accounted for here:
+Every ``bash`` and ``python`` block of README.md, docs/MODELS.md and docs/RESULTS.md (where the README's long sections
+live) is accounted for here:
 
 * the command-line block and the Python block run as written, in a temporary directory (``/tmp/`` paths are moved
   into it so parallel runs do not collide), with the expensive commands made smaller by appending the same flags a
@@ -32,7 +33,9 @@ from mktestdocs import grab_code_blocks
 from spiffy.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
-README = (REPO / "README.md").read_text(encoding="utf-8")
+#: the README and the documents its long sections moved to: every code block of each is exercised here
+DOCUMENTS = ("README.md", "docs/MODELS.md", "docs/RESULTS.md")
+README = "\n".join((REPO / name).read_text(encoding="utf-8") for name in DOCUMENTS)
 
 #: (argv prefix, flags appended to make the command cheap; the same flags a user would pass)
 REDUCTIONS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
@@ -171,3 +174,15 @@ def test_overheads_block_runs_as_written(tmp_path: Path, monkeypatch: pytest.Mon
     assert "## DDTree" in out and "nothing accepted" in out
     written = list(tmp_path.rglob("results.json"))
     assert len(written) == 1 and json.loads(written[0].read_text())["ddtree"]["vocab"] == 4096
+
+
+def test_readme_stays_short() -> None:
+    """A newcomer reads what spiffy does, how to set it up and call it, and what it guarantees, on one page: the
+    long measurement sections live in docs/RESULTS.md and docs/MODELS.md."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) < 300
+    for heading in ("## Set up a fresh machine", "## Command line", "## Python", "## Headline figures",
+                    "## Guarantee per dtype"):
+        assert heading in readme, heading
+    for linked in ("docs/RESULTS.md", "docs/MODELS.md", "docs/GPU.md", "docs/ARCHITECTURE.md", "docs/EXTENDING.md"):
+        assert f"]({linked})" in readme and (REPO / linked).is_file(), linked
