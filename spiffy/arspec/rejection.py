@@ -34,6 +34,7 @@ from spiffy.arspec.rules import Acceptance, CoupledRule, TargetLogits
 from spiffy.arspec.sampling import keyed_seed, position_key
 from spiffy.arspec.selfselect import target_probs
 from spiffy.arspec.tree import DraftTree
+from spiffy.errors import StepLimitError
 from spiffy.sampling import SamplingConfig
 
 __all__ = ["REJECTION_STREAM", "RejectionRule", "residual_step", "sample_from"]
@@ -96,7 +97,7 @@ class RejectionRule:
         node_tokens = tree.tokens.tolist()
         depths = tree.depths.tolist()
         node, accepted = -1, []
-        while True:
+        for _ in range(tree.num_nodes + 1):  # each pass accepts a strictly deeper node or returns
             depth = 0 if node < 0 else depths[node]
             position = root_position + depth + 1
             r = target_probs(target.logits(node), self.sampling)
@@ -131,3 +132,5 @@ class RejectionRule:
             child = lookup[(node, chosen)]
             accepted.append(child)
             node = child
+        raise StepLimitError(f"the rejection walk accepted {len(accepted)} nodes of a {tree.num_nodes}-node tree "
+                             "without ending; the tree's parent links form a cycle; fix: build it with build_tree")
