@@ -158,8 +158,7 @@ def speculative_generate_batch(
     for b, (cfg, d) in enumerate(zip(cfgs, drafts)):
         if cfg.method != "ar" and d is None:
             raise ConfigError(f"row {b}: method {cfg.method!r} needs a drafter; fix: pass one drafter per row")
-        own_block = cfg.block_size if cfg.block_size is not None else getattr(d, "block_size", 1)
-        blocks.append(1 if cfg.method == "ar" else int(own_block))
+        blocks.append(cfg.block_for(d))
         _check_context(target, len(rows[b]), cfg.max_new_tokens)
     active_drafters = [d if c.uses_drafter else None for d, c in zip(drafts, cfgs)]
     runner = TargetRunner.for_target(target)

@@ -166,11 +166,7 @@ def speculative_generate(
         raise ConfigError(
             f"method {config.method!r} needs a drafter; fix: pass drafter=load_drafter(DIR) or use method='ar'"
         )
-    block = 1
-    if config.method != "ar":
-        block = int(config.block_size if config.block_size is not None else drafter.block_size)  # type: ignore[union-attr]
-        if block < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block}")
+    block = config.block_for(drafter)
     active = drafter if config.uses_drafter else None  # no drafts: run without the drafter (no hooks, no context)
     rule = rule if rule is not None else make_rule(config)
     runner = TargetRunner.for_target(target)
