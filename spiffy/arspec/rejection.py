@@ -75,6 +75,10 @@ class RejectionRule:
 
     def __init__(self, sampling: SamplingConfig) -> None:
         self.sampling = sampling
+        #: when a list, :meth:`accept` appends each random decision: ``("test", coin, threshold)`` (accepted when
+        #: ``coin < threshold``) or ``("draw", coin, probs)`` (inverse-CDF draw from ``probs``); near-tie proofs
+        #: (:mod:`spiffy.bench.batch_fidelity`) read it
+        self.trace: list[tuple[str, float, object]] | None = None
 
     def _coins(self, position: int, count: int) -> list[float]:
         gen = torch.Generator().manual_seed(position_key(keyed_seed(self.sampling) ^ REJECTION_STREAM, position))
@@ -111,6 +115,8 @@ class RejectionRule:
             chosen = None
             for x, u in zip(draws, coins):
                 if q is None:  # point-mass proposal
+                    if self.trace is not None:
+                        self.trace.append(("test", u, float(r[x])))
                     if u < float(r[x]):
                         chosen = x
                         break
@@ -123,11 +129,15 @@ class RejectionRule:
                     r = rest / total
                 else:
                     qx = float(q[x])
+                    if self.trace is not None and qx > 0:
+                        self.trace.append(("test", u, min(1.0, float(r[x]) / qx)))
                     if qx > 0 and u < min(1.0, float(r[x]) / qx):
                         chosen = x
                         break
                     r = residual_step(r, q)
             if chosen is None:
+                if self.trace is not None:
+                    self.trace.append(("draw", coins[-1], r))
                 return Acceptance(accepted, sample_from(r, coins[-1]))
             child = lookup[(node, chosen)]
             accepted.append(child)
