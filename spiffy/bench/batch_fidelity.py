@@ -21,10 +21,13 @@ equal alternatives may flip. Such a flip is numerics, not logic, exactly when th
      confidence and the threshold) differ by at most ``2 (exp(2 d) - 1) (exp(2 d) + c)``, ``d`` the logits'
      rounding bound and ``c`` the larger confidence: when every logit moves by at most ``d``, a softmax probability,
      a margin of two probabilities and an entropy each move by at most ``(exp(2 d) - 1) (exp(2 d) + c)``;
-   * ``sampled`` (a draw): position-keyed Gumbel noise (AR, coupled rule): the perturbed scores of the two tokens
-     differ by at most the tempered logits' rounding bound; an inverse-CDF or multinomial draw (dLLM sampling, AR
-     rejection rule): the replay of point 2 with point 3 places the coin within the rounding-induced movement of a
-     CDF boundary (the draw is a function of the probabilities and a coin shared by both runs);
+   * ``sampled`` (a draw, whose coins both runs share): position-keyed Gumbel noise (AR, coupled rule): the
+     perturbed scores of the two tokens differ by at most the tempered logits' rounding bound; an inverse-CDF draw
+     or acceptance test (AR, rejection rule): the coin lies within ``(exp(4 d) - 1)`` times the threshold, or
+     ``2 (exp(4 d) - 1) min(C, 1 - C)`` of the CDF value ``C``, from the boundary between the two tokens (how far
+     ``d`` on every tempered logit can move a probability ratio or a CDF value); a dLLM draw (Gumbel or
+     multinomial noise inside the family's rule): the draw flips within a logit change no larger than the rounding
+     bound (bisection along the straight path from the lone to the batched logits, with the same coins);
    * ``draft`` (AR: the drafts differ): point 3 on the drafter's logits and the tree rebuilt from the batched
      drafter logits equal to the batched tree.
 
@@ -136,6 +139,7 @@ class _Step:
     selection: torch.Tensor | None
     selection_start: int
     replayed: torch.Tensor | None = None
+    flip: float | None = None  # see _TransitionRecorder._flip_fraction
 
 
 class _TransitionRecorder:
@@ -152,9 +156,11 @@ class _TransitionRecorder:
     def _transition(self, x: torch.Tensor, logits: torch.Tensor, info: Any) -> torch.Tensor:
         gen = self.session.generator
         pre = gen.get_state() if gen is not None else None
-        replayed = None
+        replayed, flip = None, None
         if len(self.results) == self.keep and self.replay_logits is not None:
-            replayed = self._inner(x, self.replay_logits.to(logits.device, logits.dtype), info).cpu()
+            other = self.replay_logits.to(logits.device, logits.dtype)
+            replayed = self._inner(x, other, info).cpu()
+            flip = self._flip_fraction(x, logits, other, info, pre)
             if gen is not None:
                 gen.set_state(pre)
         out = self._inner(x, logits, info)
@@ -163,9 +169,30 @@ class _TransitionRecorder:
             pub = self.session.transition_probs(logits)
             sel = None if pub is None or pub.selection is None else pub.selection.detach().double().cpu()
             self.step = _Step(info, x.cpu(), logits.detach().cpu(), out.cpu(), pre,
-                              sel, 0 if pub is None else int(pub.selection_start), replayed)
+                              sel, 0 if pub is None else int(pub.selection_start), replayed, flip)
             raise _Enough
         return out
+
+    def _flip_fraction(self, x: torch.Tensor, mine: torch.Tensor, other: torch.Tensor, info: Any,
+                       pre: torch.Tensor | None, iterations: int = 12) -> float | None:
+        """The smallest ``t`` (bisection) at which the rule on ``mine + t (other - mine)``, from the same generator
+        state, leaves the result on ``mine``: how far along the rounding difference a draw flips."""
+        gen = self.session.generator
+
+        def run(t: float) -> torch.Tensor:
+            if gen is not None:
+                gen.set_state(pre)
+            mixed = (mine.double() + t * (other.double() - mine.double())).to(mine.dtype)
+            return self._inner(x, mixed, info)
+
+        base = run(0.0)
+        if torch.equal(run(1.0), base):
+            return None
+        lo, hi = 0.0, 1.0
+        for _ in range(iterations):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if not torch.equal(run(mid), base) else (mid, hi)
+        return hi
 
 
 def _left_pad(batch: Sequence[Sequence[int]], device: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -226,6 +253,11 @@ def judge_dllm_step(alone: _Step, batched: _Step, *, row: int, step: int, prompt
             ta, tb = int(alone.x_after[0, col]), int(batched.x_after[0, col])
             a, b = float(la[col - ws, ta]), float(la[col - ws, tb])
             gap, bound = abs(a - b), rounding_bound(a, b, dtype)
+        elif col is not None and alone.flip is not None:
+            # a draw: the logit change (along the straight path to the batched logits, same coins) that moves it
+            row_a, row_b = la[col - ws], batched.logits[0, col - ws].double()
+            gap = alone.flip * float((row_b - row_a).abs().max())
+            bound = rounding_bound(float(row_a.abs().max()), 0.0, dtype)
     else:
         kind = "low-confidence"
         only_a = (changed_a & ~changed_b).nonzero()
@@ -239,6 +271,10 @@ def judge_dllm_step(alone: _Step, batched: _Step, *, row: int, step: int, prompt
             if len(conf) == 2:
                 scale = max(float(la[c - ws].abs().max()) for c in cols)
                 gap, bound = abs(conf[0] - conf[1]), confidence_bound(conf, scale, dtype)
+    if gap is None and alone.flip is not None and alone.logits.shape == batched.logits.shape:
+        # no closed form (a choice among sampled proposals): the logit change that flips it, as for a draw
+        gap = alone.flip * float((batched.logits.double() - la[None]).abs().max())
+        bound = rounding_bound(float(la.abs().max()), 0.0, dtype)
     near = same and replay and dev <= DEVIATION_ULPS and (gap is None or gap <= bound)  # type: ignore[operator]
     return BatchDivergence(row=row, step=step, position=None if col is None else col - prompt_len, kind=kind,
                            gap=gap, bound=bound, deviation_ulps=dev, same_state=same, replay=replay,
