@@ -147,6 +147,26 @@ def generate(
         return _generate_batch(
             model, session, input_ids, attention_mask, tokenizer, graph, budget, score, generator, seeds, progress
         )
+    return run_session(model, session, tokenizer=tokenizer, graph=graph, budget=budget, score=score,
+                       observer=observer, progress=progress)
+
+
+def run_session(
+    model: Any,
+    session: DecodeSession,
+    *,
+    tokenizer: Any = None,
+    graph: Any = None,
+    budget: int | None = None,
+    score: str | None = None,
+    observer: StepObserver | None = None,
+    progress: bool = False,
+) -> DiffusionResult:
+    """Decode a prepared ``session`` with its own rule: the baseline loop (``graph=None``; a ``[B, T]`` session
+    follows the official batched scripts: one generator for the batch) or Spiffy (batch-1 sessions).
+
+    :func:`generate` calls this for one prompt; :mod:`spiffy.compat` for the official batched stream.
+    """
     cfg = getattr(session, "config", None)
     bar = _progress_bar(session, cfg, progress)
     tick: Callable[[int], None] | None = (lambda n: bar.update(n)) if bar is not None else None
@@ -276,4 +296,4 @@ def _progress_bar(session: DecodeSession, cfg: Any, enabled: bool) -> Any:
     return tqdm(total=total, desc="denoising", unit="step", file=sys.stderr, leave=False)
 
 
-__all__ = ["DiffusionResult", "check_graph", "family_of", "generate", "make_session", "runtime_signature"]
+__all__ = ["DiffusionResult", "check_graph", "family_of", "generate", "make_session", "run_session", "runtime_signature"]
