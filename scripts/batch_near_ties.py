@@ -13,7 +13,6 @@ rejection at 0.7). Prints one line per (path, dtype) and writes the counts as JS
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -22,7 +21,8 @@ import torch
 
 from spiffy.api import generate
 from spiffy.arspec import ARSpecConfig, DFlashDrafter, SamplingConfig, speculative_generate, speculative_generate_batch
-from spiffy.bench.batch_fidelity import explain_ar_batch_row, explain_dllm_batch_row
+from spiffy.bench.batch_fidelity import explain_dllm_batch_row
+from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
 from spiffy.io import atomic_write_json
 from spiffy.models import load_drafter, load_target, make_tiny_dflash, make_tiny_target
 from spiffy.models.loading import load_model

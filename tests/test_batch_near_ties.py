@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from spiffy.arspec import ARSpecConfig, DFlashDrafter, SamplingConfig
-from spiffy.bench import batch_fidelity
+from spiffy.bench import batch_fidelity, batch_fidelity_ar
 from spiffy.bench.batch_fidelity import (
     BATCH_NEAR_TIE_RULE,
     DEVIATION_ULPS,
     confidence_bound,
     deviation_ulps,
-    explain_ar_batch_row,
     explain_dllm_batch_row,
 )
+from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
 from spiffy.bench.throughput import dllm_methods, markdown_throughput, measure, throughput_report
 from spiffy.decoding import DecodeConfig
 from spiffy.models import load_drafter, load_target, make_tiny_dflash, make_tiny_target
@@ -169,16 +169,16 @@ def test_ar_batch_with_other_coins_is_no_near_tie(ar_pair, monkeypatch) -> None:
     target, drafter = ar_pair
     cfg = ARSpecConfig(method="dflash", accept="rejection", max_new_tokens=24,
                        sampling=SamplingConfig(temperature=0.7, seed=4))
-    real = batch_fidelity.speculative_generate_batch
+    real = batch_fidelity_ar.speculative_generate_batch
 
     def reseeded(target, drafters, prompts, config, rules):  # noqa: ANN001, ANN202
         other = ARSpecConfig(method=config.method, accept=config.accept, max_new_tokens=config.max_new_tokens,
                              sampling=SamplingConfig(temperature=0.7, seed=5))
         for r in rules:
-            r.inner = batch_fidelity.make_rule(other)
+            r.inner = batch_fidelity_ar.make_rule(other)
         return real(target, drafters, prompts, config, rules=rules)
 
-    monkeypatch.setattr(batch_fidelity, "speculative_generate_batch", reseeded)
+    monkeypatch.setattr(batch_fidelity_ar, "speculative_generate_batch", reseeded)
     div = explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), _ar_prompts(4), 1, cfg)
     assert div is not None and not div.near_tie
 

@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 from spiffy.api import generate
 from spiffy.arspec import ARSpecConfig, DFlashDrafter, SamplingConfig, speculative_generate, speculative_generate_batch
 from spiffy.arspec.dllm_drafter import as_drafter
-from spiffy.bench.batch_fidelity import explain_ar_batch_row, explain_dllm_batch_row
+from spiffy.bench.batch_fidelity import explain_dllm_batch_row
+from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
 from spiffy.errors import ConfigError
 from spiffy.models import load_drafter, load_target, make_tiny_dflash, make_tiny_target
 from spiffy.models.ar_drafters import load_ar_drafter, make_tiny_dllm_drafter

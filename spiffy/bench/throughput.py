@@ -35,7 +35,8 @@ from spiffy.api import generate
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.config import METHOD_LABELS, ARSpecConfig
 from spiffy.arspec.dllm_drafter import as_drafter
-from spiffy.bench.batch_fidelity import BATCH_NEAR_TIE_RULE, BatchDivergence, explain_ar_batch_row, explain_dllm_batch_row
+from spiffy.bench.batch_fidelity import BATCH_NEAR_TIE_RULE, BatchDivergence, explain_dllm_batch_row
+from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
 from spiffy.bench.common import environment_info
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.errors import ConfigError
