@@ -153,6 +153,24 @@ def generate(
         rows = make_row_sessions(model, input_ids, attention_mask, cfg, gens, tokenizer=tokenizer)
     if settings is not None:
         check_graph(settings.graph, model, rows[0])
+    return _decode(model, session, rows, settings, tokenizer=tokenizer, observer=observer, progress=progress)
+
+
+def run_session(model: Any, session: DecodeSession, *, tokenizer: Any = None, observer: StepObserver | None = None,
+                progress: bool = False) -> DiffusionResult:
+    """Decode a prepared ``session`` with its own rule, the baseline loop: a ``[B, T]`` session is its own row
+    session and follows the official batched scripts (one generator for the whole batch, each step's draws in the
+    official shapes). :mod:`spiffy.compat` runs the familiar wrappers' batches through it; :func:`generate` gives
+    every row its own generator instead."""
+    return _decode(model, session, [session], None, tokenizer=tokenizer, observer=observer, progress=progress)
+
+
+def _decode(model: Any, session: DecodeSession, rows: list[DecodeSession], settings: SpiffyConfig | None, *,
+            tokenizer: Any, observer: StepObserver | None, progress: bool) -> DiffusionResult:
+    """The one loop (baseline or Spiffy) over ``rows`` (``[session]``: the session applies its own rule to its
+    whole batch), timed, into a :class:`DiffusionResult`."""
+    cfg = session.config  # type: ignore[attr-defined]
+    alone = rows == [session]  # the session is its own row session (one prompt, or the official batched stream)
     bar = _progress_bar(session, cfg if alone else None, progress)
     tick: Callable[[int], None] | None = (lambda n: bar.update(n)) if bar is not None else None
     t0 = time.perf_counter()
@@ -182,10 +200,12 @@ def generate(
     gen_len = int(cfg.gen_length)
     starts: list[int] = []
     tokens: list[list[int]] = []
-    for r, row in enumerate(rows):
+    if alone:  # the session's own rows: every row's generation area starts after the (left-padded) prompt
+        starts = [int(session.prompt_len)] * int(seqs.shape[0])
+        tokens = [row[start : start + gen_len].tolist() for row, start in zip(seqs, starts)]
+    for r, row in enumerate([] if alone else rows):
         pad = int(seqs.shape[1]) - int(row.x.shape[1])
-        if not alone:
-            seqs[r, pad:] = row.x[0].to(seqs.device)
+        seqs[r, pad:] = row.x[0].to(seqs.device)
         start = pad + int(row.prompt_len)
         starts.append(start)
         tokens.append(seqs[r, start : start + gen_len].tolist())
@@ -219,4 +239,4 @@ def _progress_bar(session: DecodeSession, cfg: Any, enabled: bool) -> Any:
     return tqdm(total=total, desc="denoising", unit="step", file=sys.stderr, leave=False)
 
 
-__all__ = ["DiffusionResult", "check_graph", "family_of", "generate", "make_session", "runtime_signature"]
+__all__ = ["DiffusionResult", "check_graph", "family_of", "generate", "make_session", "run_session", "runtime_signature"]

@@ -6,10 +6,18 @@
 
 Each keeps the official arguments and defaults and adds ``graph``/``budget`` (Spiffy self-speculation: same
 tokens, fewer model calls). Without a seed the draws come from the device's global generator, so
-``torch.manual_seed(K)`` before the call reproduces the official script for one prompt. A batch decodes every row
-as that prompt alone (:func:`spiffy.api.generate`): ``seed`` seeds every row, else one seed per row is drawn from
-the global generator; with or without a graph the rows are the same. (The official scripts' batched stream, one
-generator shared by the rows, is the batch session's own rule: ``run_baseline(make_session(...))``.)
+``torch.manual_seed(K)`` before the call reproduces the official script; ``seed=K`` draws from a generator seeded
+with ``K`` (the same stream).
+
+Batches. :func:`llada_generate` and :func:`dream_diffusion_generate` decode a left-padded batch as the official
+scripts do: one generator for the whole batch, each step drawing the batch's noise in the official shapes and order
+(the batch session's own rule, :func:`spiffy.api.run_session`), so a seeded batch gives the official tokens. Row
+``r`` then depends on the other rows' draws; :func:`spiffy.api.generate` instead gives every row its own generator
+(row ``r`` equals prompt ``r`` alone). With a graph, a batch whose rule draws no random number (``T = 0``, no
+``random`` remasking, Dream without ``origin`` or ``alg_temp``) runs batched Spiffy, whose rows equal the official
+rows; a rule that draws is refused (:class:`~spiffy.errors.ConfigError`): Spiffy's rows accept drafts at different
+steps, so they cannot consume one shared stream in the official order. :func:`sdar_block_diffusion_generate`
+decodes a batch row by row (the official SDAR script takes no attention mask, so it has no ragged batches).
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ from typing import Any, Sequence
 
 import torch
 
-from spiffy.api import DiffusionResult, generate
+from spiffy.api import DiffusionResult, generate, run_session
 from spiffy.decoding.config import DecodeConfig
-from spiffy.decoding.factory import as_batch
+from spiffy.decoding.factory import as_batch, make_session
 from spiffy.decoding.sdar import DEFAULT_EB_THRESHOLD, SDARDecodeConfig, SDARSession
 from spiffy.decoding.batch import run_baseline
 from spiffy.decoding.session import StepRecord
@@ -36,6 +44,46 @@ def _default_generator(device: torch.device) -> torch.Generator:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[idx]
     return torch.default_generator
+
+
+def _official_batch(
+    model: Any,
+    ids: torch.Tensor,
+    cfg: DecodeConfig,
+    attention_mask: torch.Tensor | None,
+    *,
+    tokenizer: Any,
+    graph: Any,
+    budget: int | None,
+    seed: int | None,
+    draws: str | None,
+    observer: Any = None,
+) -> DiffusionResult:
+    """A batch through a familiar wrapper (module docstring): the batch session's own rule with one generator (the
+    global one, or seeded with ``seed``), or with a graph batched Spiffy when the rule draws nothing (``draws``:
+    what draws random numbers, ``None`` when nothing does)."""
+    b = int(ids.shape[0])
+    if graph is not None:
+        if draws is not None:
+            raise ConfigError(
+                f"graph= on a batch of {b} prompts: the official generator draws {draws} for the whole batch from one "
+                "generator, and Spiffy's rows accept drafts at different steps, so they cannot consume that stream in "
+                "the official order; fix: decode with spiffy.generate(model, ids, config, graph=graph, seeds=[...]) "
+                "(one generator per row: each row equals its prompt alone), pass graph=None for the official batch, "
+                "or decode the prompts one at a time"
+            )
+        if observer is not None:
+            raise ConfigError("output_history with a graph on a batch is not available; fix: pass graph=None or "
+                              "decode the prompts one at a time")
+        return generate(model, ids, cfg, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph, budget=budget)
+    device = model_device(model)
+    if seed is None:
+        generator = _default_generator(device)
+    else:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(seed))
+    session = make_session(model, ids, cfg, attention_mask=attention_mask, tokenizer=tokenizer, generator=generator)
+    return run_session(model, session, tokenizer=tokenizer, observer=observer)
 
 
 @torch.no_grad()
@@ -82,9 +130,15 @@ def llada_generate(
         seed=seed,
         mask_id=mask_id,
     )
+    ids = as_batch(prompt)
+    if ids.shape[0] > 1:
+        draws = "Gumbel noise" if float(temperature) > 0 else ("random confidences" if remasking == "random" else None)
+        res = _official_batch(model, ids, cfg, attention_mask, tokenizer=tokenizer, graph=graph, budget=budget,
+                              seed=seed, draws=draws)
+        return res if return_result else res.sequences
     generator = None if seed is not None else _default_generator(model_device(model))
     res = generate(
-        model, prompt, cfg, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph, budget=budget, generator=generator
+        model, ids, cfg, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph, budget=budget, generator=generator
     )
     return res if return_result else res.sequences
 
@@ -189,21 +243,29 @@ def dream_diffusion_generate(
         mask_id=mask_token_id,
     )
     history: list[torch.Tensor] | None = [] if (output_history and return_dict_in_generate) else None
-    if history is not None and ids.shape[0] > 1:
-        raise ConfigError(
-            "output_history is not available for a batch (its rows decode independently, each as if alone); "
-            "fix: decode the prompts one at a time to get each one's history"
-        )
     observer = None
     if history is not None:
-        def observer(rec: StepRecord) -> None:
+        def record(rec: StepRecord) -> None:
             history.append(rec.x_after.clone())
 
-    generator = None if seed is not None else _default_generator(model_device(model))
-    res = generate(
-        model, ids, cfg, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph, budget=budget,
-        observer=observer, generator=generator,
-    )
+        observer = record
+
+    if ids.shape[0] > 1:
+        draws = None
+        if float(temperature) > 0:
+            draws = "a categorical sample per masked position"
+        elif alg == "origin":
+            draws = "the positions to reveal (torch.rand)"
+        elif alg_temp is not None and float(alg_temp) > 0:
+            draws = "the positions to unmask (multinomial at alg_temp)"
+        res = _official_batch(model, ids, cfg, attention_mask, tokenizer=tokenizer, graph=graph, budget=budget,
+                              seed=seed, draws=draws, observer=observer)
+    else:
+        generator = None if seed is not None else _default_generator(model_device(model))
+        res = generate(
+            model, ids, cfg, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph, budget=budget,
+            observer=observer, generator=generator,
+        )
     if return_dict_in_generate:
         return DreamGenerateOutput(sequences=res.sequences, history=None if history is None else tuple(history), result=res)
     return res.sequences

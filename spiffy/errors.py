@@ -69,6 +69,11 @@ class GraphMismatchError(GraphError):
     """A draft graph was calibrated for a model or decoding configuration incompatible with the runtime one."""
 
 
+class StepLimitError(DecodingError):
+    """A decoding loop reached its step bound without finishing (e.g. a session whose ``block_finished`` never
+    ends a block, or a verification walk over a structure that never ends): the loop stops instead of hanging."""
+
+
 class DrafterMismatchError(ConfigError):
     """A DFlash drafter does not fit its target (hidden size, vocabulary, target layer ids)."""
 

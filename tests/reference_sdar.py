@@ -20,8 +20,9 @@ no cache cropping, no broadcasting). Semantics restated:
 Additions the official script lacks (the library defines them the same way): ``temperature == 0`` is greedy
 (argmax; confidences from ``softmax`` of the top-k/top-p filtered logits at temperature 1), an explicit
 ``generator``, ``use_cache=False`` (every forward recomputes rows ``[0, block_end)`` under the block-causal mask
-instead of reading K/V), steps past the schedule reuse its last count (they only happen when a sampled token is
-the mask id itself, which keeps its row masked; the official loop then fails with an IndexError), and
+instead of reading K/V), a block left with masks after its ``denoising_steps`` steps (only when a sampled token is
+the mask id itself, which keeps its row masked; the official loop then fails with an IndexError on the schedule)
+keeps the mask ids and is committed as it is, and
 ``clamp_transfer`` (True: a step never transfers more positions than are still masked;
 False: the official ``torch.topk`` over the whole block, which may also pick already-decoded positions).
 
@@ -142,11 +143,9 @@ def reference_block_diffusion_generate(
     for blk in range(first_block, nb):
         s, e = blk * B, (blk + 1) * B
         cur = x[:, s:e].clone()
-        step = -1
-        while True:  # the reference: range(denoising_steps + 1); see the note on sampled mask ids
-            step += 1
+        for step in range(denoising_steps + 1):  # the reference's loop
             masked = cur == mask_id
-            if not bool(masked.any()):
+            if not bool(masked.any()) or step == denoising_steps:  # the latter: see the note on sampled mask ids
                 if use_cache:
                     run(s, e, cur, True)
                 else:
@@ -154,7 +153,7 @@ def reference_block_diffusion_generate(
                 break
             logits = run(s, e, cur, False)
             x0, x0_p, probs = _sample(logits, temperature, top_k, top_p, generator)
-            k = sched[min(step, len(sched) - 1)]
+            k = sched[step]
             transfer = torch.zeros_like(masked)
             for r in range(cur.shape[0]):
                 m = masked[r]

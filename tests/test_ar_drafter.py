@@ -145,7 +145,9 @@ def test_mismatch_errors(pair, tmp_path):
     wrong_hidden = load_drafter(make_tiny_dflash(tmp_path / "dh", other, seed=0), dtype=torch.float64)
     with pytest.raises(DrafterMismatchError, match="hidden_size"):
         ddtree_generate(target, wrong_hidden, [1, 2, 3], max_new_tokens=4)
-    too_deep = load_drafter(make_tiny_dflash(tmp_path / "dl", target_dir, seed=0, target_layer_ids=[0, 7]), dtype=torch.float64)
+    # a drafter made for a deeper target (the maker refuses ids outside the target it is made for)
+    deeper = make_tiny_target(tmp_path / "deeper", seed=1, num_layers=8, with_tokenizer=False)
+    too_deep = load_drafter(make_tiny_dflash(tmp_path / "dl", deeper, seed=0, target_layer_ids=[0, 7]), dtype=torch.float64)
     with pytest.raises(DrafterMismatchError, match="target_layer_ids"):
         ddtree_generate(target, too_deep, [1, 2, 3], max_new_tokens=4)
     other_vocab = make_tiny_target(tmp_path / "ov", seed=0, vocab_size=200, num_layers=3, with_tokenizer=False)

@@ -166,15 +166,21 @@ def test_seed_rule_is_shared_by_baseline_and_spiffy_batches(llada) -> None:
 
 
 # ------------------------------------------------------------------------------------------ wrappers and errors
-def test_familiar_wrappers_decode_batch_rows_alone(llada, sdar, dream) -> None:
+def test_familiar_wrappers_on_batches(llada, sdar, dream) -> None:
+    """LLaDA's and Dream's wrappers follow the official batched stream (one generator for the batch:
+    tests/test_compat_batches.py), spiffy.generate gives each row its own; SDAR's wrapper decodes rows alone."""
     from spiffy.compat import dream_diffusion_generate, llada_generate, sdar_block_diffusion_generate
 
     prompts = _prompts([4, 6])
     ids, am = _left_pad(prompts)
     kw = dict(steps=GEN, gen_length=GEN, block_length=BLOCK, temperature=1.0, seed=4)
     batched = llada_generate(llada, ids, attention_mask=am, **kw)
+    official = make_session(llada, ids, attention_mask=am, generator=torch.Generator().manual_seed(4), **kw)
+    run_baseline(official)
+    assert torch.equal(batched, official.x)
+    rows = generate(llada, ids, attention_mask=am, seeds=[4, 4], **kw)
     for r, x in enumerate(prompts):
-        assert torch.equal(batched[r, -GEN:], llada_generate(llada, x[None], **kw)[0, -GEN:])
+        assert rows.tokens[r] == llada_generate(llada, x[None], **kw)[0, -GEN:].tolist()
     prompts = _prompts(SDAR_RAGGED)
     ids, am = _left_pad(prompts)
     kw = dict(gen_length=GEN, block_length=BLOCK, temperature=1.0, seed=4)
@@ -182,9 +188,9 @@ def test_familiar_wrappers_decode_batch_rows_alone(llada, sdar, dream) -> None:
     for r, x in enumerate(prompts):
         alone = sdar_block_diffusion_generate(sdar, x[None], **kw)[0]
         assert torch.equal(batched[r, -alone.shape[0] :], alone)
-    with pytest.raises(ConfigError, match="output_history"):
-        dream_diffusion_generate(dream, torch.stack(_prompts([4, 4])), max_new_tokens=8, steps=8,
-                                 return_dict_in_generate=True, output_history=True)
+    out = dream_diffusion_generate(dream, torch.stack(_prompts([4, 4])), max_new_tokens=8, steps=8,
+                                   return_dict_in_generate=True, output_history=True)
+    assert len(out.history) == 8 and torch.equal(out.history[-1], out.sequences)  # the batch's own history
 
 
 def test_batch_errors(llada, sdar) -> None:

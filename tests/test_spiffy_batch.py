@@ -116,18 +116,21 @@ def test_batch_errors(llada, sdar) -> None:
 
 def test_familiar_wrappers_take_batches(llada, sdar) -> None:
     """LLaDA ``generate`` (left padded, attention_mask) and SDAR ``block_diffusion_generate`` (equal lengths) with a
-    graph: every row equals the prompt decoded alone by the same wrapper."""
+    graph: every row equals the prompt decoded alone by the same wrapper (LLaDA: a rule without random draws; at
+    T > 0 the wrapper follows the official batch-shared stream, which Spiffy cannot: tests/test_compat_batches.py)."""
     from spiffy.compat import llada_generate, sdar_block_diffusion_generate
 
     prompts = _prompts([4, 6])
     ids, am = _left_pad(prompts)
     s = make_session(llada, prompts[0][None], gen_length=GEN, block_length=BLOCK)
     graph = oracle_graph_from_records(record_trajectory(s), s.mask_id)
-    kw = dict(steps=GEN, gen_length=GEN, block_length=BLOCK, temperature=1.0, seed=4, graph=graph)
+    kw = dict(steps=GEN, gen_length=GEN, block_length=BLOCK, temperature=0.0, graph=graph)
     batched = llada_generate(llada, ids, attention_mask=am, **kw)
     for r, x in enumerate(prompts):
         alone = llada_generate(llada, x[None], **kw)
         assert torch.equal(batched[r, -GEN:], alone[0, -GEN:])
+    with pytest.raises(ConfigError, match="one generator"):
+        llada_generate(llada, ids, attention_mask=am, **{**kw, "temperature": 1.0})
     prompts = _prompts([5, 5])
     kw = dict(gen_length=GEN, block_length=BLOCK, temperature=1.0, seed=4, graph=graph)
     batched = sdar_block_diffusion_generate(sdar, torch.stack(prompts), **kw)

@@ -100,7 +100,7 @@ def _row_drafters(target: nn.Module, configs: list[ARSpecConfig], drafters: list
         if d is None:
             raise ConfigError(f"method {cfg.method!r} needs a drafter (row {b}); fix: pass drafter=load_drafter(DIR) "
                               "(one per row) or use method='ar'")
-        blocks.append(int(cfg.block_size if cfg.block_size is not None else d.block_size))
+        blocks.append(cfg.block_for(d))  # a block beyond the drafter's is a ConfigError naming it
         drafts = cfg.uses_drafter and cfg.max_new_tokens > 1
         active.append(d if drafts else None)
         if not drafts:

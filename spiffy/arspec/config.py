@@ -4,7 +4,7 @@ where it enters."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from spiffy.arspec.methods import DEFAULT_ACCEPT, DEFAULT_METHOD, Method, get_accept, get_method
 from spiffy.errors import ConfigError
@@ -79,6 +79,34 @@ class ARSpecConfig:
         if not isinstance(self.sampling, SamplingConfig):
             raise ConfigError(f"sampling must be a spiffy.sampling.SamplingConfig, got {type(self.sampling).__name__}")
         object.__setattr__(self, "stop_token_ids", stop_id_tuple(self.stop_token_ids))
+
+    def block_for(self, drafter: Any) -> int:
+        """The drafted block length (root included) this config runs with ``drafter``: 1 for a method without a
+        drafter (plain AR), else
+        ``block_size`` or the drafter's own ``block_size``.
+
+        Raises:
+            ConfigError: ``block_size`` exceeds the drafter's block (it drafts at most ``its block - 1`` positions
+                per round, so the deeper ones would have no distribution).
+        """
+        if not self.spec.needs_drafter:
+            return 1
+        own = getattr(drafter, "block_size", None)
+        if self.block_size is None:
+            if own is None:
+                raise ConfigError(
+                    f"the drafter {type(drafter).__name__} has no block_size and the config gives none; "
+                    "fix: pass ARSpecConfig(block_size=N)"
+                )
+            return int(own)
+        if own is not None and int(self.block_size) > int(own):
+            raise ConfigError(
+                f"block_size={self.block_size} exceeds the drafter's block of {int(own)} (it drafts at most "
+                f"{int(own) - 1} positions per round); fix: pass block_size <= {int(own)} (or None for the "
+                f"drafter's own), or wrap the drafter model with that block: DFlashDrafter(model, "
+                f"block_size={self.block_size})"
+            )
+        return int(self.block_size)
 
     @property
     def spec(self) -> Method:

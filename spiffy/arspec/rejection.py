@@ -34,6 +34,7 @@ from spiffy.arspec.rules import Acceptance, CoupledRule, TargetLogits
 from spiffy.arspec.sampling import keyed_seed, position_key
 from spiffy.arspec.selfselect import target_probs
 from spiffy.arspec.tree import DraftTree
+from spiffy.errors import StepLimitError
 from spiffy.sampling import SamplingConfig
 
 __all__ = ["REJECTION_STREAM", "RejectionRule", "residual_step", "sample_from"]
@@ -74,6 +75,10 @@ class RejectionRule:
 
     def __init__(self, sampling: SamplingConfig) -> None:
         self.sampling = sampling
+        #: when a list, :meth:`accept` appends each random decision: ``("test", coin, threshold)`` (accepted when
+        #: ``coin < threshold``) or ``("draw", coin, probs)`` (inverse-CDF draw from ``probs``); near-tie proofs
+        #: (:mod:`spiffy.bench.batch_fidelity`) read it
+        self.trace: list[tuple[str, float, object]] | None = None
 
     def _coins(self, position: int, count: int) -> list[float]:
         gen = torch.Generator().manual_seed(position_key(keyed_seed(self.sampling) ^ REJECTION_STREAM, position))
@@ -96,7 +101,7 @@ class RejectionRule:
         node_tokens = tree.tokens.tolist()
         depths = tree.depths.tolist()
         node, accepted = -1, []
-        while True:
+        for _ in range(tree.num_nodes + 1):  # each pass accepts a strictly deeper node or returns
             depth = 0 if node < 0 else depths[node]
             position = root_position + depth + 1
             r = target_probs(target.logits(node), self.sampling)
@@ -110,6 +115,8 @@ class RejectionRule:
             chosen = None
             for x, u in zip(draws, coins):
                 if q is None:  # point-mass proposal
+                    if self.trace is not None:
+                        self.trace.append(("test", u, float(r[x])))
                     if u < float(r[x]):
                         chosen = x
                         break
@@ -122,12 +129,18 @@ class RejectionRule:
                     r = rest / total
                 else:
                     qx = float(q[x])
+                    if self.trace is not None and qx > 0:
+                        self.trace.append(("test", u, min(1.0, float(r[x]) / qx)))
                     if qx > 0 and u < min(1.0, float(r[x]) / qx):
                         chosen = x
                         break
                     r = residual_step(r, q)
             if chosen is None:
+                if self.trace is not None:
+                    self.trace.append(("draw", coins[-1], r))
                 return Acceptance(accepted, sample_from(r, coins[-1]))
             child = lookup[(node, chosen)]
             accepted.append(child)
             node = child
+        raise StepLimitError(f"the rejection walk accepted {len(accepted)} nodes of a {tree.num_nodes}-node tree "
+                             "without ending; the tree's parent links form a cycle; fix: build it with build_tree")

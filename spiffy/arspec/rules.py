@@ -118,5 +118,5 @@ class CoupledRule:
             depth = 0 if node < 0 else depths[node]
             return int(sample_keyed(target.logits(node), [root_position + depth + 1], self.sampling)[0])
 
-        accepted, bonus = follow(-1, target_token, lambda node, tok: lookup.get((node, tok)))
+        accepted, bonus = follow(-1, target_token, lambda node, tok: lookup.get((node, tok)), max_steps=tree.num_nodes)
         return Acceptance(list(accepted), int(bonus))

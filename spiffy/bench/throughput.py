@@ -2,7 +2,7 @@
 
 The same ``N`` prompts (the benchmark prompts, cycled up to the largest batch size) are decoded at every batch size
 ``b``, ``b`` prompts per call, by every method: the dLLM baseline and Spiffy at each budget (batched Spiffy,
-:mod:`spiffy.selfspec.batch`), or plain AR, DFlash and DDTree at each budget (:mod:`spiffy.arspec.batch`) and, with a
+:mod:`spiffy.selfspec.runtime`), or plain AR, DFlash and DDTree at each budget (:mod:`spiffy.arspec.batch`) and, with a
 diffusion drafter, DEER, SpecDiff-2 at each draft count and DDTree over the diffusion drafter's marginals.
 Reported per method and batch size:
 
@@ -11,8 +11,12 @@ Reported per method and batch size:
   per token of their own answer;
 * ``forwards``: model calls of all calls (dLLM: NFE; AR: verification rounds of the longest row per call are not
   tracked, so the AR report gives ``rounds`` summed over rows);
-* ``identical_to_batch_1``: the fraction of prompts whose tokens equal the batch-1 run of the same method (must be
-  1.0 for every method: each row is decoded exactly as that prompt alone, with its own random generator).
+* ``identical_to_batch_1``: the fraction of prompts whose tokens equal the batch-1 run of the same method (1.0 in
+  float32/float64 for every method: each row is decoded exactly as that prompt alone, with its own random
+  generator);
+* ``divergences``: for every prompt whose batched tokens differ from batch 1 (half precision: the batched forward
+  rounds differently), the near-tie proof of :mod:`spiffy.bench.batch_fidelity` (kind, gap, bound, deviation in
+  ulps, ``near_tie``); ``all_divergences_near_ties`` is true when there are some and each is proven.
 
 Speedups are ratios of measured wall times in this run, each with its 95% interval over the calls of that batch size
 (paired bootstrap, :mod:`spiffy.bench.stats`: method and plain method decode the same prompts in the same calls; no
@@ -24,6 +28,7 @@ memory-bound at small batches, and speculative gains shrink as the batch grows.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -33,6 +38,8 @@ from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.config import ARSpecConfig
 from spiffy.arspec.dllm_drafter import as_drafter
 from spiffy.arspec.methods import AR, DDTREE, DDTREE_DLLM, DEER, DFLASH, DLLM_DRAFTER, SPECDIFF
+from spiffy.bench.batch_fidelity import BATCH_NEAR_TIE_RULE, BatchDivergence, explain_dllm_batch_row
+from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
 from spiffy.bench.common import environment_info
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.bench.stats import interval_method, ratio_of_means_interval
@@ -42,6 +49,19 @@ from spiffy.sampling import SamplingConfig
 
 #: one batched call: prompts (token-id lists) -> (token lists per row, forwards or rounds of the call)
 BatchCall = Callable[[list[list[int]]], tuple[list[list[int]], int]]
+#: the near-tie proof of one row: (the batch's prompts, the row that differs from its batch-1 run) -> divergence
+Explain = Callable[[list[list[int]], int], "BatchDivergence | None"]
+
+
+@dataclass
+class BatchMethod:
+    """A :data:`BatchCall` with the proof :func:`measure` runs for a batched row that differs from batch 1."""
+
+    call: BatchCall
+    explain: Explain | None = None
+
+    def __call__(self, batch: list[list[int]]) -> tuple[list[list[int]], int]:
+        return self.call(batch)
 
 
 def parse_batch_sizes(text: str | Sequence[int]) -> list[int]:
@@ -61,7 +81,7 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(methods: dict[str, BatchCall], prompts: list[list[int]], batch_sizes: Sequence[int], device: Any,
+def measure(methods: dict[str, BatchCall | BatchMethod], prompts: list[list[int]], batch_sizes: Sequence[int], device: Any,
             warmup: int = 1) -> list[dict[str, Any]]:
     """Run every method at every batch size on the same prompts (cycled to the largest batch size)."""
     n = max(len(prompts), max(batch_sizes))
@@ -92,21 +112,38 @@ def measure(methods: dict[str, BatchCall], prompts: list[list[int]], batch_sizes
             ref = reference[name]
             same = sum(1 for a, c in zip(tokens, ref) if a == c) / len(ref)
             total = sum(len(t) for t in tokens)
+            divergences = _divergences(getattr(call, "explain", None), work, tokens, ref, b)
             rows.append({
                 "method": name, "batch_size": b, "prompts": n, "tokens": total, "seconds": seconds,
                 "tokens_per_second": total / seconds if seconds > 0 else None,
                 "latency_per_token_ms": 1000.0 * sum(latencies) / len(latencies), "forwards": forwards,
-                "identical_to_batch_1": same, "call_seconds": call_seconds,
+                "identical_to_batch_1": same, "call_seconds": call_seconds, "divergences": divergences,
+                "all_divergences_near_ties": bool(divergences) and all(d["near_tie"] for d in divergences),
             })
     return rows
 
 
+def _divergences(explain: Explain | None, work: list[list[int]], tokens: list[list[int]], ref: list[list[int]],
+                 b: int) -> list[dict[str, Any]]:
+    """The near-tie proof of every prompt whose batch-``b`` tokens differ from its batch-1 tokens (after the timed
+    calls; a method without a proof, or a divergence the proof's re-run does not reproduce, counts as unproven)."""
+    out: list[dict[str, Any]] = []
+    for k, (got, want) in enumerate(zip(tokens, ref)):
+        if got == want:
+            continue
+        start = (k // b) * b
+        div = explain(work[start : start + b], k - start) if explain is not None else None
+        found = {"near_tie": False, "kind": "unproven"} if div is None else div.to_dict()
+        out.append({"prompt": k, **found})
+    return out
+
+
 def dllm_methods(model: Any, tokenizer: Any, config: Any, graph: Any, budgets: Sequence[int], device: Any,
-                 extra: dict[str, Any], *, score: str | None = None) -> dict[str, BatchCall]:
+                 extra: dict[str, Any], *, score: str | None = None) -> dict[str, BatchMethod]:
     """The dLLM baseline and batched Spiffy at each budget as :data:`BatchCall` s (left-padded batches); ``score``:
     the pruning score (``None`` = the graph's recorded one, else ``"gm"``)."""
 
-    def make(budget: int | None) -> BatchCall:
+    def make(budget: int | None) -> BatchMethod:
         def call(batch: list[list[int]]) -> tuple[list[list[int]], int]:
             width = max(len(ids) for ids in batch)
             ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
@@ -117,7 +154,11 @@ def dllm_methods(model: Any, tokenizer: Any, config: Any, graph: Any, budgets: S
             res = generate(model, ids, config, attention_mask=None if bool(mask.all()) else mask, tokenizer=tokenizer,
                            graph=None if budget is None else graph, budget=budget, score=score, **extra)
             return res.tokens, int(res.nfe)
-        return call
+
+        def explain(batch: list[list[int]], row: int) -> BatchDivergence | None:
+            return explain_dllm_batch_row(model, batch, row, config, graph=None if budget is None else graph,
+                                          budget=budget, score=score, tokenizer=tokenizer, overrides=extra)
+        return BatchMethod(call, explain)
 
     methods = {"baseline": make(None)}
     methods.update({f"Spiffy D*={b}": make(b) for b in budgets})
@@ -126,21 +167,25 @@ def dllm_methods(model: Any, tokenizer: Any, config: Any, graph: Any, budgets: S
 
 def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tokens: int, temperature: float,
                top_p: float, top_k: int, seed: int, stops: Sequence[int], dllm_drafter: Any = None,
-               drafts: Sequence[int] = (4,)) -> dict[str, BatchCall]:
+               drafts: Sequence[int] = (4,)) -> dict[str, BatchMethod]:
     """Plain AR, DFlash and DDTree at each budget as :data:`BatchCall` s (``speculative_generate_batch``, one fresh
     drafter wrapper per row); with a ``dllm_drafter`` (a loaded diffusion drafter model) also DEER, SpecDiff-2 at each
     of ``drafts`` and DDTree over its marginals at each budget."""
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=int(seed))
     common = dict(max_new_tokens=int(max_new_tokens), stop_token_ids=tuple(int(t) for t in stops), sampling=sampling)
 
-    def make(config: ARSpecConfig, model: Any) -> BatchCall:
+    def make(config: ARSpecConfig, model: Any) -> BatchMethod:
         """``config`` on every row of a call, each row with its own wrapper of the drafter ``model`` (``None``:
         plain AR)."""
         def call(batch: list[list[int]]) -> tuple[list[list[int]], int]:
             drafters = None if model is None else [as_drafter(model) for _ in batch]
             res = speculative_generate_batch(target, drafters, batch, config)
             return [list(r.tokens) for r in res], sum(int(r.rounds) for r in res)
-        return call
+
+        def explain(batch: list[list[int]], row: int) -> BatchDivergence | None:
+            return explain_ar_batch_row(target, None if model is None else (lambda: as_drafter(model)), batch, row,
+                                        config)
+        return BatchMethod(call, explain)
 
     methods = {AR.label: make(ARSpecConfig(method=AR.name, **common), None),  # type: ignore[arg-type]
                DFLASH.label: make(ARSpecConfig(method=DFLASH.name, **common), drafter)}  # type: ignore[arg-type]
@@ -179,8 +224,9 @@ def markdown_throughput(res: dict[str, Any]) -> str:
         "batch size. Speedup = plain method's wall time / this method's, same batch size"
         + (f"; brackets: {res['intervals']}; n.s.: the interval includes 1.0." if res.get("intervals") else "."),
         "",
-        "| method | batch | tokens/s | latency/token (ms) | speedup | forwards | identical to batch 1 |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | batch | tokens/s | latency/token (ms) | speedup | forwards | identical to batch 1 | "
+        "divergences proven near ties |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         tps = "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.1f}"
@@ -188,8 +234,18 @@ def markdown_throughput(res: dict[str, Any]) -> str:
         iv = r.get("speedup_interval")
         if iv:
             sp += f" [{iv['low']:.2f}, {iv['high']:.2f}]" + (" n.s." if iv["includes_one"] else "")
+        divs = r.get("divergences") or []
+        proven = f"{sum(1 for d in divs if d['near_tie'])}/{len(divs)}" if divs else "-"
         lines.append(f"| {r['method']} | {r['batch_size']} | {tps} | {r['latency_per_token_ms']:.1f} | {sp} | "
-                     f"{r['forwards']} | {r['identical_to_batch_1']:.2f} |")
+                     f"{r['forwards']} | {r['identical_to_batch_1']:.2f} | {proven} |")
+    if any(r.get("divergences") for r in res["rows"]):
+        lines += ["", f"Batched rows that differ from batch 1 (rounding of another reduction shape): {BATCH_NEAR_TIE_RULE}."]
+        for r in res["rows"]:
+            for d in r.get("divergences") or []:
+                verdict = "near tie" if d["near_tie"] else "NOT proven a near tie (a bug)"
+                lines.append(f"- {r['method']} @ {r['batch_size']}, prompt {d['prompt']}: {d['kind']} at token "
+                             f"{d.get('position')}, gap {d.get('gap')} (bound {d.get('bound')}), logits "
+                             f"{d.get('deviation_ulps')} ulps apart: {verdict}")
     env = res.get("environment", {})
     lines += ["", f"Environment: {', '.join(f'{k}={v}' for k, v in env.items() if not isinstance(v, dict))}"]
     return "\n".join(lines) + "\n"
@@ -201,6 +257,7 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[BenchPrompt], chat: bool) -
 
 
 __all__ = [
+    "BatchMethod",
     "ar_methods",
     "dllm_methods",
     "encode_prompts",

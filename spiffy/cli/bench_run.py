@@ -198,9 +198,14 @@ def _throughput(args: argparse.Namespace, kind: str, methods: dict[str, Any], mo
         atomic_write_text(out / "throughput.md", markdown_throughput(res))
         print(markdown_throughput(res))
         print(f"wrote {out / 'throughput.json'} and {out / 'throughput.md'}", file=sys.stderr)
-    bad = [r for r in rows if r["method"] not in ("baseline",) and r["identical_to_batch_1"] < 1.0]
+    differ = [r for r in rows if r["identical_to_batch_1"] < 1.0]
+    bad = [r for r in differ if not r.get("all_divergences_near_ties")]
+    if differ and not bad:  # half precision: each differing row proven a rounding-level near tie
+        print("spiffy bench: note: batched outputs differ from batch 1 for "
+              + ", ".join(f"{r['method']} @ {r['batch_size']}" for r in differ)
+              + ", each at a proven near tie (spiffy.bench.batch_fidelity)", file=sys.stderr)
     if bad:
-        print("spiffy bench: WARNING: batched outputs differ from batch 1 for "
+        print("spiffy bench: WARNING: batched outputs differ from batch 1, not proven near ties, for "
               + ", ".join(f"{r['method']} @ {r['batch_size']}" for r in bad), file=sys.stderr)
         return 1
     return 0

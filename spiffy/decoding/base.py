@@ -294,6 +294,10 @@ class BidirectionalSession(DecodeSession):
         the mask token for the last masked row would otherwise never finish the block."""
         return 4 * self.block_length
 
+    def max_block_steps(self) -> int:
+        """A static block takes exactly ``steps_per_block`` steps; a dynamic one at most :meth:`max_dynamic_steps`."""
+        return self.max_dynamic_steps() if self.config.threshold is not None else int(self.steps_per_block)
+
     def block_has_mask(self, block: int, x: torch.Tensor) -> bool:
         start, end = self.block_bounds(block)
         return bool((x[:, start:end] == self.mask_id).any())

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from spiffy.decoding.session import BaselineStats, DecodeSession, StepObserver, StepRecord, close_block
-from spiffy.errors import ConfigError, DecodingError
+from spiffy.errors import ConfigError, StepLimitError
 
 
 def row_generators(
@@ -266,7 +266,7 @@ def decode_blocks(fwd: DecodeSession, rows: Sequence[DecodeRow], iterate: Callab
     Returns:
         Model calls made for the whole batch (``fwd.nfe``).
     Raises:
-        DecodingError: a block still unfinished after :meth:`~spiffy.decoding.session.DecodeSession.max_block_steps`
+        StepLimitError: a block still unfinished after :meth:`~spiffy.decoding.session.DecodeSession.max_block_steps`
             iterations (a rule that never ends a block).
     """
     for block in range(fwd.num_blocks):
@@ -289,7 +289,7 @@ def decode_blocks(fwd: DecodeSession, rows: Sequence[DecodeRow], iterate: Callab
                 break
             iterate(block, active)
         else:
-            raise DecodingError(
+            raise StepLimitError(
                 f"block {block} is still unfinished after {bound} steps: the decoding rule never ended it; fix: report "
                 "it with the model and configuration (a model proposing the mask token forever?)"
             )

@@ -44,9 +44,11 @@ Additions over the reference (documented deviations):
   may also pick decoded - even prompt - rows and overwrite them with fresh samples when the schedule's count
   exceeds the masks left). ``overwrite_quirk=True`` reproduces the reference exactly in that case.
 * ``gen_length`` must be a multiple of ``block_length`` (the reference silently rounds up).
-* A sampled token equal to the mask id leaves its row masked (as in the reference); should a block then still
-  hold masks after ``denoising_steps`` steps, the reference fails (IndexError) while here further steps reuse
-  the last step's count until the block is complete.
+* A sampled (or, at ``temperature == 0``, greedy) token equal to the mask id leaves its row masked, as in the
+  reference. A block takes at most ``denoising_steps`` denoising steps, the reference's own bound (``for step in
+  range(denoising_steps + 1)``, whose last pass only commits); rows still masked then keep the mask id and the
+  block is committed as it is, where the reference fails (IndexError on the schedule). Every other block finishes
+  within the schedule (each step unmasks at least the schedule's count), exactly as in the reference.
 * Every random draw comes from :attr:`SDARSession.generator` (the reference uses the global RNG; passing the
   device's default generator, as :func:`spiffy.compat.sdar_block_diffusion_generate` does without a seed,
   reproduces it).
@@ -328,9 +330,7 @@ class SDARSession(DecodeSession):
         tokens, token_probs, probs = sdar_sample(block_logits, self.temperature, self.top_k, self.top_p, self.generator)
         cur = x[:, s:e]
         masked = cur == self.mask_id
-        # past the schedule (only when a sampled token was the mask id itself, which leaves its row masked; the
-        # reference then fails with an IndexError) the last step's count is reused
-        count = self.schedule[min(info.step, len(self.schedule) - 1)]
+        count = self.schedule[info.step]  # step < denoising_steps: block_finished ends the block there
         transfer = select_transfer(
             masked,
             token_probs,
@@ -365,10 +365,15 @@ class SDARSession(DecodeSession):
         return total
 
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
-        if self.stopped:
+        """No mask left in the block, or its ``denoising_steps`` steps taken (the reference's bound; rows whose
+        token was the mask id itself stay masked), or the generation stopped."""
+        if self.stopped or step >= self.steps_per_block:
             return True
         s, e = self.block_bounds(block)
         return not bool((x[:, s:e] == self.mask_id).any())
+
+    def max_block_steps(self) -> int:
+        return int(self.steps_per_block)
 
     def end_block(self, block: int) -> None:
         """Apply the stop rule: any stop id in a row's generated positions (``x[r, gen_starts[r]:]``) ends the

@@ -23,7 +23,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from spiffy.decoding.config import DecodeConfig
-from spiffy.errors import ConfigError
+from spiffy.errors import ConfigError, StepLimitError
 from spiffy.models.loading import SpecialTokenIds
 
 
@@ -200,12 +200,16 @@ class DecodeSession(ABC):
     @abstractmethod
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         """Whether ``block`` needs no further step after ``step`` steps have been taken on state ``x``
-        (static schedules: ``step == steps_per_block``; dynamic: no mask left in the block)."""
+        (static schedules: ``step == steps_per_block``; dynamic: no mask left in the block). Must be true once
+        ``step`` reaches :meth:`max_block_steps`: a model may propose the mask id itself for a masked row, which
+        keeps it masked forever."""
 
     def max_block_steps(self) -> int:
-        """An upper bound on the steps of one block: the static schedule's steps, and at most four per position under
-        a dynamic rule (the decoding loop refuses to go on past it rather than loop forever)."""
-        return max(int(self.steps_per_block), 4 * int(self.block_length))
+        """The most steps one block may take: the bound of every decoding loop over the block (the baseline's,
+        Spiffy's walk, the batched ones). :meth:`step_info` refuses a step past it with a :class:`StepLimitError`,
+        so a session whose :meth:`block_finished` never ends a block stops instead of hanging.
+        Default: ``max(steps_per_block, 4 * block_length)``; the families override it with their own bound."""
+        return max(int(getattr(self, "steps_per_block", 0) or 0), 4 * int(self.block_length))
 
     def end_block(self, block: int) -> None:
         """Block-end work (counted in :attr:`nfe` if it calls the model). Default: nothing."""
@@ -262,6 +266,15 @@ class DecodeSession(ABC):
         return sig
 
     def step_info(self, block: int, step: int) -> StepInfo:
+        """Where step ``step`` of ``block`` happens; every loop asks before each transition, so this is where the
+        step bound holds (:class:`StepLimitError` past :meth:`max_block_steps`)."""
+        limit = self.max_block_steps()
+        if step >= limit:
+            raise StepLimitError(
+                f"block {block} is still unfinished after {step} steps, the bound of {type(self).__name__} "
+                f"(max_block_steps() = {limit}); its block_finished() must end a block by then (a model proposing "
+                "the mask id keeps a row masked forever); fix: make block_finished() true once step >= max_block_steps()"
+            )
         start, end = self.block_bounds(block)
         return StepInfo(block=block, block_start=start, block_end=end, step=step, window_start=self.window_start(block))
 

@@ -11,6 +11,7 @@ config (hidden size, heads, head dim, vocabulary). Files are written atomically 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,7 +26,8 @@ from spiffy.io import atomic_write_bytes, atomic_write_json, replace_dir
 from spiffy.models.dflash import DFlashDraftModel, default_target_layer_ids
 from spiffy.models.tokenizer import build_tokenizer
 
-__all__ = ["make_tiny_dflash", "make_tiny_target", "random_weights", "save_drafter", "target_config_dict", "tiny_mask_token_id"]
+__all__ = ["make_tiny_dflash", "make_tiny_target", "random_weights", "save_drafter", "target_config_dict", "tiny_mask_token_id",
+           "tiny_target_layer_ids"]
 
 MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
 
@@ -105,6 +107,18 @@ def save_drafter(model: torch.nn.Module, out_dir: str | Path, num_shards: int = 
     return out
 
 
+def tiny_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The target layers a tiny drafter reads: the SPEC §3 default when every id it gives is a layer of the target,
+    else (targets of fewer than 3 layers under a multi-layer drafter: the default reaches below layer 0)
+    ``num_draft_layers`` ids spread evenly over ``0 .. num_target_layers - 1``, written into the config so the
+    loader never derives the invalid default."""
+    t, d = int(num_target_layers), int(num_draft_layers)
+    ids = default_target_layer_ids(t, d)
+    if all(0 <= i < t for i in ids):
+        return ids
+    return [int(math.floor(i * (t - 1) / (d - 1) + 0.5)) for i in range(d)]  # d >= 2 here: one layer is [t // 2]
+
+
 def make_tiny_dflash(
     out_dir: str | Path,
     target: Any,
@@ -124,7 +138,8 @@ def make_tiny_dflash(
         seed: weights are a deterministic function of the seed.
         num_layers: drafter decoder layers.
         block_size: drafted block length (bonus + ``block_size - 1`` masks).
-        target_layer_ids: target layers to read (default: SPEC §3 rule from the target's layer count).
+        target_layer_ids: target layers to read (default: :func:`tiny_target_layer_ids`, the SPEC §3 rule
+            from the target's layer count when it names layers of the target).
         mask_token_id: default: the target tokenizer's ``<|MASK|>``-like token, else ``vocab_size - 1``.
         dtype: stored parameter dtype.
     """
@@ -135,7 +150,13 @@ def make_tiny_dflash(
     tcfg = target_config_dict(target)
     n_target = int(tcfg["num_hidden_layers"])
     vocab = int(tcfg["vocab_size"])
-    ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(n_target, num_layers)
+    ids = list(target_layer_ids) if target_layer_ids is not None else tiny_target_layer_ids(n_target, num_layers)
+    bad = [i for i in ids if not 0 <= int(i) < n_target]
+    if not ids or bad:
+        raise ConfigError(
+            f"target_layer_ids {ids} must be non-empty layers of the {n_target}-layer target (bad: {bad}); fix: pick "
+            f"ids in 0..{n_target - 1}, or leave them out for {tiny_target_layer_ids(n_target, num_layers)}"
+        )
     mask_id = int(mask_token_id) if mask_token_id is not None else tiny_mask_token_id(target, vocab)
     heads = int(tcfg["num_attention_heads"])
     rope = tcfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": tcfg.get("rope_theta", 1e6)}

@@ -47,6 +47,7 @@ from spiffy.decoding.batch import DecodeRow, decode_blocks, forward_rows, make_r
 from spiffy.decoding.session import DecodeSession, StepObserver
 from spiffy.errors import ConfigError
 from spiffy.selfspec.config import SpiffyConfig
+from spiffy.selfspec.graph import DraftGraph
 from spiffy.selfspec.formulas import instantiate_many, rank_state, window_covers
 from spiffy.selfspec.pruning import DEFAULT_BUDGET, prune
 from spiffy.verify.backend import follow

@@ -26,6 +26,8 @@ from typing import Callable, Hashable, Literal, Sequence, TypeVar
 
 import torch
 
+from spiffy.errors import StepLimitError
+
 Visibility = Literal["ancestors", "self"]
 
 NodeT = TypeVar("NodeT", bound=Hashable)
@@ -389,6 +391,7 @@ def follow(
     root: NodeT,
     next_state: Callable[[NodeT], StateT],
     child_matching: Callable[[NodeT, StateT], NodeT | None],
+    max_steps: int | None = None,
 ) -> tuple[list[NodeT], StateT]:
     """Walk a verified draft structure from ``root`` by the target's own decoding rule.
 
@@ -397,6 +400,8 @@ def follow(
         next_state: ``node -> state``: apply the target's decoding rule at ``node`` (e.g. the target's token at a
             tree node, or the baseline transition applied to a draft's distribution).
         child_matching: ``(node, state) -> child or None``: the child of ``node`` equal to ``state``.
+        max_steps: the most nodes the walk may accept (a tree: its node count; a Spiffy walk: the block's steps);
+            ``None``: bounded by the structure alone (children strictly deeper). Past it: :class:`StepLimitError`.
     Returns:
         ``(accepted, final_state)``: the accepted nodes in order (root excluded) and the first state that matched
         no child (the DDTree bonus token / the Spiffy state after the last accepted draft).
@@ -408,5 +413,11 @@ def follow(
         child = child_matching(node, state)
         if child is None:
             return accepted, state
+        if max_steps is not None and len(accepted) >= max_steps:
+            raise StepLimitError(
+                f"the verification walk accepted {len(accepted)} nodes and found another child, past max_steps="
+                f"{max_steps}; the structure has a cycle or a child_matching that never ends; fix: make every "
+                "accepted child a strictly deeper node"
+            )
         accepted.append(child)
         node = child

@@ -1,0 +1,319 @@
+"""Near-tie proofs for a batched row that differs from its prompt decoded alone (half precision).
+
+In float32/float64 row ``r`` of a batch equals prompt ``r`` decoded alone, token for token. In bfloat16/float16 the
+batched forward computes a row with another reduction shape (left padding, more rows, a tree of other rows), so its
+logits differ from the lone forward's by a few units in the last place (ulps), and a choice between two almost
+equal alternatives may flip. Such a flip is numerics, not logic, exactly when the rule below holds.
+
+**The rule** (one for every decision kind). Run the row alone and in the batch, recording every decision step
+(dLLM: each baseline transition; AR: each verification round), and take the first step whose result differs:
+
+1. both runs were in the same state there (dLLM: the same ``x`` and the same generator state; AR: the same root
+   position after the same committed tokens);
+2. the step is a function of its logits alone: the row's own rule, replayed on the *batched* run's logits (same
+   state, same generator state / position-keyed noise), reproduces the batched result;
+3. those logits agree with the lone run's within :data:`DEVIATION_ULPS` ulps of each row's largest magnitude in the
+   model dtype (dLLM: the window logits; AR: the target's logits at every verified node and the drafter's logits);
+4. the choice that flipped is within that rounding, by its kind:
+
+   * ``greedy`` (an argmax): the lone logits of the two tokens differ by at most :func:`rounding_bound` (4 ulps);
+   * ``low-confidence`` (which positions a step unmasks, dLLM at ``T = 0``): the two positions' confidences (or a
+     confidence and the threshold) differ by at most ``2 (exp(2 d) - 1) (exp(2 d) + c)``, ``d`` the logits'
+     rounding bound and ``c`` the larger confidence: when every logit moves by at most ``d``, a softmax probability,
+     a margin of two probabilities and an entropy each move by at most ``(exp(2 d) - 1) (exp(2 d) + c)``;
+   * ``sampled`` (a draw, whose coins both runs share): position-keyed Gumbel noise (AR, coupled rule): the
+     perturbed scores of the two tokens differ by at most the tempered logits' rounding bound; an inverse-CDF draw
+     or acceptance test (AR, rejection rule): the coin lies within ``(exp(4 d) - 1)`` times the threshold, or
+     ``2 (exp(4 d) - 1) min(C, 1 - C)`` of the CDF value ``C``, from the boundary between the two tokens (how far
+     ``d`` on every tempered logit can move a probability ratio or a CDF value); a dLLM draw (Gumbel or
+     multinomial noise inside the family's rule): the draw flips within a logit change no larger than the rounding
+     bound (bisection along the straight path from the lone to the batched logits, with the same coins);
+   * ``draft`` (AR: the drafts differ): point 3 on the drafter's logits and the tree rebuilt from the batched
+     drafter logits equal to the batched tree.
+
+A step violating any point is reported ``near_tie = False`` (a bug). The dLLM proof lives here, the AR one in
+:mod:`spiffy.bench.batch_fidelity_ar`. The proofs re-run the two decodes (twice: once
+to find the step, once to record it), so they cost about four decodes per differing row; benchmarks run them only
+for rows that differ.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+
+from spiffy.bench.fidelity import NEAR_TIE_ULPS, rounding_bound, spacing
+from spiffy.decoding.batch import row_generators, run_baseline, run_baseline_batch
+from spiffy.decoding.factory import make_row_sessions, make_session
+from spiffy.selfspec.runtime import speculative_generate as spiffy_single
+from spiffy.selfspec.runtime import speculative_generate_batch as spiffy_batch
+
+#: point 3 of the rule: the largest logit difference of the two runs, in ulps of the row's largest logit (measured on
+#: tiny LLaDA / Dream / SDAR / Qwen3 + DFlash pairs in bfloat16 and float16: at most 6 over every verified row and
+#: vocabulary entry; a logic error moves logits by far more)
+DEVIATION_ULPS = 16.0
+
+BATCH_NEAR_TIE_RULE = (
+    "a batched row's first differing step is a near tie when both runs were in the same state, the row's rule "
+    "replayed on the batched logits reproduces the batched result, the logits agree within "
+    f"{DEVIATION_ULPS:g} ulps of each row's largest magnitude, and the flipped choice (greedy top-2 gap within "
+    f"{NEAR_TIE_ULPS:g} ulps, two "
+    "confidences, or a sampled draw's perturbed scores / coin) lies within that rounding (spiffy.bench.batch_fidelity)"
+)
+
+
+@dataclass
+class BatchDivergence:
+    """The first step where a batched row leaves its prompt decoded alone, and the verdict of the rule.
+
+    Attributes:
+        row: the row in its batch. step: dLLM transition / AR round index of the first differing step.
+        position: generated-token index of the first differing token of that step.
+        kind: ``greedy``, ``low-confidence``, ``sampled`` or ``draft`` (see the module docstring).
+        gap, bound: the flipped choice's gap and its rounding bound (``None`` where the kind has none: a draw
+            whose coin the rule does not expose is proved by the replay and the logit agreement).
+        deviation_ulps: largest logit difference of the two runs at the step, in ulps of the row's largest logit.
+        same_state, replay: points 1 and 2 of the rule. near_tie: every point holds. dtype: the model dtype.
+    """
+
+    row: int
+    step: int
+    position: int | None
+    kind: str
+    gap: float | None
+    bound: float | None
+    deviation_ulps: float | None
+    same_state: bool
+    replay: bool
+    near_tie: bool
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def deviation_ulps(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
+    """``max |a - b|`` over ``[..., V]`` rows, each in ulps (``dtype``) of that row's largest ``|a|``."""
+    a64, b64 = a.double().reshape(-1, a.shape[-1]), b.double().reshape(-1, b.shape[-1])
+    worst = 0.0
+    for ra, rb in zip(a64, b64):
+        diff = float((ra - rb).abs().max())
+        worst = max(worst, diff / spacing(float(ra.abs().max()), dtype))
+    return worst
+
+
+def confidence_bound(values: Sequence[float], logit_scale: float, dtype: torch.dtype) -> float:
+    """The largest gap between two confidences among ``values`` that rounding can flip: each moves by at most
+    ``(exp(2 d) - 1) (exp(2 d) + max |values|)`` (a probability, a margin or an entropy; ``d`` the rounding bound of
+    logits of magnitude ``logit_scale``), so twice that."""
+    grow = math.exp(2.0 * rounding_bound(logit_scale, 0.0, dtype))
+    return 2.0 * (grow - 1.0) * (grow + max(abs(float(v)) for v in values))
+
+
+# --------------------------------------------------------------------------------------------------- dLLM
+class _Enough(Exception):
+    """Ends a recording run once the step of interest was recorded."""
+
+
+@dataclass
+class _Step:
+    """One recorded transition (``[1, T]`` states, ``[1, W, V]`` logits on the CPU)."""
+
+    info: Any
+    x_before: torch.Tensor
+    logits: torch.Tensor
+    x_after: torch.Tensor
+    generator_state: torch.Tensor | None
+    selection: torch.Tensor | None
+    selection_start: int
+    replayed: torch.Tensor | None = None
+    flip: float | None = None  # see _TransitionRecorder._flip_fraction
+
+
+class _TransitionRecorder:
+    """Wraps ``session.transition``: records every result, and the full step at index ``keep`` (then, with
+    ``replay_logits``, also the rule replayed on those logits from the same generator state) and stops the run."""
+
+    def __init__(self, session: Any, keep: int | None = None, replay_logits: torch.Tensor | None = None) -> None:
+        self.session, self.keep, self.replay_logits = session, keep, replay_logits
+        self.results: list[torch.Tensor] = []
+        self.step: _Step | None = None
+        self._inner = session.transition
+        session.transition = self._transition
+
+    def _transition(self, x: torch.Tensor, logits: torch.Tensor, info: Any) -> torch.Tensor:
+        gen = self.session.generator
+        pre = gen.get_state() if gen is not None else None
+        replayed, flip = None, None
+        if len(self.results) == self.keep and self.replay_logits is not None:
+            other = self.replay_logits.to(logits.device, logits.dtype)
+            replayed = self._inner(x, other, info).cpu()
+            flip = self._flip_fraction(x, logits, other, info, pre)
+            if gen is not None:
+                gen.set_state(pre)
+        out = self._inner(x, logits, info)
+        self.results.append(out.cpu())
+        if len(self.results) - 1 == self.keep:
+            pub = self.session.transition_probs(logits)
+            sel = None if pub is None or pub.selection is None else pub.selection.detach().double().cpu()
+            self.step = _Step(info, x.cpu(), logits.detach().cpu(), out.cpu(), pre,
+                              sel, 0 if pub is None else int(pub.selection_start), replayed, flip)
+            raise _Enough
+        return out
+
+    def _flip_fraction(self, x: torch.Tensor, mine: torch.Tensor, other: torch.Tensor, info: Any,
+                       pre: torch.Tensor | None, iterations: int = 12) -> float | None:
+        """The smallest ``t`` (bisection) at which the rule on ``mine + t (other - mine)``, from the same generator
+        state, leaves the result on ``mine``: how far along the rounding difference a draw flips."""
+        gen = self.session.generator
+
+        def run(t: float) -> torch.Tensor:
+            if gen is not None:
+                gen.set_state(pre)
+            mixed = (mine.double() + t * (other.double() - mine.double())).to(mine.dtype)
+            return self._inner(x, mixed, info)
+
+        base = run(0.0)
+        if torch.equal(run(1.0), base):
+            return None
+        lo, hi = 0.0, 1.0
+        for _ in range(iterations):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if not torch.equal(run(mid), base) else (mid, hi)
+        return hi
+
+
+def _left_pad(batch: Sequence[Sequence[int]], device: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    width = max(len(p) for p in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(batch):
+        ids[r, width - len(p):] = torch.tensor(list(p), dtype=torch.long, device=device)
+        mask[r, width - len(p):] = 1
+    return ids, None if bool(mask.all()) else mask
+
+
+def _dllm_run(model: Any, batch: Sequence[Sequence[int]], row: int, config: Any, alone: bool, graph: Any,
+              budget: int | None, score: str | None, tokenizer: Any, overrides: dict[str, Any],
+              keep: int | None = None, replay_logits: torch.Tensor | None = None) -> _TransitionRecorder:
+    """Decode prompt ``row`` alone or the whole batch (as :func:`spiffy.api.generate` does, every row seeded from
+    the config) and record row ``row``'s transitions."""
+    device = next(model.parameters()).device
+    ids, mask = _left_pad(batch, device)
+    fwd = make_session(model, ids, config, attention_mask=mask, tokenizer=tokenizer, **overrides)
+    cfg = fwd.config  # type: ignore[attr-defined]
+    if alone:
+        session = make_session(model, ids[row : row + 1, ids.shape[1] - len(batch[row]):], cfg, tokenizer=tokenizer)
+        rec = _TransitionRecorder(session, keep, replay_logits)
+        try:
+            run_baseline(session) if graph is None else spiffy_single(session, graph, budget, score=score)
+        except _Enough:
+            pass
+        return rec
+    rows = make_row_sessions(model, ids, mask, cfg, row_generators(len(batch), device), tokenizer=tokenizer)
+    rec = _TransitionRecorder(rows[row], keep, replay_logits)
+    try:
+        run_baseline_batch(fwd, rows) if graph is None else spiffy_batch(fwd, rows, graph, budget, score=score)
+    except _Enough:
+        pass
+    return rec
+
+
+def judge_dllm_step(alone: _Step, batched: _Step, *, row: int, step: int, prompt_len: int, dtype: torch.dtype,
+                    temperature: float, threshold: float | None) -> BatchDivergence:
+    """The rule (module docstring) on the first differing transition of the two runs."""
+    same = torch.equal(alone.x_before, batched.x_before) and (
+        (alone.generator_state is None and batched.generator_state is None)
+        or (alone.generator_state is not None and batched.generator_state is not None
+            and torch.equal(alone.generator_state, batched.generator_state)))
+    replay = alone.replayed is not None and torch.equal(alone.replayed, batched.x_after)
+    dev = deviation_ulps(alone.logits, batched.logits, dtype) if alone.logits.shape == batched.logits.shape else math.inf
+    x0 = alone.x_before[0]
+    changed_a, changed_b = alone.x_after[0] != x0, batched.x_after[0] != x0
+    ws = int(alone.info.window_start)
+    la = alone.logits[0].double()
+    gap = bound = None
+    differs = (alone.x_after[0] != batched.x_after[0]).nonzero()
+    col = int(differs[0, 0]) if differs.numel() else None
+    if torch.equal(changed_a, changed_b):  # the same positions took different tokens
+        kind = "greedy" if temperature == 0 else "sampled"
+        if kind == "greedy" and col is not None:
+            ta, tb = int(alone.x_after[0, col]), int(batched.x_after[0, col])
+            a, b = float(la[col - ws, ta]), float(la[col - ws, tb])
+            gap, bound = abs(a - b), rounding_bound(a, b, dtype)
+        elif col is not None and alone.flip is not None:
+            # a draw: the logit change (along the straight path to the batched logits, same coins) that moves it
+            row_a, row_b = la[col - ws], batched.logits[0, col - ws].double()
+            gap = alone.flip * float((row_b - row_a).abs().max())
+            bound = rounding_bound(float(row_a.abs().max()), 0.0, dtype)
+    else:
+        kind = "low-confidence"
+        only_a = (changed_a & ~changed_b).nonzero()
+        only_b = (changed_b & ~changed_a).nonzero()
+        cols = [int(t[0, 0]) for t in (only_a, only_b) if t.numel()]
+        col = min(cols)
+        if alone.selection is not None:
+            conf = [float(alone.selection[0, c - alone.selection_start]) for c in cols]
+            if len(conf) == 1 and threshold is not None:
+                conf.append(float(threshold))  # one position crossed the threshold in one run only
+            if len(conf) == 2:
+                scale = max(float(la[c - ws].abs().max()) for c in cols)
+                gap, bound = abs(conf[0] - conf[1]), confidence_bound(conf, scale, dtype)
+    if gap is None and alone.flip is not None and alone.logits.shape == batched.logits.shape:
+        # no closed form (a choice among sampled proposals): the logit change that flips it, as for a draw
+        gap = alone.flip * float((batched.logits.double() - la[None]).abs().max())
+        bound = rounding_bound(float(la.abs().max()), 0.0, dtype)
+    near = same and replay and dev <= DEVIATION_ULPS and (gap is None or gap <= bound)  # type: ignore[operator]
+    return BatchDivergence(row=row, step=step, position=None if col is None else col - prompt_len, kind=kind,
+                           gap=gap, bound=bound, deviation_ulps=dev, same_state=same, replay=replay,
+                           near_tie=bool(near), dtype=str(dtype).replace("torch.", ""))
+
+
+def _first_difference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> int | None:
+    for k, (x, y) in enumerate(zip(a, b)):
+        if not torch.equal(x, y):
+            return k
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def explain_dllm_batch_row(model: Any, batch: Sequence[Sequence[int]], row: int, config: Any = None, *,
+                           graph: Any = None, budget: int | None = None, score: str | None = None,
+                           tokenizer: Any = None, overrides: dict[str, Any] | None = None) -> BatchDivergence | None:
+    """Prove (or refute) that row ``row`` of the dLLM ``batch`` (token-id lists, left padded as
+    :func:`spiffy.api.generate` pads them; every row seeded from the config) leaves the prompt decoded alone only
+    at a near tie. ``graph``: batched Spiffy against Spiffy alone. ``None`` when the two runs agree."""
+    extra = dict(overrides or {})
+    args = (model, batch, row, config)
+    runs = [_dllm_run(*args, alone, graph, budget, score, tokenizer, extra) for alone in (True, False)]
+    k = _first_difference(runs[0].results, runs[1].results)
+    if k is None:
+        return None
+    batched = _dllm_run(*args, False, graph, budget, score, tokenizer, extra, keep=k).step
+    alone = _dllm_run(*args, True, graph, budget, score, tokenizer, extra, keep=k,
+                      replay_logits=None if batched is None else batched.logits).step
+    session = runs[0].session
+    dtype = next(model.parameters()).dtype
+    if alone is None or batched is None:  # one run took a step the other never took
+        return BatchDivergence(row, k, None, "schedule", None, None, None, False, False, False,
+                               str(dtype).replace("torch.", ""))
+    cfg = session.config
+    return judge_dllm_step(alone, batched, row=row, step=k, prompt_len=int(session.prompt_len), dtype=dtype,
+                           temperature=float(cfg.sampling.temperature), threshold=_threshold(session))
+
+
+def _threshold(session: Any) -> float | None:
+    """The confidence threshold a dynamic rule unmasks above (``None`` for static schedules)."""
+    cfg = session.config
+    if cfg.tokens_per_step != "dynamic":
+        return None
+    value = getattr(session, "threshold", None)
+    return float(value) if value is not None else (None if cfg.threshold is None else float(cfg.threshold))
+
+
+__all__ = [
+    "BATCH_NEAR_TIE_RULE", "DEVIATION_ULPS", "BatchDivergence", "confidence_bound", "deviation_ulps",
+    "explain_dllm_batch_row", "judge_dllm_step",
+]
