@@ -41,9 +41,14 @@ def _common(p: argparse.ArgumentParser, default_budgets: str, what: str) -> None
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output directory for results.json, results.md and PNG plots (checked before the run)")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds before measuring (default 1)")
-    p.add_argument("--no-chat", action="store_true", help="feed prompts as raw text instead of the tokenizer's chat template")
+    p.add_argument("--no-chat", dest="no_chat", action="store_const", const=True, default=None,
+                   help="feed prompts as raw text instead of the tokenizer's chat template (dllm default: the prompt "
+                        "format the graph was calibrated with; ar default: the chat template)")
+    p.add_argument("--chat", dest="no_chat", action="store_const", const=False, default=None,
+                   help="feed prompts through the tokenizer's chat template")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--dtype", default=None, help="model dtype: float32 (CPU default), float64, bfloat16, float16 or auto")
+    p.add_argument("--dtype", default=None, help="model dtype: float32, float64, bfloat16, float16 or auto (dllm default: "
+                   "the dtype the graph was calibrated in; ar default: float32 on CPU)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     add_placement_arguments(p)
     add_threads_argument(p)

@@ -79,6 +79,31 @@ def announce_cost(command: str, prompts: int, configurations: list[str], unit: s
           f"{runs} {unit}{warm}; the progress bar shows the ETA", file=sys.stderr)
 
 
+def _graph_settings(args: argparse.Namespace, recorded: dict[str, Any], source: Any) -> None:
+    """Unset --dtype and prompt format take the graph's calibration settings (its figures hold for those), said in
+    one line; a setting the user chose that differs from the graph's is named in a one-line note."""
+    taken, differ = [], []
+    if recorded.get("dtype"):
+        if args.dtype is None:
+            args.dtype = str(recorded["dtype"])
+            taken.append(f"dtype {args.dtype}")
+        elif str(args.dtype) != str(recorded["dtype"]):
+            differ.append(f"dtype {args.dtype} (graph: {recorded['dtype']})")
+    if "chat" in recorded:
+        if args.no_chat is None:
+            args.no_chat = not bool(recorded["chat"])
+            taken.append("chat template" if recorded["chat"] else "raw prompts (no chat template)")
+        elif args.no_chat == bool(recorded["chat"]):
+            differ.append(f"{'raw prompts' if args.no_chat else 'chat template'} (graph: "
+                          f"{'chat template' if recorded['chat'] else 'raw prompts'})")
+    if taken:
+        print(f"spiffy bench dllm: the graph {Path(source).name} was calibrated with {', '.join(taken)}: using them "
+              "(override with --dtype / --chat / --no-chat)", file=sys.stderr)
+    if differ:
+        print(f"spiffy bench dllm: note: {', '.join(differ)} differ from the graph's calibration: its drafts fit "
+              "these runs less well, so expect fewer accepted drafts than the graph projects", file=sys.stderr)
+
+
 def run_dllm(args: argparse.Namespace) -> int:
     """``spiffy bench dllm``."""
     budgets = parse_budgets(args.budgets)
@@ -88,7 +113,9 @@ def run_dllm(args: argparse.Namespace) -> int:
     shipped = shipped_graphs(model_dir)
     source = graph_path or (shipped[0] if shipped else None)  # unset decoding flags take this graph's values
     recorded = load_graph(source).meta.get("calibration", {}) if source is not None else {}
-    cfg, extra = decode_config(args, recorded.get("decode_config") if isinstance(recorded, dict) else None)
+    recorded = recorded if isinstance(recorded, dict) else {}
+    _graph_settings(args, recorded, source)
+    cfg, extra = decode_config(args, recorded.get("decode_config"))
     dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
     args.is_main_rank, device = dp.is_main, str(dp.device)
     placement = placement_kwargs(args)

@@ -26,6 +26,7 @@ from spiffy.cli.placement import placement_kwargs
 from spiffy.cli.runtime import decode_config, default_device, set_threads
 from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument, shipped_graphs
 from spiffy.errors import ConfigError
+from spiffy.models.prompting import prompt_token_ids
 from spiffy.models import load_model, load_tokenizer
 from spiffy.selfspec.freedave import freedave_graph, is_freedave_spec, parse_freedave_steps
 from spiffy.selfspec.graph import load_graph
@@ -96,7 +97,7 @@ def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
         device = str(model_device(model))
     set_threads(args.threads, model)
     tokenizer = load_tokenizer(model_dir)
-    batch = [_encode_prompt(tokenizer, p, args.chat) for p in args.prompt]
+    batch = [prompt_token_ids(tokenizer, p, chat=args.chat, require_template=True) for p in args.prompt]
     graph, graph_path = _choose_graph(args, graph_arg, model, model_dir, cfg, extra)
     budget = _check_budget(args.budget, graph)
     input_ids, attention_mask = _left_pad(batch, tokenizer)
@@ -142,22 +143,6 @@ def _check_budget(budget: int | None, graph: Any) -> int | None:
     print(f"spiffy generate: note: --budget {budget} exceeds the graph's {len(graph)} nodes (one draft per node and "
           f"step at most): running --budget {len(graph)}, which keeps the same drafts", file=sys.stderr)
     return len(graph)
-
-
-def _encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("--chat needs a tokenizer with a chat template; fix: drop --chat or use an instruct checkpoint")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-    else:
-        text = prompt
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if not ids:
-        for tid in (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-            if tid is not None:
-                return [int(tid)]
-        raise ConfigError("the prompt is empty and the tokenizer has no BOS/EOS token; fix: pass --prompt TEXT")
-    return ids
 
 
 def _left_pad(batch: list[list[int]], tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
