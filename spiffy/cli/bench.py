@@ -44,7 +44,7 @@ from spiffy.io import atomic_write_json, atomic_write_text
 from spiffy.models import load_ar_drafter, load_drafter, load_model, load_tokenizer
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.prompting import stop_token_ids
-from spiffy.selfspec.freedave import parse_freedave_steps
+from spiffy.selfspec.rivals import parse_rival_list
 from spiffy.selfspec.graph import load_graph
 from spiffy.selfspec.pruning import SCORES
 from spiffy.torch_utils import model_device
@@ -88,6 +88,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument("--freedave", default=None, metavar="LIST",
                    help="also run FreeDave with these draft steps K (= states per forward, like Spiffy at D* = K-1), "
                         "e.g. 2,4,6: same run, same prompts (FreeDave is the top-k chain graph, no calibration)")
+    d.add_argument("--ssd", default=None, metavar="LIST",
+                   help="also run SSD (arXiv 2510.04147) with these states per forward K (its verification tree of "
+                        "K-1 self-drafted nodes, like Spiffy at D* = K-1), e.g. 2,4,6: same run, same prompts")
     d.add_argument("--score", default=None, choices=SCORES,
                    help="pruning score of the Spiffy rows (default: the one the graph was calibrated for, else gm)")
     _common(d, "1,3,5")
@@ -197,14 +200,15 @@ def run_dllm(args: argparse.Namespace) -> int:
         methods = dllm_methods(model, tokenizer, cfg, graph, budgets, device, extra, score=args.score)
         return _throughput(args, "dllm", methods, model, tokenizer, prompts, device, graph=str(graph_path),
                            gen_length=cfg.gen_length)
-    freedave = [parse_freedave_steps(v) for v in (args.freedave or "").split(",") if v.strip()]
+    freedave, ssd = parse_rival_list("freedave", args.freedave), parse_rival_list("ssd", args.ssd)
     announce_cost("spiffy bench dllm", len(prompts),
-                  ["baseline"] + [f"Spiffy D*={b}" for b in budgets] + [f"FreeDave {k}" for k in freedave],
+                  ["baseline"] + [f"Spiffy D*={b}" for b in budgets] + [f"FreeDave {k}" for k in freedave]
+                  + [f"SSD {k}" for k in ssd],
                   f"decodes of {cfg.gen_length} positions", args.warmup)
     res = run_dllm_bench(
         model, tokenizer, prompts, cfg, graph, budgets, config_overrides=extra, chat=not args.no_chat,
         warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
-        graph_path=str(graph_path), device=device, parallel=dp, freedave=freedave, score=args.score,
+        graph_path=str(graph_path), device=device, parallel=dp, freedave=freedave, ssd=ssd, score=args.score,
     )
     return _finish(args, res, "some speculative outputs differ from the baseline")
 

@@ -26,7 +26,7 @@ from spiffy.decoding import DecodeConfig
 from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument
 from spiffy.errors import ConfigError
 from spiffy.models import load_model, load_tokenizer, prompt_token_ids
-from spiffy.selfspec.freedave import freedave_graph, is_freedave_spec, parse_freedave_steps
+from spiffy.selfspec.rivals import parse_rival, rival_graph
 from spiffy.selfspec.pruning import SCORES
 from spiffy.selfspec.graph import load_graph
 from spiffy.torch_utils import model_device
@@ -143,7 +143,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="calibrated draft graph (JSON): Spiffy speculative decoding, same tokens, fewer forwards; "
                              "a file, the name of a graph shipped with the model (e.g. tiny-sdar-s1), or auto (the "
                              "shipped graph calibrated for these decoding flags), or freedave:K (FreeDave's top-k chain "
-                             "with K draft steps, no calibration)")
+                             "with K draft steps, no calibration), or ssd:K (SSD's verification tree, K states per "
+                             "forward)")
     parser.add_argument("--budget", type=int, default=None, metavar="D",
                         help="draft nodes kept per step with --graph (default: the D* the graph was tuned for, else 3); "
                              f"AR mode: tree nodes per round (default {DEFAULT_BUDGET}; 0 = no drafts)")
@@ -182,8 +183,9 @@ def run(args: argparse.Namespace) -> int:
     cfg, extra = config_from_args(args)
     graph = None
     if args.graph:
-        if is_freedave_spec(args.graph):  # FreeDave: the top-k chain, all of it verified per forward
-            graph = freedave_graph(model, cfg, parse_freedave_steps(args.graph), **extra)
+        rival = parse_rival(args.graph)
+        if rival is not None:  # FreeDave / SSD: the whole chain or tree verified per forward
+            graph = rival_graph(model, cfg, *rival, **extra)
             args.budget = len(graph) if args.budget is None else args.budget
         elif args.graph == "auto":
             args.graph = str(compatible_shipped_graph(model, args.model, cfg, **extra))
