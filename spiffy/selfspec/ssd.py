@@ -86,7 +86,7 @@ def ssd_graph(model: Any, config: Any, states_per_forward: int, **overrides: Any
     k = parse_ssd_states(states_per_forward)
     return chain_graph_for(model, config, k - 1, method="ssd", budget=k - 1,
                            note="SSD's verification tree (arXiv 2510.04147): level d adds the d-th most confident "
-                                "masked position with its argmax token, verified in one forward")
+                                "masked position with its argmax token, verified in one forward", **overrides)
 
 
 def parse_ssd_states(value: Any) -> int:
