@@ -58,6 +58,9 @@ def test_ssd_graph_is_the_path_tree(llada) -> None:
     assert parse_rival("ssd:4") == ("ssd", 4) and parse_rival("freedave:3") == ("freedave", 3)
     assert parse_rival("graphs/x.json") is None and parse_rival_list("ssd", " 2, 6 ") == [2, 6]
     assert set(RIVALS) == {"freedave", "ssd"}
+    from spiffy.selfspec import ssd_graph as exported  # the Python API's lazy name
+
+    assert exported is ssd_graph
     with pytest.raises(ConfigError, match="unknown rival"):
         rival_graph(llada, cfg, "medusa", 3)
 
