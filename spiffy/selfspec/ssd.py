@@ -32,12 +32,12 @@ comes from: the abstract (arXiv 2510.04147: self-drafting "for multiple position
 in a single forward pass", "progressively verify and accept multiple tokens", output identical to stepwise decoding,
 up to 3.46x on LLaDA and Dream); the paper's TL;DR on sciencestack.ai ("self-drafting for multiple masked positions
 in parallel", "verifies drafts through a hierarchical tree within a single forward pass", "trade-offs between
-verification-tree size and speed"); a summary of the paper's method on blog.csdn.net (c_cpp_csharp, article
-154016808: candidate tokens and confidences for several positions from the model itself; a verification tree whose
-child is verified only after its parent passed, "consistent with stepwise decoding"; all nodes batched in one
-forward; at most ``N + 1`` tokens per iteration for a draft length ``N``); and PSD (arXiv 2605.15609), a follow-up
-that describes the same structure as "multi-depth speculative drafts" with "hierarchical acceptance, keeping the
-deepest draft that remains consistent". Assumptions, labelled:
+verification-tree size and speed"); a Chinese summary of the method (blog.youkuaiyun.com, c_cpp_csharp, article
+154016808, a CSDN mirror: candidate tokens and confidences for several positions from the model itself; a
+verification tree whose child is verified only after its parent passed, "consistent with stepwise decoding"; all
+nodes batched in one forward; at most ``N + 1`` tokens per iteration for a draft length ``N``); and PSD (arXiv
+2605.15609), a follow-up that describes the same structure as "multi-depth speculative drafts" with "hierarchical
+acceptance, keeping the deepest draft that remains consistent". Assumptions, labelled:
 
 * **(A1) the tree is a path.** Each level adds the next draft; no level holds alternatives. A branching tree would
   need a rule for choosing the branches that none of the sources gives; if the paper's tree branches, this is not
