@@ -3,7 +3,7 @@
 # the held-out stdlib split) and benchmark them on 10 HumanEval prompts. One token per step: the graph tuned for
 # D* = 5 (--budget 5: the default 10-node graph or one capped at lookahead 5 with 20 nodes, each pruning score replayed
 # on the calibration prompts; in bfloat16 the capped one with the reach score wins), benched at D* = 1..5 against
-# FreeDave with 2..6 draft steps in the same run (equal widths). Threshold 0.9: also tuned for D* = 5 (the default
+# FreeDave with 2..6 draft steps and SSD with 2..6 states per forward in the same run (equal widths). Threshold 0.9: also tuned for D* = 5 (the default
 # 10-node graph with the geometric-mean score wins), benched at D* in {1, 3, 5}.
 # CPU, 1 thread per process; the two configurations run side by side.
 # Usage: scripts/calibrate_tiny_sdar.sh [MODEL_DIR] [RUN_DIR]
@@ -26,7 +26,7 @@ one_token_per_step() {
   spiffy calibrate --model "$MODEL" --prompts code --no-chat --budget 5 --no-progress --out "$GRAPHS/tiny-sdar-s1.json" \
     "${DEC_S1[@]}"
   spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-s1.json" --budgets 1,2,3,4,5 --freedave 2,3,4,5,6 \
-    --dataset humaneval --max-prompts 10 --no-chat --no-progress "${DEC_S1[@]}" --out "$RUNS/s1"
+    --ssd 2,3,4,5,6 --dataset humaneval --max-prompts 10 --no-chat --no-progress "${DEC_S1[@]}" --out "$RUNS/s1"
 }
 threshold() {
   spiffy calibrate --model "$MODEL" --prompts code --no-chat --budget 5 --no-progress --out "$GRAPHS/tiny-sdar-t09.json" \

@@ -4,7 +4,7 @@ For every prompt the baseline and Spiffy at each budget run back to back in the 
 with the same decoding configuration and seed, after an untimed warm-up. Reported per budget (SPEC section 11):
 NFE per generated token for both paths, NFE reduction, tokens/s and speedup (ratio of the measured wall times of
 this run), each ratio with its 95% interval over prompts (paired bootstrap, :mod:`spiffy.bench.stats`; a Spiffy row
-also against the FreeDave row of the same width), the histogram of accepted drafts per verification forward,
+also against the FreeDave and SSD rows of the same width), the histogram of accepted drafts per verification forward,
 accepted drafts per graph level, per-stage times, the fraction of outputs identical to the baseline (must be 1.0;
 every mismatch is listed), and the degenerate-output checks (distinct-token ratio, whitespace share).
 
@@ -38,7 +38,7 @@ from spiffy.bench.stats import interval_method, ratio_of_means, ratio_of_means_i
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.prompting import prompt_token_ids
-from spiffy.selfspec.freedave import freedave_graph, parse_freedave_steps
+from spiffy.selfspec.rivals import RIVALS, rival_graph
 from spiffy.selfspec.pruning import resolve_score
 
 TOKEN_UNIT = "generated positions (gen_length per prompt, EOS padding included)"
@@ -70,26 +70,32 @@ def _graph_info(graph: Any, path: str | None, score: str) -> dict[str, Any]:
 
 def _add_intervals(runs: list[dict[str, Any]], keys: Sequence[Any], per_prompt: list[dict[str, Any]]) -> None:
     """Give every run the 95% intervals over prompts of its ratios (:mod:`spiffy.bench.stats`), in
-    ``run["intervals"]``: ``nfe_reduction`` and ``speedup`` against the baseline and, for a Spiffy row with a FreeDave
-    row of the same states per forward (its rival, ``run["rival"]``), ``nfe_reduction_vs_freedave`` (FreeDave's
-    forwards / Spiffy's) and ``speedup_vs_freedave`` (FreeDave's seconds / Spiffy's), also stored as figures."""
+    ``run["intervals"]``: ``nfe_reduction`` and ``speedup`` against the baseline and, for a Spiffy row with a rival's
+    row of the same states per forward (``run["rivals"]``: ``{"freedave": "freedave 3", "ssd": "ssd 3"}``;
+    ``run["rival"]`` = the FreeDave one), ``nfe_reduction_vs_<rival>`` (the rival's forwards / Spiffy's) and
+    ``speedup_vs_<rival>`` (the rival's seconds / Spiffy's), also stored as figures."""
     base_nfe = [row["baseline"]["nfe"] for row in per_prompt]
     base_s = [row["baseline"]["seconds"] for row in per_prompt]
     series = {str(k): ([row["spiffy"][str(k)]["nfe"] for row in per_prompt],
                        [row["spiffy"][str(k)]["seconds"] for row in per_prompt]) for k in keys}
-    freedave = {run["states_per_forward"]: str(k) for k, run in zip(keys, runs) if run["method"] == "freedave"}
+    rival_keys = {(run["method"], run["states_per_forward"]): str(k) for k, run in zip(keys, runs)
+                  if run["method"] in RIVALS}
     for key, run in zip(keys, runs):
         nfe, seconds = series[str(key)]
         intervals = {"nfe_reduction": ratio_of_means_interval(base_nfe, nfe),
                      "speedup": ratio_of_means_interval(base_s, seconds)}
-        rival = freedave.get(run["states_per_forward"]) if run["method"] == "spiffy" else None
-        run["rival"] = None if rival is None else f"freedave {run['states_per_forward']}"
-        if rival is not None:
+        run["rivals"] = {}
+        for name in RIVALS if run["method"] == "spiffy" else ():
+            rival = rival_keys.get((name, run["states_per_forward"]))
+            if rival is None:
+                continue
+            run["rivals"][name] = f"{name} {run['states_per_forward']}"
             rival_nfe, rival_s = series[rival]
-            run["nfe_reduction_vs_freedave"] = ratio_of_means(rival_nfe, nfe)
-            run["speedup_vs_freedave"] = ratio_of_means(rival_s, seconds)
-            intervals["nfe_reduction_vs_freedave"] = ratio_of_means_interval(rival_nfe, nfe)
-            intervals["speedup_vs_freedave"] = ratio_of_means_interval(rival_s, seconds)
+            run[f"nfe_reduction_vs_{name}"] = ratio_of_means(rival_nfe, nfe)
+            run[f"speedup_vs_{name}"] = ratio_of_means(rival_s, seconds)
+            intervals[f"nfe_reduction_vs_{name}"] = ratio_of_means_interval(rival_nfe, nfe)
+            intervals[f"speedup_vs_{name}"] = ratio_of_means_interval(rival_s, seconds)
+        run["rival"] = run["rivals"].get("freedave")
         run["intervals"] = intervals
 
 
@@ -118,6 +124,7 @@ def run_dllm_bench(
     device: Any = None,
     parallel: DataParallel | None = None,
     freedave: Sequence[int] = (),
+    ssd: Sequence[int] = (),
     score: str | None = None,
 ) -> dict[str, Any]:
     """Benchmark baseline vs Spiffy at each budget on ``prompts``; returns a JSON-ready results dict.
@@ -136,6 +143,8 @@ def run_dllm_bench(
             order (timings are each rank's own). ``None``: one process.
         freedave: FreeDave draft steps ``K`` to add as comparison rows (``K`` states per forward, like Spiffy at
             ``D* = K - 1``): the top-k chain graph of :mod:`spiffy.selfspec.freedave` at budget ``K - 1``, same prompts.
+        ssd: SSD's states per forward ``K`` to add as comparison rows (its verification tree of ``K - 1`` self-drafted
+            nodes, :mod:`spiffy.selfspec.ssd`, at budget ``K - 1``), same prompts.
         score: the pruning score of the Spiffy rows (``None`` = the graph's recorded one, else ``"gm"``); a FreeDave
             chain keeps the same nodes under every score.
     Returns:
@@ -146,11 +155,12 @@ def run_dllm_bench(
     check_bench_inputs(budgets, prompts, "[1, 3, 5]")
     extra = dict(config_overrides or {})
     budgets = [int(b) for b in budgets]
-    # one row per (key, graph, budget): Spiffy rows keyed by budget, FreeDave rows by "freedave:K"
+    # one row per (key, graph, budget): Spiffy rows keyed by budget, a rival's rows by "NAME:K" (K states per forward)
     score = resolve_score(score, graph)
     rows_spec: list[tuple[Any, Any, int]] = [(b, graph, b) for b in budgets]
-    for k in (parse_freedave_steps(v) for v in freedave):
-        rows_spec.append((f"freedave:{k}", freedave_graph(model, config, k, **extra), k - 1))
+    for name, widths in (("freedave", freedave), ("ssd", ssd)):
+        for k in (RIVALS[name].parse(v) for v in widths):
+            rows_spec.append((f"{name}:{k}", rival_graph(model, config, name, k, **extra), k - 1))
     base_seed = int(config.resolved_seed)
     encoded = [(p, prompt_token_ids(tokenizer, p.prompt, chat=chat)) for p in prompts]
 
@@ -277,7 +287,7 @@ def run_dllm_bench(
         forwards = acc["forwards"]
         levels = sorted_hist(acc["levels"])
         runs.append({
-            "method": "freedave" if isinstance(key, str) else "spiffy",
+            "method": key.split(":")[0] if isinstance(key, str) else "spiffy",
             "budget": b,
             "states_per_forward": b + 1,
             "nfe_total": acc["nfe"],

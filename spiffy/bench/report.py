@@ -3,7 +3,7 @@
 Every ratio in a table carries its 95% interval over prompts in brackets, followed by ``n.s.`` when the interval
 includes 1.0 (the run cannot tell the two sides apart).
 
-Plots (matplotlib, Agg backend): ``tradeoff.png`` (dLLM: NFE reduction and speedup vs budget, FreeDave's NFE
+Plots (matplotlib, Agg backend): ``tradeoff.png`` (dLLM: NFE reduction and speedup vs budget, FreeDave's and SSD's NFE
 reduction at the same states per forward; AR: τ and speedup vs DDTree budget, with DFlash as a reference line; error
 bars and bands: the 95% intervals over prompts of :mod:`spiffy.bench.stats`) and ``acceptance_histogram.png``
 (dLLM: accepted drafts per verification forward per budget; AR: acceptance length per round per method).
@@ -19,6 +19,7 @@ from typing import Any, Callable
 from spiffy.arspec.methods import DEFAULT_ACCEPT, DFLASH_DRAFTER, REGISTRY, get_method
 from spiffy.errors import ConfigError
 from spiffy.io import atomic_write_with
+from spiffy.selfspec.rivals import RIVALS
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
@@ -164,22 +165,20 @@ def markdown_dllm(res: dict[str, Any]) -> str:
         *_env_lines(res.get("environment", {})),
         "",
         "| method | budget | NFE/token | NFE reduction | tokens/s | speedup "
-        "| vs FreeDave at equal states (NFE; speedup) | accepted/forward | identical | distinct-token ratio "
-        "| whitespace share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-        f"| baseline | - | {_f(b['nfe_per_token'], 3)} | 1.00x | {_f(b['tokens_per_s'])} | 1.00x | - | - | - | "
+        + "".join(f"| vs {rival.label} at equal states (NFE; speedup) " for rival in RIVALS.values())
+        + "| accepted/forward | identical | distinct-token ratio | whitespace share |",
+        "|---|---|---|---|---|---|" + "---|" * len(RIVALS) + "---|---|---|---|",
+        f"| baseline | - | {_f(b['nfe_per_token'], 3)} | 1.00x | {_f(b['tokens_per_s'])} | 1.00x | "
+        + "- | " * len(RIVALS) + "- | - | "
         f"{_f(b['degenerate']['distinct_token_ratio'], 3)} | {_f(b['degenerate']['whitespace_share'], 3)} |",
     ]
     for r in res["runs"]:
         ident = _identical_cell(r, res["num_prompts"])
-        rival = "-"
-        if r.get("rival"):
-            rival = (f"{_ratio(r.get('nfe_reduction_vs_freedave'), _interval(r, 'nfe_reduction_vs_freedave'))}; "
-                     f"{_ratio(r.get('speedup_vs_freedave'), _interval(r, 'speedup_vs_freedave'))}")
+        rivals = " | ".join(_versus(r, name) for name in RIVALS)
         lines.append(
             f"| {_method_label(r)} | {r['budget']} | {_f(r['nfe_per_token'], 3)} | "
             f"{_ratio(r['nfe_reduction'], _interval(r, 'nfe_reduction'))} | {_f(r['tokens_per_s'])} | "
-            f"{_ratio(r['speedup'], _interval(r, 'speedup'))} | {rival} | {_f(r['mean_accepted_per_forward'])} | "
+            f"{_ratio(r['speedup'], _interval(r, 'speedup'))} | {rivals} | {_f(r['mean_accepted_per_forward'])} | "
             f"{ident} | {_f(r['degenerate']['distinct_token_ratio'], 3)} | "
             f"{_f(r['degenerate']['whitespace_share'], 3)} |"
         )
@@ -195,16 +194,25 @@ def markdown_dllm(res: dict[str, Any]) -> str:
     )
 
 
+def _versus(run: dict[str, Any], rival: str) -> str:
+    """``NFE ratio [interval]; speedup ratio [interval]`` of a Spiffy row against ``rival``'s row of its width."""
+    if not (run.get("rivals") or {}).get(rival) and not (rival == "freedave" and run.get("rival")):  # older files
+        return "-"
+    nfe, speed = f"nfe_reduction_vs_{rival}", f"speedup_vs_{rival}"
+    return f"{_ratio(run.get(nfe), _interval(run, nfe))}; {_ratio(run.get(speed), _interval(run, speed))}"
+
+
 def _method_label(run: dict[str, Any]) -> str:
-    """``spiffy``, or ``freedave K`` (K draft steps = states per forward) for a FreeDave comparison row."""
-    if run.get("method") == "freedave":
-        return f"freedave {run.get('states_per_forward', run['budget'] + 1)}"
-    return str(run.get("method", "spiffy"))
+    """``spiffy``, or ``freedave K`` / ``ssd K`` (K states per forward) for a rival's comparison row."""
+    method = str(run.get("method", "spiffy"))
+    if method != "spiffy":
+        return f"{method} {run.get('states_per_forward', run['budget'] + 1)}"
+    return method
 
 
 def _run_label(run: dict[str, Any]) -> str:
-    """``D*=3`` for a Spiffy row, ``freedave 4 (D*=3)`` for a FreeDave one."""
-    if run.get("method") == "freedave":
+    """``D*=3`` for a Spiffy row, ``freedave 4 (D*=3)`` / ``ssd 4 (D*=3)`` for a rival's."""
+    if run.get("method", "spiffy") != "spiffy":
         return f"{_method_label(run)} (D*={run['budget']})"
     return f"D*={run['budget']}"
 
@@ -280,7 +288,9 @@ def _save_fig(fig: Any, path: Path) -> Path:
 def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """``tradeoff.png`` and ``acceptance_histogram.png`` of a dLLM results dict."""
     plt = _pyplot()
-    runs = [r for r in res["runs"] if r.get("method", "spiffy") == "spiffy"]  # FreeDave rows: their own series
+    runs = [r for r in res["runs"] if r.get("method", "spiffy") == "spiffy"]  # rival rows: their own series
+    # rivals with K states per forward verify K - 1 drafts per call: plotted at Spiffy's D = K - 1
+    rivals = {m: sorted((r for r in res["runs"] if r.get("method") == m), key=lambda r: r["budget"]) for m in RIVALS}
     budgets = [r["budget"] for r in runs]
     paths: list[Path] = []
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -289,13 +299,14 @@ def plot_dllm(res: dict[str, Any], out_dir: Path) -> list[Path]:
                 fmt="o-", capsize=3, label="Spiffy NFE reduction")
     ax.errorbar(budgets, [r["speedup"] or 0 for r in runs], yerr=_error_bars(runs, "speedup"), fmt="s--",
                 capsize=3, label="Spiffy wall-clock speedup")
-    freedave = sorted((r for r in res["runs"] if r.get("method") == "freedave"), key=lambda r: r["budget"])
-    if freedave:  # FreeDave with K draft steps verifies K - 1 drafts per call: the same x as Spiffy at D = K - 1
-        xs = [r["budget"] + 0.08 for r in freedave]  # beside Spiffy's point at the same states per forward
-        ax.errorbar(xs, [r["nfe_reduction"] or 0 for r in freedave], yerr=_error_bars(freedave, "nfe_reduction"),
-                    fmt="^-", capsize=3, label="FreeDave NFE reduction")
-        ax.errorbar(xs, [r["speedup"] or 0 for r in freedave], yerr=_error_bars(freedave, "speedup"), fmt="v--",
-                    capsize=3, label="FreeDave wall-clock speedup")
+    for (name, rows), marks, shift in zip(rivals.items(), (("^-", "v--"), ("<-", ">--")), (0.08, 0.16)):
+        if rows:
+            xs = [r["budget"] + shift for r in rows]  # beside Spiffy's point at the same states per forward
+            label = RIVALS[name].label
+            ax.errorbar(xs, [r["nfe_reduction"] or 0 for r in rows], yerr=_error_bars(rows, "nfe_reduction"),
+                        fmt=marks[0], capsize=3, label=f"{label} NFE reduction")
+            ax.errorbar(xs, [r["speedup"] or 0 for r in rows], yerr=_error_bars(rows, "speedup"), fmt=marks[1],
+                        capsize=3, label=f"{label} wall-clock speedup")
     ax.axhline(1.0, color="grey", lw=0.8, label="baseline")
     _integer_ticks(ax, sorted({int(r["budget"]) for r in res["runs"]}))
     ax.set_xlabel("draft budget D (drafts verified per model call)")

@@ -81,6 +81,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="also run FreeDave with these draft steps K, e.g. 2,4,6: each model call verifies K states "
                         "(the real one and the K-1 most confident next ones, no calibration), like Spiffy at budget "
                         "K-1; same run, same prompts")
+    d.add_argument("--ssd", default=None, metavar="LIST",
+                   help="also run SSD (arXiv 2510.04147) with these states per forward K, e.g. 2,4,6: its verification "
+                        "path of K-1 self-drafted states (the most confident positions the step leaves masked), like "
+                        "Spiffy at budget K-1; same run, same prompts")
     d.add_argument("--score", default=None, choices=SCORES, help="pruning score of the Spiffy rows. " + SCORE_HELP)
     _common(d, "1,3,5", "Spiffy budgets D (drafts verified per model call)")
     add_decoding_arguments(d, defaults="the values of the graph the run uses (--graph, else the model's first "

@@ -31,7 +31,7 @@ from spiffy.io import atomic_write_json, atomic_write_text
 from spiffy.models import load_ar_drafter, load_drafter, load_model, load_tokenizer
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.prompting import stop_token_ids
-from spiffy.selfspec.freedave import parse_freedave_steps
+from spiffy.selfspec.rivals import parse_rival_list
 from spiffy.selfspec.graph import load_graph
 from spiffy.torch_utils import model_device
 
@@ -136,14 +136,15 @@ def run_dllm(args: argparse.Namespace) -> int:
         methods = dllm_methods(model, tokenizer, cfg, graph, budgets, device, extra, score=args.score)
         return _throughput(args, "dllm", methods, model, tokenizer, prompts, device, graph=str(graph_path),
                            gen_length=cfg.gen_length)
-    freedave = [parse_freedave_steps(v) for v in (args.freedave or "").split(",") if v.strip()]
+    freedave, ssd = parse_rival_list("freedave", args.freedave), parse_rival_list("ssd", args.ssd)
     announce_cost("spiffy bench dllm", len(prompts),
-                  ["baseline"] + [f"Spiffy D*={b}" for b in budgets] + [f"FreeDave {k}" for k in freedave],
+                  ["baseline"] + [f"Spiffy D*={b}" for b in budgets] + [f"FreeDave {k}" for k in freedave]
+                  + [f"SSD {k}" for k in ssd],
                   f"decodes of {cfg.gen_length} positions", args.warmup)
     res = run_dllm_bench(
         model, tokenizer, prompts, cfg, graph, budgets, config_overrides=extra, chat=not args.no_chat,
         warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
-        graph_path=str(graph_path), device=device, parallel=dp, freedave=freedave, score=args.score,
+        graph_path=str(graph_path), device=device, parallel=dp, freedave=freedave, ssd=ssd, score=args.score,
     )
     return _finish(args, res, "some speculative outputs differ from the baseline")
 

@@ -65,13 +65,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument("--model", default=None, metavar="DIR|ID",
                    help="diffusion LM checkpoint (LLaDA, Dream or SDAR): a directory or a Hub id ORG/NAME[@REVISION] "
                         "(default: the small SDAR model embedded in the package)")
-    d.add_argument("--graph", default=None, metavar="FILE|NAME|auto|freedave:K|none",
+    d.add_argument("--graph", default=None, metavar="FILE|NAME|auto|freedave:K|ssd:K|none",
                    help="draft graph for Spiffy (made by `spiffy calibrate`): a file, the name of a graph shipped with "
                         "the model (e.g. tiny-sdar-s1), auto (the shipped graph calibrated for these decoding flags), "
-                        "freedave:K (FreeDave: the K most confident next states as a chain, no calibration), or none "
+                        "freedave:K (FreeDave: the K most confident next states as a chain, no calibration), ssd:K (SSD's "
+                        "self-drafted path, K states per forward), or none "
                         "(the baseline decoder). Default: auto when the model ships graphs (the embedded one does), "
                         "else none. Unset decoding flags, --dtype and --chat take the calibrated values of this graph "
-                        "(of the model's first shipped graph with auto, none or freedave:K)")
+                        "(of the model's first shipped graph with auto, none, freedave:K or ssd:K)")
     d.add_argument("--budget", type=int, default=None, metavar="D",
                    help="drafts per step: how many draft states of the graph are verified in each model call "
                         f"(the call's batch is 1 + D rows; default: the D the graph was tuned for, else "

@@ -28,7 +28,7 @@ from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve
 from spiffy.errors import ConfigError
 from spiffy.models.prompting import prompt_token_ids
 from spiffy.models import load_model, load_tokenizer
-from spiffy.selfspec.freedave import freedave_graph, is_freedave_spec, parse_freedave_steps
+from spiffy.selfspec.rivals import parse_rival, rival_graph
 from spiffy.selfspec.graph import load_graph
 from spiffy.torch_utils import model_device
 
@@ -65,7 +65,7 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 def _defaults_graph(graph_arg: str | None, model_dir: str) -> Path | None:
     """The graph whose recorded configuration fills in unset flags: the named one, else the model's first shipped."""
-    if graph_arg and graph_arg not in (NO_GRAPH, AUTO_GRAPH) and not is_freedave_spec(graph_arg):
+    if graph_arg and graph_arg not in (NO_GRAPH, AUTO_GRAPH) and parse_rival(graph_arg) is None:
         return resolve_graph_argument(graph_arg, model_dir)
     shipped = shipped_graphs(model_dir)
     return shipped[0] if shipped else None
@@ -115,8 +115,9 @@ def _choose_graph(args: argparse.Namespace, graph_arg: str, model: Any, model_di
     runs the baseline and says so on stderr."""
     if graph_arg == NO_GRAPH:
         return None, None
-    if is_freedave_spec(graph_arg):  # FreeDave: the top-k chain, all of it verified per forward
-        graph = freedave_graph(model, cfg, parse_freedave_steps(graph_arg), **extra)
+    rival = parse_rival(graph_arg)
+    if rival is not None:  # FreeDave / SSD: the whole chain verified per forward
+        graph = rival_graph(model, cfg, *rival, **extra)
         if args.budget is None:
             args.budget = len(graph)
         return graph, graph_arg

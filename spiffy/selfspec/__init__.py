@@ -11,6 +11,8 @@ Modules:
 * :mod:`spiffy.selfspec.runtime`: :func:`speculative_generate_batch`, the exact one-forward verification loop over a
   batch, and :func:`speculative_generate`, its batch of one.
 * :mod:`spiffy.selfspec.oracle`: oracle / random graphs for tests and benchmarks.
+* :mod:`spiffy.selfspec.rivals`: the training-free rivals as draft graphs, FreeDave (:mod:`spiffy.selfspec.freedave`)
+  and SSD (:mod:`spiffy.selfspec.ssd`): ``generate(model, ids, config, graph=ssd_graph(model, config, K))``.
 * :mod:`spiffy.selfspec.graph`, :mod:`spiffy.selfspec.calibrate`: draft-graph objects/files and calibration
   (import ``calibrate`` from its module).
 * :mod:`spiffy.selfspec.tune`: the runtime's pruning replayed on calibration trajectories, and the choice of graph
@@ -39,6 +41,10 @@ _LAZY: dict[str, str] = {
     "SpeculativeStats": "spiffy.selfspec.runtime",
     "oracle_graph": "spiffy.selfspec.oracle",
     "random_graph": "spiffy.selfspec.oracle",
+    "freedave_graph": "spiffy.selfspec.freedave",
+    "ssd_graph": "spiffy.selfspec.ssd",
+    "rival_graph": "spiffy.selfspec.rivals",
+    "RIVALS": "spiffy.selfspec.rivals",
     "DraftGraph": "spiffy.selfspec.graph",
     "DraftNode": "spiffy.selfspec.graph",
     "load_graph": "spiffy.selfspec.graph",

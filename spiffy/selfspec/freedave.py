@@ -51,49 +51,64 @@ def chain_formulas(depth: int, tokens_per_step: int = 1) -> list[tuple[int, tupl
     return [(lvl, tuple((i, 1) for i in range(1, lvl * s + 1))) for lvl in range(1, int(depth) + 1)]
 
 
-def chain_graph(depth: int, calibrated_for: Mapping[str, Any], *, method: str = "chain") -> DraftGraph:
+def chain_graph(depth: int, calibrated_for: Mapping[str, Any], *, method: str = "chain", budget: int | None = None,
+                note: str | None = None) -> DraftGraph:
     """The top-k chain graph for a decoding configuration described by ``calibrated_for``.
 
     Args:
         depth: number of levels (speculative states per forward).
         calibrated_for: the runtime signature (:func:`spiffy.selfspec.calibrate.runtime_signature`) the graph is
             compatible with; its ``tokens_per_step`` sets the positions added per level (``"dynamic"``: one).
-        method: recorded in the ``calibration`` section (``chain`` or ``freedave``).
+        method: recorded in the ``calibration`` section (``chain``, ``freedave`` or ``ssd``).
+        budget: recorded as the ``D*`` the graph is tuned for (``calibration.budget``, what the runtime keeps per
+            step when not told otherwise); ``None``: not tuned.
+        note: the ``calibration.note`` (default: how the chain is built).
     """
     cf = dict(calibrated_for)
     tps = cf.get("tokens_per_step")
     static = isinstance(tps, int) and not isinstance(tps, bool)
     formulas = chain_formulas(depth, int(tps) if static else 1)
-    calibration = {"method": method, "depth": int(depth), "num_prompts": 0, "dataset": None,
-                   "note": "built without calibration: level l unmasks the l most confident positions per step"}
+    calibration: dict[str, Any] = {
+        "method": method, "depth": int(depth), "num_prompts": 0, "dataset": None,
+        "note": note or "built without calibration: level l unmasks the l most confident positions per step"}
+    if budget is not None:
+        calibration["budget"] = int(budget)
     return DraftGraph.from_formulas(formulas, meta={"calibrated_for": cf, "calibration": calibration})
 
 
-def chain_graph_for(model: Any, config: Any, depth: int, *, method: str = "chain", **overrides: Any) -> DraftGraph:
+def chain_graph_for(model: Any, config: Any, depth: int, *, method: str = "chain", budget: int | None = None,
+                    note: str | None = None, **overrides: Any) -> DraftGraph:
     """:func:`chain_graph` compatible with ``model`` decoding under ``config`` (``overrides``: family options such as
     SDAR ``strategy``, as passed to ``generate``)."""
     session = make_session(model, torch.zeros((1, 1), dtype=torch.long), config, **overrides)
-    return chain_graph(depth, runtime_signature(model, session), method=method)
+    return chain_graph(depth, runtime_signature(model, session), method=method, budget=budget, note=note)
 
 
 def freedave_graph(model: Any, config: Any, draft_steps: int, **overrides: Any) -> DraftGraph:
-    """FreeDave with ``draft_steps`` (K) draft steps as a graph: the chain of depth ``K - 1``, to run at budget ``K - 1``
-    (see the module docstring)."""
+    """FreeDave with ``draft_steps`` (K) draft steps as a graph: the chain of depth ``K - 1``, tuned for budget ``K - 1``
+    (the runtime verifies the whole chain every forward; see the module docstring)."""
     k = parse_freedave_steps(draft_steps)
-    return chain_graph_for(model, config, k - 1, method="freedave", **overrides)
+    return chain_graph_for(model, config, k - 1, method="freedave", budget=k - 1, **overrides)
 
 
 def parse_freedave_steps(value: Any) -> int:
     """FreeDave draft steps ``K`` (``>= 2``) from an int, ``"K"`` or ``"freedave:K"``."""
+    return parse_width(value, FREEDAVE_PREFIX, "FreeDave")
+
+
+def parse_width(value: Any, prefix: str, name: str) -> int:
+    """States per verification forward ``K`` (``>= 2``) of a training-free rival named ``name`` on the command
+    line as ``prefix + K``, from an int, ``"K"`` or ``prefix + "K"``."""
     text = str(value)
-    if text.startswith(FREEDAVE_PREFIX):
-        text = text[len(FREEDAVE_PREFIX):]
+    if text.startswith(prefix):
+        text = text[len(prefix):]
     try:
         k = int(text)
     except ValueError:
-        raise ConfigError(f"FreeDave draft steps must be an integer, got {value!r}; fix: e.g. freedave:4") from None
+        raise ConfigError(f"{name} states per forward must be an integer, got {value!r}; fix: e.g. {prefix}4") from None
     if k < 2:
-        raise ConfigError(f"FreeDave needs >= 2 draft steps (states per forward), got {k}; fix: e.g. freedave:2")
+        raise ConfigError(f"{name} needs >= 2 states per forward (the real state and a draft), got {k}; "
+                          f"fix: e.g. {prefix}2")
     return k
 
 
@@ -103,4 +118,4 @@ def is_freedave_spec(value: Any) -> bool:
 
 
 __all__ = ["chain_formulas", "chain_graph", "chain_graph_for", "freedave_graph", "parse_freedave_steps",
-           "is_freedave_spec", "FREEDAVE_PREFIX"]
+           "parse_width", "is_freedave_spec", "FREEDAVE_PREFIX"]
