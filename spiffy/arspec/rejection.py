@@ -102,7 +102,7 @@ class RejectionRule:
             r = target_probs(target.logits(node), self.sampling)
             if tree.samples is not None:
                 draws = tree.samples.get(node, [])
-                q = tree.proposal[depth] if draws else None  # type: ignore[index]
+                q = tree.proposal_below(node, depth) if draws else None
             else:
                 draws = [node_tokens[c] for c in children.get(node, [])]
                 q = None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from spiffy.errors import ConfigError
 from spiffy.models.ar_drafters import make_tiny_dllm_drafter
+from spiffy.models.registry import family_spec
 from spiffy.models.tiny import TINY_FAMILIES, make_tiny
 
 #: AR drafters written for a --target (besides the model families)
@@ -18,7 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Create the ``tiny`` subcommand parser."""
     parser = subparsers.add_parser(
         "tiny",
-        help="write a tiny random checkpoint (LLaDA, Dream, SDAR, Qwen3, DFlash, dLLM drafter) for tests and demos",
+        help="write a tiny random checkpoint (LLaDA, Dream, SDAR, Qwen3, DFlash, DFlash2, dLLM drafter) for tests and demos",
         description=(
             "Write a tiny random checkpoint in the real layout: config.json (official auto_map), sharded "
             "safetensors + index, generation_config.json and an offline byte-level BPE tokenizer with the "
@@ -33,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--target",
         type=Path,
         default=None,
-        help="for dflash and dllm-drafter: the Qwen3 target checkpoint the drafter is made for (e.g. from `spiffy tiny qwen3`)",
+        help="for dflash, dflash2 and dllm-drafter: the Qwen3 target checkpoint the drafter is made for (e.g. from "
+             "`spiffy tiny qwen3`)",
     )
     parser.add_argument(
         "--set",
@@ -68,12 +70,13 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("dllm-drafter needs --target DIR (a Qwen3 checkpoint, e.g. from `spiffy tiny qwen3 DIR`)")
         path = make_tiny_dllm_drafter(args.outdir, args.target, seed=args.seed, **overrides)
         return _report(args, path)
-    if args.family == "dflash":
+    if family_spec(args.family).drafter:
         if args.target is None:
-            raise ConfigError("family dflash needs --target DIR (a Qwen3 checkpoint, e.g. from `spiffy tiny qwen3 DIR`)")
+            raise ConfigError(f"family {args.family} needs --target DIR (a Qwen3 checkpoint, e.g. from `spiffy tiny "
+                              "qwen3 DIR`)")
         overrides["target"] = args.target
     elif args.target is not None:
-        raise ConfigError("--target is only used with dflash and dllm-drafter")
+        raise ConfigError("--target is only used with the drafters (dflash, dflash2, dllm-drafter)")
     return _report(args, make_tiny(args.family, args.outdir, seed=args.seed, **overrides))
 
 

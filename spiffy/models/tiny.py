@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from spiffy.errors import ConfigError
-from spiffy.models.ar_checkpoints import make_tiny_dflash
 from spiffy.models.loading import save_checkpoint, special_token_ids
 from spiffy.models.registry import FAMILIES, FamilySpec
 from spiffy.models.tokenizer import build_tokenizer
@@ -54,8 +53,9 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
     """Write a tiny random checkpoint of ``family`` to ``out_dir`` and return its path.
 
     Args:
-        family: ``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"`` or ``"dflash"`` (the latter needs
-            ``target=PATH`` of a Qwen3 checkpoint and delegates to :func:`spiffy.models.ar_checkpoints.make_tiny_dflash`).
+        family: ``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, or a drafter family (``"dflash"``, ``"dflash2"``:
+            needs ``target=PATH`` of a Qwen3 checkpoint and delegates to the family's writer,
+            :func:`spiffy.models.ar_checkpoints.make_tiny_dflash` / :func:`~spiffy.models.ar_checkpoints.make_tiny_dflash2`).
         out_dir: directory to write (replaced atomically if it exists).
         seed: weight-initialisation seed (the global torch RNG is left untouched).
         **overrides: config keys to override (e.g. ``n_layers=3`` for LLaDA, ``num_hidden_layers=3`` for the
@@ -69,8 +69,9 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
     if spec.drafter:
         target = overrides.pop("target", None)
         if target is None:
-            raise ConfigError("a tiny DFlash drafter needs target=PATH of a Qwen3 checkpoint (e.g. from make_tiny('qwen3', ...))")
-        return Path(make_tiny_dflash(out_dir, target, seed, **overrides))
+            raise ConfigError(f"a tiny {spec.name} drafter needs target=PATH of a Qwen3 checkpoint (e.g. from "
+                              "make_tiny('qwen3', ...))")
+        return Path(spec.tiny_writer(out_dir, target, seed, **overrides))
     overrides.pop("target", None)
     vocab_size = int(overrides.pop("vocab_size", 512))
     min_shards = int(overrides.pop("min_shards", 2))
