@@ -28,8 +28,8 @@ from torch import nn
 from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError
 from spiffy.models.ar_checkpoints import tiny_mask_token_id, random_weights, target_config_dict
 from spiffy.models.checkpoint import read_config_dict
-from spiffy.models.dflash import is_dflash2_config, is_dflash_config, load_drafter
-from spiffy.models.dflash2 import load_dflash2_drafter
+from spiffy.models.dflash import is_dflash_config, load_drafter
+from spiffy.models.dflash2 import is_dflash2_config, load_dflash2_drafter
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import family_of, load_model, load_tokenizer, mask_token_id, save_checkpoint
 from spiffy.models.registry import family_spec

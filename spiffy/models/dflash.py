@@ -46,7 +46,6 @@ __all__ = [
     "load_drafter",
     "check_compatible",
     "is_dflash_config",
-    "is_dflash2_config",
 ]
 
 DEFAULT_BLOCK_SIZE = 16
@@ -113,18 +112,6 @@ def is_dflash_config(cfg: dict[str, Any]) -> bool:
     """Whether a raw ``config.json`` dict describes a DFlash drafter."""
     archs = cfg.get("architectures") or []
     return "DFlashDraftModel" in archs or "dflash_config" in cfg
-
-
-#: config fields only a DFlash2 drafter has (:mod:`spiffy.models.dflash2`), in ``dflash_config`` or at the top level
-DFLASH2_FIELDS: tuple[str, ...] = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-
-
-def is_dflash2_config(cfg: dict[str, Any]) -> bool:
-    """Whether a raw ``config.json`` dict describes a DFlash2 drafter (its architecture, or any DFlash2 field)."""
-    dcfg = cfg.get("dflash_config") or {}
-    return "DFlash2DraftModel" in (cfg.get("architectures") or []) or any(
-        cfg.get(name) is not None or (isinstance(dcfg, dict) and dcfg.get(name) is not None) for name in DFLASH2_FIELDS
-    )
 
 
 class DFlashAttention(nn.Module):
@@ -481,12 +468,6 @@ def load_drafter(
             f"{root} is not a DFlash drafter (config.json has no dflash_config and architectures "
             f"{raw.get('architectures')}); fix: pass the drafter directory, not the target's"
         )
-    if is_dflash2_config(raw):
-        raise CheckpointError(
-            f"{root} is a DFlash2 drafter (grouped dynamic convolutions and a candidate selector), not a DFlash one; "
-            "fix: load it with spiffy.models.load_ar_drafter or spiffy.load_model (or spiffy.models.dflash2."
-            "load_dflash2_drafter)"
-        )
     cfg = dict(raw)
     cfg.pop("model_type", None)
     cfg.pop("auto_map", None)
@@ -506,10 +487,10 @@ def load_drafter(
         want = resolve_dtype(dtype)
     with torch.device("meta"):
         model = DFlashDraftModel(config)
-    dflash2_keys = [k for k in state if k.startswith("candidate_selector.") or "_conv." in k]
-    check_keys(model, state, root, fix=None if not dflash2_keys else (
-        f"fix: {dflash2_keys[0]} and the like are a DFlash2 drafter's weights: give its config.json the DFlash2 "
-        f"fields ({', '.join(DFLASH2_FIELDS)}) and load it with spiffy.models.load_ar_drafter"))
+    dflash2 = any(k.startswith("candidate_selector.") for k in state)  # spiffy.models.dflash2's weights
+    check_keys(model, state, root, fix="fix: this is a DFlash2 drafter (candidate_selector.*, *_conv.*): load it with "
+               "spiffy.models.load_ar_drafter, its config.json naming conv_kernel_size, conv_group_size, selector_rank "
+               "and selector_top_k" if dflash2 else None)
     model = model.to_empty(device=device or "cpu")
     model.load_state_dict({k: v.to(want) for k, v in state.items()}, strict=True)
     model = model.to(dtype=want)

@@ -27,7 +27,7 @@ the previous token only, the selector is a Markov chain over each position's can
 :mod:`spiffy.arspec.selector` builds chains, sampled drafts and DDTree trees.
 
 **Config.** ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` (in ``dflash_config``
-or at the top level; :data:`~spiffy.models.dflash.DFLASH2_FIELDS`). The package also reads, and this module honours:
+or at the top level; :data:`DFLASH2_FIELDS`). The package also reads, and this module honours:
 ``input_embedding_scale`` (the embedded block is multiplied by it), ``output_multiplier`` and
 ``final_logit_softcapping`` (``cap * tanh(logits / cap)`` after the multiplier), ``is_causal`` (the top-level config
 attribute; unset: a layer is causal when its ``layer_types`` entry is ``sliding_attention``) and ``layer_types`` with
@@ -61,7 +61,7 @@ from spiffy.models.checkpoint import (
     read_config_dict,
     stored_dtype,
 )
-from spiffy.models.dflash import DFLASH2_FIELDS, DFlashDecoderLayer, DFlashDraftModel, drafter_settings, is_dflash2_config
+from spiffy.models.dflash import DFlashDecoderLayer, DFlashDraftModel, drafter_settings
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.placement import dispatch_checkpoint, placement_device
 from spiffy.topk import top_ranked
@@ -69,6 +69,7 @@ from spiffy.torch_utils import resolve_dtype
 
 __all__ = [
     "CODEBOOKS",
+    "DFLASH2_FIELDS",
     "DFLASH_CONFIG_KEYS",
     "CandidateSelector",
     "DFlash2DecoderLayer",
@@ -76,8 +77,12 @@ __all__ = [
     "GroupedDynamicCausalConv",
     "causal_group_convolve",
     "dflash2_settings",
+    "is_dflash2_config",
     "load_dflash2_drafter",
 ]
+
+#: config fields only a DFlash2 drafter has, in ``dflash_config`` or at the top level
+DFLASH2_FIELDS: tuple[str, ...] = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 #: the selector's codebooks (stored without a ``.weight`` suffix in released checkpoints)
 CODEBOOKS: tuple[str, ...] = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
@@ -86,6 +91,15 @@ DFLASH_CONFIG_KEYS: frozenset[str] = frozenset(DFLASH2_FIELDS) | {
     "target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale", "output_multiplier",
     "final_logit_softcapping",
 }
+
+
+def is_dflash2_config(cfg: dict[str, Any]) -> bool:
+    """Whether a raw ``config.json`` dict describes a DFlash2 drafter (its architecture, or any DFlash2 field; a
+    DFlash2 config is a DFlash config too, :func:`~spiffy.models.dflash.is_dflash_config`)."""
+    extra = cfg.get("dflash_config") or {}
+    return "DFlash2DraftModel" in (cfg.get("architectures") or []) or any(
+        cfg.get(name) is not None or (isinstance(extra, dict) and extra.get(name) is not None) for name in DFLASH2_FIELDS
+    )
 
 
 def _field(config: Any, name: str, default: Any = None) -> Any:

@@ -43,7 +43,8 @@ from spiffy.models.hub import checkpoint_dir, resolve_checkpoint
 from spiffy.models.flash import FLASH, require_flash_attn
 from spiffy.models.flex import target_attention
 from spiffy.models.layers import ATTN_IMPLEMENTATIONS
-from spiffy.models.dflash import is_dflash2_config, is_dflash_config
+from spiffy.models.dflash import is_dflash_config
+from spiffy.models.dflash2 import is_dflash2_config
 from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device, qwen3_from_pretrained
 from spiffy.models.registry import FAMILIES, family_of_model_type, family_spec, model_types
 from spiffy.models.target import load_target

@@ -57,9 +57,8 @@ class FamilySpec:
             session class's ``rule``); ``None``: not a diffusion LM spiffy decodes (AR targets, drafters).
         drafter: the family is a drafter of AR targets (its tiny checkpoint is sized to a target).
         loader_path: a drafter family's loader, ``(path, dtype=, device=, device_map=, offload_folder=, max_memory=)
-            -> model`` (what :func:`~spiffy.models.loading.load_model` calls for it).
-        tiny_writer_path: a drafter family's tiny checkpoint writer, ``(out_dir, target, seed, **overrides) -> Path``
-            (what :func:`~spiffy.models.tiny.make_tiny` calls for it).
+            -> model`` (what :func:`~spiffy.models.loading.load_model` calls for it; its tiny checkpoint writer is
+            named in :data:`spiffy.models.tiny.DRAFTER_WRITERS`).
         chat_template: the chat template of the family's tiny tokenizer (:mod:`spiffy.models.chat_templates`).
         tiny_config: the architecture values of the family's tiny random checkpoint (:func:`spiffy.models.tiny.make_tiny`;
             token ids and the vocabulary size are filled from its tokenizer).
@@ -88,7 +87,6 @@ class FamilySpec:
     decoder: str | None = None
     drafter: bool = False
     loader_path: str | None = None
-    tiny_writer_path: str | None = None
     chat_template: str = CHATML_TEMPLATE
     tiny_config: Mapping[str, Any] = field(default_factory=dict)
     vocab_fields: tuple[str, ...] = ("vocab_size",)
@@ -108,13 +106,6 @@ class FamilySpec:
         if self.loader_path is None:
             raise ConfigError(f"the {self.name} family has no drafter loader")
         return _import(self.loader_path)
-
-    @property
-    def tiny_writer(self) -> Callable[..., Any]:
-        """A drafter family's tiny checkpoint writer (:attr:`tiny_writer_path`)."""
-        if self.tiny_writer_path is None:
-            raise ConfigError(f"the {self.name} family has no tiny drafter writer")
-        return _import(self.tiny_writer_path)
 
     @property
     def base_model_class(self) -> type:
@@ -269,7 +260,6 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         diffusion=False,
         drafter=True,
         loader_path="spiffy.models.dflash.load_drafter",
-        tiny_writer_path="spiffy.models.ar_checkpoints.make_tiny_dflash",
     ),
     FamilySpec(
         name="dflash2",
@@ -282,7 +272,6 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         diffusion=False,
         drafter=True,
         loader_path="spiffy.models.dflash2.load_dflash2_drafter",
-        tiny_writer_path="spiffy.models.ar_checkpoints.make_tiny_dflash2",
     ),
 )}
 
