@@ -364,3 +364,22 @@ def test_batched_dflash2_rows_equal_alone(target, drafter, temperature):
         for p, cfg, row in zip(prompts, configs, batch):
             alone = speculative_generate(target, as_drafter(drafter), p, cfg)
             assert row.tokens == alone.tokens and row.acceptance_lengths == alone.acceptance_lengths, method
+
+
+def test_cli_generate_with_a_dflash2_drafter(tiny_qwen3, tmp_path, capsys):
+    """`spiffy generate --target T --drafter D2` for every method that drafts with it returns AR's tokens; the bench
+    plans the DFlash2 methods for a DFlash2 --drafter."""
+    from spiffy.bench.ar import plan_entries
+    from spiffy.cli.main import main
+
+    drafter_dir = make_tiny("dflash2", tmp_path / "d2", seed=1, target=tiny_qwen3, block_size=4)
+    common = ["generate", "--target", str(tiny_qwen3), "--prompt", "def f(x):", "--max-new-tokens", "9", "--json",
+              "--dtype", "float64", "--no-progress", "--budget", "6"]
+    runs = {}
+    for method in ("ar", "dflash2", "ddtree-dflash2"):
+        extra = [] if method == "ar" else ["--drafter", str(drafter_dir)]
+        assert main(common + extra + ["--method", method]) == 0
+        runs[method] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["dflash2"]["tokens"] == runs["ddtree-dflash2"]["tokens"] == runs["ar"]["tokens"]
+    names = [e.name for e in plan_entries([4], have_dflash=False, have_dflash2=True)]
+    assert names == ["ar", "dflash2", "ddtree-dflash2@4"]
