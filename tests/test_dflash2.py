@@ -383,3 +383,39 @@ def test_cli_generate_with_a_dflash2_drafter(tiny_qwen3, tmp_path, capsys):
     assert runs["dflash2"]["tokens"] == runs["ddtree-dflash2"]["tokens"] == runs["ar"]["tokens"]
     names = [e.name for e in plan_entries([4], have_dflash=False, have_dflash2=True)]
     assert names == ["ar", "dflash2", "ddtree-dflash2@4"]
+
+
+def test_device_map_placement_drafts_as_the_plain_load(pair, target, drafter, tmp_path):
+    """A DFlash2 drafter placed with a device_map (its layers and selector offloaded to disk) drafts the same; the
+    save_pretrained spelling of the codebooks is refused there with the fix."""
+    pytest.importorskip("accelerate")
+    _, path = pair
+    placement = {"fc": "disk", "hidden_norm": "cpu", "layers.0": "disk", "layers.1": "cpu", "norm": "disk",
+                 "rotary_emb": "cpu", "candidate_selector": "disk"}
+    placed = load_ar_drafter(path, dtype=torch.float64, device_map=placement, offload_folder=tmp_path / "off")
+    assert "disk" in placed.hf_device_map.values()
+    for method in ("dflash2", "ddtree-dflash2"):
+        cfg = ARSpecConfig(method=method, budget=8, max_new_tokens=12)
+        ref = speculative_generate(target, as_drafter(drafter), [3, 1, 4, 1], cfg)
+        got = speculative_generate(target, as_drafter(placed), [3, 1, 4, 1], cfg)
+        assert got.tokens == ref.tokens and got.acceptance_lengths == ref.acceptance_lengths
+    suffixed = _rewrite(path, tmp_path / "suffixed", edit_state=lambda s: {
+        (k + ".weight" if k.endswith("codebook") else k): v for k, v in s.items()})
+    with pytest.raises(CheckpointError, match="without device_map"):
+        load_ar_drafter(suffixed, device_map=placement, offload_folder=tmp_path / "off2")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_causal_dflash2_rows_equal_alone(pair, target, tmp_path, temperature):
+    """``is_causal`` drafters share one forward too (the causal mask lies on each row's block, after its padding)."""
+    _, path = pair
+    causal = load_ar_drafter(_rewrite(path, tmp_path / "causal", edit_config=lambda c: c.update(is_causal=True)),
+                             dtype=torch.float64)
+    assert as_drafter(causal).batch_key() is not None
+    prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7], [40]]
+    configs = [ARSpecConfig(method="ddtree-dflash2", budget=7, max_new_tokens=12,
+                            sampling=SamplingConfig(temperature=temperature, seed=s)) for s in range(len(prompts))]
+    batch = speculative_generate_batch(target, [as_drafter(causal) for _ in prompts], prompts, configs)
+    for p, cfg, row in zip(prompts, configs, batch):
+        alone = speculative_generate(target, as_drafter(causal), p, cfg)
+        assert row.tokens == alone.tokens and row.acceptance_lengths == alone.acceptance_lengths

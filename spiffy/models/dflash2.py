@@ -176,8 +176,9 @@ def causal_group_convolve(hidden: torch.Tensor, dynamic: torch.Tensor, base: tor
 
 
 class GroupedDynamicCausalConv(nn.Module):
-    """The convolution wrapped around one sub-layer (attention or MLP): :meth:`wrap_input` convolves the sub-layer's
-    input and predicts the kernel :meth:`wrap_output` then applies to its output."""
+    """The convolution wrapped around one sub-layer (attention or MLP). Called on the sub-layer's input it returns the
+    convolved input and the taps it predicted for the output side; called on the sub-layer's output with those taps it
+    returns the convolved output (one ``forward``, so placement hooks load its weights on either call)."""
 
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
         super().__init__()
@@ -187,15 +188,15 @@ class GroupedDynamicCausalConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.zeros(2, self.kernel_size, int(hidden_size)))  # [side, tap, channel]
         self.kernel_projection = nn.Linear(int(hidden_size), 2 * self.kernel_size * self.groups, bias=False)
 
-    def wrap_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, L, H]`` -> (the convolved input ``[B, L, H]``, the output side's dynamic taps ``[B, L, K, G]``)."""
+    def forward(self, hidden: torch.Tensor, output_taps: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """Input side (``output_taps`` ``None``): ``[B, L, H]`` -> (the convolved input ``[B, L, H]``, the output
+        side's dynamic taps ``[B, L, K, G]``). Output side: the sub-layer's output convolved with ``output_taps``."""
+        if output_taps is not None:
+            return causal_group_convolve(hidden, output_taps, self.base_kernel[1], self.group_size)
         dynamic = self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.kernel_size, self.groups)
         convolved = causal_group_convolve(hidden, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size)
         return convolved, dynamic[..., 1, :, :]
-
-    def wrap_output(self, hidden: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
-        """The sub-layer's output ``[B, L, H]`` convolved with the taps :meth:`wrap_input` predicted."""
-        return causal_group_convolve(hidden, dynamic, self.base_kernel[1], self.group_size)
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
@@ -208,10 +209,10 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.mlp_conv = GroupedDynamicCausalConv(h, kernel_size, group_size)
 
     def forward(self, x, ctx, cos, sin, cache, store_context, attention_mask):  # noqa: ANN001, D102
-        h, taps = self.attention_conv.wrap_input(self.input_layernorm(x))
-        x = x + self.attention_conv.wrap_output(self.self_attn(h, ctx, cos, sin, cache, store_context, attention_mask), taps)
-        h, taps = self.mlp_conv.wrap_input(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.wrap_output(self.mlp(h), taps)
+        h, taps = self.attention_conv(self.input_layernorm(x))
+        x = x + self.attention_conv(self.self_attn(h, ctx, cos, sin, cache, store_context, attention_mask), taps)
+        h, taps = self.mlp_conv(self.post_attention_layernorm(x))
+        return x + self.mlp_conv(self.mlp(h), taps)
 
 
 class CandidateSelector(nn.Module):
@@ -404,7 +405,7 @@ def load_dflash2_drafter(
                                   "a device_map cannot rename; fix: load the drafter without device_map (it is small)")
         model = dispatch_checkpoint(lambda: DFlash2DraftModel(config), root, device_map,
                                     stored_dtype(root) if keep else resolve_dtype(dtype), offload_folder, max_memory,
-                                    no_split=["DFlash2DecoderLayer"])
+                                    no_split=["DFlash2DecoderLayer", "CandidateSelector"])
         return model.eval()
     state = load_state_dict(root)
     for stored, name in _codebook_spelling(state, root).items():
