@@ -135,9 +135,7 @@ def make_tiny_dflash(
         dtype: stored parameter dtype.
     """
     cfg = _tiny_drafter_config(target, num_layers, block_size, target_layer_ids, mask_token_id, "DFlashDraftModel")
-    model = DFlashDraftModel(cfg)
-    random_weights(model, seed, float(getattr(cfg, "initializer_range", 0.02)) * 5)
-    return save_drafter(model.to(dtype), out_dir, num_shards=2)
+    return save_drafter(_random_drafter(DFlashDraftModel(cfg), seed).to(dtype), out_dir, num_shards=2)
 
 
 def make_tiny_dflash2(
@@ -164,13 +162,18 @@ def make_tiny_dflash2(
     group = int(conv_group_size) if conv_group_size is not None else max(1, int(cfg.hidden_size) // 4)
     cfg.dflash_config.update(conv_kernel_size=int(conv_kernel_size), conv_group_size=group,
                              selector_rank=int(selector_rank), selector_top_k=int(selector_top_k))
-    model = DFlash2DraftModel(cfg)
-    random_weights(model, seed, float(getattr(cfg, "initializer_range", 0.02)) * 5)
+    model = _random_drafter(DFlash2DraftModel(cfg), seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("_conv.base_kernel"):
                 p[:, 0] += 1.0
     return save_drafter(model.to(dtype), out_dir, num_shards=2)
+
+
+def _random_drafter(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """``model`` with :func:`random_weights` at five times its config's ``initializer_range``."""
+    random_weights(model, seed, float(getattr(model.config, "initializer_range", 0.02)) * 5)
+    return model
 
 
 def _tiny_drafter_config(target: Any, num_layers: int, block_size: int, target_layer_ids: list[int] | None,

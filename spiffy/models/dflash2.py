@@ -62,6 +62,7 @@ from spiffy.models.checkpoint import (
     stored_dtype,
 )
 from spiffy.models.dflash import DFlashDecoderLayer, DFlashDraftModel, drafter_settings
+from spiffy.models.dflash import _extra as _field  # a drafter field: dflash_config first, then the top level
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.placement import dispatch_checkpoint, placement_device
 from spiffy.topk import top_ranked
@@ -100,15 +101,6 @@ def is_dflash2_config(cfg: dict[str, Any]) -> bool:
     return "DFlash2DraftModel" in (cfg.get("architectures") or []) or any(
         cfg.get(name) is not None or (isinstance(extra, dict) and extra.get(name) is not None) for name in DFLASH2_FIELDS
     )
-
-
-def _field(config: Any, name: str, default: Any = None) -> Any:
-    """A drafter field from ``config.dflash_config`` first, then the config's top level (``default`` when unset)."""
-    extra = getattr(config, "dflash_config", None) or {}
-    if isinstance(extra, dict) and extra.get(name) is not None:
-        return extra[name]
-    value = getattr(config, name, None)
-    return default if value is None else value
 
 
 def dflash2_settings(config: Any) -> dict[str, Any]:

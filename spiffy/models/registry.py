@@ -164,6 +164,13 @@ _TINY_QWEN: dict[str, Any] = dict(
     max_position_embeddings=512, initializer_range=TINY_INIT_STD, rms_norm_eps=1e-6, tie_word_embeddings=False,
 )
 
+#: what the DFlash drafter families share (qwen3 configs with ``dflash_config``, the target's tokens)
+_DFLASH_DRAFTER: dict[str, Any] = dict(
+    model_type="qwen3", config_class_path="transformers.Qwen3Config", mask_config_key="dflash_config.mask_token_id",
+    mask_token="<|MASK|>", special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
+    diffusion=False, drafter=True,
+)
+
 #: every family spiffy knows, by name (the one list: every other family list is derived from it)
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec(
@@ -249,30 +256,10 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         ),
         generation_stops=True,
     ),
-    FamilySpec(
-        name="dflash",
-        model_type="qwen3",
-        model_class_path="spiffy.models.dflash.DFlashDraftModel",
-        config_class_path="transformers.Qwen3Config",
-        mask_config_key="dflash_config.mask_token_id",
-        mask_token="<|MASK|>",
-        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
-        diffusion=False,
-        drafter=True,
-        loader_path="spiffy.models.dflash.load_drafter",
-    ),
-    FamilySpec(
-        name="dflash2",
-        model_type="qwen3",
-        model_class_path="spiffy.models.dflash2.DFlash2DraftModel",
-        config_class_path="transformers.Qwen3Config",
-        mask_config_key="dflash_config.mask_token_id",
-        mask_token="<|MASK|>",
-        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
-        diffusion=False,
-        drafter=True,
-        loader_path="spiffy.models.dflash2.load_dflash2_drafter",
-    ),
+    FamilySpec(name="dflash", model_class_path="spiffy.models.dflash.DFlashDraftModel",
+               loader_path="spiffy.models.dflash.load_drafter", **_DFLASH_DRAFTER),
+    FamilySpec(name="dflash2", model_class_path="spiffy.models.dflash2.DFlash2DraftModel",
+               loader_path="spiffy.models.dflash2.load_dflash2_drafter", **_DFLASH_DRAFTER),
 )}
 
 def fingerprint_fields() -> tuple[str, ...]:
