@@ -185,6 +185,8 @@ def run_ar_bench(
     check_bench_inputs(budgets, prompts, "[16, 32, 64]")
     stops = stop_token_ids(target, tokenizer, chat)
     kind = drafter_kind(drafter) if drafter is not None else None  # --drafter: a DFlash or a DFlash2 drafter
+    if kind == DLLM_DRAFTER.name:
+        raise ConfigError("the drafter is a diffusion LM; fix: pass it as dllm_drafter (--dllm-drafter)")
     entries = plan_entries(budgets, methods=methods, accepts=accepts, drafts=drafts, have_dflash=kind == DFLASH_DRAFTER.name,
                            have_dllm=dllm_drafter is not None, have_dflash2=kind == DFLASH2_DRAFTER.name)
     keys = [(e.name, e.method, e.budget) for e in entries]

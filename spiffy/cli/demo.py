@@ -34,7 +34,7 @@ from spiffy.embedded import (
     resolve_graph_argument,
 )
 from spiffy.errors import ConfigError
-from spiffy.models import load_drafter, load_model, load_tokenizer
+from spiffy.models import load_model, load_tokenizer
 from spiffy.models.ar_drafters import drafter_kind, load_ar_drafter, make_tiny_dllm_drafter
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.tiny import make_tiny
@@ -68,7 +68,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--graph", default=None, metavar="FILE",
                         help="calibrated draft graph for --model (default: the shipped one; else calibrated on the fly)")
     parser.add_argument("--target", default=None, metavar="DIR|ID", help="Qwen3 target checkpoint, directory or Hub id (default: the embedded one)")
-    parser.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash drafter for --target, directory or Hub id (default: the embedded one)")
+    parser.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash or DFlash2 drafter for --target, directory or Hub id (default: the embedded one)")
     parser.add_argument("--dllm-drafter", default=None, metavar="DIR|ID",
                         help="diffusion drafter for --target (DEER, SpecDiff-2, DDTree over its marginals; default: the "
                              "embedded one when shipped, else those rows are skipped)")
@@ -239,7 +239,7 @@ def _ar_part(args: argparse.Namespace, paths: dict[str, Path], prompts: list[Any
     """AR vs DFlash vs DDTree, plus DEER / SpecDiff-2 / DDTree over the diffusion drafter when there is one."""
     target = load_model(paths["target"], dtype=args.dtype, device=device)
     dtype = next(target.parameters()).dtype
-    drafter = load_drafter(paths["drafter"], dtype=dtype, device=device)
+    drafter = load_ar_drafter(paths["drafter"], dtype=dtype, device=device)  # DFlash or DFlash2
     tokenizer = load_tokenizer(paths["target"])
     dllm_dir = paths.get("dllm_drafter")
     dllm_drafter = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None
