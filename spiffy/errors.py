@@ -39,7 +39,8 @@ class CheckpointError(SpiffyError, OSError):
 class CheckpointKeyError(CheckpointError):
     """Strict key matching failed: names the missing and unexpected parameter keys."""
 
-    def __init__(self, path: str, missing: list[str], unexpected: list[str], shape_mismatch: list[str] | None = None):
+    def __init__(self, path: str, missing: list[str], unexpected: list[str], shape_mismatch: list[str] | None = None,
+                 fix: str | None = None):
         self.path = path
         self.missing = list(missing)
         self.unexpected = list(unexpected)
@@ -53,7 +54,7 @@ class CheckpointKeyError(CheckpointError):
             )
         if self.shape_mismatch:
             parts.append(f"shape mismatches: {', '.join(self.shape_mismatch[:8])}")
-        parts.append("fix: point at a checkpoint of the family named by its config.json, or rebuild it with `spiffy tiny`")
+        parts.append(fix or "fix: point at a checkpoint of the family named by its config.json, or rebuild it with `spiffy tiny`")
         super().__init__("; ".join(parts))
 
 

@@ -99,7 +99,9 @@ def test_token_conditioned_drafter_is_lossless(target, prompt, method, temperatu
         assert not drafter.attached  # detached at the end
         # the drafter was told exactly the committed context: the prompt and every token but the pending bonus
         assert drafter.context == prompt + res.tokens[: len(drafter.context) - len(prompt)]
-        assert len(drafter.context) == len(prompt) + sum(res.acceptance_lengths)
+        # ... which is every token the target's cache holds: all but the last round's bonus, or all of them when the
+        # last round's drafts reach the last position and are all accepted (its bonus falls beyond max_new_tokens)
+        assert len(drafter.context) - len(prompt) - sum(res.acceptance_lengths) in (0, 1)
         if wrong_every == 0:
             assert res.tau > 1.0
 

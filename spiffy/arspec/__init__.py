@@ -23,7 +23,8 @@ The methods are objects in one registry (:mod:`spiffy.arspec.methods`: ``REGISTR
 ``method="dflash"`` is the vanilla DFlash chain and ``method="ar"`` plain AR decoding, on the same code path.
 A standalone diffusion LM drafts too (:class:`DLLMDrafter`; ``load_ar_drafter`` + :func:`as_drafter` pick the kind
 from the checkpoint): ``method="deer"`` (its chain) and ``method="specdiff"`` (``drafts`` sampled joint drafts as
-one tree); ``accept="rejection"`` switches to speculative sampling (:class:`RejectionRule`)::
+one tree); a DFlash2 drafter (:class:`DFlash2Drafter`) drafts with its candidate selector: ``method="dflash2"``
+(the selector's chain) and ``method="ddtree-dflash2"`` (DDTree over its candidates); ``accept="rejection"`` switches to speculative sampling (:class:`RejectionRule`)::
 
     drafter = as_drafter(load_ar_drafter("path/to/sdar-drafter", dtype="float32"))
     cfg = ARSpecConfig(method="specdiff", drafts=4, accept="rejection", sampling=SamplingConfig(temperature=1.0, seed=0))
@@ -35,12 +36,13 @@ from __future__ import annotations
 from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
 from spiffy.arspec.config import DEFAULT_BUDGET, ARSpecConfig
 from spiffy.arspec.dllm_drafter import DLLMDrafter, as_drafter
-from spiffy.arspec.drafter import BatchDrafter, ContextUpdate, DFlashDrafter, Drafter
+from spiffy.arspec.drafter import BatchDrafter, ContextUpdate, DFlash2Drafter, DFlashDrafter, Drafter
 from spiffy.arspec.generate import ddtree_generate, speculative_generate
 from spiffy.arspec.methods import ACCEPT_RULES, METHODS, REGISTRY, AcceptSpec, DrafterKind, Method, get_method, make_rule
 from spiffy.arspec.rejection import RejectionRule
 from spiffy.arspec.result import ARGenerationResult
 from spiffy.arspec.rules import Acceptance, AcceptanceRule, CoupledRule, TargetLogits
+from spiffy.arspec.selector import SelectorDraft
 from spiffy.arspec.sampling import sample_keyed, sample_tokens
 from spiffy.arspec.stages import STAGES
 from spiffy.arspec.tree import DraftTree, build_chain, build_ddtree, empty_tree
@@ -57,6 +59,7 @@ __all__ = [
     "ContextUpdate",
     "CoupledRule",
     "DEFAULT_BUDGET",
+    "DFlash2Drafter",
     "DFlashDrafter",
     "DLLMDrafter",
     "DraftTree",
@@ -68,6 +71,7 @@ __all__ = [
     "RejectionRule",
     "STAGES",
     "SamplingConfig",
+    "SelectorDraft",
     "TargetLogits",
     "as_drafter",
     "build_chain",

@@ -179,7 +179,9 @@ def speculative_generate_batch(
         while live:
             clock.start()
             roots = [(results[b].tokens[-1], len(rows[b]) + len(results[b].tokens) - 1) for b in live]
-            depths = [min(cfgs[b].draft_depth(blocks[b]), cfgs[b].max_new_tokens - len(results[b].tokens) - 1)
+            # drafts reach the last position to generate, as the reference loops draft (z-lab's dflash_generate):
+            # a DFlash block is bidirectional, so a shorter block would change the drafts themselves
+            depths = [min(cfgs[b].draft_depth(blocks[b]), cfgs[b].max_new_tokens - len(results[b].tokens))
                       for b in live]
             draft_logits = draft([active[b] for b in live], roots, depths)
             clock.lap("draft")

@@ -40,11 +40,20 @@ from typing import Any, Hashable, Sequence
 import torch
 from torch import nn
 
-from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter, append_rows, new_rows, stack_caches
+from spiffy.arspec.drafter import (
+    ContextUpdate,
+    DFlash2Drafter,
+    DFlashDrafter,
+    Drafter,
+    append_rows,
+    new_rows,
+    stack_caches,
+)
 from spiffy.errors import ConfigError
 from spiffy.models.ar_drafters import check_dllm_compatible, dllm_drafter_settings
 from spiffy.models.cache import KVCache
 from spiffy.models.dflash import DFlashDraftModel
+from spiffy.models.dflash2 import DFlash2DraftModel
 from spiffy.models.sdar import block_causal_mask
 from spiffy.torch_utils import execution_device, model_device
 
@@ -252,8 +261,11 @@ class DLLMDrafter:
 
 
 def as_drafter(model: Any, block_size: int | None = None) -> Drafter:
-    """Wrap a loaded drafter model in its :class:`~spiffy.arspec.Drafter`: DFlash -> :class:`DFlashDrafter`,
-    a dLLM -> :class:`DLLMDrafter`; an object that already is a drafter is returned unchanged."""
+    """Wrap a loaded drafter model in its :class:`~spiffy.arspec.Drafter`: DFlash2 -> :class:`DFlash2Drafter`,
+    DFlash -> :class:`DFlashDrafter`, a dLLM -> :class:`DLLMDrafter`; an object that already is a drafter is returned
+    unchanged."""
+    if isinstance(model, DFlash2DraftModel):
+        return DFlash2Drafter(model, block_size)
     if isinstance(model, DFlashDraftModel):
         return DFlashDrafter(model, block_size)
     if isinstance(model, nn.Module):

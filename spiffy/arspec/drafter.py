@@ -35,12 +35,15 @@ from typing import Hashable, Protocol, Sequence, runtime_checkable
 import torch
 from torch import nn
 
+from spiffy.arspec.selector import Draft, SelectorDraft
 from spiffy.errors import ConfigError
 from spiffy.models.cache import KVCache
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, check_compatible
+from spiffy.models.dflash2 import DFlash2DraftModel
 from spiffy.torch_utils import execution_device
 
-__all__ = ["BatchDrafter", "ContextUpdate", "Drafter", "DFlashDrafter", "append_rows", "new_rows", "stack_caches"]
+__all__ = ["BatchDrafter", "ContextUpdate", "DFlash2Drafter", "Drafter", "DFlashDrafter", "append_rows", "new_rows",
+           "stack_caches"]
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,10 @@ class Drafter(Protocol):
         """Bind to ``target`` before its prefill and start from an empty context (raise on a mismatch)."""
         ...
 
-    def propose(self, root_token: int, root_position: int, depth: int) -> torch.Tensor:
-        """``[depth, V]`` logits: row ``d - 1`` is the drafter's distribution of the token at ``root_position + d``.
+    def propose(self, root_token: int, root_position: int, depth: int) -> Draft:
+        """``[depth, V]`` logits: row ``d - 1`` is the drafter's distribution of the token at ``root_position + d``
+        (or, for a drafter whose positions depend on each other, its own proposal object such as a DFlash2
+        selector's :class:`~spiffy.arspec.selector.SelectorDraft`, which the methods build their drafts from).
 
         ``root_token`` (the pending bonus token at ``root_position``) is not yet in the committed context.
         """
@@ -109,7 +114,7 @@ class BatchDrafter(Drafter, Protocol):
 
     @classmethod
     def propose_batch(cls, drafters: Sequence["BatchDrafter"], roots: Sequence[tuple[int, int]],
-                      depths: Sequence[int]) -> list[torch.Tensor]:
+                      depths: Sequence[int]) -> list[Draft]:
         """Each row's ``[depth, V]`` logits, in one forward, equal to what ``drafters[i].propose(*roots[i],
         depths[i])`` gives alone (each row's state advances as it would alone)."""
         ...
@@ -210,7 +215,7 @@ class DFlashDrafter:
             self._positions = torch.arange(max(stop, 2 * int(self._positions.numel())), dtype=torch.long, device=device)  # type: ignore[union-attr]
         return self._positions[start:stop].view(1, -1)
 
-    def propose(self, root_token: int, root_position: int, depth: int) -> torch.Tensor:
+    def propose(self, root_token: int, root_position: int, depth: int) -> Draft:
         """One drafter forward over ``[new context features ; root, MASK x depth]`` -> ``[depth, V]`` logits."""
         if self._hooks is None or self._pending is None:
             raise RuntimeError("DFlashDrafter.propose before attach() and the prompt's commit()")
@@ -220,7 +225,11 @@ class DFlashDrafter:
         positions = self._position_range(root_position - n_ctx, root_position + depth + 1)
         hidden = self.model(self._pending, self._embed(block), positions, past_key_values=self._cache)  # type: ignore[misc]
         self._pending = self._pending[:, :0]  # the new context is in the drafter's cache now
-        return self.model.compute_logits(hidden[0, 1:], self._head)
+        return self.read_out(hidden[0, 1:], int(root_token))
+
+    def read_out(self, hidden: torch.Tensor, root_token: int) -> Draft:
+        """The draft of the block's drafted rows ``[depth, H]``: their ``[depth, V]`` logits (the target's head)."""
+        return self.model.compute_logits(hidden, self._head)
 
     def commit(self, update: ContextUpdate) -> None:
         """Queue the committed rows' target features (of batch row ``update.batch_row``) as the next draft's new
@@ -253,7 +262,7 @@ class DFlashDrafter:
 
     @classmethod
     def propose_batch(cls, drafters: Sequence["DFlashDrafter"], roots: Sequence[tuple[int, int]],
-                      depths: Sequence[int]) -> list[torch.Tensor]:
+                      depths: Sequence[int]) -> list[Draft]:
         """One DFlash forward over ``[cached context ; new context ; root, MASK x depth]`` of every row."""
         for d in drafters:
             if d._hooks is None or d._pending is None or d._cache is None:
@@ -289,5 +298,29 @@ class DFlashDrafter:
         for r, d in enumerate(drafters):
             append_rows(d._cache, *new_rows(cache, width_cache, r, n_ctx[r]))  # type: ignore[arg-type]
             d._pending = d._pending[:, :0]  # type: ignore[index]
-            out.append(model.compute_logits(hidden[r, 1 : blocks[r]], head))
+            out.append(d.read_out(hidden[r, 1 : blocks[r]], int(roots[r][0])))
         return out
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """:class:`BatchDrafter` for a :class:`~spiffy.models.dflash2.DFlash2DraftModel`: the DFlash forward, read out
+    through the candidate selector. :meth:`propose` returns a :class:`~spiffy.arspec.selector.SelectorDraft` (every
+    transition score of the round), from which each method builds its draft (the selector's chain, sampled drafts,
+    DDTree)."""
+
+    model: DFlash2DraftModel
+
+    def __init__(self, model: DFlash2DraftModel, block_size: int | None = None) -> None:
+        super().__init__(model, block_size)
+
+    def read_out(self, hidden: torch.Tensor, root_token: int) -> Draft:
+        candidates, first, following = self.model.select(hidden, self._head, root_token)  # type: ignore[arg-type]
+        return SelectorDraft(candidates, first, following, int(self.model.config.vocab_size))
+
+    def batch_key(self) -> Hashable | None:
+        """Rows of one model share a forward unless the model's forward or head is overridden or a layer has a
+        sliding window (its mask assumes one unpadded row)."""
+        model = self.model
+        plain = (type(model).forward is DFlash2DraftModel.forward
+                 and type(model).compute_logits is DFlash2DraftModel.compute_logits)
+        return id(model) if plain and not any(model.sliding_layers) else None

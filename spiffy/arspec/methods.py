@@ -23,6 +23,7 @@ import torch
 from spiffy.arspec.rejection import RejectionRule
 from spiffy.arspec.rules import AcceptanceRule, CoupledRule
 from spiffy.arspec.sampling import tempered
+from spiffy.arspec.selector import Draft, SelectorDraft
 from spiffy.arspec.selfselect import build_sampled_tree, proposal_probs, sample_drafts
 from spiffy.arspec.tree import DraftTree, build_chain, build_ddtree, empty_tree
 from spiffy.errors import ConfigError
@@ -39,7 +40,10 @@ __all__ = [
     "DEER",
     "SPECDIFF",
     "DDTREE",
+    "DDTREE_DFLASH2",
     "DFLASH",
+    "DFLASH2",
+    "DFLASH2_DRAFTER",
     "DFLASH_DRAFTER",
     "DLLM_DRAFTER",
     "DraftKnobs",
@@ -72,7 +76,8 @@ class DrafterKind:
         label: how tables name it.
         needs_target_features: the drafter reads hidden states of target layers (forward hooks on the target).
         proposes_batch: rows whose drafters share one model propose in one drafter forward.
-        embedded: the embedded checkpoint of this kind (:func:`spiffy.embedded.embedded_model_path`).
+        embedded: the embedded checkpoint of this kind (:func:`spiffy.embedded.embedded_model_path`; ``None``: none
+            is shipped).
         help: one line for help texts.
     """
 
@@ -80,12 +85,14 @@ class DrafterKind:
     label: str
     needs_target_features: bool
     proposes_batch: bool
-    embedded: str
+    embedded: str | None
     help: str
 
 
 DFLASH_DRAFTER = DrafterKind("dflash", "DFlash", True, True, "ar-drafter",
                              "a DFlash drafter reading the target's hidden states")
+DFLASH2_DRAFTER = DrafterKind("dflash2", "DFlash2", True, True, None,
+                              "a DFlash2 drafter (DFlash with convolutions and a candidate selector)")
 DLLM_DRAFTER = DrafterKind("dllm", "dLLM", False, True, "ar-dllm-drafter",
                            "a diffusion LM sharing the target's tokenizer, conditioned on the committed tokens")
 
@@ -176,8 +183,9 @@ class Method:
         """Whether draft tokens are sampled from the drafter (rather than chosen by rank)."""
         return False
 
-    def build_tree(self, config: DraftKnobs, draft_logits: torch.Tensor | None, root_position: int) -> DraftTree:
-        """The draft structure of one round from the drafter's ``[L, V]`` logits (``None``: an empty tree)."""
+    def build_tree(self, config: DraftKnobs, draft_logits: Draft | None, root_position: int) -> DraftTree:
+        """The draft structure of one round from the drafter's ``[L, V]`` logits, or from a DFlash2 selector's
+        :class:`~spiffy.arspec.selector.SelectorDraft` (``None``: an empty tree)."""
         return empty_tree()
 
 
@@ -206,9 +214,13 @@ class Chain(Method):
     def sample_count(self, config: DraftKnobs) -> int:
         return 1
 
-    def build_tree(self, config: DraftKnobs, draft_logits: torch.Tensor | None, root_position: int) -> DraftTree:
+    def build_tree(self, config: DraftKnobs, draft_logits: Draft | None, root_position: int) -> DraftTree:
         if draft_logits is None:
             return empty_tree()
+        if isinstance(draft_logits, SelectorDraft):  # the selector's own chain, or drafts walked through it
+            if self.samples(config):
+                return draft_logits.sample_tree(self.sample_count(config), config.sampling, root_position)
+            return draft_logits.chain()
         if self.samples(config):
             probs = proposal_probs(draft_logits, config.sampling)
             draws = sample_drafts(probs, self.sample_count(config), config.sampling, root_position)
@@ -255,9 +267,11 @@ class BestTree(Method):
     def draft_nodes(self, config: DraftKnobs, block: int) -> int:
         return int(config.budget)
 
-    def build_tree(self, config: DraftKnobs, draft_logits: torch.Tensor | None, root_position: int) -> DraftTree:
+    def build_tree(self, config: DraftKnobs, draft_logits: Draft | None, root_position: int) -> DraftTree:
         if draft_logits is None:
             return empty_tree()
+        if isinstance(draft_logits, SelectorDraft):  # ranked by the selector's transitions from each node's token
+            return draft_logits.best_tree(int(config.budget), float(config.sampling.temperature))
         scores = tempered(draft_logits, float(config.sampling.temperature))
         return build_ddtree(torch.log_softmax(scores, dim=-1), int(config.budget))
 
@@ -267,6 +281,11 @@ DFLASH = Chain("dflash", "DFlash", "the chain of the DFlash drafter's argmaxes, 
                drafter=DFLASH_DRAFTER)
 DDTREE = BestTree("ddtree", "DDTree", "the optimal draft tree of --budget nodes from the DFlash drafter",
                   drafter=DFLASH_DRAFTER)
+DFLASH2 = Chain("dflash2", "DFlash2", "the chain a DFlash2 drafter's candidate selector picks left to right from the "
+                "root (drafts walked through its proposal under the rejection rule at T > 0)", drafter=DFLASH2_DRAFTER)
+DDTREE_DFLASH2 = BestTree("ddtree-dflash2", "DDTree", "the optimal draft tree of --budget nodes over a DFlash2 "
+                          "drafter's candidates, each node's children ranked by the selector given its token",
+                          drafter=DFLASH2_DRAFTER)
 DDTREE_DLLM = BestTree("ddtree-dllm", "DDTree", "the optimal draft tree of --budget nodes from a dLLM drafter's "
                        "per-position distributions", drafter=DLLM_DRAFTER)
 DEER = Chain("deer", "DEER", "the chain from a dLLM drafter (sampled from it under the rejection rule at T > 0)",
@@ -275,7 +294,8 @@ SPECDIFF = SampledDrafts("specdiff", "SpecDiff-2", "--drafts K joint drafts samp
                          "together as one tree", drafter=DLLM_DRAFTER)
 
 #: every method by name, in the order reports list them
-REGISTRY: dict[str, Method] = {m.name: m for m in (AR, DFLASH, DDTREE, DDTREE_DLLM, DEER, SPECDIFF)}
+REGISTRY: dict[str, Method] = {m.name: m for m in (AR, DFLASH, DDTREE, DFLASH2, DDTREE_DFLASH2, DDTREE_DLLM, DEER,
+                                                   SPECDIFF)}
 #: the method names
 METHODS: tuple[str, ...] = tuple(REGISTRY)
 #: the chain method that ``speedup_vs_dflash`` compares against

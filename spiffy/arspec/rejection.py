@@ -5,7 +5,9 @@ node's children were proposed, and the walk either moves to an accepted child or
 from what is left (the residual):
 
 * **sampled children** (``DraftTree.samples``: i.i.d. draws ``x_1..x_n`` from ``q``; the DEER chain has one,
-  SpecDiff-2's K-draft tree up to K): recursive rejection sampling (SpecInfer's multi-draft speculative sampling).
+  SpecDiff-2's K-draft tree up to K; ``q`` is the depth's, or the node's own for a DFlash2 selector's drafts:
+  :meth:`~spiffy.arspec.tree.DraftTree.proposal_below`): recursive rejection sampling (SpecInfer's multi-draft
+  speculative sampling).
   ``r = p``; for each draw in order: accept ``x_i`` with probability ``min(1, r(x_i) / q(x_i))``, else
   ``r = norm(max(0, r - q))``; when every draw is rejected the bonus is drawn from ``r``. For one draw this is
   exactly DEER's Eq. 5 (accept with ``min(1, p/q)``) and Eq. 6 (resample from ``max(0, p - q)``). Exact: by induction
@@ -107,7 +109,7 @@ class RejectionRule:
             r = target_probs(target.logits(node), self.sampling)
             if tree.samples is not None:
                 draws = tree.samples.get(node, [])
-                q = tree.proposal[depth] if draws else None  # type: ignore[index]
+                q = tree.proposal_below(node, depth) if draws else None
             else:
                 draws = [node_tokens[c] for c in children.get(node, [])]
                 q = None

@@ -85,7 +85,8 @@ class AcceptanceRule(Protocol):
         Args:
             tree: the verified draft (``N`` nodes; node ``i`` at absolute position ``root_position + depths[i]``).
             target: the target's logits per node (lazy).
-            draft_logits: ``[D, V]`` the drafter's logits for depths ``1..D`` (``None`` when nothing was drafted).
+            draft_logits: ``[D, V]`` the drafter's logits for depths ``1..D``, or its own proposal object (a DFlash2
+                selector's, :class:`~spiffy.arspec.selector.SelectorDraft`); ``None`` when nothing was drafted.
             root_position: absolute position of the root (the pending bonus token).
         Returns:
             :class:`Acceptance`.

@@ -168,7 +168,7 @@ def expected_streaks(tree: DraftTree, target: TargetLogits, sampling: SamplingCo
         streak, total = 1.0, 0.0
         for node in path:
             p = target_probs(target.logits(parents[node]), sampling)
-            q = float(tree.proposal[depths[node] - 1, tokens[node]])
+            q = float(tree.proposal_below(parents[node], depths[node] - 1)[tokens[node]])  # type: ignore[index]
             streak *= min(1.0, float(p[tokens[node]]) / q) if q > 0 else 0.0
             total += streak
             if streak == 0.0 or math.isnan(streak):

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from spiffy.arspec.drafter import BatchDrafter, Drafter
 from spiffy.arspec.methods import DraftKnobs, Method
+from spiffy.arspec.selector import Draft
 from spiffy.arspec.tree import DraftTree
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.cache import hf_cache
@@ -199,8 +200,9 @@ def prefill(runner: TargetRunner, ids: torch.Tensor, positions: torch.Tensor, ma
 
 
 def draft(drafters: Sequence[Drafter | None], roots: Sequence[tuple[int, int]], depths: Sequence[int]
-          ) -> list[torch.Tensor | None]:
-    """Every row's ``[depth, V]`` draft logits (``None``: no drafter or nothing to draft), with one forward per group
+          ) -> list[Draft | None]:
+    """Every row's draft (``[depth, V]`` logits, or a DFlash2 selector's proposal; ``None``: no drafter or nothing to
+    draft), with one forward per group
     of rows whose :class:`~spiffy.arspec.drafter.BatchDrafter` keys agree; any other row proposes alone.
 
     Args:
@@ -208,7 +210,7 @@ def draft(drafters: Sequence[Drafter | None], roots: Sequence[tuple[int, int]], 
         roots: ``(root token, root position)`` per row.
         depths: positions to draft after each root.
     """
-    out: list[torch.Tensor | None] = [None] * len(drafters)
+    out: list[Draft | None] = [None] * len(drafters)
     drafting = [i for i, (d, depth) in enumerate(zip(drafters, depths)) if d is not None and depth > 0]
     if len(drafting) == 1:  # nothing to share a forward with
         i = drafting[0]
@@ -231,7 +233,7 @@ def draft(drafters: Sequence[Drafter | None], roots: Sequence[tuple[int, int]], 
     return out
 
 
-def build_trees(methods: Sequence[Method], configs: Sequence[DraftKnobs], draft_logits: Sequence[torch.Tensor | None],
+def build_trees(methods: Sequence[Method], configs: Sequence[DraftKnobs], draft_logits: Sequence[Draft | None],
                 roots: Sequence[tuple[int, int]]) -> list[DraftTree]:
     """Each row's draft structure: its method's :meth:`~spiffy.arspec.methods.Method.build_tree`."""
     return [m.build_tree(c, lg, pos) for m, c, lg, (_tok, pos) in zip(methods, configs, draft_logits, roots)]

@@ -46,7 +46,29 @@ import torch
 from spiffy.errors import ConfigError
 from spiffy.topk import top_ranked
 
-__all__ = ["DraftTree", "build_ddtree", "build_chain", "empty_tree", "ranked_candidates"]
+__all__ = ["DraftTree", "NodeProposals", "build_ddtree", "build_chain", "empty_tree", "ranked_candidates"]
+
+
+@dataclass
+class NodeProposals:
+    """Proposals that depend on the node the draws hang below (a DFlash2 selector's, :mod:`spiffy.arspec.selector`).
+
+    Attributes:
+        vocab_size: ``V``.
+        rows: ``{parent index or -1: (token ids [K] long, probabilities [K] float64)}``, CPU; tokens not listed have
+            probability 0.
+    """
+
+    vocab_size: int
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+    def dense(self, node: int) -> torch.Tensor | None:
+        """``[V]`` float64 probabilities below ``node`` (``None``: nothing was drawn below it)."""
+        row = self.rows.get(node)
+        if row is None:
+            return None
+        tokens, probs = row
+        return torch.zeros(self.vocab_size, dtype=torch.float64).index_put_((tokens,), probs.double(), accumulate=True)
 
 
 @dataclass
@@ -62,7 +84,7 @@ class DraftTree:
             the i.i.d. draws below each node, in draw order, duplicates included (the rejection rule needs the
             multiset and its order); ``None`` when the children are chosen deterministically (argmax, top-B).
         proposal: with ``samples``: ``[D, V]`` float64 CPU probabilities the depth-``d`` draws came from (row
-            ``d - 1``).
+            ``d - 1``), or :class:`NodeProposals` when they depend on the node they hang below.
     All tensors live on the CPU (they drive host-side bookkeeping).
     """
 
@@ -71,7 +93,13 @@ class DraftTree:
     depths: torch.Tensor
     scores: torch.Tensor
     samples: dict[int, list[int]] | None = None
-    proposal: torch.Tensor | None = None
+    proposal: torch.Tensor | NodeProposals | None = None
+
+    def proposal_below(self, node: int, depth: int) -> torch.Tensor | None:
+        """``[V]`` float64 probabilities the draws below ``node`` (at depth ``depth``, the root's is 0) came from."""
+        if isinstance(self.proposal, NodeProposals):
+            return self.proposal.dense(node)
+        return None if self.proposal is None else self.proposal[depth]
 
     @property
     def num_nodes(self) -> int:

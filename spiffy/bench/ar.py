@@ -25,6 +25,7 @@ from spiffy.arspec.methods import (
     AR,
     CHAIN_BASELINE,
     DEFAULT_ACCEPT,
+    DFLASH2_DRAFTER,
     DFLASH_DRAFTER,
     DLLM_DRAFTER,
     METHODS,
@@ -49,6 +50,7 @@ from spiffy.bench.fidelity import NEAR_TIE_RULE, explain_ar_divergence
 from spiffy.bench.stats import interval_method, mean_interval, ratio_of_means, ratio_of_means_interval
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
+from spiffy.models.ar_drafters import drafter_kind
 from spiffy.models.prompting import prompt_token_ids, stop_token_ids
 
 TAU_NOTE = "tau = tokens committed per verification round including the bonus token, macro average over responses"
@@ -57,7 +59,8 @@ TAU_NOTE = "tau = tokens committed per verification round including the bonus to
 #: methods ``spiffy bench ar`` can run: the registry's (:mod:`spiffy.arspec.methods`)
 BENCH_METHODS: tuple[str, ...] = METHODS
 #: the bench flag that supplies each drafter kind
-DRAFTER_FLAGS: dict[str, str] = {DFLASH_DRAFTER.name: "--drafter DIR", DLLM_DRAFTER.name: "--dllm-drafter DIR"}
+DRAFTER_FLAGS: dict[str, str] = {DFLASH_DRAFTER.name: "--drafter DIR", DFLASH2_DRAFTER.name: "--drafter DIR (a DFlash2 "
+                                 "checkpoint)", DLLM_DRAFTER.name: "--dllm-drafter DIR"}
 #: ``BenchEntry.drafter`` of a method without a drafter
 NO_DRAFTER = "none"
 
@@ -93,11 +96,13 @@ def plan_entries(
     drafts: Sequence[int] = (1, 4, 8),
     have_dflash: bool = True,
     have_dllm: bool = False,
+    have_dflash2: bool = False,
 ) -> list[BenchEntry]:
     """The configurations of one bench run, AR first. ``methods`` (default: every one whose drafter is present)
     picks among :data:`BENCH_METHODS`; each drafted method runs once per rule in ``accepts`` (the default rule keeps
     the historical names, e.g. ``ddtree@64``; another rule appends ``/rule``)."""
-    present = {kind.name for kind, have in ((DFLASH_DRAFTER, have_dflash), (DLLM_DRAFTER, have_dllm)) if have}
+    present = {kind.name for kind, have in ((DFLASH_DRAFTER, have_dflash), (DFLASH2_DRAFTER, have_dflash2),
+                                            (DLLM_DRAFTER, have_dllm)) if have}
     wanted = list(methods) if methods else [m.name for m in REGISTRY.values()
                                             if m.drafter is None or m.drafter.name in present]
     unknown = [m for m in wanted if m not in BENCH_METHODS]
@@ -179,11 +184,15 @@ def run_ar_bench(
     """
     check_bench_inputs(budgets, prompts, "[16, 32, 64]")
     stops = stop_token_ids(target, tokenizer, chat)
-    entries = plan_entries(budgets, methods=methods, accepts=accepts, drafts=drafts,
-                           have_dflash=drafter is not None, have_dllm=dllm_drafter is not None)
+    kind = drafter_kind(drafter) if drafter is not None else None  # --drafter: a DFlash or a DFlash2 drafter
+    if kind == DLLM_DRAFTER.name:
+        raise ConfigError("the drafter is a diffusion LM; fix: pass it as dllm_drafter (--dllm-drafter)")
+    entries = plan_entries(budgets, methods=methods, accepts=accepts, drafts=drafts, have_dflash=kind == DFLASH_DRAFTER.name,
+                           have_dllm=dllm_drafter is not None, have_dflash2=kind == DFLASH2_DRAFTER.name)
     keys = [(e.name, e.method, e.budget) for e in entries]
     by_name = {e.name: e for e in entries}
     wrapped = {DFLASH_DRAFTER.name: as_drafter(drafter) if drafter is not None else None,
+               DFLASH2_DRAFTER.name: as_drafter(drafter) if drafter is not None else None,
                DLLM_DRAFTER.name: as_drafter(dllm_drafter) if dllm_drafter is not None else None, NO_DRAFTER: None}
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=int(seed))
     encoded = [(p, prompt_token_ids(tokenizer, p.prompt, chat=chat)) for p in prompts]

@@ -37,13 +37,25 @@ from spiffy.api import generate
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.config import ARSpecConfig
 from spiffy.arspec.dllm_drafter import as_drafter
-from spiffy.arspec.methods import AR, DDTREE, DDTREE_DLLM, DEER, DFLASH, DLLM_DRAFTER, SPECDIFF
+from spiffy.arspec.methods import (
+    AR,
+    DDTREE,
+    DDTREE_DFLASH2,
+    DDTREE_DLLM,
+    DEER,
+    DFLASH,
+    DFLASH2,
+    DFLASH2_DRAFTER,
+    DLLM_DRAFTER,
+    SPECDIFF,
+)
 from spiffy.bench.batch_fidelity import BATCH_NEAR_TIE_RULE, BatchDivergence, explain_dllm_batch_row
 from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
 from spiffy.bench.common import environment_info
 from spiffy.bench.datasets import BenchPrompt
 from spiffy.bench.stats import interval_method, ratio_of_means_interval
 from spiffy.errors import ConfigError
+from spiffy.models.ar_drafters import drafter_kind
 from spiffy.models.prompting import prompt_token_ids
 from spiffy.sampling import SamplingConfig
 
@@ -169,7 +181,7 @@ def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tok
                top_p: float, top_k: int, seed: int, stops: Sequence[int], dllm_drafter: Any = None,
                drafts: Sequence[int] = (4,)) -> dict[str, BatchMethod]:
     """Plain AR, DFlash and DDTree at each budget as :data:`BatchCall` s (``speculative_generate_batch``, one fresh
-    drafter wrapper per row); with a ``dllm_drafter`` (a loaded diffusion drafter model) also DEER, SpecDiff-2 at each
+    drafter wrapper per row; DFlash2's chain and DDTree when ``drafter`` is a DFlash2 drafter); with a ``dllm_drafter`` (a loaded diffusion drafter model) also DEER, SpecDiff-2 at each
     of ``drafts`` and DDTree over its marginals at each budget."""
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=int(seed))
     common = dict(max_new_tokens=int(max_new_tokens), stop_token_ids=tuple(int(t) for t in stops), sampling=sampling)
@@ -187,9 +199,11 @@ def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tok
                                         config)
         return BatchMethod(call, explain)
 
+    dflash2 = drafter is not None and drafter_kind(drafter) == DFLASH2_DRAFTER.name
+    chain, tree = (DFLASH2, DDTREE_DFLASH2) if dflash2 else (DFLASH, DDTREE)
     methods = {AR.label: make(ARSpecConfig(method=AR.name, **common), None),  # type: ignore[arg-type]
-               DFLASH.label: make(ARSpecConfig(method=DFLASH.name, **common), drafter)}  # type: ignore[arg-type]
-    methods.update({f"{DDTREE.label} {b}": make(ARSpecConfig(method=DDTREE.name, budget=int(b), **common), drafter)  # type: ignore[arg-type]
+               chain.label: make(ARSpecConfig(method=chain.name, **common), drafter)}  # type: ignore[arg-type]
+    methods.update({f"{tree.label} {b}": make(ARSpecConfig(method=tree.name, budget=int(b), **common), drafter)  # type: ignore[arg-type]
                     for b in budgets})
     if dllm_drafter is not None:
         methods[DEER.label] = make(ARSpecConfig(method=DEER.name, **common), dllm_drafter)  # type: ignore[arg-type]

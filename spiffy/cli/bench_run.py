@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from spiffy.arspec import ACCEPT_RULES
+from spiffy.arspec.methods import DFLASH2_DRAFTER, DFLASH_DRAFTER, DLLM_DRAFTER
 from spiffy.bench.ar import plan_entries, run_ar_bench
 from spiffy.bench.common import parse_budgets
 from spiffy.bench.datasets import load_benchmark_prompts
@@ -28,7 +29,7 @@ from spiffy.embedded import (
 )
 from spiffy.errors import ConfigError
 from spiffy.io import atomic_write_json, atomic_write_text
-from spiffy.models import load_ar_drafter, load_drafter, load_model, load_tokenizer
+from spiffy.models import drafter_kind, load_ar_drafter, load_model, load_tokenizer
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.prompting import stop_token_ids
 from spiffy.selfspec.rivals import parse_rival_list
@@ -171,7 +172,10 @@ def run_ar(args: argparse.Namespace) -> int:
     target = load_model(target_dir, dtype=args.dtype, device=device, **placement)
     device = str(model_device(target)) if placement else device  # drafters and inputs: the embedding's device
     dtype = next(target.parameters()).dtype
-    drafter = load_drafter(drafter_dir, dtype=dtype, device=device)
+    if drafter_kind(drafter_dir) == DLLM_DRAFTER.name:
+        raise ConfigError(f"--drafter {drafter_dir} is a dLLM; fix: pass it as --dllm-drafter (--drafter takes a DFlash "
+                          "or DFlash2 drafter)")
+    drafter = load_ar_drafter(drafter_dir, dtype=dtype, device=device)
     dllm = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None
     set_threads(args.threads, target, drafter, dllm)
     tokenizer = load_tokenizer(target_dir)
@@ -184,8 +188,10 @@ def run_ar(args: argparse.Namespace) -> int:
         )
         return _throughput(args, "ar", methods, target, tokenizer, prompts, device,
                            max_new_tokens=args.max_new_tokens)
-    planned = plan_entries(budgets, methods=methods, accepts=accepts, drafts=drafts, have_dflash=True,
-                           have_dllm=dllm is not None)
+    kind = drafter_kind(drafter)
+    planned = plan_entries(budgets, methods=methods, accepts=accepts, drafts=drafts,
+                           have_dflash=kind == DFLASH_DRAFTER.name, have_dllm=dllm is not None,
+                           have_dflash2=kind == DFLASH2_DRAFTER.name)
     announce_cost("spiffy bench ar", len(prompts), [e.name for e in planned],
                   f"generations of up to {args.max_new_tokens} tokens", args.warmup)
     res = run_ar_bench(

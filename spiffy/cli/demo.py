@@ -52,7 +52,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--graph", default=None, metavar="FILE",
                         help="calibrated draft graph for --model (default: the shipped one; else calibrated on the fly)")
     parser.add_argument("--target", default=None, metavar="DIR|ID", help="Qwen3 target checkpoint, directory or Hub id (default: the embedded one)")
-    parser.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash drafter for --target, directory or Hub id (default: the embedded one)")
+    parser.add_argument("--drafter", default=None, metavar="DIR|ID", help="DFlash or DFlash2 drafter for --target, directory or Hub id (default: the embedded one)")
     parser.add_argument("--dllm-drafter", default=None, metavar="DIR|ID",
                         help="diffusion drafter for --target (DEER, SpecDiff-2, DDTree over its marginals; default: the "
                              "embedded one when shipped, else those rows are skipped)")

@@ -28,7 +28,7 @@ from spiffy.embedded import (
     resolve_graph_argument,
 )
 from spiffy.errors import ConfigError
-from spiffy.models import load_drafter, load_model, load_tokenizer
+from spiffy.models import load_model, load_tokenizer
 from spiffy.models.ar_drafters import drafter_kind, load_ar_drafter, make_tiny_dllm_drafter
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.tiny import make_tiny
@@ -171,7 +171,7 @@ def _ar_part(args: argparse.Namespace, paths: dict[str, Path], prompts: list[Any
     quiet_loading()
     target = load_model(paths["target"], dtype=args.dtype, device=device)
     dtype = next(target.parameters()).dtype
-    drafter = load_drafter(paths["drafter"], dtype=dtype, device=device)
+    drafter = load_ar_drafter(paths["drafter"], dtype=dtype, device=device)  # DFlash or DFlash2
     tokenizer = load_tokenizer(paths["target"])
     dllm_dir = paths.get("dllm_drafter")
     dllm_drafter = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None

@@ -21,14 +21,14 @@ SCORE_HELP = (
 DEFAULT_SPIFFY_BUDGET = 3
 
 #: AR-side methods in registry order (home: ``spiffy.arspec.methods.METHODS``)
-AR_METHODS: tuple[str, ...] = ("ar", "dflash", "ddtree", "ddtree-dllm", "deer", "specdiff")
+AR_METHODS: tuple[str, ...] = ("ar", "dflash", "ddtree", "dflash2", "ddtree-dflash2", "ddtree-dllm", "deer", "specdiff")
 #: acceptance rules of the AR side (home: ``spiffy.arspec.methods.ACCEPT_RULES``)
 ACCEPT_RULES: tuple[str, ...] = ("coupled", "rejection")
 #: DDTree nodes per round when none is given (home: ``spiffy.arspec.config.DEFAULT_BUDGET``)
 DEFAULT_TREE_BUDGET = 64
 
 #: families ``spiffy tiny`` writes (home: ``spiffy.models.tiny.TINY_FAMILIES``)
-TINY_FAMILIES: tuple[str, ...] = ("llada", "dream", "sdar", "qwen3", "dflash")
+TINY_FAMILIES: tuple[str, ...] = ("llada", "dream", "sdar", "qwen3", "dflash", "dflash2")
 #: dLLM-drafter training recipes (home: ``spiffy.train.d2a.RECIPES``)
 D2A_RECIPES: tuple[str, ...] = ("d2a-stage1", "d2a-stage2", "streak")
 #: DDTree budgets of ``spiffy bench overheads`` (home: ``spiffy.bench.overheads.DEFAULT_BUDGETS``)

@@ -16,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Create the ``tiny`` subcommand parser (no torch import; the work is in :mod:`spiffy.cli.tiny_run`)."""
     parser = subparsers.add_parser(
         "tiny",
-        help="write a tiny random checkpoint (LLaDA, Dream, SDAR, Qwen3, DFlash, dLLM drafter) for tests and demos",
+        help="write a tiny random checkpoint (LLaDA, Dream, SDAR, Qwen3, DFlash, DFlash2, dLLM drafter) for tests and demos",
         description=(
             "Write a tiny random checkpoint in the real layout: config.json (official auto_map), sharded "
             "safetensors + index, generation_config.json and an offline byte-level BPE tokenizer with the "
@@ -31,7 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--target",
         type=Path,
         default=None,
-        help="for dflash and dllm-drafter: the Qwen3 target checkpoint the drafter is made for (e.g. from `spiffy tiny qwen3`)",
+        help="for dflash, dflash2 and dllm-drafter: the Qwen3 target checkpoint the drafter is made for (e.g. from "
+             "`spiffy tiny qwen3`)",
     )
     parser.add_argument(
         "--set",

@@ -9,6 +9,7 @@ from pathlib import Path
 from spiffy.cli.runtime import set_threads
 from spiffy.errors import ConfigError
 from spiffy.models.ar_drafters import make_tiny_dllm_drafter
+from spiffy.models.registry import family_spec
 from spiffy.models.tiny import make_tiny
 
 
@@ -34,12 +35,13 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("dllm-drafter needs --target DIR (a Qwen3 checkpoint, e.g. from `spiffy tiny qwen3 DIR`)")
         path = make_tiny_dllm_drafter(args.outdir, args.target, seed=args.seed, **overrides)
         return _report(args, path)
-    if args.family == "dflash":
+    if family_spec(args.family).drafter:
         if args.target is None:
-            raise ConfigError("family dflash needs --target DIR (a Qwen3 checkpoint, e.g. from `spiffy tiny qwen3 DIR`)")
+            raise ConfigError(f"family {args.family} needs --target DIR (a Qwen3 checkpoint, e.g. from `spiffy tiny "
+                              "qwen3 DIR`)")
         overrides["target"] = args.target
     elif args.target is not None:
-        raise ConfigError("--target is only used with dflash and dllm-drafter")
+        raise ConfigError("--target is only used with the drafters (dflash, dflash2, dllm-drafter)")
     return _report(args, make_tiny(args.family, args.outdir, seed=args.seed, **overrides))
 
 

@@ -1,4 +1,4 @@
-"""Model families (LLaDA, Dream, SDAR; Qwen3 targets; DFlash drafters), loaders, tokenizers, prompts, tiny checkpoints.
+"""Model families (LLaDA, Dream, SDAR; Qwen3 targets; DFlash and DFlash2 drafters), loaders, tokenizers, prompts, tiny checkpoints.
 
 Uniform forward contract of spiffy's own diffusion models (``LLaDAModelLM``, ``DreamModel``,
 ``SDARForCausalLM``)::
@@ -19,10 +19,11 @@ stores the new K/V, ``"read"`` only reads (SDAR's ``store_kv=True/False`` is the
 
 from __future__ import annotations
 
-from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_target, save_drafter
+from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_dflash2, make_tiny_target, save_drafter
 from spiffy.models.ar_drafters import drafter_kind, load_ar_drafter, make_tiny_dllm_drafter
 from spiffy.models.cache import KVCache, as_kv_cache
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, check_compatible, load_drafter
+from spiffy.models.dflash2 import DFlash2DraftModel, load_dflash2_drafter
 from spiffy.models.loading import (
     SpecialTokenIds,
     family_of,
@@ -43,6 +44,7 @@ from spiffy.models.tiny import make_tiny
 from spiffy.models.tokenizer import build_tokenizer
 
 __all__ = [
+    "DFlash2DraftModel",
     "DFlashDraftModel",
     "FAMILIES",
     "FamilySpec",
@@ -55,6 +57,7 @@ __all__ = [
     "family_of",
     "family_spec",
     "load_config",
+    "load_dflash2_drafter",
     "load_ar_drafter",
     "load_model",
     "load_drafter",
@@ -63,6 +66,7 @@ __all__ = [
     "load_tokenizer",
     "make_tiny",
     "make_tiny_dflash",
+    "make_tiny_dflash2",
     "make_tiny_dllm_drafter",
     "make_tiny_target",
     "mask_token_id",

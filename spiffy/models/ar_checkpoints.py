@@ -1,11 +1,14 @@
-"""Checkpoint writers of the AR side: DFlash drafters (:func:`save_drafter`) and tiny random DFlash drafters and
-Qwen3 targets in the real file layout (for tests and demos; ``spiffy tiny dflash`` goes through
-:func:`spiffy.models.tiny.make_tiny`).
+"""Checkpoint writers of the AR side: DFlash / DFlash2 drafters (:func:`save_drafter`) and tiny random DFlash and
+DFlash2 drafters and Qwen3 targets in the real file layout (for tests and demos; ``spiffy tiny dflash`` and ``spiffy
+tiny dflash2`` go through :func:`spiffy.models.tiny.make_tiny`).
 
 :func:`make_tiny_dflash` writes ``config.json`` (a Qwen3Config with ``architectures ["DFlashDraftModel"]``,
 ``block_size``, ``num_target_layers`` and ``dflash_config`` {``target_layer_ids``, ``mask_token_id``,
 ``block_size``}) and sharded safetensors with a ``model.safetensors.index.json``, sized to a target checkpoint's
-config (hidden size, heads, head dim, vocabulary). Files are written atomically (:mod:`spiffy.io`).
+config (hidden size, heads, head dim, vocabulary). :func:`make_tiny_dflash2` adds the DFlash2 fields
+(``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``) to ``dflash_config``, names the
+architecture ``DFlash2DraftModel`` and stores the selector's codebooks without a ``.weight`` suffix, as released
+DFlash2 checkpoints do (z-lab's ``dflash`` package loads it strictly). Files are written atomically (:mod:`spiffy.io`).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from spiffy.errors import CheckpointError, ConfigError
 from spiffy.io import atomic_write_bytes, atomic_write_json, replace_dir
 from spiffy.models.dflash import DFlashDraftModel, default_target_layer_ids
+from spiffy.models.dflash2 import DFlash2DraftModel
 from spiffy.models.tokenizer import build_tokenizer
 
-__all__ = ["make_tiny_dflash", "make_tiny_target", "random_weights", "save_drafter", "target_config_dict", "tiny_mask_token_id",
-           "tiny_target_layer_ids"]
+__all__ = ["make_tiny_dflash", "make_tiny_dflash2", "make_tiny_target", "random_weights", "save_drafter",
+           "target_config_dict", "tiny_mask_token_id", "tiny_target_layer_ids"]
 
 MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
 
@@ -76,14 +80,15 @@ def random_weights(model: torch.nn.Module, seed: int, std: float) -> None:
 
 
 def save_drafter(model: torch.nn.Module, out_dir: str | Path, num_shards: int = 2) -> Path:
-    """Write a :class:`~spiffy.models.dflash.DFlashDraftModel` as ``config.json`` + sharded safetensors + index.
+    """Write a :class:`~spiffy.models.dflash.DFlashDraftModel` (or a DFlash2 one) as ``config.json`` + sharded
+    safetensors + index; ``architectures`` names the model's class.
 
     Every file is written atomically. ``num_shards`` >= 1 (1 = a single ``model.safetensors``).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_dict()
-    cfg["architectures"] = ["DFlashDraftModel"]
+    cfg["architectures"] = [type(model).__name__]
     cfg["model_type"] = "qwen3"
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     keys = sorted(state)
@@ -143,6 +148,51 @@ def make_tiny_dflash(
         mask_token_id: default: the target tokenizer's ``<|MASK|>``-like token, else ``vocab_size - 1``.
         dtype: stored parameter dtype.
     """
+    cfg = _tiny_drafter_config(target, num_layers, block_size, target_layer_ids, mask_token_id, "DFlashDraftModel")
+    return save_drafter(_random_drafter(DFlashDraftModel(cfg), seed).to(dtype), out_dir, num_shards=2)
+
+
+def make_tiny_dflash2(
+    out_dir: str | Path,
+    target: Any,
+    seed: int = 0,
+    num_layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    conv_kernel_size: int = 4,
+    conv_group_size: int | None = None,
+    selector_rank: int = 16,
+    selector_top_k: int = 8,
+) -> Path:
+    """Write a tiny random DFlash2 drafter for ``target`` in the released layout and return its directory.
+
+    Args: as :func:`make_tiny_dflash`, plus the DFlash2 fields (``conv_group_size`` default: a quarter of the hidden
+    size). Weights as :func:`random_weights`, except that each convolution's base kernel gets 1 added to its first
+    tap, so a fresh drafter starts near the DFlash drafter it extends (the convolutions near the identity).
+    """
+    cfg = _tiny_drafter_config(target, num_layers, block_size, target_layer_ids, mask_token_id, "DFlash2DraftModel")
+    group = int(conv_group_size) if conv_group_size is not None else max(1, int(cfg.hidden_size) // 4)
+    cfg.dflash_config.update(conv_kernel_size=int(conv_kernel_size), conv_group_size=group,
+                             selector_rank=int(selector_rank), selector_top_k=int(selector_top_k))
+    model = _random_drafter(DFlash2DraftModel(cfg), seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_conv.base_kernel"):
+                p[:, 0] += 1.0
+    return save_drafter(model.to(dtype), out_dir, num_shards=2)
+
+
+def _random_drafter(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """``model`` with :func:`random_weights` at five times its config's ``initializer_range``."""
+    random_weights(model, seed, float(getattr(model.config, "initializer_range", 0.02)) * 5)
+    return model
+
+
+def _tiny_drafter_config(target: Any, num_layers: int, block_size: int, target_layer_ids: list[int] | None,
+                         mask_token_id: int | None, architecture: str) -> Qwen3Config:
+    """The config of a tiny (DFlash or DFlash2) drafter sized to ``target`` (see :func:`make_tiny_dflash`)."""
     if num_layers < 1:
         raise ConfigError(f"num_layers must be >= 1, got {num_layers}; fix: pass num_layers=1 or more")
     if block_size < 2:
@@ -177,11 +227,8 @@ def make_tiny_dflash(
     cfg.block_size = int(block_size)
     cfg.num_target_layers = n_target
     cfg.dflash_config = {"target_layer_ids": [int(i) for i in ids], "mask_token_id": mask_id, "block_size": int(block_size)}
-    cfg.architectures = ["DFlashDraftModel"]
-    model = DFlashDraftModel(cfg)
-    random_weights(model, seed, float(getattr(cfg, "initializer_range", 0.02)) * 5)
-    model = model.to(dtype)
-    return save_drafter(model, out_dir, num_shards=2)
+    cfg.architectures = [architecture]
+    return cfg
 
 
 _TINY_CORPUS = [

@@ -1,10 +1,12 @@
 """Drafters of AR speculative decoding as checkpoints: which kind a directory holds, loading either kind, and the
 tiny random dLLM drafter writer (``spiffy tiny dllm-drafter DIR --target TARGET``).
 
-Two kinds, read from ``config.json``:
+Three kinds, read from ``config.json``:
 
 * ``"dflash"``: a DFlash drafter (a qwen3 config with ``dflash_config``; :mod:`spiffy.models.dflash`), conditioned on
   target features.
+* ``"dflash2"``: a DFlash2 drafter (a DFlash config with the DFlash2 fields ``conv_kernel_size``, ``conv_group_size``,
+  ``selector_rank``, ``selector_top_k`` or the architecture ``DFlash2DraftModel``; :mod:`spiffy.models.dflash2`).
 * ``"dllm"``: a standalone diffusion LM of a spiffy family (SDAR, LLaDA or Dream) that shares the target's
   tokenizer and vocabulary, conditioned on the committed tokens only (DEER / SpecDiff-2). Its config may carry
   ``drafter_config = {"kind": "dllm", "block_size": B, "mask_token_id": M, "layout": "root" | "aligned",
@@ -27,6 +29,7 @@ from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError
 from spiffy.models.ar_checkpoints import tiny_mask_token_id, random_weights, target_config_dict
 from spiffy.models.checkpoint import read_config_dict
 from spiffy.models.dflash import is_dflash_config, load_drafter
+from spiffy.models.dflash2 import is_dflash2_config, load_dflash2_drafter
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import family_of, load_model, load_tokenizer, mask_token_id, save_checkpoint
 from spiffy.models.registry import family_spec
@@ -44,7 +47,7 @@ __all__ = [
     "make_tiny_dllm_drafter",
 ]
 
-DRAFTER_KINDS: tuple[str, ...] = ("dflash", "dllm")
+DRAFTER_KINDS: tuple[str, ...] = ("dflash", "dflash2", "dllm")
 #: how a dLLM drafter attends (see spiffy.arspec.dllm_drafter): ``root``: causal prefix + one bidirectional block
 #: starting at the root; ``aligned``: SDAR's block-causal attention over absolute-position-aligned blocks
 DLLM_LAYOUTS: tuple[str, ...] = ("root", "aligned")
@@ -64,19 +67,22 @@ def _config_dict(path_or_config: Any) -> dict[str, Any]:
 
 
 def drafter_kind(path_or_config: Any) -> str:
-    """``"dflash"`` or ``"dllm"`` for a drafter checkpoint directory, config (object or dict) or loaded model.
+    """``"dflash"``, ``"dflash2"`` or ``"dllm"`` for a drafter checkpoint directory, config (object or dict) or loaded
+    model.
 
     Raises:
         ConfigError: the checkpoint is neither (e.g. a plain Qwen3 model).
     """
     cfg = _config_dict(path_or_config)
+    if is_dflash2_config(cfg):
+        return "dflash2"
     if is_dflash_config(cfg):
         return "dflash"
     family = family_of(cfg)
-    if family_spec(family).diffusion and family != "dflash":
+    if family_spec(family).diffusion:
         return "dllm"
     raise ConfigError(
-        f"a {family} checkpoint is not a drafter; fix: pass a DFlash drafter or a diffusion LM (SDAR, LLaDA, Dream) "
+        f"a {family} checkpoint is not a drafter; fix: pass a DFlash / DFlash2 drafter or a diffusion LM (SDAR, LLaDA, Dream) "
         "that shares the target's tokenizer (e.g. `spiffy tiny dllm-drafter DIR --target TARGET`)"
     )
 
@@ -143,14 +149,17 @@ def check_dllm_compatible(drafter: nn.Module, target: nn.Module) -> None:
 
 
 def load_ar_drafter(path: str | os.PathLike, dtype: Any = None, device: Any = None, **placement: Any) -> nn.Module:
-    """Load a drafter checkpoint of either kind (a directory or a Hub id): a
-    :class:`~spiffy.models.dflash.DFlashDraftModel` or a dLLM (eval mode). The kind comes from ``config.json``
+    """Load a drafter checkpoint of any kind (a directory or a Hub id): a
+    :class:`~spiffy.models.dflash.DFlashDraftModel`, a :class:`~spiffy.models.dflash2.DFlash2DraftModel` or a dLLM
+    (eval mode). The kind comes from ``config.json``
     (:func:`drafter_kind`). ``placement``: ``device_map`` / ``offload_folder`` / ``max_memory`` (accelerate
     placement, see :func:`spiffy.models.loading.load_model`)."""
     root = checkpoint_dir(path)
     if not (root / "config.json").is_file():
         raise CheckpointError(f"no config.json in {root}; fix: --drafter must be a drafter checkpoint directory")
     kind = drafter_kind(root)
+    if kind == "dflash2":
+        return load_dflash2_drafter(root, dtype=dtype, device=device, **placement)
     if kind == "dflash":
         return load_drafter(root, dtype=dtype, device=device, **placement)
     return load_model(root, dtype=dtype, device=device, **placement)

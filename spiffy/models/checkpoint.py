@@ -130,9 +130,10 @@ def alias_groups(model: torch.nn.Module) -> list[list[str]]:
 
 
 def check_keys(
-    model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: str | os.PathLike
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: str | os.PathLike, fix: str | None = None
 ) -> None:
-    """Strict key matching: raise CheckpointKeyError naming missing, unexpected and shape-mismatched keys.
+    """Strict key matching: raise CheckpointKeyError naming missing, unexpected and shape-mismatched keys (``fix``:
+    the error's fix when the caller knows a better one than the generic).
 
     Tied parameters (several names, one tensor) need only one of their names in the checkpoint.
     """
@@ -149,7 +150,7 @@ def check_keys(
         if k in state and tuple(state[k].shape) != expected[k]
     )
     if missing or unexpected or mismatch:
-        raise CheckpointKeyError(str(path), missing, unexpected, mismatch)
+        raise CheckpointKeyError(str(path), missing, unexpected, mismatch, fix)
 
 
 def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:

@@ -487,7 +487,10 @@ def load_drafter(
         want = resolve_dtype(dtype)
     with torch.device("meta"):
         model = DFlashDraftModel(config)
-    check_keys(model, state, root)
+    dflash2 = any(k.startswith("candidate_selector.") for k in state)  # spiffy.models.dflash2's weights
+    check_keys(model, state, root, fix="fix: this is a DFlash2 drafter (candidate_selector.*, *_conv.*): load it with "
+               "spiffy.models.load_ar_drafter, its config.json naming conv_kernel_size, conv_group_size, selector_rank "
+               "and selector_top_k" if dflash2 else None)
     model = model.to_empty(device=device or "cpu")
     model.load_state_dict({k: v.to(want) for k, v in state.items()}, strict=True)
     model = model.to(dtype=want)

@@ -2,7 +2,8 @@
 
 * :func:`load_model` - dispatch on config.json ``model_type`` (``"llada"``, ``"Dream"``, ``"sdar"`` -> spiffy's
   own modules; ``"qwen3"`` -> transformers' ``Qwen3ForCausalLM``; a config with ``dflash_config`` or
-  architectures ``["DFlashDraftModel"]`` -> :func:`spiffy.models.dflash.load_drafter`). Reads ``model.safetensors``
+  architectures ``["DFlashDraftModel"]`` -> :func:`spiffy.models.dflash.load_drafter`; a DFlash2 config ->
+  :func:`spiffy.models.dflash2.load_dflash2_drafter`: a drafter family's ``FamilySpec.loader``). Reads ``model.safetensors``
   or a sharded ``model.safetensors.index.json`` (:mod:`spiffy.models.checkpoint`), with strict key matching.
 * :func:`load_target` (from :mod:`spiffy.models.target`) - a Qwen3 target for AR speculative decoding.
 * :func:`save_checkpoint` - config.json (with the official ``auto_map``), sharded safetensors + index, optional
@@ -42,7 +43,8 @@ from spiffy.models.hub import checkpoint_dir, resolve_checkpoint
 from spiffy.models.flash import FLASH, require_flash_attn
 from spiffy.models.flex import target_attention
 from spiffy.models.layers import ATTN_IMPLEMENTATIONS
-from spiffy.models.dflash import is_dflash_config, load_drafter
+from spiffy.models.dflash import is_dflash_config
+from spiffy.models.dflash2 import is_dflash2_config
 from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device, qwen3_from_pretrained
 from spiffy.models.registry import FAMILIES, family_of_model_type, family_spec, model_types
 from spiffy.models.target import load_target
@@ -73,7 +75,7 @@ def _config_as_dict(obj: Any) -> dict[str, Any]:
 
 
 def family_of(path_or_config: Any) -> str:
-    """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"dflash"``) of a checkpoint path,
+    """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"dflash"``, ``"dflash2"``) of a checkpoint path,
     config object, config dict or model. UnknownModelTypeError for an unsupported ``model_type``."""
     model = path_or_config
     if hasattr(model, "config") and not isinstance(model, (str, os.PathLike, Mapping)):
@@ -81,6 +83,8 @@ def family_of(path_or_config: Any) -> str:
             if spec.own_classes and type(model).__name__ == spec.model_class_path.rpartition(".")[2]:
                 return name
     cfg = _config_as_dict(path_or_config)
+    if is_dflash2_config(cfg):  # a DFlash2 config is a DFlash config too: the more specific family first
+        return "dflash2"
     if is_dflash_config(cfg):
         return "dflash"
     model_type = cfg.get("model_type")
@@ -158,8 +162,8 @@ def load_model(
     device, device_map = placement_device(device, device_map)
     torch_dtype = resolve_dtype(dtype, data, device)
     if spec.drafter:
-        return load_drafter(path, dtype=torch_dtype, device=device, device_map=device_map,
-                            offload_folder=offload_folder, max_memory=max_memory)
+        return spec.loader(path, dtype=torch_dtype, device=device, device_map=device_map,
+                           offload_folder=offload_folder, max_memory=max_memory)
     config = load_config(path, family)
     if native:  # transformers' class: flex_attention is spiffy's kernel registered with transformers
         config._attn_implementation = target_attention(attn_implementation)

@@ -56,6 +56,9 @@ class FamilySpec:
         decoder: the decoding rule that decodes the family, a key of :data:`spiffy.decoding.factory.SESSIONS` (each
             session class's ``rule``); ``None``: not a diffusion LM spiffy decodes (AR targets, drafters).
         drafter: the family is a drafter of AR targets (its tiny checkpoint is sized to a target).
+        loader_path: a drafter family's loader, ``(path, dtype=, device=, device_map=, offload_folder=, max_memory=)
+            -> model`` (what :func:`~spiffy.models.loading.load_model` calls for it; its tiny checkpoint writer is
+            named in :data:`spiffy.models.tiny.DRAFTER_WRITERS`).
         chat_template: the chat template of the family's tiny tokenizer (:mod:`spiffy.models.chat_templates`).
         tiny_config: the architecture values of the family's tiny random checkpoint (:func:`spiffy.models.tiny.make_tiny`;
             token ids and the vocabulary size are filled from its tokenizer).
@@ -83,6 +86,7 @@ class FamilySpec:
     fingerprint_fields: tuple[str, ...] = ()
     decoder: str | None = None
     drafter: bool = False
+    loader_path: str | None = None
     chat_template: str = CHATML_TEMPLATE
     tiny_config: Mapping[str, Any] = field(default_factory=dict)
     vocab_fields: tuple[str, ...] = ("vocab_size",)
@@ -95,6 +99,13 @@ class FamilySpec:
     @property
     def config_class(self) -> type:
         return _import(self.config_class_path)
+
+    @property
+    def loader(self) -> Callable[..., Any]:
+        """A drafter family's checkpoint loader (:attr:`loader_path`)."""
+        if self.loader_path is None:
+            raise ConfigError(f"the {self.name} family has no drafter loader")
+        return _import(self.loader_path)
 
     @property
     def base_model_class(self) -> type:
@@ -151,6 +162,13 @@ TINY_INIT_STD = 0.1
 _TINY_QWEN: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=512, initializer_range=TINY_INIT_STD, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+#: what the DFlash drafter families share (qwen3 configs with ``dflash_config``, the target's tokens)
+_DFLASH_DRAFTER: dict[str, Any] = dict(
+    model_type="qwen3", config_class_path="transformers.Qwen3Config", mask_config_key="dflash_config.mask_token_id",
+    mask_token="<|MASK|>", special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
+    diffusion=False, drafter=True,
 )
 
 #: every family spiffy knows, by name (the one list: every other family list is derived from it)
@@ -238,17 +256,10 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         ),
         generation_stops=True,
     ),
-    FamilySpec(
-        name="dflash",
-        model_type="qwen3",
-        model_class_path="spiffy.models.dflash.DFlashDraftModel",
-        config_class_path="transformers.Qwen3Config",
-        mask_config_key="dflash_config.mask_token_id",
-        mask_token="<|MASK|>",
-        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
-        diffusion=False,
-        drafter=True,
-    ),
+    FamilySpec(name="dflash", model_class_path="spiffy.models.dflash.DFlashDraftModel",
+               loader_path="spiffy.models.dflash.load_drafter", **_DFLASH_DRAFTER),
+    FamilySpec(name="dflash2", model_class_path="spiffy.models.dflash2.DFlash2DraftModel",
+               loader_path="spiffy.models.dflash2.load_dflash2_drafter", **_DFLASH_DRAFTER),
 )}
 
 def fingerprint_fields() -> tuple[str, ...]:

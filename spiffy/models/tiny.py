@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from spiffy.errors import ConfigError
-from spiffy.models.ar_checkpoints import make_tiny_dflash
+from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_dflash2
 from spiffy.models.loading import save_checkpoint, special_token_ids
 from spiffy.models.registry import FAMILIES, FamilySpec
 from spiffy.models.tokenizer import build_tokenizer
 
 #: the families with a tiny checkpoint: every family of the registry (``spiffy tiny``'s choices)
 TINY_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
+#: the tiny checkpoint writer of each drafter family (``(out_dir, target, seed, **overrides) -> Path``)
+DRAFTER_WRITERS: dict[str, Callable[..., Any]] = {"dflash": make_tiny_dflash, "dflash2": make_tiny_dflash2}
 
 
 def _tiny_config(spec: FamilySpec, tokenizer: Any, overrides: dict[str, Any]) -> Any:
@@ -54,8 +56,9 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
     """Write a tiny random checkpoint of ``family`` to ``out_dir`` and return its path.
 
     Args:
-        family: ``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"`` or ``"dflash"`` (the latter needs
-            ``target=PATH`` of a Qwen3 checkpoint and delegates to :func:`spiffy.models.ar_checkpoints.make_tiny_dflash`).
+        family: ``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, or a drafter family (``"dflash"``, ``"dflash2"``:
+            needs ``target=PATH`` of a Qwen3 checkpoint and delegates to the family's writer in
+            :data:`DRAFTER_WRITERS`).
         out_dir: directory to write (replaced atomically if it exists).
         seed: weight-initialisation seed (the global torch RNG is left untouched).
         **overrides: config keys to override (e.g. ``n_layers=3`` for LLaDA, ``num_hidden_layers=3`` for the
@@ -69,8 +72,9 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
     if spec.drafter:
         target = overrides.pop("target", None)
         if target is None:
-            raise ConfigError("a tiny DFlash drafter needs target=PATH of a Qwen3 checkpoint (e.g. from make_tiny('qwen3', ...))")
-        return Path(make_tiny_dflash(out_dir, target, seed, **overrides))
+            raise ConfigError(f"a tiny {spec.name} drafter needs target=PATH of a Qwen3 checkpoint (e.g. from "
+                              "make_tiny('qwen3', ...))")
+        return Path(DRAFTER_WRITERS[fam](out_dir, target, seed, **overrides))
     overrides.pop("target", None)
     vocab_size = int(overrides.pop("vocab_size", 512))
     min_shards = int(overrides.pop("min_shards", 2))
