@@ -34,6 +34,7 @@ from spiffy.arspec.drafter import BatchDrafter, Drafter
 from spiffy.arspec.methods import DraftKnobs, Method
 from spiffy.arspec.tree import DraftTree
 from spiffy.errors import ConfigError, PromptTooLongError
+from spiffy.models.target import cache_argument, check_target_config
 from spiffy.torch_utils import execution_device
 from spiffy.verify import CompiledDraft, compile_tree_rows
 
@@ -102,12 +103,14 @@ class TargetRunner:
     @classmethod
     def for_target(cls, target: nn.Module) -> "TargetRunner":
         """Split ``target`` (a transformers decoder such as ``Qwen3ForCausalLM``, sdpa or eager attention); fresh
-        cache."""
+        cache. Raises UnsupportedTargetError for a model whose layers cannot be verified exactly
+        (:func:`spiffy.models.target.check_target_config`)."""
+        check_target_config(target.config, type(target).__name__)
         backbone = getattr(target, "model", None)
         head = getattr(target, "lm_head", None)
         if backbone is None or head is None:
             raise ConfigError(
-                f"{type(target).__name__} has no .model/.lm_head; fix: pass a transformers Qwen3ForCausalLM target"
+                f"{type(target).__name__} has no .model/.lm_head; fix: pass a transformers causal LM loaded by load_target"
             )
         impl = getattr(target.config, "_attn_implementation", None)
         if impl is not None and "flash" in str(impl):
@@ -192,8 +195,8 @@ def prefill_inputs(prompts: Sequence[Sequence[int]], device: torch.device, dtype
 
 def prefill(runner: TargetRunner, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Forward the prompts ``[B, P]`` into the empty cache; returns ``[B, V]`` logits of each row's first new token."""
-    out = runner.backbone(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=runner.cache,
-                          use_cache=True)
+    out = runner.backbone(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                          **cache_argument(runner.backbone, runner.cache))
     return runner.lm_head(out.last_hidden_state[:, -1])
 
 
@@ -257,8 +260,8 @@ def verify(runner: TargetRunner, compiled: CompiledDraft) -> torch.Tensor:
         input_ids=compiled.input_ids,
         position_ids=compiled.position_ids,
         attention_mask=compiled.attention_mask,
-        past_key_values=runner.cache,
         use_cache=True,
+        **cache_argument(runner.backbone, runner.cache),
     )
     return out.last_hidden_state
 

@@ -14,20 +14,22 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from safetensors.torch import save
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from spiffy.errors import CheckpointError, ConfigError
+from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError
 from spiffy.io import atomic_write_bytes, atomic_write_json, replace_dir
 from spiffy.models.dflash import DFlashDraftModel, default_target_layer_ids
 from spiffy.models.tokenizer import build_tokenizer
 
-__all__ = ["make_tiny_dflash", "make_tiny_target", "random_weights", "save_drafter", "target_config_dict", "tiny_mask_token_id"]
+__all__ = ["dflash_config_for_target", "make_tiny_dflash", "make_tiny_target", "random_weights", "save_drafter", "target_config_dict", "tiny_mask_token_id"]
 
-MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
+#: the tokens a target's DFlash drafter fills its blocks with, in order of preference (Qwen's added ``<|MASK|>``,
+#: generic mask spellings, Llama 3's first reserved special token)
+MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]", "<|reserved_special_token_0|>")
 
 
 def target_config_dict(target: Any) -> dict[str, Any]:
@@ -105,6 +107,59 @@ def save_drafter(model: torch.nn.Module, out_dir: str | Path, num_shards: int = 
     return out
 
 
+def dflash_config_for_target(
+    target: Any,
+    num_layers: int,
+    block_size: int,
+    target_layer_ids: Sequence[int] | None,
+    mask_token_id: int,
+    intermediate_size: int | None = None,
+) -> Qwen3Config:
+    """The config of a DFlash drafter for ``target`` (a checkpoint directory, config or model of any target
+    architecture): a ``Qwen3Config`` with the target's hidden size, heads, K/V heads, head dim, intermediate size
+    (``intermediate_size`` overrides it), vocabulary, RoPE parameters, norm epsilon and activation, plus the DFlash
+    extras ``block_size``, ``num_target_layers`` and ``dflash_config`` {``target_layer_ids`` (default: the SPEC §3
+    rule), ``mask_token_id``, ``block_size``}. The one builder of drafter configs (``spiffy tiny dflash``,
+    ``spiffy train-drafter``).
+
+    Raises:
+        ConfigError: ``num_layers < 1`` or ``block_size < 2``; DrafterMismatchError: layer ids outside the target.
+    """
+    if num_layers < 1:
+        raise ConfigError(f"num_layers must be >= 1, got {num_layers}; fix: pass num_layers=1 or more")
+    if block_size < 2:
+        raise ConfigError(f"block_size must be >= 2, got {block_size}; fix: use e.g. 16")
+    tcfg = target_config_dict(target)
+    tcfg = tcfg.get("text_config") or tcfg  # a multimodal checkpoint's language model
+    n_target = int(tcfg["num_hidden_layers"])
+    ids = [int(i) for i in target_layer_ids] if target_layer_ids else default_target_layer_ids(n_target, num_layers)
+    bad = [i for i in ids if not 0 <= i < n_target]
+    if bad:
+        raise DrafterMismatchError(f"target layer ids {bad} outside the target's {n_target} layers; "
+                                   f"fix: pass target layer ids within 0..{n_target - 1}")
+    hidden, heads = int(tcfg["hidden_size"]), int(tcfg["num_attention_heads"])
+    rope = tcfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": tcfg.get("rope_theta", 1e6)}
+    cfg = Qwen3Config(
+        hidden_size=hidden,
+        intermediate_size=int(intermediate_size or tcfg.get("intermediate_size") or 4 * hidden),
+        num_hidden_layers=int(num_layers),
+        num_attention_heads=heads,
+        num_key_value_heads=int(tcfg.get("num_key_value_heads") or heads),
+        head_dim=int(tcfg.get("head_dim") or hidden // heads),
+        vocab_size=int(tcfg["vocab_size"]),
+        max_position_embeddings=int(tcfg.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(tcfg.get("rms_norm_eps", 1e-6)),
+        rope_parameters=dict(rope),
+        hidden_act=tcfg.get("hidden_act", "silu"),
+        tie_word_embeddings=False,
+    )
+    cfg.block_size = int(block_size)
+    cfg.num_target_layers = n_target
+    cfg.dflash_config = {"target_layer_ids": ids, "mask_token_id": int(mask_token_id), "block_size": int(block_size)}
+    cfg.architectures = ["DFlashDraftModel"]
+    return cfg
+
+
 def make_tiny_dflash(
     out_dir: str | Path,
     target: Any,
@@ -119,8 +174,8 @@ def make_tiny_dflash(
 
     Args:
         out_dir: output directory (created).
-        target: the target checkpoint directory (or its config / a loaded model): hidden size, heads, KV heads,
-            head dim, intermediate size, vocabulary, RoPE and norm settings are copied from it.
+        target: the target checkpoint directory (or its config / a loaded model) of any target architecture: its
+            config gives the drafter's (:func:`dflash_config_for_target`).
         seed: weights are a deterministic function of the seed.
         num_layers: drafter decoder layers.
         block_size: drafted block length (bonus + ``block_size - 1`` masks).
@@ -128,35 +183,10 @@ def make_tiny_dflash(
         mask_token_id: default: the target tokenizer's ``<|MASK|>``-like token, else ``vocab_size - 1``.
         dtype: stored parameter dtype.
     """
-    if num_layers < 1:
-        raise ConfigError(f"num_layers must be >= 1, got {num_layers}; fix: pass num_layers=1 or more")
-    if block_size < 2:
-        raise ConfigError(f"block_size must be >= 2, got {block_size}; fix: use e.g. 16")
     tcfg = target_config_dict(target)
-    n_target = int(tcfg["num_hidden_layers"])
     vocab = int(tcfg["vocab_size"])
-    ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(n_target, num_layers)
     mask_id = int(mask_token_id) if mask_token_id is not None else tiny_mask_token_id(target, vocab)
-    heads = int(tcfg["num_attention_heads"])
-    rope = tcfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": tcfg.get("rope_theta", 1e6)}
-    cfg = Qwen3Config(
-        hidden_size=int(tcfg["hidden_size"]),
-        intermediate_size=int(tcfg.get("intermediate_size", 4 * int(tcfg["hidden_size"]))),
-        num_hidden_layers=int(num_layers),
-        num_attention_heads=heads,
-        num_key_value_heads=int(tcfg.get("num_key_value_heads") or heads),
-        head_dim=int(tcfg.get("head_dim") or int(tcfg["hidden_size"]) // heads),
-        vocab_size=vocab,
-        max_position_embeddings=int(tcfg.get("max_position_embeddings", 4096)),
-        rms_norm_eps=float(tcfg.get("rms_norm_eps", 1e-6)),
-        rope_parameters=dict(rope),
-        hidden_act=tcfg.get("hidden_act", "silu"),
-        tie_word_embeddings=False,
-    )
-    cfg.block_size = int(block_size)
-    cfg.num_target_layers = n_target
-    cfg.dflash_config = {"target_layer_ids": [int(i) for i in ids], "mask_token_id": mask_id, "block_size": int(block_size)}
-    cfg.architectures = ["DFlashDraftModel"]
+    cfg = dflash_config_for_target(tcfg, num_layers, block_size, target_layer_ids, mask_id)
     model = DFlashDraftModel(cfg)
     random_weights(model, seed, float(getattr(cfg, "initializer_range", 0.02)) * 5)
     model = model.to(dtype)
