@@ -80,7 +80,12 @@ def mask_token_of(tokenizer: Any, vocab_size: int, explicit: int | None = None) 
 def build_drafter_config(target_config: Any, num_layers: int, block_size: int, target_layer_ids: Sequence[int] | None,
                          mask_token_id: int, intermediate: int | None = None):
     """A ``Qwen3Config`` for a drafter sized to the target (any target architecture) + DFlash extras
-    (:func:`spiffy.models.ar_checkpoints.dflash_config_for_target`)."""
+    (:func:`spiffy.models.ar_checkpoints.dflash_config_for_target`); DrafterMismatchError for layer ids outside it."""
+    n_target = int(target_config.num_hidden_layers)
+    bad = [int(i) for i in target_layer_ids or () if not 0 <= int(i) < n_target]
+    if bad:
+        raise DrafterMismatchError(f"target layer ids {bad} outside the target's {n_target} layers; "
+                                   f"fix: pass --target-layer-ids within 0..{n_target - 1}")
     return dflash_config_for_target(target_config, num_layers, block_size, target_layer_ids, mask_token_id, intermediate)
 
 
