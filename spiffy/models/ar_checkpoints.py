@@ -28,8 +28,8 @@ from spiffy.models.tokenizer import build_tokenizer
 __all__ = ["dflash_config_for_target", "make_tiny_dflash", "make_tiny_target", "random_weights", "save_drafter", "target_config_dict", "tiny_mask_token_id"]
 
 #: the tokens a target's DFlash drafter fills its blocks with, in order of preference (Qwen's added ``<|MASK|>``,
-#: generic mask spellings, Llama 3's first reserved special token)
-MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]", "<|reserved_special_token_0|>")
+#: generic mask spellings, Llama 3's first reserved special token, Mistral's first reserved control token)
+MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]", "<|reserved_special_token_0|>", "[control_8]")
 
 
 def target_config_dict(target: Any) -> dict[str, Any]:

@@ -309,7 +309,8 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         config_class_path="transformers.MistralConfig",
         mask_config_key=None,
         mask_token=None,
-        special_tokens=("<unk>", "<s>", "</s>", "[INST]", "[/INST]"),
+        # Mistral v0.3's first tokens; a reserved control token is what its DFlash drafters fill blocks with
+        special_tokens=("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[control_8]"),
         eos_token="</s>",
         pad_token=None,
         bos_token="<s>",
