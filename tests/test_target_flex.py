@@ -20,6 +20,7 @@ from spiffy.arspec import ARSpecConfig, as_drafter, ddtree_generate
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.errors import ConfigError
 from spiffy.models import load_drafter, load_model, load_target, make_tiny_dflash, make_tiny_target
+from spiffy.models.cache import hf_cache
 from spiffy.models.flex import TARGET_FLEX, target_attention
 from spiffy.verify import compile_tree
 
@@ -67,11 +68,11 @@ def test_tree_verification_logits_match_sdpa(models, monkeypatch):
     for name in ("sdpa", "flex"):
         model = models[name]
         cache = DynamicCache(config=model.config)
-        first = model(prompt, past_key_values=cache, use_cache=True).logits
+        first = model(prompt, **hf_cache(cache), use_cache=True).logits
         compiled = compile_tree(tokens, depths + 7, parents, context_len=7, dtype=torch.float64,
                                 prefix_rows=(torch.tensor([int(tokens[0])]), torch.tensor([7])))
         out = model(compiled.input_ids, position_ids=compiled.position_ids, attention_mask=compiled.attention_mask,
-                    past_key_values=cache, use_cache=True).logits
+                    **hf_cache(cache), use_cache=True).logits
         logits[name] = (first, out)
         if name == "flex":
             assert isinstance(flex_module._block_mask(compiled.attention_mask, 1, out.shape[1], 7 + out.shape[1],
@@ -125,12 +126,12 @@ def test_same_shape_different_trees_each_match_sdpa(models):
     for name in ("sdpa", "flex"):
         model = models[name]
         cache = DynamicCache(config=model.config)
-        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt, **hf_cache(cache), use_cache=True)
         logits[name] = []
         for parents, depths in trees:
             compiled = compile_tree(tokens, depths + 5, parents, context_len=5, dtype=torch.float64, prefix_rows=root)
             logits[name].append(model(compiled.input_ids, position_ids=compiled.position_ids,
-                                      attention_mask=compiled.attention_mask, past_key_values=copy.deepcopy(cache),
+                                      attention_mask=compiled.attention_mask, **hf_cache(copy.deepcopy(cache)),
                                       use_cache=True).logits)
     for got, ref in zip(logits["flex"], logits["sdpa"]):
         torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)

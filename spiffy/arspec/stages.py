@@ -34,7 +34,8 @@ from spiffy.arspec.drafter import BatchDrafter, Drafter
 from spiffy.arspec.methods import DraftKnobs, Method
 from spiffy.arspec.tree import DraftTree
 from spiffy.errors import ConfigError, PromptTooLongError
-from spiffy.models.target import cache_argument, check_target_config
+from spiffy.models.cache import hf_cache
+from spiffy.models.target import check_target_config
 from spiffy.torch_utils import execution_device
 from spiffy.verify import CompiledDraft, compile_tree_rows
 
@@ -195,8 +196,8 @@ def prefill_inputs(prompts: Sequence[Sequence[int]], device: torch.device, dtype
 
 def prefill(runner: TargetRunner, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Forward the prompts ``[B, P]`` into the empty cache; returns ``[B, V]`` logits of each row's first new token."""
-    out = runner.backbone(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                          **cache_argument(runner.backbone, runner.cache))
+    out = runner.backbone(input_ids=ids, position_ids=positions, attention_mask=mask, **hf_cache(runner.cache),
+                          use_cache=True)
     return runner.lm_head(out.last_hidden_state[:, -1])
 
 
@@ -260,8 +261,8 @@ def verify(runner: TargetRunner, compiled: CompiledDraft) -> torch.Tensor:
         input_ids=compiled.input_ids,
         position_ids=compiled.position_ids,
         attention_mask=compiled.attention_mask,
+        **hf_cache(runner.cache),
         use_cache=True,
-        **cache_argument(runner.backbone, runner.cache),
     )
     return out.last_hidden_state
 

@@ -26,6 +26,7 @@ import torch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.session import DecodeSession, StepInfo, check_state_rows, gather_cache_rows
 from spiffy.errors import ConfigError
+from spiffy.models.cache import HF_CACHE_NAME
 from spiffy.torch_utils import model_device
 
 
@@ -163,7 +164,7 @@ class BidirectionalSession(DecodeSession):
             return uncond + (cfg + 1) * (cond - uncond), None
         if use_cache:
             out = self._model(states, attention_mask=am, position_ids=pos, use_cache=True, cache_policy="append")
-            cache = getattr(out, "past_key_values", None)
+            cache = getattr(out, HF_CACHE_NAME, None)
             if cache is None:
                 raise ConfigError(
                     f"{type(self.model).__name__} returned no past_key_values with use_cache=True; "

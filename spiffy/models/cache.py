@@ -11,12 +11,26 @@ wrap it with :func:`as_kv_cache`.
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+from typing import Any, Literal
 
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 CachePolicy = Literal["append", "read"]
 CACHE_POLICIES: tuple[str, ...] = ("append", "read")
+
+#: the name transformers' models take their K/V cache under and return it in: ``cache`` from transformers 5.2x (the
+#: old ``past_key_values`` then warns that it will be removed), ``past_key_values`` before
+HF_CACHE_NAME: str = (
+    "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+)
+
+
+def hf_cache(cache: Any) -> dict[str, Any]:
+    """``{HF_CACHE_NAME: cache}``: the keyword argument that passes ``cache`` to a transformers model
+    (``model(ids, **hf_cache(cache))``), and to a ``ModelOutput`` constructor."""
+    return {HF_CACHE_NAME: cache}
 
 
 class KVCache:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from spiffy.models.cache import hf_cache
 from spiffy.models.layers import ForwardContext, RMSNorm, prepare_forward
 
 
@@ -85,5 +86,5 @@ class SpiffyForwardMixin:
             cache_policy=cache_policy,
         )
         logits, hiddens = self._logits(input_ids, ctx, output_hidden_states)
-        out = CausalLMOutputWithPast(logits=logits, past_key_values=ctx.cache_out, hidden_states=hiddens)
+        out = CausalLMOutputWithPast(logits=logits, hidden_states=hiddens, **hf_cache(ctx.cache_out))
         return out if return_dict else out.to_tuple()

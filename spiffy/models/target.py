@@ -14,16 +14,11 @@ Refused, with :class:`~spiffy.errors.UnsupportedTargetError` naming the architec
   transformers' window mask and the sliding cache layers cannot be cut back to an earlier length.
 
 Any other ``model_type`` raises :class:`~spiffy.errors.UnknownModelTypeError` listing the supported ones.
-
-:func:`cache_argument` names the cache keyword of a transformers forward (``cache`` from transformers 5.24 on,
-``past_key_values`` before), read once per class from its signature, so no call goes through the deprecated name.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
-from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
@@ -36,8 +31,6 @@ from spiffy.models.placement import DeviceMap, native_from_pretrained, native_te
 from spiffy.models.registry import FAMILIES, FamilySpec
 
 __all__ = [
-    "cache_argument",
-    "cache_keyword",
     "check_target_config",
     "experts_implementation",
     "load_native",
@@ -131,23 +124,6 @@ def experts_implementation(dtype: torch.dtype) -> dict[str, str]:
     implementation routes each token on its own (top-k of its router logits, no capacity limit), so a row never
     depends on the others."""
     return {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-
-
-@lru_cache(maxsize=None)
-def _keyword_of(forward: Any) -> str:
-    params = inspect.signature(forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The name under which ``model``'s forward takes its K/V cache: ``"cache"`` (transformers >= 5.24) or
-    ``"past_key_values"`` (earlier releases), read once per class from the signature."""
-    return _keyword_of(type(model).forward)
-
-
-def cache_argument(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
-    """``{keyword: cache}`` for a call of ``model`` (see :func:`cache_keyword`)."""
-    return {cache_keyword(model): cache}
 
 
 def load_target(

@@ -34,9 +34,10 @@ from transformers import DynamicCache
 
 from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError, MissingTokenError
 from spiffy.models.ar_checkpoints import MASK_TOKEN_NAMES, dflash_config_for_target, save_drafter
+from spiffy.models.cache import HF_CACHE_NAME, hf_cache
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, load_drafter
 from spiffy.models.loading import load_model, load_tokenizer, read_config_dict
-from spiffy.models.target import cache_argument, target_spec
+from spiffy.models.target import target_spec
 from spiffy.train import common
 from spiffy.train.corpus import build_corpus, load_split
 
@@ -97,7 +98,7 @@ def target_continue(target: torch.nn.Module, prompts: torch.Tensor, total_len: i
 
     seq = prompts
     cache = DynamicCache(config=target.config)
-    out = target(input_ids=seq, use_cache=True, **cache_argument(target, cache))
+    out = target(input_ids=seq, use_cache=True, **hf_cache(cache))
     for _ in range(total_len - prompts.shape[1]):
         logits = out.logits[:, -1].float()
         arg = logits.argmax(-1)
@@ -105,7 +106,7 @@ def target_continue(target: torch.nn.Module, prompts: torch.Tensor, total_len: i
         smp = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         nxt = torch.where(greedy, arg, smp)[:, None]
         seq = torch.cat([seq, nxt], dim=1)
-        out = target(input_ids=nxt, use_cache=True, **cache_argument(target, cache))
+        out = target(input_ids=nxt, use_cache=True, **hf_cache(getattr(out, HF_CACHE_NAME)))
     return seq
 
 
