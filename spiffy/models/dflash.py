@@ -375,7 +375,7 @@ def _decoder_layers(target: nn.Module) -> nn.ModuleList:
     if layers is None:
         raise DrafterMismatchError(
             f"cannot find decoder layers on {type(target).__name__} (expected target.model.layers); "
-            "fix: pass a Qwen3ForCausalLM target"
+            "fix: pass a transformers causal LM target (load_target)"
         )
     return layers
 

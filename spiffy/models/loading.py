@@ -1,10 +1,12 @@
 """Load and save checkpoints of every supported family; special-token lookup.
 
 * :func:`load_model` - dispatch on config.json ``model_type`` (``"llada"``, ``"Dream"``, ``"sdar"`` -> spiffy's
-  own modules; ``"qwen3"`` -> transformers' ``Qwen3ForCausalLM``; a config with ``dflash_config`` or
+  own modules; an AR target family (``"qwen3"``, ``"qwen3_moe"``, ``"qwen2"``, ``"llama"``, ...) -> its transformers
+  class through ``from_pretrained``; a config with ``dflash_config`` or
   architectures ``["DFlashDraftModel"]`` -> :func:`spiffy.models.dflash.load_drafter`). Reads ``model.safetensors``
   or a sharded ``model.safetensors.index.json`` (:mod:`spiffy.models.checkpoint`), with strict key matching.
-* :func:`load_target` (from :mod:`spiffy.models.target`) - a Qwen3 target for AR speculative decoding.
+* :func:`load_target` (from :mod:`spiffy.models.target`) - an AR target (transformers' own class) for AR speculative
+  decoding.
 * :func:`save_checkpoint` - config.json (with the official ``auto_map``), sharded safetensors + index, optional
   tokenizer and generation config, written to a temporary directory and renamed into place.
 * :func:`load_tokenizer`, :func:`family_of`, :func:`mask_token_id`, :func:`special_token_ids`.
@@ -73,7 +75,7 @@ def _config_as_dict(obj: Any) -> dict[str, Any]:
 
 
 def family_of(path_or_config: Any) -> str:
-    """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"dflash"``) of a checkpoint path,
+    """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"llama"``, ..., ``"dflash"``) of a checkpoint path,
     config object, config dict or model. UnknownModelTypeError for an unsupported ``model_type``."""
     model = path_or_config
     if hasattr(model, "config") and not isinstance(model, (str, os.PathLike, Mapping)):
@@ -89,7 +91,7 @@ def family_of(path_or_config: Any) -> str:
         supported = ", ".join(repr(t) for t in model_types())
         raise UnknownModelTypeError(
             f"model_type {model_type!r} is not supported; supported model types: {supported} (plus DFlash drafters: "
-            "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or Qwen3 checkpoint"
+            "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or AR target checkpoint"
         )
     return family
 
