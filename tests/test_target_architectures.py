@@ -256,3 +256,28 @@ def test_real_qwen3_5_and_unknown_architectures_are_refused(tmp_path):
 
 def test_target_families_are_the_proved_ones():
     assert set(ARCHS) == {"qwen3", "qwen3_moe", "qwen2", "llama", "mistral"}
+
+
+def test_target_checkpoints_load_with_strict_keys(tmp_path):
+    """A per-expert MoE checkpoint (the published layout, which transformers fuses in memory) missing one expert's
+    weight, or carrying a stray one, is refused by name (transformers alone would initialise it at random)."""
+    from safetensors.torch import load_file, save_file
+
+    from spiffy.errors import CheckpointError, CheckpointKeyError
+
+    path = make_tiny("qwen3_moe", tmp_path / "moe", seed=0)
+    shards = sorted(path.glob("model-*.safetensors"))
+    tensors = {f: load_file(f) for f in shards}
+    gone = "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert any(gone in t for t in tensors.values())  # stored per expert, as published
+    for f, t in tensors.items():
+        if gone in t:
+            save_file({k: v for k, v in t.items() if k != gone}, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="cannot load the weights.*Error: .*gate_up_proj") as err:
+        load_target(path, torch.float64, "cpu")
+    assert "\n" not in str(err.value)
+    for f, t in tensors.items():  # every expert back, plus a stray tensor
+        extra = {"model.layers.0.extra.weight": torch.zeros(2)} if f == shards[0] else {}
+        save_file({**t, **extra}, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointKeyError, match="model.layers.0.extra.weight"):
+        load_model(path, dtype=torch.float64)

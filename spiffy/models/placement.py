@@ -30,7 +30,7 @@ from safetensors import safe_open
 from torch import nn
 
 from spiffy.errors import CheckpointError, ConfigError, MissingDependencyError
-from spiffy.models.checkpoint import check_keys, checkpoint_files
+from spiffy.models.checkpoint import check_keys, check_loading_info, checkpoint_files, load_failure, loading_report
 from spiffy.torch_utils import execution_device
 
 __all__ = [
@@ -187,21 +187,26 @@ def native_from_pretrained(
 ) -> nn.Module:
     """A transformers causal LM (``model_class``, e.g. ``Qwen3MoeForCausalLM``) loaded by its ``from_pretrained``
     with a ``device_map`` (it drives accelerate: shard-wise reads, hooks, disk offload into ``offload_folder``);
-    ``load_kwargs`` go to ``from_pretrained`` (e.g. ``experts_implementation``)."""
+    ``load_kwargs`` go to ``from_pretrained`` (e.g. ``experts_implementation``). Strict keys
+    (:func:`~spiffy.models.checkpoint.check_loading_info`)."""
     require_accelerate()
     if isinstance(device_map, str) and device_map not in AUTO_DEVICE_MAPS:
         raise ConfigError(f"unknown device_map {device_map!r}; fix: use one of {AUTO_DEVICE_MAPS}, a device or a dict")
-    try:
-        model = model_class.from_pretrained(
-            str(root), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
-            device_map=dict(device_map) if isinstance(device_map, Mapping) else device_map,
-            offload_folder=str(offload_folder) if offload_folder is not None else None, max_memory=max_memory,
-            **load_kwargs,
-        )
-    except OSError as exc:
-        raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
-    except (KeyError, ValueError) as exc:  # transformers' own complaints about the map
-        raise ConfigError(f"device_map {device_map!r} cannot place {root}: {exc}; fix the map") from exc
+    with loading_report() as report:
+        try:
+            model, info = model_class.from_pretrained(
+                str(root), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+                device_map=dict(device_map) if isinstance(device_map, Mapping) else device_map,
+                offload_folder=str(offload_folder) if offload_folder is not None else None, max_memory=max_memory,
+                output_loading_info=True, **load_kwargs,
+            )
+        except OSError as exc:
+            raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
+        except (KeyError, ValueError) as exc:  # transformers' own complaints about the map
+            raise ConfigError(f"device_map {device_map!r} cannot place {root}: {exc}; fix the map") from exc
+        except RuntimeError as exc:  # transformers' weight conversion failed
+            raise load_failure(exc, root, report) from exc
+    check_loading_info(info, root)
     return model.eval()
 
 
@@ -222,13 +227,17 @@ def native_tensor_parallel(
         from transformers import DistributedConfig  # noqa: PLC0415 - newer transformers only
     except ImportError as exc:
         raise ConfigError("this transformers has no DistributedConfig; fix: pip install -U transformers") from exc
-    try:
-        model = model_class.from_pretrained(
-            str(root), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
-            distributed_config=DistributedConfig(tp_plan=tp_plan), **load_kwargs,
-        )
-    except OSError as exc:
-        raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
+    with loading_report() as report:
+        try:
+            model, info = model_class.from_pretrained(
+                str(root), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+                distributed_config=DistributedConfig(tp_plan=tp_plan), output_loading_info=True, **load_kwargs,
+            )
+        except OSError as exc:
+            raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
+        except RuntimeError as exc:  # transformers' weight conversion failed
+            raise load_failure(exc, root, report) from exc
+    check_loading_info(info, root)
     return model.eval()
 
 

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import torch
 
 from spiffy.errors import CheckpointError, ConfigError, UnknownModelTypeError, UnsupportedTargetError
-from spiffy.models.checkpoint import CONFIG_FILE, read_config_dict
+from spiffy.models.checkpoint import CONFIG_FILE, check_loading_info, load_failure, loading_report, read_config_dict
 from spiffy.models.flex import target_attention
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.placement import DeviceMap, native_from_pretrained, native_tensor_parallel, placement_device
@@ -168,7 +168,8 @@ def load_native(
     tp_plan: Any = None,
 ) -> torch.nn.Module:
     """A checkpoint of a family with transformers' own class (``spec.model_class``) through its ``from_pretrained``
-    (which maps the stored layout, e.g. per-expert MoE weights, onto the class), in eval mode; no target checks."""
+    (which maps the stored layout, e.g. per-expert MoE weights, onto the class), in eval mode, with strict keys
+    (CheckpointKeyError names missing, unexpected and shape-mismatched ones); no target checks."""
     cls = spec.model_class
     extra = experts_implementation(dtype)
     if tp_plan is not None:
@@ -179,9 +180,13 @@ def load_native(
     if device_map is not None:
         return native_from_pretrained(cls, root, dtype, attn_implementation, device_map, offload_folder, max_memory,
                                       **extra)
-    try:
-        model = cls.from_pretrained(str(root), dtype=dtype, attn_implementation=attn_implementation,
-                                    local_files_only=True, **extra)
-    except OSError as exc:
-        raise CheckpointError(f"cannot load {root}: {exc}") from exc
+    with loading_report() as report:
+        try:
+            model, info = cls.from_pretrained(str(root), dtype=dtype, attn_implementation=attn_implementation,
+                                              local_files_only=True, output_loading_info=True, **extra)
+        except OSError as exc:
+            raise CheckpointError(f"cannot load {root}: {exc}") from exc
+        except RuntimeError as exc:  # transformers' weight conversion (e.g. fusing per-expert weights) failed
+            raise load_failure(exc, root, report) from exc
+    check_loading_info(info, root)
     return model.to(device).eval()
