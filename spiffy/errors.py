@@ -20,6 +20,11 @@ class UnknownModelTypeError(ConfigError):
     """A checkpoint's ``config.json`` names a ``model_type`` spiffy does not implement."""
 
 
+class UnsupportedTargetError(ConfigError):
+    """A transformers architecture that cannot be verified exactly as an AR target (linear-attention layers whose
+    recurrent state a tree mask does not reach, sliding-window layers); the message names the architecture and why."""
+
+
 class MissingTokenError(ConfigError):
     """A required special token (mask, EOS, ...) is absent from the config and the tokenizer."""
 

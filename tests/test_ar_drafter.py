@@ -158,11 +158,13 @@ def test_mismatch_errors(pair, tmp_path):
     assert len(ddtree_generate(target, wrong_vocab, [1, 2, 3], method="ar", max_new_tokens=4).tokens) == 4
 
 
-def _reference_block(m: DFlashDraftModel, feats, emb, pos, window: int | None = None):
-    """Straightforward reading of SPEC §7: block queries, [ctx ; block] keys/values, RoPE, no mask (or a
-    two-sided sliding window over positions for sliding-attention layers)."""
+def _reference_block(m: DFlashDraftModel, feats, emb, pos, window: int | None = None, causal: bool = False,
+                     scale: float = 1.0):
+    """Straightforward reading of SPEC §7: block queries, [ctx ; block] keys/values, RoPE, no mask; or, as the
+    official package reads ``is_causal`` / ``sliding_window``, keys after the query hidden (``causal``) and keys
+    ``window`` or more positions away hidden (behind; also ahead unless causal); block embeddings times ``scale``."""
     ctx = m.hidden_norm(m.fc(feats))
-    x = emb
+    x = emb * scale
     cos, sin = m.rotary_emb(x, pos)
 
     def rope(t, c, s):
@@ -184,9 +186,11 @@ def _reference_block(m: DFlashDraftModel, feats, emb, pos, window: int | None = 
             qh = rope(q[:, hh], cos[0, n:], sin[0, n:])
             kh = rope(k[:, kv], cos[0], sin[0])
             scores = qh @ kh.T / math.sqrt(a.head_dim)
+            behind = pos[0, n:].view(-1, 1) - pos[0].view(1, -1)
+            if causal:
+                scores = scores.masked_fill(behind < 0, float("-inf"))
             if window is not None:
-                dist = (pos[0, n:].view(-1, 1) - pos[0].view(1, -1)).abs()
-                scores = scores.masked_fill(dist >= window, float("-inf"))
+                scores = scores.masked_fill(behind.abs() >= window, float("-inf"))
             w = torch.softmax(scores, dim=-1)
             heads.append(w @ v[:, kv])
         x = x + a.o_proj(torch.cat(heads, dim=-1)).unsqueeze(0)
@@ -235,14 +239,16 @@ def test_feature_hooks_equal_hidden_states(pair):
         TargetFeatureHooks(target, [3])
 
 
-def test_sliding_window_drafter_layers(pair):
-    """Drafters whose config declares sliding-attention layers (newer DFlash configs) limit keys to the window."""
+@pytest.mark.parametrize("is_causal", [None, False])
+def test_sliding_window_drafter_layers(pair, is_causal):
+    """Drafters whose config declares sliding-attention layers (newer DFlash configs) limit keys to the window, and
+    are causal unless ``is_causal`` is false (the official package's reading)."""
     target_dir, drafter_dir = pair
     target = load_target(target_dir, torch.float64, "cpu")
     base = load_drafter(drafter_dir, dtype=torch.float64)
     cfg = base.config
     cfg_sw = type(cfg).from_dict({**cfg.to_dict(), "layer_types": ["sliding_attention"] * 2, "sliding_window": 5,
-                                  "use_sliding_window": True})
+                                  "use_sliding_window": True, "is_causal": is_causal})
     m = DFlashDraftModel(cfg_sw).to(torch.float64)
     m.load_state_dict(base.state_dict())
     assert m.sliding_layers == [True, True]
@@ -251,7 +257,9 @@ def test_sliding_window_drafter_layers(pair):
     emb = target.get_input_embeddings()(torch.tensor([[5] + [m.mask_token_id] * 7]))
     pos = torch.arange(0, 17).view(1, -1)
     out = m(feats, emb, pos)
-    assert torch.allclose(out, _reference_block(m, feats, emb, pos, window=5), atol=1e-10)
+    causal = is_causal is None
+    assert torch.allclose(out, _reference_block(m, feats, emb, pos, window=5, causal=causal), atol=1e-10)
+    assert not torch.allclose(out, _reference_block(m, feats, emb, pos, window=5, causal=not causal), atol=1e-6)
     assert not torch.allclose(out, base(feats, emb, pos), atol=1e-6)
     cache = m.new_cache()
     m(feats[:, :4], emb[:, :4], torch.arange(0, 8), past_key_values=cache)

@@ -121,7 +121,8 @@ def speculative_generate_batch(
     """Generate for every prompt at once; row ``b`` equals the same call with prompt ``b`` alone.
 
     Args:
-        target: a transformers ``Qwen3ForCausalLM`` (``attn_implementation`` sdpa or eager).
+        target: an AR target (:func:`spiffy.models.load_target`: transformers' class of Qwen3, Qwen3-MoE, Qwen2, Llama,
+            Mistral; ``attn_implementation`` sdpa, eager or flex_attention).
         drafters: one :class:`~spiffy.arspec.Drafter` per row (a fresh instance each: drafters keep per-generation
             state), or ``None`` for plain AR on every row.
         prompts: ``B`` token-id lists (any lengths), or a ``[B, P]`` tensor.

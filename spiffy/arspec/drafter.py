@@ -254,11 +254,11 @@ class DFlashDrafter:
 
     def batch_key(self) -> Hashable | None:
         """Rows of one drafter model share a forward, unless the model's forward or head is overridden or it has
-        sliding-window layers (whose mask assumes one unpadded row)."""
+        position-masked layers (causal or sliding-window: their mask assumes one unpadded row)."""
         model = self.model
         plain = (type(model).forward is DFlashDraftModel.forward
                  and type(model).compute_logits is DFlashDraftModel.compute_logits)
-        return id(model) if plain and not any(model.sliding_layers) else None
+        return id(model) if plain and not any(layer.masked for layer in model.layer_attention) else None
 
     @classmethod
     def propose_batch(cls, drafters: Sequence["DFlashDrafter"], roots: Sequence[tuple[int, int]],

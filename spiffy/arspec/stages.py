@@ -36,6 +36,7 @@ from spiffy.arspec.selector import Draft
 from spiffy.arspec.tree import DraftTree
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.cache import hf_cache
+from spiffy.models.target import check_target_config
 from spiffy.torch_utils import execution_device
 from spiffy.verify import CompiledDraft, compile_tree_rows
 
@@ -104,12 +105,14 @@ class TargetRunner:
     @classmethod
     def for_target(cls, target: nn.Module) -> "TargetRunner":
         """Split ``target`` (a transformers decoder such as ``Qwen3ForCausalLM``, sdpa or eager attention); fresh
-        cache."""
+        cache. Raises UnsupportedTargetError for a model whose layers cannot be verified exactly
+        (:func:`spiffy.models.target.check_target_config`)."""
+        check_target_config(target.config, type(target).__name__)
         backbone = getattr(target, "model", None)
         head = getattr(target, "lm_head", None)
         if backbone is None or head is None:
             raise ConfigError(
-                f"{type(target).__name__} has no .model/.lm_head; fix: pass a transformers Qwen3ForCausalLM target"
+                f"{type(target).__name__} has no .model/.lm_head; fix: pass a transformers causal LM loaded by load_target"
             )
         impl = getattr(target.config, "_attn_implementation", None)
         if impl is not None and "flash" in str(impl):

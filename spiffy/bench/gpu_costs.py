@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticC
 from spiffy.decoding import DecodeConfig, make_session
 from spiffy.models.dflash import DFlashDraftModel
 from spiffy.models.loading import load_config
+from spiffy.models.cache import hf_cache
 from spiffy.models.registry import family_spec
 
 __all__ = [
@@ -213,7 +214,7 @@ def ar_verify_costs(target: torch.nn.Module, context: int, budgets: Sequence[int
     device, dtype = _device(target), next(target.parameters()).dtype
     vocab = int(target.config.vocab_size)
     cache = DynamicCache(config=target.config)
-    target(input_ids=torch.randint(0, vocab, (1, context), device=device), past_key_values=cache, use_cache=True)
+    target(input_ids=torch.randint(0, vocab, (1, context), device=device), use_cache=True, **hf_cache(cache))
     rows: list[dict[str, Any]] = []
     one = None
     for budget in [0, *budgets]:
@@ -221,7 +222,7 @@ def ar_verify_costs(target: torch.nn.Module, context: int, budgets: Sequence[int
         ids = torch.randint(0, vocab, (1, budget + 1), device=device)
 
         def step() -> None:
-            target(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+            target(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **hf_cache(cache))
             _cut(cache, context)
 
         ms = time_ms(step, device, reps=reps)
@@ -245,7 +246,7 @@ def ar_verify_graph_costs(target: torch.nn.Module, context: int, budgets: Sequen
     prefix_mask = torch.full((1, 1, context, slots), torch.finfo(dtype).min, dtype=dtype, device=device)
     prefix_mask[..., :context] = torch.triu(torch.full((context, context), torch.finfo(dtype).min, dtype=dtype,
                                                        device=device), diagonal=1)
-    target(input_ids=prefix, attention_mask=prefix_mask, past_key_values=cache, use_cache=True,
+    target(input_ids=prefix, attention_mask=prefix_mask, use_cache=True, **hf_cache(cache),
            position_ids=torch.arange(context, device=device)[None], cache_position=torch.arange(context, device=device))
     rows: list[dict[str, Any]] = []
     one = None
@@ -256,8 +257,8 @@ def ar_verify_graph_costs(target: torch.nn.Module, context: int, budgets: Sequen
         cache_position = torch.arange(context, context + budget + 1, device=device)
 
         def step() -> torch.Tensor:
-            logits = target(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                            cache_position=cache_position, use_cache=True).logits
+            logits = target(input_ids=ids, position_ids=positions, attention_mask=mask, cache_position=cache_position,
+                            use_cache=True, **hf_cache(cache)).logits
             _rewind(cache, ids.shape[1])
             return logits
 

@@ -18,7 +18,7 @@ import math
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from safetensors.torch import save
@@ -30,10 +30,12 @@ from spiffy.models.dflash import DFlashDraftModel, default_target_layer_ids
 from spiffy.models.dflash2 import DFlash2DraftModel
 from spiffy.models.tokenizer import build_tokenizer
 
-__all__ = ["make_tiny_dflash", "make_tiny_dflash2", "make_tiny_target", "random_weights", "save_drafter",
-           "target_config_dict", "tiny_mask_token_id", "tiny_target_layer_ids"]
+__all__ = ["dflash_config_for_target", "make_tiny_dflash", "make_tiny_dflash2", "make_tiny_target", "random_weights",
+           "save_drafter", "target_config_dict", "tiny_mask_token_id", "tiny_target_layer_ids"]
 
-MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
+#: the tokens a target's DFlash drafter fills its blocks with, in order of preference (Qwen's added ``<|MASK|>``,
+#: generic mask spellings, Llama 3's first reserved special token, Mistral's first reserved control token)
+MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]", "<|reserved_special_token_0|>", "[control_8]")
 
 
 def target_config_dict(target: Any) -> dict[str, Any]:
@@ -124,6 +126,57 @@ def tiny_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list
     return [int(math.floor(i * (t - 1) / (d - 1) + 0.5)) for i in range(d)]  # d >= 2 here: one layer is [t // 2]
 
 
+def dflash_config_for_target(
+    target: Any,
+    num_layers: int,
+    block_size: int,
+    target_layer_ids: Sequence[int] | None,
+    mask_token_id: int,
+    intermediate_size: int | None = None,
+) -> Qwen3Config:
+    """The config of a DFlash drafter for ``target`` (a checkpoint directory, config or model of any target
+    architecture): a ``Qwen3Config`` with the target's hidden size, heads, K/V heads, head dim, intermediate size
+    (``intermediate_size`` overrides it), vocabulary, RoPE parameters, norm epsilon and activation, plus the DFlash
+    extras ``block_size``, ``num_target_layers`` and ``dflash_config`` {``target_layer_ids`` (default: the SPEC §3
+    rule), ``mask_token_id``, ``block_size``}. The one builder of drafter configs (``spiffy tiny dflash``,
+    ``spiffy train-drafter``).
+
+    Layer ids are written as given (a drafter that does not fit its target is refused when loaded against it).
+
+    Raises:
+        ConfigError: ``num_layers < 1`` or ``block_size < 2``.
+    """
+    if num_layers < 1:
+        raise ConfigError(f"num_layers must be >= 1, got {num_layers}; fix: pass num_layers=1 or more")
+    if block_size < 2:
+        raise ConfigError(f"block_size must be >= 2, got {block_size}; fix: use e.g. 16")
+    tcfg = target_config_dict(target)
+    tcfg = tcfg.get("text_config") or tcfg  # a multimodal checkpoint's language model
+    n_target = int(tcfg["num_hidden_layers"])
+    ids = [int(i) for i in target_layer_ids] if target_layer_ids else default_target_layer_ids(n_target, num_layers)
+    hidden, heads = int(tcfg["hidden_size"]), int(tcfg["num_attention_heads"])
+    rope = tcfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": tcfg.get("rope_theta", 1e6)}
+    cfg = Qwen3Config(
+        hidden_size=hidden,
+        intermediate_size=int(intermediate_size or tcfg.get("intermediate_size") or 4 * hidden),
+        num_hidden_layers=int(num_layers),
+        num_attention_heads=heads,
+        num_key_value_heads=int(tcfg.get("num_key_value_heads") or heads),
+        head_dim=int(tcfg.get("head_dim") or hidden // heads),
+        vocab_size=int(tcfg["vocab_size"]),
+        max_position_embeddings=int(tcfg.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(tcfg.get("rms_norm_eps", 1e-6)),
+        rope_parameters=dict(rope),
+        hidden_act=tcfg.get("hidden_act", "silu"),
+        tie_word_embeddings=False,
+    )
+    cfg.block_size = int(block_size)
+    cfg.num_target_layers = n_target
+    cfg.dflash_config = {"target_layer_ids": ids, "mask_token_id": int(mask_token_id), "block_size": int(block_size)}
+    cfg.architectures = ["DFlashDraftModel"]
+    return cfg
+
+
 def make_tiny_dflash(
     out_dir: str | Path,
     target: Any,
@@ -138,8 +191,8 @@ def make_tiny_dflash(
 
     Args:
         out_dir: output directory (created).
-        target: the target checkpoint directory (or its config / a loaded model): hidden size, heads, KV heads,
-            head dim, intermediate size, vocabulary, RoPE and norm settings are copied from it.
+        target: the target checkpoint directory (or its config / a loaded model) of any target architecture: its
+            config gives the drafter's (:func:`dflash_config_for_target`).
         seed: weights are a deterministic function of the seed.
         num_layers: drafter decoder layers.
         block_size: drafted block length (bonus + ``block_size - 1`` masks).
@@ -198,8 +251,8 @@ def _tiny_drafter_config(target: Any, num_layers: int, block_size: int, target_l
     if block_size < 2:
         raise ConfigError(f"block_size must be >= 2, got {block_size}; fix: use e.g. 16")
     tcfg = target_config_dict(target)
-    n_target = int(tcfg["num_hidden_layers"])
     vocab = int(tcfg["vocab_size"])
+    n_target = int((tcfg.get("text_config") or tcfg)["num_hidden_layers"])
     ids = list(target_layer_ids) if target_layer_ids is not None else tiny_target_layer_ids(n_target, num_layers)
     bad = [i for i in ids if not 0 <= int(i) < n_target]
     if not ids or bad:
@@ -208,25 +261,7 @@ def _tiny_drafter_config(target: Any, num_layers: int, block_size: int, target_l
             f"ids in 0..{n_target - 1}, or leave them out for {tiny_target_layer_ids(n_target, num_layers)}"
         )
     mask_id = int(mask_token_id) if mask_token_id is not None else tiny_mask_token_id(target, vocab)
-    heads = int(tcfg["num_attention_heads"])
-    rope = tcfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": tcfg.get("rope_theta", 1e6)}
-    cfg = Qwen3Config(
-        hidden_size=int(tcfg["hidden_size"]),
-        intermediate_size=int(tcfg.get("intermediate_size", 4 * int(tcfg["hidden_size"]))),
-        num_hidden_layers=int(num_layers),
-        num_attention_heads=heads,
-        num_key_value_heads=int(tcfg.get("num_key_value_heads") or heads),
-        head_dim=int(tcfg.get("head_dim") or int(tcfg["hidden_size"]) // heads),
-        vocab_size=vocab,
-        max_position_embeddings=int(tcfg.get("max_position_embeddings", 4096)),
-        rms_norm_eps=float(tcfg.get("rms_norm_eps", 1e-6)),
-        rope_parameters=dict(rope),
-        hidden_act=tcfg.get("hidden_act", "silu"),
-        tie_word_embeddings=False,
-    )
-    cfg.block_size = int(block_size)
-    cfg.num_target_layers = n_target
-    cfg.dflash_config = {"target_layer_ids": [int(i) for i in ids], "mask_token_id": mask_id, "block_size": int(block_size)}
+    cfg = dflash_config_for_target(tcfg, num_layers, block_size, [int(i) for i in ids], mask_id)
     cfg.architectures = [architecture]
     return cfg
 

@@ -3,6 +3,7 @@
 
 * :data:`LLADA_CHAT_TEMPLATE`: Llama-3 style (``<|start_header_id|>role<|end_header_id|>``, turns end with
   ``<|eot_id|>``), as LLaDA-8B-Instruct's tokenizer.
+* :data:`LLAMA3_CHAT_TEMPLATE`: the same format, for Llama targets; :data:`MISTRAL_CHAT_TEMPLATE`: ``[INST] ... [/INST]``.
 * :data:`CHATML_TEMPLATE`: ChatML (``<|im_start|>role``, turns end with ``<|im_end|>``), as SDAR and Qwen3.
 * :data:`DREAM_CHAT_TEMPLATE`: ChatML with Dream's default system prompt.
 """
@@ -24,6 +25,17 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+#: Llama 3's chat format is LLaDA's (LLaDA-8B-Instruct kept the Llama 3 tokenizer)
+LLAMA3_CHAT_TEMPLATE = LLADA_CHAT_TEMPLATE
+
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
 DREAM_CHAT_TEMPLATE = (
     "{% if messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
@@ -31,4 +43,6 @@ DREAM_CHAT_TEMPLATE = (
 )
 
 
-__all__ = ["CHATML_TEMPLATE", "DREAM_CHAT_TEMPLATE", "LLADA_CHAT_TEMPLATE"]
+__all__ = [
+    "CHATML_TEMPLATE", "DREAM_CHAT_TEMPLATE", "LLADA_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE", "MISTRAL_CHAT_TEMPLATE",
+]

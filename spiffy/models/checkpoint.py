@@ -8,9 +8,12 @@ The file layer every family's loader shares (:func:`spiffy.models.loading.load_m
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -151,6 +154,52 @@ def check_keys(
     )
     if missing or unexpected or mismatch:
         raise CheckpointKeyError(str(path), missing, unexpected, mismatch, fix)
+
+
+def check_loading_info(info: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Strict keys for a checkpoint read by transformers' ``from_pretrained(..., output_loading_info=True)``: raise
+    :class:`CheckpointKeyError` naming its ``missing_keys``, ``unexpected_keys`` and ``mismatched_keys`` (transformers
+    would otherwise initialise missing weights at random and drop unexpected ones with a warning)."""
+    missing = sorted(str(k) for k in info.get("missing_keys") or ())
+    unexpected = sorted(str(k) for k in info.get("unexpected_keys") or ())
+    mismatched = [f"{item[0]}: checkpoint {tuple(item[1])} vs model {tuple(item[2])}"
+                  if isinstance(item, (tuple, list)) and len(item) == 3 else str(item)
+                  for item in info.get("mismatched_keys") or ()]
+    if missing or unexpected or mismatched:
+        raise CheckpointKeyError(str(path), missing, unexpected, mismatched)
+
+
+class _ReportLines(logging.Handler):
+    """Collects the lines of transformers' weight-loading report (logged as a warning before it raises)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.extend(re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage()).splitlines())
+
+
+@contextmanager
+def loading_report() -> Iterator[list[str]]:
+    """The lines transformers' ``from_pretrained`` logs about the weights it could not load, while in the block."""
+    handler = _ReportLines()
+    log = logging.getLogger("transformers")  # the report is logged by modeling_utils; records reach the library root
+    log.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        log.removeHandler(handler)
+
+
+def load_failure(exc: BaseException, path: str | os.PathLike, report: Iterable[str] = ()) -> CheckpointError:
+    """A one-line :class:`CheckpointError` for a ``from_pretrained`` that failed while reading the weights (e.g.
+    transformers cannot fuse per-expert MoE weights when one expert's tensor is missing): the error's first line and
+    the ``Error:`` lines of transformers' loading ``report`` (:func:`loading_report`)."""
+    details = [line.strip() for line in report if line.strip().startswith("Error:")]
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return CheckpointError(f"cannot load the weights in {str(path)!r}: {' | '.join(details[:3] or [first])}; fix: "
+                           "point at a complete checkpoint of the architecture its config.json names")
 
 
 def iter_checkpoint_keys(path: str | os.PathLike) -> Iterable[str]:

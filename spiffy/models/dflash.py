@@ -8,8 +8,10 @@ the outputs of a few chosen target decoder layers (``hidden_states[layer_id + 1]
 
 In every drafter layer the queries come from the block rows only; keys and values come from
 ``[context ; block]`` (the layer applies its own ``k_proj`` / ``v_proj`` to the context rows, ``k_norm`` to all
-keys); RoPE is applied over ``[context positions ; block positions]``; there is no mask (the block is
-bidirectional and sees the full context). Context K/V are cached across rounds (:class:`spiffy.models.cache.KVCache`
+keys); RoPE is applied over ``[context positions ; block positions]``; by default there is no mask (the block is
+bidirectional and sees the full context); ``is_causal``, ``layer_types`` + ``sliding_window``,
+``input_embedding_scale``, ``output_multiplier`` and ``final_logit_softcapping`` are honoured as the official package
+reads them (:mod:`spiffy.models.dflash_fields`). Context K/V are cached across rounds (:class:`spiffy.models.cache.KVCache`
 of committed context only); block K/V are never stored, which is the same as appending them and cropping the
 cache back to the committed length after each draft.
 
@@ -34,6 +36,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from spiffy.errors import CheckpointError, DrafterMismatchError, MissingTokenError
 from spiffy.models.cache import KVCache
 from spiffy.models.checkpoint import CONFIG_FILE, check_keys, load_state_dict, read_config_dict, stored_dtype
+from spiffy.models.dflash_fields import draft_value, input_embedding_scale, layer_attention, layer_visibility, output_logits
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.placement import dispatch_checkpoint, placement_device
 from spiffy.torch_utils import execution_device, resolve_dtype
@@ -68,15 +71,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(math.floor(1 + i * (t - 4) / (d - 1) + 0.5)) for i in range(d)]
 
 
-def _extra(config: Any, name: str, default: Any = None) -> Any:
-    """A DFlash extra read from ``config.dflash_config`` first, then from the config itself."""
-    dcfg = getattr(config, "dflash_config", None) or {}
-    if isinstance(dcfg, dict) and dcfg.get(name) is not None:
-        return dcfg[name]
-    value = getattr(config, name, None)
-    return default if value is None else value
-
-
 def drafter_settings(config: Any) -> dict[str, Any]:
     """Resolve ``block_size``, ``target_layer_ids``, ``mask_token_id`` and ``num_target_layers`` of a drafter config.
 
@@ -84,8 +78,8 @@ def drafter_settings(config: Any) -> dict[str, Any]:
         MissingTokenError: the config names no mask token id.
     """
     num_layers = int(config.num_hidden_layers)
-    num_target = _extra(config, "num_target_layers")
-    layer_ids = _extra(config, "target_layer_ids")
+    num_target = draft_value(config, "num_target_layers")
+    layer_ids = draft_value(config, "target_layer_ids")
     if layer_ids is None:
         if num_target is None:
             raise DrafterMismatchError(
@@ -94,14 +88,14 @@ def drafter_settings(config: Any) -> dict[str, Any]:
             )
         layer_ids = default_target_layer_ids(int(num_target), num_layers)
     layer_ids = [int(i) for i in layer_ids]
-    mask_id = _extra(config, "mask_token_id")
+    mask_id = draft_value(config, "mask_token_id")
     if mask_id is None:
         raise MissingTokenError(
             "the drafter config has no dflash_config.mask_token_id; fix: add the mask token id the drafter was "
             "trained with (151669 for the z-lab Qwen3 drafters) to dflash_config in config.json"
         )
     return {
-        "block_size": int(_extra(config, "block_size", DEFAULT_BLOCK_SIZE)),
+        "block_size": int(draft_value(config, "block_size", DEFAULT_BLOCK_SIZE)),
         "target_layer_ids": layer_ids,
         "mask_token_id": int(mask_id),
         "num_target_layers": None if num_target is None else int(num_target),
@@ -218,12 +212,15 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(int(config.num_hidden_layers))])
         self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
-        layer_types = getattr(config, "layer_types", None) or []
-        window = getattr(config, "sliding_window", None)
-        self.sliding_layers: list[bool] = [
-            bool(window) and i < len(layer_types) and layer_types[i] == "sliding_attention"
-            for i in range(len(self.layers))
-        ]
+        # is_causal / layer_types / sliding_window, per layer (spiffy.models.dflash_fields)
+        self.layer_attention = layer_attention(config, len(self.layers))
+        self.input_embedding_scale = input_embedding_scale(config)
+        output_logits(torch.zeros(1), config)  # a bad output_multiplier / final_logit_softcapping fails here
+
+    @property
+    def sliding_layers(self) -> list[bool]:
+        """Per layer: whether it has a sliding window."""
+        return [layer.window is not None for layer in self.layer_attention]
 
     @property
     def num_layers(self) -> int:
@@ -260,7 +257,8 @@ class DFlashDraftModel(nn.Module):
         Args:
             target_hidden: ``[B, N, nT*H]`` features of the *new* context rows (``N`` may be 0), i.e. the rows not
                 yet in ``past_key_values``.
-            noise_embedding: ``[B, L, H]`` the embedded block ``[bonus, MASK, ...]`` (target's ``embed_tokens``).
+            noise_embedding: ``[B, L, H]`` the embedded block ``[bonus, MASK, ...]`` (target's ``embed_tokens``, unscaled:
+                the drafter applies its config's ``input_embedding_scale``).
             position_ids: ``[B, N + L]`` (or ``[N + L]``) positions of ``[new context ; block]``.
             past_key_values: optional context cache; with ``store_context`` the new context K/V are appended to
                 it (block K/V never are), so after the call it holds exactly the committed context.
@@ -282,43 +280,34 @@ class DFlashDraftModel(nn.Module):
             )
         # target features come from the target's layers, which may sit on other devices (device_map)
         x = noise_embedding.to(self.device, self.dtype)
+        if self.input_embedding_scale != 1.0:
+            x = x * self.input_embedding_scale
         ctx = self.project_context(target_hidden.to(x.device, self.dtype)) if n_ctx else x.new_zeros(b, 0, x.shape[-1])
         if ctx.shape[0] != b:
             ctx = ctx.expand(b, -1, -1)
         cos, sin = self.rotary_emb(x, position_ids.to(x.device))
-        window_mask = None
-        if any(self.sliding_layers):
+        masks: dict[Any, torch.Tensor | None] = {}
+        query_pos = key_pos = position_ids  # read by masked layers only (is_causal, sliding windows)
+        if any(layer.masked for layer in self.layer_attention):
+            # cached context holds the positions just before the new rows (the committed prefix)
             cached = 0 if past_key_values is None else past_key_values.get_seq_length(0)
-            window_mask = self._window_mask(position_ids, n_ctx, cached, attention_mask, x.dtype)
-        for layer, sliding in zip(self.layers, self.sliding_layers):
-            mask = window_mask if sliding else attention_mask
-            x = layer(x, ctx, cos, sin, past_key_values, store_context, mask)
+            first = position_ids[:, :1]
+            key_pos = torch.cat([first - cached + torch.arange(cached, device=position_ids.device).view(1, -1),
+                                 position_ids], dim=1)  # [B, C + N + L]
+            query_pos = position_ids[:, n_ctx:]
+        for layer, kind in zip(self.layers, self.layer_attention):
+            if kind not in masks:
+                masks[kind] = layer_visibility(kind, query_pos, key_pos, attention_mask)
+            x = layer(x, ctx, cos, sin, past_key_values, store_context, masks[kind])
         return self.norm(x)
 
-    def _window_mask(
-        self, position_ids: torch.Tensor, n_ctx: int, cached: int, attention_mask: torch.Tensor | None, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Sliding-window visibility for ``sliding_attention`` drafter layers (both directions, like the reference),
-        combined with ``attention_mask``. Cached context is assumed to hold the positions just before the new rows."""
-        first = position_ids[:, :1]
-        cached_pos = first - cached + torch.arange(cached, device=position_ids.device).view(1, -1)
-        key_pos = torch.cat([cached_pos, position_ids], dim=1)  # [B, C + N + L]
-        query_pos = position_ids[:, n_ctx:]  # [B, L]
-        dist = query_pos.unsqueeze(-1) - key_pos.unsqueeze(1)
-        visible = (dist.abs() < int(self.config.sliding_window)).unsqueeze(1)  # [B, 1, L, K]
-        if attention_mask is None:
-            return visible
-        if attention_mask.dtype == torch.bool:
-            return visible & attention_mask
-        neg = torch.finfo(attention_mask.dtype).min
-        return attention_mask.masked_fill(~visible, neg)
-
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """``[..., H]`` drafter hidden states -> ``[..., V]`` logits through the target's ``lm_head``."""
+        """``[..., H]`` drafter hidden states -> ``[..., V]`` logits through the target's ``lm_head``, then the
+        config's ``output_multiplier`` and ``final_logit_softcapping`` (:func:`~spiffy.models.dflash_fields.output_logits`)."""
         w = getattr(lm_head, "weight", None)
         if w is not None and w.dtype != hidden.dtype:
             hidden = hidden.to(w.dtype)
-        return lm_head(hidden)
+        return output_logits(lm_head(hidden), self.config)
 
 
 class TargetFeatureHooks:
@@ -386,7 +375,7 @@ def _decoder_layers(target: nn.Module) -> nn.ModuleList:
     if layers is None:
         raise DrafterMismatchError(
             f"cannot find decoder layers on {type(target).__name__} (expected target.model.layers); "
-            "fix: pass a Qwen3ForCausalLM target"
+            "fix: pass a transformers causal LM target (load_target)"
         )
     return layers
 

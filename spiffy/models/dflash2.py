@@ -62,7 +62,7 @@ from spiffy.models.checkpoint import (
     stored_dtype,
 )
 from spiffy.models.dflash import DFlashDecoderLayer, DFlashDraftModel, drafter_settings
-from spiffy.models.dflash import _extra as _field  # a drafter field: dflash_config first, then the top level
+from spiffy.models.dflash_fields import draft_value as _field  # a drafter field: dflash_config first, then the top level
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.placement import dispatch_checkpoint, placement_device
 from spiffy.topk import top_ranked
@@ -263,7 +263,11 @@ class DFlash2DraftModel(DFlashDraftModel):
                                                     settings["top_k"])
         self.causal_layers: list[bool] = settings["causal"]
         self.layer_windows: list[int | None] = settings["windows"]
-        self.sliding_layers = [w is not None for w in self.layer_windows]
+
+    @property
+    def sliding_layers(self) -> list[bool]:
+        """Per layer: whether it has a sliding window (its own reading of ``layer_types``)."""
+        return [w is not None for w in self.layer_windows]
 
     @property
     def top_k(self) -> int:

@@ -1,11 +1,12 @@
 """Load and save checkpoints of every supported family; special-token lookup.
 
 * :func:`load_model` - dispatch on config.json ``model_type`` (``"llada"``, ``"Dream"``, ``"sdar"`` -> spiffy's
-  own modules; ``"qwen3"`` -> transformers' ``Qwen3ForCausalLM``; a config with ``dflash_config`` or
-  architectures ``["DFlashDraftModel"]`` -> :func:`spiffy.models.dflash.load_drafter`; a DFlash2 config ->
-  :func:`spiffy.models.dflash2.load_dflash2_drafter`: a drafter family's ``FamilySpec.loader``). Reads ``model.safetensors``
+  own modules; an AR target family (``"qwen3"``, ``"qwen3_moe"``, ``"qwen2"``, ``"llama"``, ...) -> its transformers
+  class through ``from_pretrained``; a drafter family (a config with ``dflash_config`` or architectures
+  ``["DFlashDraftModel"]``, or a DFlash2 config) -> its ``FamilySpec.loader``). Reads ``model.safetensors``
   or a sharded ``model.safetensors.index.json`` (:mod:`spiffy.models.checkpoint`), with strict key matching.
-* :func:`load_target` (from :mod:`spiffy.models.target`) - a Qwen3 target for AR speculative decoding.
+* :func:`load_target` (from :mod:`spiffy.models.target`) - an AR target (transformers' own class) for AR speculative
+  decoding.
 * :func:`save_checkpoint` - config.json (with the official ``auto_map``), sharded safetensors + index, optional
   tokenizer and generation config, written to a temporary directory and renamed into place.
 * :func:`load_tokenizer`, :func:`family_of`, :func:`mask_token_id`, :func:`special_token_ids`.
@@ -45,9 +46,9 @@ from spiffy.models.flex import target_attention
 from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config
 from spiffy.models.dflash2 import is_dflash2_config
-from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device, qwen3_from_pretrained
+from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device
 from spiffy.models.registry import FAMILIES, family_of_model_type, family_spec, model_types
-from spiffy.models.target import load_target
+from spiffy.models.target import load_native, load_target
 from spiffy.torch_utils import resolve_dtype
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -75,7 +76,7 @@ def _config_as_dict(obj: Any) -> dict[str, Any]:
 
 
 def family_of(path_or_config: Any) -> str:
-    """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"dflash"``, ``"dflash2"``) of a checkpoint path,
+    """The spiffy family (``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, ``"llama"``, ..., ``"dflash"``, ``"dflash2"``) of a checkpoint path,
     config object, config dict or model. UnknownModelTypeError for an unsupported ``model_type``."""
     model = path_or_config
     if hasattr(model, "config") and not isinstance(model, (str, os.PathLike, Mapping)):
@@ -93,7 +94,7 @@ def family_of(path_or_config: Any) -> str:
         supported = ", ".join(repr(t) for t in model_types())
         raise UnknownModelTypeError(
             f"model_type {model_type!r} is not supported; supported model types: {supported} (plus DFlash drafters: "
-            "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or Qwen3 checkpoint"
+            "a qwen3 config with dflash_config); fix: point at a LLaDA, Dream, SDAR or AR target checkpoint"
         )
     return family
 
@@ -158,41 +159,33 @@ def load_model(
     data = read_config_dict(path)
     family = family_of(data)
     spec = family_spec(family)
-    native = not spec.own_classes  # transformers' own class (a Qwen3 target)
+    native = not spec.own_classes  # transformers' own class (an AR target)
     device, device_map = placement_device(device, device_map)
     torch_dtype = resolve_dtype(dtype, data, device)
     if spec.drafter:
         return spec.loader(path, dtype=torch_dtype, device=device, device_map=device_map,
                            offload_folder=offload_folder, max_memory=max_memory)
+    if native:  # transformers' own class: its from_pretrained maps the stored layout (e.g. per-expert MoE weights);
+        # flex_attention is spiffy's kernel registered with transformers
+        model = load_native(spec, path, torch_dtype, device, device_map, offload_folder, max_memory,
+                            target_attention(attn_implementation))
+        return _finish(model, resolved.reference, attn_implementation)
+    if attn_implementation == FLASH:
+        require_flash_attn()  # at load time, naming the fix, rather than at the first forward
     config = load_config(path, family)
-    if native:  # transformers' class: flex_attention is spiffy's kernel registered with transformers
-        config._attn_implementation = target_attention(attn_implementation)
-    else:
-        if attn_implementation == FLASH:
-            require_flash_attn()  # at load time, naming the fix, rather than at the first forward
-        # built as SDPA: transformers' init-time flash check is for its own kernels; ours routes mask-free calls
-        # to flash-attn itself (the config is switched after loading)
-        config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS[:3] else "sdpa"
+    # built as SDPA: transformers' init-time flash check is for its own kernels; ours routes mask-free calls
+    # to flash-attn itself (the config is switched after loading)
+    config._attn_implementation = attn_implementation if attn_implementation in ATTN_IMPLEMENTATIONS[:3] else "sdpa"
     cls = spec.model_class
     if device_map is not None:
-        if native:  # transformers' own class: its from_pretrained drives accelerate
-            model = qwen3_from_pretrained(path, torch_dtype, config._attn_implementation, device_map,
-                                           offload_folder, max_memory)
-        else:
-            model = dispatch_checkpoint(lambda: cls(config), path, device_map, torch_dtype, offload_folder, max_memory)
+        model = dispatch_checkpoint(lambda: cls(config), path, device_map, torch_dtype, offload_folder, max_memory)
         return _finish(model, resolved.reference, attn_implementation)
     state = load_state_dict(path)
     with torch.device("meta"):
         model = cls(config)
     check_keys(model, state, path)
     converted = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
-    if native:
-        # transformers' own class: tied heads may be absent from the file; RoPE buffers are not in the state dict
-        model.load_state_dict(converted, strict=False, assign=True)
-        model.tie_weights()
-        model = _materialize_buffers(model, config, device, torch_dtype, converted)
-    else:
-        model.load_state_dict(converted, strict=True, assign=True)
+    model.load_state_dict(converted, strict=True, assign=True)
     return _finish(model.eval(), resolved.reference, attn_implementation)
 
 
@@ -201,29 +194,6 @@ def _finish(model: torch.nn.Module, reference: str, attn_implementation: str) ->
     model.name_or_path = reference
     if attn_implementation == FLASH and family_spec(family_of(model)).own_classes:
         model.config._attn_implementation = FLASH
-    return model
-
-
-def _materialize_buffers(
-    model: torch.nn.Module, config: Any, device: torch.device, dtype: torch.dtype, state: Mapping[str, torch.Tensor]
-) -> torch.nn.Module:
-    """Rebuild submodules whose non-persistent buffers (e.g. RoPE ``inv_freq``) are still on the meta device
-    after an ``assign`` load; if that is not possible, build the model for real and copy the weights in."""
-    owners = {name.rpartition(".")[0] for name, b in model.named_buffers() if b.is_meta}
-    try:
-        for owner in sorted(owners):
-            parent_name, _, attr = owner.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            old = getattr(parent, attr)
-            setattr(parent, attr, type(old)(config=config, device=device))
-    except Exception:  # noqa: BLE001 - unknown module signature: slow but safe path
-        model = type(model)(config)
-        model.load_state_dict(dict(state), strict=False)
-        model.tie_weights()
-        model = model.to(device=device, dtype=dtype)
-    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if still_meta:
-        raise CheckpointError(f"tensors left uninitialised after loading: {', '.join(still_meta[:8])}")
     return model
 
 
@@ -398,6 +368,8 @@ def save_checkpoint(
     if family is not None and FAMILIES[family].auto_map:
         config.auto_map = dict(FAMILIES[family].auto_map)
     config.architectures = [type(model).__name__]
+    if family is not None and not FAMILIES[family].own_classes:
+        return _save_native(model, out, max_shard_bytes, min_shards, tokenizer, generation_config, extra_files)
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     state = _dedupe_tied(model, state)
     total = sum(t.numel() * t.element_size() for t in state.values())
@@ -413,6 +385,7 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=str(out.parent)))
     try:
         config.save_pretrained(str(tmp))
+        _write_extras(tmp, tokenizer, generation_config, extra_files)
         if len(shards) == 1:
             save_file(shards[0], str(tmp / SINGLE_FILE), metadata={"format": "pt"})
         else:
@@ -424,13 +397,39 @@ def save_checkpoint(
                 weight_map.update({k: name for k in shard})
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        if generation_config is not None:
-            gen = dict(generation_config)
-            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text, encoding="utf-8")
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_extras(tmp: Path, tokenizer: Any, generation_config: Mapping[str, Any] | None,
+                  extra_files: Mapping[str, str] | None) -> None:
+    """The tokenizer, ``generation_config.json`` and extra text files of a checkpoint being written in ``tmp``."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    if generation_config is not None:
+        gen = dict(generation_config)
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text, encoding="utf-8")
+
+
+def _save_native(model: torch.nn.Module, out: Path, max_shard_bytes: int, min_shards: int, tokenizer: Any,
+                 generation_config: Mapping[str, Any] | None, extra_files: Mapping[str, str] | None) -> Path:
+    """A transformers class's checkpoint through its own ``save_pretrained``: the published on-disk layout (e.g.
+    per-expert MoE weights, which the class fuses in memory), sharded into at least ``min_shards`` files."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    limit = max(1, int(max_shard_bytes))
+    if min_shards > 1:
+        limit = min(limit, max(1, math.ceil(total / (min_shards + 1))))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=str(out.parent)))
+    try:
+        model.save_pretrained(str(tmp), max_shard_size=limit)
+        if generation_config is not None:  # ours (the family's stop ids) replaces transformers' own
+            (tmp / "generation_config.json").unlink(missing_ok=True)
+        _write_extras(tmp, tokenizer, generation_config, extra_files)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -28,10 +28,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
-from transformers import Qwen3ForCausalLM
 
 from spiffy.errors import CheckpointError, ConfigError, MissingDependencyError
-from spiffy.models.checkpoint import check_keys, checkpoint_files
+from spiffy.models.checkpoint import check_keys, check_loading_info, checkpoint_files, load_failure, loading_report
 from spiffy.torch_utils import execution_device
 
 __all__ = [
@@ -40,8 +39,8 @@ __all__ = [
     "dispatch_checkpoint",
     "is_dispatched",
     "placement_device",
-    "qwen3_from_pretrained",
-    "qwen3_tensor_parallel",
+    "native_from_pretrained",
+    "native_tensor_parallel",
     "require_accelerate",
     "resolve_device_map",
     "tied_linear",
@@ -176,37 +175,47 @@ def placement_device(device: Any, device_map: DeviceMap | None) -> tuple[torch.d
     return torch.device("cuda"), device_map
 
 
-def qwen3_from_pretrained(
+def native_from_pretrained(
+    model_class: type,
     root: str | os.PathLike,
     dtype: torch.dtype,
     attn_implementation: str,
     device_map: DeviceMap,
     offload_folder: str | os.PathLike | None,
     max_memory: Mapping[Any, Any] | None,
-) -> torch.nn.Module:
-    """A transformers ``Qwen3ForCausalLM`` loaded by its ``from_pretrained`` with a ``device_map`` (it drives
-    accelerate: shard-wise reads, hooks, disk offload into ``offload_folder``)."""
+    **load_kwargs: Any,
+) -> nn.Module:
+    """A transformers causal LM (``model_class``, e.g. ``Qwen3MoeForCausalLM``) loaded by its ``from_pretrained``
+    with a ``device_map`` (it drives accelerate: shard-wise reads, hooks, disk offload into ``offload_folder``);
+    ``load_kwargs`` go to ``from_pretrained`` (e.g. ``experts_implementation``). Strict keys
+    (:func:`~spiffy.models.checkpoint.check_loading_info`)."""
     require_accelerate()
     if isinstance(device_map, str) and device_map not in AUTO_DEVICE_MAPS:
         raise ConfigError(f"unknown device_map {device_map!r}; fix: use one of {AUTO_DEVICE_MAPS}, a device or a dict")
-    try:
-        model = Qwen3ForCausalLM.from_pretrained(
-            str(root), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
-            device_map=dict(device_map) if isinstance(device_map, Mapping) else device_map,
-            offload_folder=str(offload_folder) if offload_folder is not None else None, max_memory=max_memory,
-        )
-    except OSError as exc:
-        raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
-    except (KeyError, ValueError) as exc:  # transformers' own complaints about the map
-        raise ConfigError(f"device_map {device_map!r} cannot place {root}: {exc}; fix the map") from exc
+    with loading_report() as report:
+        try:
+            model, info = model_class.from_pretrained(
+                str(root), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+                device_map=dict(device_map) if isinstance(device_map, Mapping) else device_map,
+                offload_folder=str(offload_folder) if offload_folder is not None else None, max_memory=max_memory,
+                output_loading_info=True, **load_kwargs,
+            )
+        except OSError as exc:
+            raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
+        except (KeyError, ValueError) as exc:  # transformers' own complaints about the map
+            raise ConfigError(f"device_map {device_map!r} cannot place {root}: {exc}; fix the map") from exc
+        except RuntimeError as exc:  # transformers' weight conversion failed
+            raise load_failure(exc, root, report) from exc
+    check_loading_info(info, root)
     return model.eval()
 
 
-def qwen3_tensor_parallel(
-    root: str | os.PathLike, dtype: torch.dtype, attn_implementation: str, tp_plan: Any
+def native_tensor_parallel(
+    model_class: type, root: str | os.PathLike, dtype: torch.dtype, attn_implementation: str, tp_plan: Any,
+    **load_kwargs: Any,
 ) -> nn.Module:
-    """A transformers ``Qwen3ForCausalLM`` sharded over the ranks of a ``torchrun`` launch (``tp_plan="auto"``: the
-    model's own plan; weights become DTensors, each rank holding its slice of every projection).
+    """A transformers causal LM (``model_class``) sharded over the ranks of a ``torchrun`` launch (``tp_plan="auto"``:
+    the model's own plan; weights become DTensors, each rank holding its slice of every projection).
 
     Raises:
         ConfigError: not launched by torchrun (no ``WORLD_SIZE``), or a transformers without ``DistributedConfig``.
@@ -218,13 +227,17 @@ def qwen3_tensor_parallel(
         from transformers import DistributedConfig  # noqa: PLC0415 - newer transformers only
     except ImportError as exc:
         raise ConfigError("this transformers has no DistributedConfig; fix: pip install -U transformers") from exc
-    try:
-        model = Qwen3ForCausalLM.from_pretrained(
-            str(root), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
-            distributed_config=DistributedConfig(tp_plan=tp_plan),
-        )
-    except OSError as exc:
-        raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
+    with loading_report() as report:
+        try:
+            model, info = model_class.from_pretrained(
+                str(root), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+                distributed_config=DistributedConfig(tp_plan=tp_plan), output_loading_info=True, **load_kwargs,
+            )
+        except OSError as exc:
+            raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
+        except RuntimeError as exc:  # transformers' weight conversion failed
+            raise load_failure(exc, root, report) from exc
+    check_loading_info(info, root)
     return model.eval()
 
 

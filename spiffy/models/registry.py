@@ -20,7 +20,13 @@ from typing import Any, Callable, Mapping
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from spiffy.errors import ConfigError
-from spiffy.models.chat_templates import CHATML_TEMPLATE, DREAM_CHAT_TEMPLATE, LLADA_CHAT_TEMPLATE
+from spiffy.models.chat_templates import (
+    CHATML_TEMPLATE,
+    DREAM_CHAT_TEMPLATE,
+    LLADA_CHAT_TEMPLATE,
+    LLAMA3_CHAT_TEMPLATE,
+    MISTRAL_CHAT_TEMPLATE,
+)
 
 _REGISTERED = False
 
@@ -65,6 +71,9 @@ class FamilySpec:
         vocab_fields: the config keys that take the vocabulary size.
         generation_stops: the tiny checkpoint's ``generation_config.json`` lists every stop id as ``eos_token_id``
             (as Qwen3 checkpoints do), not the EOS id alone.
+        verifiable: an AR family (transformers' class) whose layers a 4-D tree mask and a croppable K/V cache
+            verify exactly: an AR target. ``False``: written and loaded, but refused as a target
+            (:func:`spiffy.models.target.check_target_config` says why).
     """
 
     name: str
@@ -91,6 +100,7 @@ class FamilySpec:
     tiny_config: Mapping[str, Any] = field(default_factory=dict)
     vocab_fields: tuple[str, ...] = ("vocab_size",)
     generation_stops: bool = False
+    verifiable: bool = True
 
     @property
     def model_class(self) -> type:
@@ -170,6 +180,8 @@ _DFLASH_DRAFTER: dict[str, Any] = dict(
     mask_token="<|MASK|>", special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
     diffusion=False, drafter=True,
 )
+#: the tiny Qwen-family tokenizers' special tokens (ChatML, plus the ``<|MASK|>`` their DFlash drafters fill blocks with)
+_QWEN_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
 
 #: every family spiffy knows, by name (the one list: every other family list is derived from it)
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
@@ -248,13 +260,101 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         config_class_path="transformers.Qwen3Config",
         mask_config_key=None,
         mask_token=None,
-        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
+        special_tokens=_QWEN_TOKENS,
         diffusion=False,
         tiny_config=dict(
             _TINY_QWEN, head_dim=16, max_window_layers=2,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         ),
         generation_stops=True,
+    ),
+    FamilySpec(
+        name="qwen3_moe",
+        model_type="qwen3_moe",
+        model_class_path="transformers.Qwen3MoeForCausalLM",
+        config_class_path="transformers.Qwen3MoeConfig",
+        mask_config_key=None,
+        mask_token=None,
+        special_tokens=_QWEN_TOKENS,
+        diffusion=False,
+        tiny_config=dict(
+            _TINY_QWEN, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            decoder_sparse_step=1, norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        generation_stops=True,
+    ),
+    FamilySpec(
+        name="qwen2",
+        model_type="qwen2",
+        model_class_path="transformers.Qwen2ForCausalLM",
+        config_class_path="transformers.Qwen2Config",
+        mask_config_key=None,
+        mask_token=None,
+        special_tokens=_QWEN_TOKENS,
+        diffusion=False,
+        tiny_config=dict(_TINY_QWEN, use_sliding_window=False, max_window_layers=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        generation_stops=True,
+    ),
+    FamilySpec(
+        name="llama",
+        model_type="llama",
+        model_class_path="transformers.LlamaForCausalLM",
+        config_class_path="transformers.LlamaConfig",
+        mask_config_key=None,
+        mask_token=None,
+        # Llama 3's special tokens; the first reserved token is what its DFlash drafters fill blocks with
+        special_tokens=("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|start_header_id|>",
+                        "<|end_header_id|>", "<|eot_id|>"),
+        eos_token="<|end_of_text|>",
+        pad_token=None,
+        bos_token="<|begin_of_text|>",
+        eot_token="<|eot_id|>",
+        diffusion=False,
+        chat_template=LLAMA3_CHAT_TEMPLATE,
+        tiny_config=dict(
+            _TINY_QWEN, head_dim=16,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        ),
+        generation_stops=True,
+    ),
+    FamilySpec(
+        name="mistral",
+        model_type="mistral",
+        model_class_path="transformers.MistralForCausalLM",
+        config_class_path="transformers.MistralConfig",
+        mask_config_key=None,
+        mask_token=None,
+        # Mistral v0.3's first tokens; a reserved control token is what its DFlash drafters fill blocks with
+        special_tokens=("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[control_8]"),
+        eos_token="</s>",
+        pad_token=None,
+        bos_token="<s>",
+        eot_token="</s>",
+        diffusion=False,
+        chat_template=MISTRAL_CHAT_TEMPLATE,
+        tiny_config=dict(_TINY_QWEN, head_dim=16, sliding_window=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    ),
+    FamilySpec(
+        # a hybrid (Gated-DeltaNet linear attention between full attention layers): written by `spiffy tiny`, loaded
+        # by load_model, refused as an AR target (spiffy.models.target.check_target_config says why)
+        name="qwen3_5",
+        model_type="qwen3_5_text",
+        model_class_path="transformers.Qwen3_5ForCausalLM",
+        config_class_path="transformers.Qwen3_5TextConfig",
+        mask_config_key=None,
+        mask_token=None,
+        special_tokens=_QWEN_TOKENS,
+        diffusion=False,
+        tiny_config=dict(
+            _TINY_QWEN, head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        ),
+        generation_stops=True,
+        verifiable=False,
     ),
     FamilySpec(name="dflash", model_class_path="spiffy.models.dflash.DFlashDraftModel",
                loader_path="spiffy.models.dflash.load_drafter", **_DFLASH_DRAFTER),

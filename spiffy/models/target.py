@@ -1,5 +1,20 @@
-"""The Qwen3 target of AR speculative decoding: :func:`load_target` (transformers' class; one device, a
-``device_map`` across devices, or ``tp_plan`` tensor parallel under torchrun)."""
+"""The targets of AR speculative decoding: :func:`load_target` (transformers' own classes; one device, a
+``device_map`` across devices, or ``tp_plan`` tensor parallel under torchrun), and what a target must be.
+
+A target is a transformers decoder-only causal LM whose every layer attends through the 4-D additive mask it is given
+(explicit ``position_ids``) and keeps its state in a K/V cache that can be cut back to a length. Verification then
+computes each tree node exactly as the same path decoded alone. The architectures with a registry entry
+(:func:`target_families`: Qwen3, Qwen3-MoE, Qwen2/Qwen2.5, Llama, Mistral) are proved so by the target tests.
+Refused, with :class:`~spiffy.errors.UnsupportedTargetError` naming the architecture and why
+(:func:`check_target_config`):
+
+* linear-attention (hybrid) layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): their recurrent state is not masked by a 4-D
+  tree mask and cropping the cache does not roll it back, so a tree or a rejected suffix would change it;
+* sliding-window or chunked layers (Gemma 3, gpt-oss, Mistral with ``sliding_window``): a 4-D mask replaces
+  transformers' window mask and the sliding cache layers cannot be cut back to an earlier length.
+
+Any other ``model_type`` raises :class:`~spiffy.errors.UnknownModelTypeError` listing the supported ones.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +22,108 @@ import os
 from typing import Any, Mapping
 
 import torch
-from transformers import Qwen3ForCausalLM
 
-from spiffy.errors import CheckpointError, ConfigError
-from spiffy.models.checkpoint import CONFIG_FILE, read_config_dict
+from spiffy.errors import CheckpointError, ConfigError, UnknownModelTypeError, UnsupportedTargetError
+from spiffy.models.checkpoint import CONFIG_FILE, check_loading_info, load_failure, loading_report, read_config_dict
 from spiffy.models.flex import target_attention
 from spiffy.models.hub import checkpoint_dir
-from spiffy.models.placement import DeviceMap, placement_device, qwen3_from_pretrained, qwen3_tensor_parallel
+from spiffy.models.placement import DeviceMap, native_from_pretrained, native_tensor_parallel, placement_device
+from spiffy.models.registry import FAMILIES, FamilySpec
 
-__all__ = ["load_target"]
+__all__ = [
+    "check_target_config",
+    "experts_implementation",
+    "load_native",
+    "load_target",
+    "target_families",
+    "target_spec",
+]
+
+#: the layer kind every layer of a target must have (transformers' ``config.layer_types`` spelling)
+FULL_ATTENTION = "full_attention"
+#: why a layer kind cannot be verified exactly, by transformers' ``layer_types`` spelling
+_REFUSED_LAYERS: dict[str, str] = {
+    "linear_attention": (
+        "its linear-attention (Gated DeltaNet) layers carry a recurrent state that a 4-D tree mask does not reach and "
+        "cropping the cache does not roll back, so verifying a tree or a rejected suffix would change the output"
+    ),
+    "sliding_attention": (
+        "its sliding-window layers take transformers' window mask, which a 4-D tree mask replaces, and their cache "
+        "layers cannot be cut back to an earlier length"
+    ),
+    "chunked_attention": (
+        "its chunked-attention layers take transformers' chunk mask, which a 4-D tree mask replaces, and their cache "
+        "layers cannot be cut back to an earlier length"
+    ),
+}
+
+
+def target_families() -> dict[str, FamilySpec]:
+    """The registry's AR target families (transformers' own causal-LM classes whose layers verify exactly), by name."""
+    return {name: spec for name, spec in FAMILIES.items()
+            if spec.verifiable and not (spec.diffusion or spec.drafter or spec.own_classes)}
+
+
+def _supported() -> str:
+    return ", ".join(repr(spec.model_type) for spec in target_families().values())
+
+
+def _layer_kinds(config: Any) -> list[str]:
+    """Each layer's kind (``layer_types`` spelling) of a config object or dict (a multimodal config's text part)."""
+    get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
+    text = get("text_config")
+    if text is not None:
+        return _layer_kinds(text)
+    kinds = list(get("layer_types") or [])
+    if kinds:
+        return [str(k) for k in kinds]
+    window = get("sliding_window")
+    sliding = window is not None and bool(get("use_sliding_window", True))
+    return ["sliding_attention" if sliding else FULL_ATTENTION] * int(get("num_hidden_layers") or 1)
+
+
+def check_target_config(config: Any, where: str = "the target") -> None:
+    """Raise :class:`UnsupportedTargetError` unless every layer of ``config`` (object or dict) is full attention.
+
+    The message is one line naming the ``model_type``, the first refused layer kind and why it cannot be exact.
+    """
+    kinds = _layer_kinds(config)
+    refused = next((k for k in kinds if k != FULL_ATTENTION), None)
+    if refused is None:
+        return
+    model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    why = _REFUSED_LAYERS.get(refused, f"its {refused!r} layers are not plain masked attention over a K/V cache")
+    count = sum(k == refused for k in kinds)
+    raise UnsupportedTargetError(
+        f"{where} is a {model_type!r} model with {count} of {len(kinds)} layers of kind {refused!r}: {why}; "
+        f"fix: use a target whose layers are all full attention (model types {_supported()})"
+    )
+
+
+def target_spec(raw: Mapping[str, Any], where: str = "the target") -> FamilySpec:
+    """The target family of a raw ``config.json`` dict, after :func:`check_target_config`.
+
+    Raises:
+        UnsupportedTargetError: an architecture with layers that cannot be verified exactly (named, with why);
+        UnknownModelTypeError: any other architecture without a target registry entry.
+    """
+    model_type = raw.get("model_type")
+    spec = next((s for s in target_families().values() if s.model_type == model_type), None)
+    check_target_config(raw, where)
+    if spec is None:
+        raise UnknownModelTypeError(
+            f"{where} has model_type {model_type!r}, which is not a supported AR target; supported model types: "
+            f"{_supported()}; fix: pass such a checkpoint, or use --model for diffusion LMs"
+        )
+    return spec
+
+
+def experts_implementation(dtype: torch.dtype) -> dict[str, str]:
+    """``{"experts_implementation": "eager"}`` in float64 (transformers' default mixture-of-experts kernel,
+    ``grouped_mm``, takes no float64; a dense model ignores it), else ``{}`` (transformers' choice). Every
+    implementation routes each token on its own (top-k of its router logits, no capacity limit), so a row never
+    depends on the others."""
+    return {"experts_implementation": "eager"} if dtype == torch.float64 else {}
 
 
 def load_target(
@@ -28,7 +136,7 @@ def load_target(
     attn_implementation: str = "sdpa",
     tp_plan: Any = None,
 ) -> torch.nn.Module:
-    """Load a Qwen3 target checkpoint directory for AR speculative decoding (eval mode).
+    """Load an AR target checkpoint directory (or Hub id) with its transformers class, in eval mode.
 
     ``device_map`` / ``offload_folder`` / ``max_memory`` place it across devices (see :func:`load_model`);
     ``tp_plan="auto"`` shards it over the ranks of a ``torchrun`` launch (tensor parallel; docs/SCALING.md);
@@ -36,29 +144,49 @@ def load_target(
     verification become flex block masks); flash-attn cannot take tree masks.
 
     Raises:
-        CheckpointError: no ``config.json`` or unreadable weights; ConfigError: not a ``qwen3`` checkpoint, or an
-            attention implementation that cannot take tree masks.
+        CheckpointError: no ``config.json`` or unreadable weights; UnsupportedTargetError: an architecture whose
+            layers cannot be verified exactly (hybrid linear attention, sliding windows); UnknownModelTypeError: an
+            architecture without a target entry; ConfigError: an attention implementation that cannot take tree masks.
     """
     root = checkpoint_dir(path)  # a directory, or a Hub id such as Qwen/Qwen3-8B
     if not (root / CONFIG_FILE).is_file():
-        raise CheckpointError(f"no config.json in {root}; fix: --target must be a Qwen3 checkpoint directory")
-    raw = read_config_dict(root)
-    if raw.get("model_type") != "qwen3":
-        raise ConfigError(
-            f"--target {root} has model_type {raw.get('model_type')!r}; AR mode needs a Qwen3 target "
-            "(model_type 'qwen3'); fix: pass a Qwen3 checkpoint, or use --model for diffusion LMs"
-        )
+        raise CheckpointError(f"no config.json in {root}; fix: --target must be a checkpoint directory")
+    spec = target_spec(read_config_dict(root), f"--target {root}")
     impl = target_attention(attn_implementation)
+    return load_native(spec, root, dtype, device, device_map, offload_folder, max_memory, impl, tp_plan)
+
+
+def load_native(
+    spec: FamilySpec,
+    root: str | os.PathLike,
+    dtype: torch.dtype,
+    device: str | torch.device | None = None,
+    device_map: DeviceMap | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    max_memory: Mapping[Any, Any] | None = None,
+    attn_implementation: str = "sdpa",
+    tp_plan: Any = None,
+) -> torch.nn.Module:
+    """A checkpoint of a family with transformers' own class (``spec.model_class``) through its ``from_pretrained``
+    (which maps the stored layout, e.g. per-expert MoE weights, onto the class), in eval mode, with strict keys
+    (CheckpointKeyError names missing, unexpected and shape-mismatched ones); no target checks."""
+    cls = spec.model_class
+    extra = experts_implementation(dtype)
     if tp_plan is not None:
         if device_map is not None:
             raise ConfigError("tp_plan and device_map are two different placements; fix: pass one of them")
-        return qwen3_tensor_parallel(root, dtype, impl, tp_plan)
+        return native_tensor_parallel(cls, root, dtype, attn_implementation, tp_plan, **extra)
     device, device_map = placement_device(device, device_map)
     if device_map is not None:
-        return qwen3_from_pretrained(root, dtype, impl, device_map, offload_folder, max_memory)
-    try:
-        model = Qwen3ForCausalLM.from_pretrained(str(root), dtype=dtype, attn_implementation=impl,
-                                                 local_files_only=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot load the target from {root}: {exc}") from exc
+        return native_from_pretrained(cls, root, dtype, attn_implementation, device_map, offload_folder, max_memory,
+                                      **extra)
+    with loading_report() as report:
+        try:
+            model, info = cls.from_pretrained(str(root), dtype=dtype, attn_implementation=attn_implementation,
+                                              local_files_only=True, output_loading_info=True, **extra)
+        except OSError as exc:
+            raise CheckpointError(f"cannot load {root}: {exc}") from exc
+        except RuntimeError as exc:  # transformers' weight conversion (e.g. fusing per-expert weights) failed
+            raise load_failure(exc, root, report) from exc
+    check_loading_info(info, root)
     return model.to(device).eval()

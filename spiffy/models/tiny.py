@@ -1,7 +1,7 @@
 """Tiny random checkpoints of every family, in the real file layout, for tests, demos and CI.
 
-:func:`make_tiny` writes config.json (with the official ``auto_map``; none for native Qwen3), at least two
-safetensors shards + ``model.safetensors.index.json``, ``generation_config.json`` and the tokenizer files of an
+:func:`make_tiny` writes config.json (with the official ``auto_map``; none for transformers' own classes, whose
+checkpoints go through their ``save_pretrained``), at least two safetensors shards + ``model.safetensors.index.json``, ``generation_config.json`` and the tokenizer files of an
 offline byte-level BPE tokenizer with the family's special tokens. Same family + seed + overrides -> byte-identical
 tensors. Default shape: hidden 64, 2 layers, 4 heads (Dream/SDAR/Qwen3: 2 KV heads), vocabulary = the
 tokenizer's size (512).
@@ -56,9 +56,10 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
     """Write a tiny random checkpoint of ``family`` to ``out_dir`` and return its path.
 
     Args:
-        family: ``"llada"``, ``"dream"``, ``"sdar"``, ``"qwen3"``, or a drafter family (``"dflash"``, ``"dflash2"``:
-            needs ``target=PATH`` of a Qwen3 checkpoint and delegates to the family's writer in
-            :data:`DRAFTER_WRITERS`).
+        family: a name of :data:`TINY_FAMILIES` (``"llada"``, ``"dream"``, ``"sdar"``, the AR targets ``"qwen3"``,
+            ``"qwen3_moe"``, ``"qwen2"``, ``"llama"``, ``"mistral"``, the refused hybrid ``"qwen3_5"``), or a drafter
+            family (``"dflash"``, ``"dflash2"``: needs ``target=PATH`` of a target checkpoint and delegates to the
+            family's writer in :data:`DRAFTER_WRITERS`).
         out_dir: directory to write (replaced atomically if it exists).
         seed: weight-initialisation seed (the global torch RNG is left untouched).
         **overrides: config keys to override (e.g. ``n_layers=3`` for LLaDA, ``num_hidden_layers=3`` for the
@@ -72,8 +73,8 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
     if spec.drafter:
         target = overrides.pop("target", None)
         if target is None:
-            raise ConfigError(f"a tiny {spec.name} drafter needs target=PATH of a Qwen3 checkpoint (e.g. from "
-                              "make_tiny('qwen3', ...))")
+            raise ConfigError(f"a tiny {spec.name} drafter needs target=PATH of a target checkpoint (e.g. from "
+                              "make_tiny('llama', ...))")
         return Path(DRAFTER_WRITERS[fam](out_dir, target, seed, **overrides))
     overrides.pop("target", None)
     vocab_size = int(overrides.pop("vocab_size", 512))

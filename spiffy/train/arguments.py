@@ -63,7 +63,8 @@ def add_output_arguments(p: Any, dtype_help: str = "dtype of the exported weight
 
 def add_drafter_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the drafter-training options to ``p`` (shared by ``python -m`` and ``spiffy train-drafter``)."""
-    p.add_argument("--target", required=True, help="frozen Qwen3 target checkpoint dir (weights + tokenizer)")
+    p.add_argument("--target", required=True, help="frozen AR target checkpoint dir (weights + tokenizer): Qwen3, Qwen3-MoE, "
+                   "Qwen2, Llama, Mistral")
     p.add_argument("--out", required=True, help="run dir (train_state.pt, logs); the drafter goes to OUT/model")
     add_corpus_arguments(p)
     p.add_argument("--data", choices=["target", "corpus"], default="target",

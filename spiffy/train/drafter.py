@@ -1,4 +1,4 @@
-"""Train a DFlash block-diffusion drafter on a frozen Qwen3 target (library feature; ``spiffy train-drafter``).
+"""Train a DFlash block-diffusion drafter on a frozen AR target (any target architecture) (library feature; ``spiffy train-drafter``).
 
 Recipe (after the DFlash paper / its public training code, re-implemented):
 
@@ -30,26 +30,25 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, Qwen3Config
+from transformers import DynamicCache
 
 from spiffy.errors import CheckpointError, ConfigError, DrafterMismatchError, MissingTokenError
-from spiffy.models.ar_checkpoints import save_drafter
+from spiffy.models.ar_checkpoints import MASK_TOKEN_NAMES, dflash_config_for_target, save_drafter
 from spiffy.models.cache import HF_CACHE_NAME, hf_cache
-from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, default_target_layer_ids, load_drafter
+from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, load_drafter
 from spiffy.models.loading import load_model, load_tokenizer, read_config_dict
+from spiffy.models.target import target_spec
 from spiffy.train import common
 from spiffy.train.arguments import add_drafter_arguments as add_arguments
 from spiffy.train.corpus import build_corpus, load_split
 
 
 def load_frozen_target(path: str | Path, dtype: torch.dtype | str = "float32"):
-    """Load a Qwen3 target checkpoint dir through spiffy's loader (frozen, eval mode) and its tokenizer (or None)."""
+    """Load an AR target checkpoint dir (any target architecture, :func:`spiffy.models.target.target_spec`) through
+    spiffy's loader (frozen, eval mode) and its tokenizer (or None)."""
 
     root = Path(path)
-    model_type = read_config_dict(root).get("model_type")
-    if model_type != "qwen3":
-        raise ConfigError(f"target model_type is {model_type!r}, DFlash drafters need a 'qwen3' target; "
-                          "fix: pass a Qwen3 checkpoint as --target")
+    target_spec(read_config_dict(root), f"--target {root}")  # an AR target architecture, or a typed refusal
     model = load_model(root, dtype=dtype)
     model.eval().requires_grad_(False)
     tok = load_tokenizer(root) if (root / "tokenizer.json").is_file() else None
@@ -57,14 +56,16 @@ def load_frozen_target(path: str | Path, dtype: torch.dtype | str = "float32"):
 
 
 def mask_token_of(tokenizer: Any, vocab_size: int, explicit: int | None = None) -> int:
-    """The DFlash mask id: ``explicit``, else the tokenizer's ``<|MASK|>`` (or its mask token)."""
+    """The DFlash mask id: ``explicit``, else the tokenizer's first token of
+    :data:`spiffy.models.ar_checkpoints.MASK_TOKEN_NAMES` (``<|MASK|>``, ..., Llama 3's first reserved token), else
+    its mask token."""
 
     if explicit is not None:
         mid = int(explicit)
     else:
         mid = None
         if tokenizer is not None:
-            for name in ("<|MASK|>", getattr(tokenizer, "mask_token", None)):
+            for name in (*MASK_TOKEN_NAMES, getattr(tokenizer, "mask_token", None)):
                 if name:
                     tid = tokenizer.convert_tokens_to_ids(name)
                     if tid is not None and tid != tokenizer.unk_token_id:
@@ -80,33 +81,14 @@ def mask_token_of(tokenizer: Any, vocab_size: int, explicit: int | None = None) 
 
 def build_drafter_config(target_config: Any, num_layers: int, block_size: int, target_layer_ids: Sequence[int] | None,
                          mask_token_id: int, intermediate: int | None = None):
-    """A ``Qwen3Config`` for a drafter sized to the target (hidden, heads, head dim, vocab, RoPE) + DFlash extras."""
-
-
-    t = target_config
-    n_target = int(t.num_hidden_layers)
-    ids = [int(i) for i in target_layer_ids] if target_layer_ids else default_target_layer_ids(n_target, num_layers)
-    bad = [i for i in ids if not 0 <= i < n_target]
+    """A ``Qwen3Config`` for a drafter sized to the target (any target architecture) + DFlash extras
+    (:func:`spiffy.models.ar_checkpoints.dflash_config_for_target`); DrafterMismatchError for layer ids outside it."""
+    n_target = int(target_config.num_hidden_layers)
+    bad = [int(i) for i in target_layer_ids or () if not 0 <= int(i) < n_target]
     if bad:
         raise DrafterMismatchError(f"target layer ids {bad} outside the target's {n_target} layers; "
                                    f"fix: pass --target-layer-ids within 0..{n_target - 1}")
-    if block_size < 2:
-        raise ConfigError(f"block size must be >= 2, got {block_size}; fix: use --block-size 16")
-    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e6)}
-    cfg = Qwen3Config(
-        hidden_size=int(t.hidden_size), intermediate_size=int(intermediate or t.intermediate_size),
-        num_hidden_layers=int(num_layers), num_attention_heads=int(t.num_attention_heads),
-        num_key_value_heads=int(t.num_key_value_heads), head_dim=int(getattr(t, "head_dim", None) or
-                                                                     t.hidden_size // t.num_attention_heads),
-        vocab_size=int(t.vocab_size), max_position_embeddings=int(t.max_position_embeddings),
-        rms_norm_eps=float(t.rms_norm_eps), rope_parameters=dict(rope), hidden_act=getattr(t, "hidden_act", "silu"),
-        tie_word_embeddings=False,
-    )
-    cfg.block_size = int(block_size)
-    cfg.num_target_layers = n_target
-    cfg.dflash_config = {"target_layer_ids": ids, "mask_token_id": int(mask_token_id), "block_size": int(block_size)}
-    cfg.architectures = ["DFlashDraftModel"]
-    return cfg
+    return dflash_config_for_target(target_config, num_layers, block_size, target_layer_ids, mask_token_id, intermediate)
 
 
 @torch.no_grad()
@@ -342,7 +324,7 @@ def evaluate(args: argparse.Namespace, drafter: torch.nn.Module, target: torch.n
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = add_arguments(argparse.ArgumentParser(description="Train a DFlash drafter on a frozen Qwen3 target."))
+    p = add_arguments(argparse.ArgumentParser(description="Train a DFlash drafter on a frozen AR target."))
     train(p.parse_args(argv))
     return 0
 
