@@ -268,7 +268,7 @@ class DFlashDrafter:
             if d._hooks is None or d._pending is None or d._cache is None:
                 raise RuntimeError("DFlashDrafter.propose_batch before attach() and the prompt's commit()")
         model = drafters[0].model
-        embed, head = drafters[0]._embed, drafters[0]._head
+        embed = drafters[0]._embed  # each row reads out through its own head (read_out)
         dev = model.device
         b = len(drafters)
         n_ctx = [int(d._pending.shape[1]) for d in drafters]  # type: ignore[union-attr]

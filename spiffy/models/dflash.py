@@ -48,6 +48,7 @@ __all__ = [
     "drafter_settings",
     "load_drafter",
     "check_compatible",
+    "fill_drafter",
     "is_dflash_config",
 ]
 
@@ -480,9 +481,15 @@ def load_drafter(
     check_keys(model, state, root, fix="fix: this is a DFlash2 drafter (candidate_selector.*, *_conv.*): load it with "
                "spiffy.models.load_ar_drafter, its config.json naming conv_kernel_size, conv_group_size, selector_rank "
                "and selector_top_k" if dflash2 else None)
+    return fill_drafter(model, state, want, device)
+
+
+def fill_drafter(model: DFlashDraftModel, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str | None) -> DFlashDraftModel:
+    """A drafter built on the meta device, filled with ``state`` (keys already checked) in ``dtype`` on ``device``
+    (default CPU), in eval mode; its RoPE buffers, which no checkpoint holds, rebuilt in float32 on that device."""
     model = model.to_empty(device=device or "cpu")
-    model.load_state_dict({k: v.to(want) for k, v in state.items()}, strict=True)
-    model = model.to(dtype=want)
-    # buffers (RoPE inverse frequencies) are not in the checkpoint: rebuild them, in float32, on the real device
-    model.rotary_emb = Qwen3RotaryEmbedding(config=config).to(device or "cpu")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    model = model.to(dtype=dtype)
+    model.rotary_emb = Qwen3RotaryEmbedding(config=model.config).to(device or "cpu")
     return model.eval()

@@ -50,7 +50,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from spiffy.errors import CheckpointError, CheckpointKeyError, ConfigError
 from spiffy.models.checkpoint import (
@@ -61,7 +60,7 @@ from spiffy.models.checkpoint import (
     read_config_dict,
     stored_dtype,
 )
-from spiffy.models.dflash import DFlashDecoderLayer, DFlashDraftModel, drafter_settings
+from spiffy.models.dflash import DFlashDecoderLayer, DFlashDraftModel, drafter_settings, fill_drafter
 from spiffy.models.dflash_fields import draft_value as _field  # a drafter field: dflash_config first, then the top level
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.placement import dispatch_checkpoint, placement_device
@@ -410,8 +409,4 @@ def load_dflash2_drafter(
     with torch.device("meta"):
         model = DFlash2DraftModel(config)
     check_keys(model, state, root)
-    model = model.to_empty(device=device or "cpu")
-    model.load_state_dict({k: v.to(want) for k, v in state.items()}, strict=True)
-    model = model.to(dtype=want)
-    model.rotary_emb = Qwen3RotaryEmbedding(config=config).to(device or "cpu")  # buffers are not in the checkpoint
-    return model.eval()
+    return fill_drafter(model, state, want, device)  # type: ignore[return-value]
