@@ -17,7 +17,6 @@ its cache modes).
 from __future__ import annotations
 
 import os
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 
 from spiffy.decoding import make_session
 from spiffy.errors import ConfigError, GraphMismatchError
+from spiffy.models.hub import EMBEDDED_ENV_VAR, embedded_models_dir
 from spiffy.selfspec.graph import load_graph, runtime_signature
 
 #: kind -> directory name under spiffy/data/models
@@ -48,15 +48,7 @@ GRAPHS_SUBDIR = "graphs"
 #: single-graph file names also accepted inside a model directory
 _GRAPH_NAMES: tuple[str, ...] = ("graph.json", "spiffy_graph.json")
 
-ENV_VAR = "SPIFFY_EMBEDDED_DIR"
-
-
-def embedded_models_dir() -> Path:
-    """The directory holding the embedded checkpoints (``$SPIFFY_EMBEDDED_DIR`` or ``spiffy/data/models``)."""
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    return Path(str(resources.files("spiffy").joinpath("data", "models")))
+ENV_VAR = EMBEDDED_ENV_VAR
 
 
 def _check_kind(kind: str) -> str:

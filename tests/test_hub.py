@@ -319,3 +319,20 @@ def test_spiffy_generate_by_id_from_the_command_line(hub) -> None:
     assert missing.returncode == 2
     assert "GSAI-ML/LLaDA-1.5" in missing.stderr and str(hub.cache) in missing.stderr
     assert "HF_HUB_OFFLINE=1" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_bare_name_resolves_to_a_shipped_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--target small-qwen3`: a bare name (no Hub id has one) of a checkpoint the package ships is that checkpoint;
+    an existing local directory of the same name wins, and an unknown name stays a (missing) path."""
+    from spiffy.models.hub import EMBEDDED_ENV_VAR, embedded_models_dir, resolve_checkpoint
+
+    assert resolve_checkpoint("tiny-qwen3").path == embedded_models_dir() / "tiny-qwen3"
+    shipped = tmp_path / "shipped"
+    (shipped / "pair-target").mkdir(parents=True)
+    (shipped / "pair-target" / "config.json").write_text("{}")
+    monkeypatch.setenv(EMBEDDED_ENV_VAR, str(shipped))
+    assert resolve_checkpoint("pair-target").path == shipped / "pair-target"
+    assert resolve_checkpoint("no-such-model").path == Path("no-such-model")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pair-target").mkdir()
+    assert resolve_checkpoint("pair-target").path == Path("pair-target")

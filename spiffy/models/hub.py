@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from huggingface_hub import constants as hf_constants
@@ -48,6 +49,18 @@ METADATA_FILES: tuple[str, ...] = (
 )
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+#: environment variable pointing the embedded-checkpoint lookup at another directory of the same layout
+EMBEDDED_ENV_VAR = "SPIFFY_EMBEDDED_DIR"
+
+
+def embedded_models_dir() -> Path:
+    """The directory holding the checkpoints shipped inside the package (``$SPIFFY_EMBEDDED_DIR`` or
+    ``spiffy/data/models``); a bare name such as ``small-qwen3`` resolves to ``<this>/small-qwen3``."""
+    env = os.environ.get(EMBEDDED_ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    return Path(str(resources.files("spiffy").joinpath("data", "models")))
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,9 @@ def resolve_checkpoint(
     # only a string can be a Hub id: a Path (e.g. one this function returned) always means a directory
     parsed = parse_hub_id(text) if isinstance(path_or_id, str) else None
     if parsed is None:
+        shipped = embedded_models_dir() / text
+        if text and os.sep not in text and "/" not in text and (shipped / "config.json").is_file():
+            return ResolvedCheckpoint(shipped)  # a bare name (no Hub id has one) of a checkpoint the package ships
         return ResolvedCheckpoint(local)  # not an id: the loader reports the missing directory as before
     repo_id, id_revision = parsed
     if revision is not None and id_revision is not None and revision != id_revision:
