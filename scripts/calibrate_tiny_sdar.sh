@@ -26,12 +26,12 @@ one_token_per_step() {
   spiffy calibrate --model "$MODEL" --prompts code --no-chat --budget 5 --no-progress --out "$GRAPHS/tiny-sdar-s1.json" \
     "${DEC_S1[@]}"
   spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-s1.json" --budgets 1,2,3,4,5 --freedave 2,3,4,5,6 \
-    --ssd 2,3,4,5,6 --dataset humaneval --max-prompts 10 --no-chat --no-progress "${DEC_S1[@]}" --out "$RUNS/s1"
+    --ssd 2,3,4,5,6 --dataset humaneval --skip 0 --max-prompts 10 --no-chat --no-progress "${DEC_S1[@]}" --out "$RUNS/s1"
 }
 threshold() {
   spiffy calibrate --model "$MODEL" --prompts code --no-chat --budget 5 --no-progress --out "$GRAPHS/tiny-sdar-t09.json" \
     "${DEC_T09[@]}"
-  spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-t09.json" --budgets 1,3,5 --dataset humaneval \
+  spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-t09.json" --budgets 1,3,5 --dataset humaneval --skip 0 \
     --max-prompts 10 --no-chat --no-progress "${DEC_T09[@]}" --out "$RUNS/t09"
 }
 one_token_per_step > "$RUNS/s1.log" 2>&1 &
