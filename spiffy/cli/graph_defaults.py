@@ -82,6 +82,6 @@ def difference_note(command: str, graph: str | Path, diffs: list[str]) -> str:
     """The one-line note for a run that departs from its graph's calibration: what differs and what it costs."""
     return (f"{command}: note: {', '.join(diffs)} differ from the calibration of the graph {Path(graph).name}: "
             "outputs stay identical, but its drafts fit these runs less well, so expect fewer forwards saved "
-            "(the embedded tiny-sdar at D* = 5: float32 or the chat template on the raw-prompt bfloat16 graph save "
-            "roughly a third fewer; docs/RESULTS.md); fix: drop the flag, or calibrate a graph for it "
-            "(`spiffy calibrate`)")
+            "(the embedded tiny-sdar at D* = 5 on its bfloat16 raw-prompt graph: 1.91x in float32 with the chat "
+            "template against 2.78x as calibrated, docs/RESULTS.md); fix: drop the flag, or calibrate a graph for "
+            "it (`spiffy calibrate`)")
