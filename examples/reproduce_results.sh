@@ -18,9 +18,9 @@ scripts/calibrate_tiny_sdar.sh spiffy/data/models/tiny-sdar runs/tiny-sdar-bench
 spiffy calibrate "${LLADA[@]}" --prompts code --no-chat --nodes 10 --out graphs/tiny-llada-s1.json "${DEC_S1[@]}"
 spiffy calibrate "${LLADA[@]}" --prompts code --no-chat --nodes 10 --out graphs/tiny-llada-t09.json "${DEC_T09[@]}"
 python scripts/ship_graphs.py   # the package carries the graphs next to their models (spiffy/data/models/*/graphs/)
-spiffy bench dllm "${LLADA[@]}" --graph graphs/tiny-llada-s1.json --budgets 1,3,5 --freedave 2,4,6 --dataset humaneval \
+spiffy bench dllm "${LLADA[@]}" --graph graphs/tiny-llada-s1.json --budgets 1,3,5 --freedave 2,4,6 --dataset humaneval --skip 0 \
   --max-prompts 10 --no-chat "${DEC_S1[@]}" --out runs/dllm-humaneval-s1
-spiffy bench dllm "${LLADA[@]}" --graph graphs/tiny-llada-t09.json --budgets 1,3,5 --dataset humaneval --max-prompts 10 \
+spiffy bench dllm "${LLADA[@]}" --graph graphs/tiny-llada-t09.json --budgets 1,3,5 --dataset humaneval --skip 0 --max-prompts 10 \
   --no-chat "${DEC_T09[@]}" --out runs/dllm-humaneval-t09
 
 # 3. AR vs DFlash vs DDTree (budgets 16..256), HumanEval prompts

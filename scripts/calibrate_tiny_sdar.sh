@@ -4,7 +4,8 @@
 # D* = 5 (--budget 5: the default 10-node graph or one capped at lookahead 5 with 20 nodes, each pruning score replayed
 # on the calibration prompts; in bfloat16 the capped one with the reach score wins), benched at D* = 1..5 against
 # FreeDave with 2..6 draft steps and SSD with 2..6 states per forward in the same run (equal widths). Threshold 0.9: also tuned for D* = 5 (the default
-# 10-node graph with the geometric-mean score wins), benched at D* in {1, 3, 5}.
+# 10-node graph with the geometric-mean score wins), benched at D* in {1, 3, 5}. Then both again on the chat template
+# (the `_chat` graphs, which `--chat` picks; one prompt format per graph, the underscore keeps the raw-prompt graphs first).
 # CPU, 1 thread per process; the two configurations run side by side.
 # Usage: scripts/calibrate_tiny_sdar.sh [MODEL_DIR] [RUN_DIR]
 #        (defaults: spiffy/data/models/tiny-sdar, runs/tiny-sdar-bench; BLOCK=32 sets the block length; DTYPE the
@@ -26,16 +27,27 @@ one_token_per_step() {
   spiffy calibrate --model "$MODEL" --prompts code --no-chat --budget 5 --no-progress --out "$GRAPHS/tiny-sdar-s1.json" \
     "${DEC_S1[@]}"
   spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-s1.json" --budgets 1,2,3,4,5 --freedave 2,3,4,5,6 \
-    --ssd 2,3,4,5,6 --dataset humaneval --max-prompts 10 --no-chat --no-progress "${DEC_S1[@]}" --out "$RUNS/s1"
+    --ssd 2,3,4,5,6 --dataset humaneval --skip 0 --max-prompts 10 --no-chat --no-progress "${DEC_S1[@]}" --out "$RUNS/s1"
 }
 threshold() {
   spiffy calibrate --model "$MODEL" --prompts code --no-chat --budget 5 --no-progress --out "$GRAPHS/tiny-sdar-t09.json" \
     "${DEC_T09[@]}"
-  spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-t09.json" --budgets 1,3,5 --dataset humaneval \
+  spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-t09.json" --budgets 1,3,5 --dataset humaneval --skip 0 \
     --max-prompts 10 --no-chat --no-progress "${DEC_T09[@]}" --out "$RUNS/t09"
+}
+# the same two configurations on the chat template (what `--chat` users run; chosen by the prompt format):
+# tiny-sdar-{s1,t09}_chat.json, benched on the default held-out prompts (HumanEval/90 on)
+chat() {
+  spiffy calibrate --model "$MODEL" --prompts code --budget 5 --no-progress --out "$GRAPHS/tiny-sdar-s1_chat.json" \
+    "${DEC_S1[@]}"
+  spiffy calibrate --model "$MODEL" --prompts code --budget 5 --no-progress --out "$GRAPHS/tiny-sdar-t09_chat.json" \
+    "${DEC_T09[@]}"
+  spiffy bench dllm --model "$MODEL" --graph "$GRAPHS/tiny-sdar-s1_chat.json" --chat --dataset humaneval --no-progress \
+    "${DEC_S1[@]}" --out "$RUNS/s1_chat"
 }
 one_token_per_step > "$RUNS/s1.log" 2>&1 &
 S1=$!
 threshold > "$RUNS/t09.log" 2>&1 || { echo "threshold run failed: $RUNS/t09.log" >&2; exit 1; }
 wait "$S1" || { echo "one-token-per-step run failed: $RUNS/s1.log" >&2; exit 1; }
-echo "wrote $GRAPHS/tiny-sdar-s1.json $GRAPHS/tiny-sdar-t09.json $RUNS/s1/results.md $RUNS/t09/results.md"
+chat > "$RUNS/chat.log" 2>&1 || { echo "chat-template run failed: $RUNS/chat.log" >&2; exit 1; }
+echo "wrote $GRAPHS/tiny-sdar-{s1,t09}{,_chat}.json $RUNS/{s1,t09,s1_chat}/results.md"

@@ -185,7 +185,7 @@ def bench(device: torch.device, dtype: torch.dtype, out: Path, small: bool) -> d
     common = ["--device", str(device), "--dtype", str(dtype).removeprefix("torch."), "--no-plots", "--no-progress",
               "--warmup", "0" if small else "1"]
     runs = {
-        "dllm": ["dllm", "--dataset", "humaneval", "--no-chat", "--gen-length", "64", "--block-length", "32",
+        "dllm": ["dllm", "--dataset", "humaneval", "--skip", "0", "--no-chat", "--gen-length", "64", "--block-length", "32",
                  "--steps", "64", "--cache", "prefix", "--max-prompts", "1" if small else "10",
                  "--budgets", "1" if small else "1,3,5", "--freedave", "2" if small else "2,4,6"],
         "ar": ["ar", "--dataset", "humaneval", "--max-prompts", "1" if small else "8",

@@ -164,11 +164,14 @@ def graph_decoding_flags(graph: Any) -> str:
     return " ".join(flags)
 
 
-def compatible_shipped_graph(model: Any, model_dir: str | os.PathLike[str], config: Any, **overrides: Any) -> Path:
-    """The first graph shipped with ``model_dir`` that was calibrated for ``model`` under ``config``.
+def compatible_shipped_graph(model: Any, model_dir: str | os.PathLike[str], config: Any, prefer: Any = None,
+                             **overrides: Any) -> Path:
+    """The first graph shipped with ``model_dir`` that was calibrated for ``model`` under ``config`` (``prefer``, a
+    shipped graph's path, is tried first: the one whose dtype and prompt format fit the run).
 
     Args:
         model: the loaded diffusion LM. config: its :class:`~spiffy.decoding.DecodeConfig`;
+        prefer: the graph to try first (``None``: the shipped order);
         overrides: family-specific decoding options (``strategy``), as passed to ``generate``.
     Raises:
         ConfigError: the model ships no graph, or none fits ``config`` (the message lists each graph with the
@@ -183,7 +186,8 @@ def compatible_shipped_graph(model: Any, model_dir: str | os.PathLike[str], conf
     session = make_session(model, torch.zeros((1, 1), dtype=torch.long), config, **overrides)
     runtime = runtime_signature(model, session)
     needs = []
-    for path in shipped:
+    first = [p for p in shipped if prefer is not None and Path(p) == Path(prefer)]
+    for path in first + [p for p in shipped if p not in first]:
         graph = load_graph(path)
         try:
             graph.check_compatible(runtime, warn=False)

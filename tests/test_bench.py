@@ -70,7 +70,7 @@ def _check_pngs(out: Path) -> None:
 def test_bench_dllm_cli(tiny_llada: Path, llada_graph: Path, prompt_file: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "dllm"
     rc = main(["bench", "dllm", "--model", str(tiny_llada), "--graph", str(llada_graph), "--budgets", "1,3",
-               "--freedave", "2,4", "--dataset", str(prompt_file), "--max-prompts", "2", *GEN, "--dtype", "float64",
+               "--freedave", "2,4", "--ssd", "none", "--dataset", str(prompt_file), "--max-prompts", "2", *GEN, "--dtype", "float64",
                "--no-chat", "--no-progress", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())

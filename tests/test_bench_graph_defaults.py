@@ -1,14 +1,24 @@
-"""`spiffy bench dllm` with no flags runs in the configuration the graph was calibrated for (dtype and prompt format
-included), says so, and names a setting the user chose that differs from the graph's."""
+"""`spiffy bench dllm` / `spiffy generate` with no flags run in the configuration the graph was calibrated for (dtype
+and prompt format included) and say so; a flag picks the shipped graph calibrated for it (`--chat` the chat graph,
+`--threshold 0.9` the threshold graph); a setting that still differs from the graph's is named in one line; the
+default benchmark prompts skip those the embedded models' development used; FreeDave and SSD run at equal widths."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 
-from spiffy.cli.bench_run import _graph_settings
+from spiffy.bench.datasets import HELD_OUT_FROM, held_out_from, load_benchmark_prompts
+from spiffy.cli.bench_run import _graph_settings, _rival_widths
+from spiffy.cli.graph_defaults import difference_note, differences, pick_defaults_graph, requested_decoding
 from spiffy.cli.main import build_parser
+from spiffy.decoding import DecodeConfig
+from spiffy.embedded import embedded_model_path, shipped_graphs
+from spiffy.errors import ConfigError
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -17,19 +27,70 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_unset_dtype_and_prompt_format_come_from_the_graph(capsys: pytest.CaptureFixture[str]) -> None:
     args = _args()
-    assert args.dtype is None and args.no_chat is None  # unset: the graph decides
+    assert args.dtype is None and args.no_chat is None and args.out == "/tmp/x"  # unset: the graph decides
     _graph_settings(args, {"dtype": "bfloat16", "chat": False}, "/g/tiny-sdar-s1.json")
     assert args.dtype == "bfloat16" and args.no_chat is True
     err = capsys.readouterr().err
     assert "calibrated with dtype bfloat16, raw prompts" in err and err.count("\n") == 1
 
 
-def test_a_chosen_setting_that_differs_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_chosen_setting_stands_and_a_difference_is_named_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     args = _args("--dtype", "float32", "--chat")
     _graph_settings(args, {"dtype": "bfloat16", "chat": False}, "/g/tiny-sdar-s1.json")
     assert args.dtype == "float32" and args.no_chat is False  # the user's choice stands
-    err = capsys.readouterr().err
-    assert "dtype float32 (graph: bfloat16)" in err and "chat template (graph: raw prompts)" in err
+    assert capsys.readouterr().err == ""
+    recorded = {"dtype": "bfloat16", "chat": False, "decode_config": {"gen_length": 64, "steps": 64, "threshold": None}}
+    diffs = differences(recorded, "float32", True, DecodeConfig(gen_length=128, steps=64))
+    assert diffs == ["dtype float32 (graph: bfloat16)", "chat template (graph: raw prompts)",
+                     "gen length 128 (graph: 64)"]
+    assert differences(recorded, "bfloat16", False, DecodeConfig(gen_length=64, steps=64)) == []
+    note = difference_note("spiffy bench dllm", "/g/tiny-sdar-s1.json", diffs)
+    assert "\n" not in note and "dtype float32 (graph: bfloat16)" in note and "fewer forwards saved" in note
+
+
+def _shipped_with_a_chat_copy(tmp_path: Path) -> list[Path]:
+    """The embedded model's shipped graphs plus a copy of its first one recorded as calibrated on the chat template."""
+    shipped = shipped_graphs(embedded_model_path("dllm"))
+    first = json.loads(shipped[0].read_text())
+    first["calibration"]["chat"] = not first["calibration"]["chat"]
+    chat = tmp_path / f"{shipped[0].stem}_other.json"
+    chat.write_text(json.dumps(first))
+    for p in shipped:
+        shutil.copy(p, tmp_path / p.name)
+    return sorted(tmp_path.glob("*.json"))
+
+
+def test_the_flags_given_pick_the_shipped_graph_calibrated_for_them(tmp_path: Path) -> None:
+    graphs = _shipped_with_a_chat_copy(tmp_path)
+    recorded = [json.loads(p.read_text())["calibration"] for p in graphs]
+    assert pick_defaults_graph(graphs, None, None, {}) == graphs[0]  # nothing given: the first
+    assert pick_defaults_graph([], None, None, {}) is None
+    for i, rec in enumerate(recorded):  # each graph is chosen by the settings it alone was calibrated with
+        decoding = {k: rec["decode_config"][k] for k in ("threshold", "steps")}
+        same = [j for j, r in enumerate(recorded) if bool(r["chat"]) == bool(rec["chat"])
+                and {k: r["decode_config"][k] for k in decoding} == decoding]
+        assert pick_defaults_graph(graphs, rec["dtype"], bool(rec["chat"]), decoding) == graphs[same[0]]
+    args = _args("--threshold", "0.9", "--gen-length", "128")
+    assert requested_decoding(args)["threshold"] == 0.9 and requested_decoding(args)["gen_length"] == 128
+    pick = pick_defaults_graph(graphs, None, None, requested_decoding(args))  # gen length fits none: threshold decides
+    assert json.loads(pick.read_text())["calibration"]["decode_config"]["threshold"] == 0.9
+
+
+def test_rivals_default_to_the_spiffy_rows_widths() -> None:
+    assert _rival_widths(None, [1, 3, 5]) == "2,4,6"
+    assert _rival_widths("none", [1, 3, 5]) is None and _rival_widths("2,3", [1]) == "2,3"
+
+
+def test_default_prompts_skip_those_the_development_used(tmp_path: Path) -> None:
+    assert held_out_from("humaneval") == held_out_from("HumanEval") == HELD_OUT_FROM["humaneval"] == 90
+    assert held_out_from("mbpp") == 0 and _args().skip is None
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": str(k), "prompt": f"p{k}"}) + "\n" for k in range(5)))
+    assert [p.id for p in load_benchmark_prompts(str(f), skip=2, max_prompts=2)] == ["2", "3"]
+    assert [p.id for p in load_benchmark_prompts(str(f), skip=4)] == ["4"]
+    for bad in (5, -1):
+        with pytest.raises(ConfigError, match="skip"):
+            load_benchmark_prompts(str(f), skip=bad)
 
 
 def test_ar_keeps_the_chat_template_by_default() -> None:

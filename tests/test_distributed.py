@@ -134,7 +134,7 @@ def test_torchrun_bench_dllm_reports_the_single_process_content(tiny_llada: Path
                  "4", *GEN, "--temperature", "0.8", "--no-chat", "--no-progress", "--dtype", "float64"]) == 0
     args = ["bench", "dllm", "--model", str(tiny_llada), "--graph", str(graph), "--budgets", "1,3", "--dataset",
             str(prompts3), "--max-prompts", "3", *GEN, "--temperature", "0.8", "--seed", "5", "--dtype", "float64",
-            "--no-chat", "--no-progress", "--no-plots", "--warmup", "0"]
+            "--no-chat", "--no-progress", "--no-plots", "--warmup", "0", "--freedave", "none", "--ssd", "none"]
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     _torchrun([*args, "--out", str(tmp_path / "two")], tmp_path)
     r1, r2 = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))

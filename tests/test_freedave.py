@@ -82,7 +82,7 @@ def test_bench_dllm_freedave_rows(tiny_llada, tmp_path) -> None:
     prompts.write_text('{"id": "a", "prompt": "def add(a, b):"}\n{"id": "b", "prompt": "for i in range(3):"}\n')
     out = tmp_path / "bench"
     rc = main(["bench", "dllm", "--model", str(tiny_llada), "--graph", str(tmp_path / "g.json"), "--budgets", "1",
-               "--freedave", "2,3", "--dataset", str(prompts), "--gen-length", "8", "--block-length", "4",
+               "--freedave", "2,3", "--ssd", "none", "--dataset", str(prompts), "--gen-length", "8", "--block-length", "4",
                "--dtype", "float64", "--no-chat", "--no-progress", "--no-plots", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())

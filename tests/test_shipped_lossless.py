@@ -53,6 +53,7 @@ def _graph(graphs: list, stem: str):
         # one block of the graphs' block length (32) keeps it fast; the rule per block is the calibrated one
         ("dllm", "tiny-sdar-s1", DecodeConfig(gen_length=32, block_length=32, steps=32), CODE_PROMPTS),
         ("dllm", "tiny-sdar-t09", DecodeConfig(gen_length=32, block_length=32, threshold=0.9), CODE_PROMPTS[:1]),
+        ("dllm", "tiny-sdar-s1_chat", DecodeConfig(gen_length=32, block_length=32, steps=32), CODE_PROMPTS[:1]),
         ("dllm-llada", "tiny-llada-s1", DecodeConfig(gen_length=32, block_length=32, steps=32), CODE_PROMPTS),
         ("dllm-llada", "tiny-llada-t09", DecodeConfig(gen_length=32, block_length=32, threshold=0.9), CODE_PROMPTS[:1]),
     ],

@@ -30,6 +30,11 @@ DATASET_FILES: dict[str, str | None] = {
     "mtbench": "mt_bench.jsonl",
 }
 DATASETS: tuple[str, ...] = tuple(DATASET_FILES)
+#: dataset name -> how many of its first prompts the embedded models' development used: HumanEval/0-9 are the README's
+#: headline prompts, HumanEval/10-29 chose the tiny-sdar snapshot and HumanEval/40-89 calibrated the graphs of that
+#: choice and the shipped ones (scripts/select_tiny_sdar.sh, scripts/calibrate_tiny_sdar.sh). ``spiffy bench dllm``
+#: starts after them unless told otherwise (``--skip``), so its figures are on prompts nothing was tuned on.
+HELD_OUT_FROM: dict[str, int] = {"humaneval": 90}
 ENV_VAR = "SPIFFY_DATASETS_DIR"
 
 
@@ -139,16 +144,24 @@ def _convert(name: str, rows: list[dict[str, Any]]) -> list[BenchPrompt]:
     return out
 
 
+def held_out_from(dataset: str) -> int:
+    """The default ``skip`` of :func:`load_benchmark_prompts` for ``spiffy bench dllm`` (:data:`HELD_OUT_FROM`;
+    0 for other sets and files)."""
+    return HELD_OUT_FROM.get(dataset.lower().replace("-", "").replace("_", ""), 0)
+
+
 def load_benchmark_prompts(
-    dataset: str, datasets_dir: str | os.PathLike[str] | None = None, max_prompts: int | None = None
+    dataset: str, datasets_dir: str | os.PathLike[str] | None = None, max_prompts: int | None = None,
+    skip: int = 0,
 ) -> list[BenchPrompt]:
-    """The prompts of a benchmark, in upstream order, optionally the first ``max_prompts``.
+    """The prompts of a benchmark, in upstream order, after the first ``skip``, optionally only ``max_prompts``.
 
     Args:
         dataset: ``humaneval``, ``mbpp``, ``gsm8k``, ``math500``, ``mtbench`` (first turn), or a JSONL file whose
             lines carry a string ``prompt`` (optional ``id``).
         datasets_dir: directory with the JSONL files (default :func:`default_datasets_dir`: the shipped sets).
-        max_prompts: keep only the first N (``None`` = all).
+        max_prompts: keep only the first N after the skipped ones (``None`` = all).
+        skip: leave out the first ``skip`` prompts (see :func:`held_out_from`).
     Raises:
         ConfigError: unknown dataset, missing directory/file/package, malformed rows, no prompts.
     """
@@ -175,6 +188,12 @@ def load_benchmark_prompts(
         )
     if not prompts:
         raise ConfigError(f"dataset {dataset!r} holds no prompts; fix: choose another dataset or file")
+    if isinstance(skip, bool) or int(skip) < 0:
+        raise ConfigError(f"skip must be >= 0, got {skip}; fix: pass --skip 0 or more")
+    if int(skip) >= len(prompts):
+        raise ConfigError(f"dataset {dataset!r} holds {len(prompts)} prompts, all skipped by --skip {skip}; fix: "
+                          f"pass --skip below {len(prompts)}")
+    prompts = prompts[int(skip):]
     return prompts[: int(max_prompts)] if max_prompts is not None else prompts
 
 
@@ -182,8 +201,10 @@ __all__ = [
     "BenchPrompt",
     "DATASETS",
     "DATASET_FILES",
+    "HELD_OUT_FROM",
     "dataset_file",
     "default_datasets_dir",
+    "held_out_from",
     "load_benchmark_prompts",
     "shipped_datasets_dir",
 ]

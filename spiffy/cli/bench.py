@@ -37,9 +37,14 @@ def _common(p: argparse.ArgumentParser, default_budgets: str, what: str) -> None
                    help="humaneval, mbpp, gsm8k, math500, mtbench, or a JSONL file with a 'prompt' field (default humaneval)")
     p.add_argument("--datasets", default=None, metavar="DIR",
                    help="directory of the benchmark JSONL files (default: the copies shipped inside the package)")
-    p.add_argument("--max-prompts", type=int, default=10, metavar="N", help="use the first N prompts (default 10)")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="output directory for results.json, results.md and PNG plots (checked before the run)")
+    p.add_argument("--max-prompts", type=int, default=10, metavar="N",
+                   help="use N prompts, the first after --skip (default 10)")
+    p.add_argument("--skip", type=int, default=None, metavar="N",
+                   help="leave out the first N prompts of the dataset (dllm default: 90 for humaneval, the prompts "
+                        "the embedded models were selected and calibrated on and the README's, else 0; ar default 0)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory for results.json, results.md and PNG plots (checked before the run; default "
+                        "./bench-dllm or ./bench-ar)")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds before measuring (default 1)")
     p.add_argument("--no-chat", dest="no_chat", action="store_const", const=True, default=None,
                    help="feed prompts as raw text instead of the tokenizer's chat template (dllm default: the prompt "
@@ -80,14 +85,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument("--freedave", default=None, metavar="LIST",
                    help="also run FreeDave with these draft steps K, e.g. 2,4,6: each model call verifies K states "
                         "(the real one and the K-1 most confident next ones, no calibration), like Spiffy at budget "
-                        "K-1; same run, same prompts")
+                        "K-1; same run, same prompts (default: each budget + 1, equal widths; none: no rows)")
     d.add_argument("--ssd", default=None, metavar="LIST",
                    help="also run SSD (arXiv 2510.04147) with these states per forward K, e.g. 2,4,6: its verification "
                         "path of K-1 self-drafted states (the most confident positions the step leaves masked), like "
-                        "Spiffy at budget K-1; same run, same prompts")
+                        "Spiffy at budget K-1; same run, same prompts (default: each budget + 1; none: no rows)")
     d.add_argument("--score", default=None, choices=SCORES, help="pruning score of the Spiffy rows. " + SCORE_HELP)
     _common(d, "1,3,5", "Spiffy budgets D (drafts verified per model call)")
-    add_decoding_arguments(d, defaults="the values of the graph the run uses (--graph, else the model's first "
+    add_decoding_arguments(d, defaults="the values of the graph the run uses (--graph, else the model's shipped "
                                        "shipped graph), else the defaults below")
     d.set_defaults(run="bench_run", command_parser=d, bench_mode="dllm")
     a = modes.add_parser("ar", help="Qwen3 target: AR vs DFlash, DDTree, DEER, SpecDiff-2 at each budget",

@@ -12,11 +12,12 @@ from spiffy.arspec import ACCEPT_RULES
 from spiffy.arspec.methods import DFLASH2_DRAFTER, DFLASH_DRAFTER, DLLM_DRAFTER
 from spiffy.bench.ar import plan_entries, run_ar_bench
 from spiffy.bench.common import parse_budgets
-from spiffy.bench.datasets import load_benchmark_prompts
+from spiffy.bench.datasets import held_out_from, load_benchmark_prompts
 from spiffy.bench.dllm import run_dllm_bench
 from spiffy.bench.overheads import markdown_overheads, run_overheads
 from spiffy.bench.report import markdown_report, write_report
 from spiffy.bench.throughput import ar_methods, dllm_methods, encode_prompts, markdown_throughput, measure, parse_batch_sizes, throughput_report
+from spiffy.cli.graph_defaults import differences, difference_note, pick_defaults_graph, recorded_settings, requested_decoding
 from spiffy.cli.placement import placement_kwargs
 from spiffy.cli.runtime import check_output_path, decode_config, quiet_loading, set_threads
 from spiffy.distributed import join_data_parallel
@@ -82,27 +83,38 @@ def announce_cost(command: str, prompts: int, configurations: list[str], unit: s
 
 def _graph_settings(args: argparse.Namespace, recorded: dict[str, Any], source: Any) -> None:
     """Unset --dtype and prompt format take the graph's calibration settings (its figures hold for those), said in
-    one line; a setting the user chose that differs from the graph's is named in a one-line note."""
-    taken, differ = [], []
-    if recorded.get("dtype"):
-        if args.dtype is None:
-            args.dtype = str(recorded["dtype"])
-            taken.append(f"dtype {args.dtype}")
-        elif str(args.dtype) != str(recorded["dtype"]):
-            differ.append(f"dtype {args.dtype} (graph: {recorded['dtype']})")
-    if "chat" in recorded:
-        if args.no_chat is None:
-            args.no_chat = not bool(recorded["chat"])
-            taken.append("chat template" if recorded["chat"] else "raw prompts (no chat template)")
-        elif args.no_chat == bool(recorded["chat"]):
-            differ.append(f"{'raw prompts' if args.no_chat else 'chat template'} (graph: "
-                          f"{'chat template' if recorded['chat'] else 'raw prompts'})")
+    one line."""
+    taken = []
+    if recorded.get("dtype") and args.dtype is None:
+        args.dtype = str(recorded["dtype"])
+        taken.append(f"dtype {args.dtype}")
+    if "chat" in recorded and args.no_chat is None:
+        args.no_chat = not bool(recorded["chat"])
+        taken.append("chat template" if recorded["chat"] else "raw prompts (no chat template)")
     if taken:
         print(f"spiffy bench dllm: the graph {Path(source).name} was calibrated with {', '.join(taken)}: using them "
               "(override with --dtype / --chat / --no-chat)", file=sys.stderr)
-    if differ:
-        print(f"spiffy bench dllm: note: {', '.join(differ)} differ from the graph's calibration: its drafts fit "
-              "these runs less well, so expect fewer accepted drafts than the graph projects", file=sys.stderr)
+
+
+def _rival_widths(text: str | None, budgets: list[int]) -> str | None:
+    """``--freedave`` / ``--ssd``: unset = the states per forward of the Spiffy rows (D* + 1, so every budget has
+    its rivals at equal width in the same run); ``none`` = no rows."""
+    if text is None:
+        return ",".join(str(b + 1) for b in budgets)
+    return None if text.strip().lower() in ("", "none") else text
+
+
+def _prompts(args: argparse.Namespace) -> list[Any]:
+    """The prompts of a dLLM run: ``--max-prompts`` of ``--dataset`` after the first ``--skip`` (unset: the prompts
+    the embedded models' development used are skipped, :data:`~spiffy.bench.datasets.HELD_OUT_FROM`), said in one
+    line when prompts are skipped by default."""
+    skip = args.skip if args.skip is not None else held_out_from(args.dataset)
+    prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts, skip=skip)
+    if args.skip is None and skip:
+        print(f"spiffy bench dllm: prompts {prompts[0].id} to {prompts[-1].id} (the first {skip} served the "
+              "embedded models' selection and calibration and the README's figures; --skip 0 uses them)",
+              file=sys.stderr)
+    return prompts
 
 
 def run_dllm(args: argparse.Namespace) -> int:
@@ -110,11 +122,12 @@ def run_dllm(args: argparse.Namespace) -> int:
     budgets = parse_budgets(args.budgets)
     model_dir = checkpoint_dir(args.model) if args.model else embedded_model_path("dllm")
     graph_path = resolve_graph_argument(args.graph, model_dir) if args.graph else None
-    prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
-    shipped = shipped_graphs(model_dir)
-    source = graph_path or (shipped[0] if shipped else None)  # unset decoding flags take this graph's values
-    recorded = load_graph(source).meta.get("calibration", {}) if source is not None else {}
-    recorded = recorded if isinstance(recorded, dict) else {}
+    prompts = _prompts(args)
+    chat_given = None if args.no_chat is None else not args.no_chat
+    # unset settings take the values of this graph: the one named, else the shipped one fitting the flags given
+    source = graph_path or pick_defaults_graph(shipped_graphs(model_dir), args.dtype, chat_given,
+                                               requested_decoding(args))
+    recorded = recorded_settings(source)
     _graph_settings(args, recorded, source)
     cfg, extra = decode_config(args, recorded.get("decode_config"))
     dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
@@ -125,9 +138,13 @@ def run_dllm(args: argparse.Namespace) -> int:
     set_threads(args.threads, model)
     tokenizer = load_tokenizer(model_dir)
     if graph_path is None:  # the graph shipped with the model for these decoding flags
-        graph_path = compatible_shipped_graph(model, model_dir, cfg, **extra)
+        graph_path = compatible_shipped_graph(model, model_dir, cfg, prefer=source, **extra)
         print(f"spiffy bench dllm: using the graph shipped with the model: {graph_path}", file=sys.stderr)
     graph = load_graph(graph_path)
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    diffs = differences(recorded_settings(graph_path), dtype, not args.no_chat, cfg)
+    if diffs:
+        print(difference_note("spiffy bench dllm", graph_path, diffs), file=sys.stderr)
     beyond = [b for b in budgets if b > len(graph)]
     if beyond:  # the rows still run (at most one draft per node and step): said once, not left to the reader
         print(f"spiffy bench dllm: note: budget(s) {', '.join(map(str, beyond))} exceed the graph's {len(graph)} "
@@ -137,7 +154,8 @@ def run_dllm(args: argparse.Namespace) -> int:
         methods = dllm_methods(model, tokenizer, cfg, graph, budgets, device, extra, score=args.score)
         return _throughput(args, "dllm", methods, model, tokenizer, prompts, device, graph=str(graph_path),
                            gen_length=cfg.gen_length)
-    freedave, ssd = parse_rival_list("freedave", args.freedave), parse_rival_list("ssd", args.ssd)
+    freedave = parse_rival_list("freedave", _rival_widths(args.freedave, budgets))
+    ssd = parse_rival_list("ssd", _rival_widths(args.ssd, budgets))
     announce_cost("spiffy bench dllm", len(prompts),
                   ["baseline"] + [f"Spiffy D*={b}" for b in budgets] + [f"FreeDave {k}" for k in freedave]
                   + [f"SSD {k}" for k in ssd],
@@ -164,7 +182,7 @@ def run_ar(args: argparse.Namespace) -> int:
         dllm_dir = embedded_model_path("ar-dllm-drafter")
     target_dir = checkpoint_dir(args.target) if args.target else embedded_model_path("ar-target")
     drafter_dir = checkpoint_dir(args.drafter) if args.drafter else embedded_model_path("ar-drafter")
-    prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts)
+    prompts = load_benchmark_prompts(args.dataset, args.datasets, args.max_prompts, skip=args.skip or 0)
     dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
     args.is_main_rank, device = dp.is_main, str(dp.device)
     placement = placement_kwargs(args)
@@ -247,6 +265,8 @@ def _throughput(args: argparse.Namespace, kind: str, methods: dict[str, Any], mo
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spiffy bench MODE``; returns the exit status (1 when an output differs from its baseline)."""
+    if args.bench_mode in ("dllm", "ar") and args.out is None:
+        args.out = f"bench-{args.bench_mode}"  # in the working directory, like `bench overheads`
     if args.bench_mode in ("dllm", "ar", "overheads"):
         check_output_path(args.out, directory=True)  # before the run, not after it
     if args.bench_mode in ("dllm", "ar"):

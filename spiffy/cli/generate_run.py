@@ -3,8 +3,8 @@
 The mode follows from the flags the user set, never from a guess: ``--target``, ``--drafter`` or ``--method`` is AR
 mode, anything else dLLM mode. A flag of the other mode is refused with a one-line error (exit 2).
 
-dLLM defaults come from a draft graph: the one ``--graph`` names, else the first graph the model ships (the
-embedded model ships two). Its recorded decoding configuration (gen length, block length, steps, cache, ...), dtype
+dLLM defaults come from a draft graph: the one ``--graph`` names, else the shipped graph that fits the settings the
+user gave (:mod:`spiffy.cli.graph_defaults`; the first shipped one when nothing was given). Its recorded decoding configuration (gen length, block length, steps, cache, ...), dtype
 and chat setting fill in every flag the user left unset, so ``spiffy generate --prompt TEXT`` decodes exactly as
 the graph was calibrated, with Spiffy.
 """
@@ -22,6 +22,7 @@ import torch
 from spiffy.api import generate
 from spiffy.cli import generate_ar
 from spiffy.cli.flags import AR_FLAGS, DLLM_DECODING_FLAGS, refuse
+from spiffy.cli.graph_defaults import differences, difference_note, pick_defaults_graph, recorded_settings, requested_decoding
 from spiffy.cli.placement import placement_kwargs
 from spiffy.cli.runtime import decode_config, default_device, set_threads
 from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument, shipped_graphs
@@ -63,17 +64,12 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _defaults_graph(graph_arg: str | None, model_dir: str) -> Path | None:
-    """The graph whose recorded configuration fills in unset flags: the named one, else the model's first shipped."""
+def _defaults_graph(graph_arg: str | None, model_dir: str, args: argparse.Namespace) -> Path | None:
+    """The graph whose recorded configuration fills in unset flags: the named one, else the shipped graph that fits
+    the settings given (``--chat`` the chat graph, ``--threshold`` the threshold graph; the first on a tie)."""
     if graph_arg and graph_arg not in (NO_GRAPH, AUTO_GRAPH) and parse_rival(graph_arg) is None:
         return resolve_graph_argument(graph_arg, model_dir)
-    shipped = shipped_graphs(model_dir)
-    return shipped[0] if shipped else None
-
-
-def _recorded(graph: Any) -> dict[str, Any]:
-    cal = graph.meta.get("calibration", {}) if isinstance(getattr(graph, "meta", None), dict) else {}
-    return cal if isinstance(cal, dict) else {}
+    return pick_defaults_graph(shipped_graphs(model_dir), args.dtype, args.chat, requested_decoding(args))
 
 
 def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
@@ -83,8 +79,8 @@ def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
     if graph_arg == NO_GRAPH:
         refuse(asked & {"budget", "score"}, "Spiffy flags, and no draft graph runs here",
                "drop them, or pass --graph FILE|NAME|auto (`spiffy calibrate` makes one)", args.command_parser)
-    source = _defaults_graph(graph_arg, model_dir)
-    recorded = _recorded(load_graph(source)) if source is not None else {}
+    source = _defaults_graph(graph_arg, model_dir, args)
+    recorded = recorded_settings(source)
     if args.dtype is None and recorded.get("dtype"):
         args.dtype = str(recorded["dtype"])
     if args.chat is None:
@@ -98,7 +94,12 @@ def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
     set_threads(args.threads, model)
     tokenizer = load_tokenizer(model_dir)
     batch = [prompt_token_ids(tokenizer, p, chat=args.chat, require_template=True) for p in args.prompt]
-    graph, graph_path = _choose_graph(args, graph_arg, model, model_dir, cfg, extra)
+    graph, graph_path = _choose_graph(args, graph_arg, model, model_dir, cfg, extra, source)
+    if graph is not None and parse_rival(str(graph_path)) is None:  # a calibrated graph: does the run fit it?
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        diffs = differences(recorded_settings(graph_path), dtype, bool(args.chat), cfg)
+        if diffs:
+            print(difference_note("spiffy generate", str(graph_path), diffs), file=sys.stderr)
     budget = _check_budget(args.budget, graph)
     input_ids, attention_mask = _left_pad(batch, tokenizer)
     res = generate(model, input_ids, cfg, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph,
@@ -110,7 +111,7 @@ def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
 
 
 def _choose_graph(args: argparse.Namespace, graph_arg: str, model: Any, model_dir: str, cfg: Any,
-                  extra: dict[str, Any]) -> tuple[Any, str | None]:
+                  extra: dict[str, Any], prefer: Path | None = None) -> tuple[Any, str | None]:
     """``(graph or None, its path or spec)`` for ``graph_arg``; an implicit ``auto`` that no shipped graph fits
     runs the baseline and says so on stderr."""
     if graph_arg == NO_GRAPH:
@@ -123,7 +124,7 @@ def _choose_graph(args: argparse.Namespace, graph_arg: str, model: Any, model_di
         return graph, graph_arg
     if graph_arg == AUTO_GRAPH:
         try:
-            path = compatible_shipped_graph(model, model_dir, cfg, **extra)
+            path = compatible_shipped_graph(model, model_dir, cfg, prefer=prefer, **extra)
         except ConfigError as exc:
             if args.graph is not None:  # the user asked for auto: their error
                 raise
