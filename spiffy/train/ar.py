@@ -163,7 +163,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     samples = {p: greedy_complete(model, tok, p, args.sample_tokens) for p in SAMPLE_PROMPTS}
     final = export(model, tok, out, args.save_dtype)
     metrics = {
-        "model": "tiny-qwen3", "steps": step, "planned_steps": args.steps, "finished": loop.finished,
+        "model": args.name, "steps": step, "planned_steps": args.steps, "finished": loop.finished,
         "wall_s_total": round(float(extra["wall_s"]), 1), "invocations": extra.get("invocations", []), "train_tokens_seen": int(extra["tokens"]),
         "heldout_loss": round(ev["loss"], 4), "heldout_accuracy": round(ev["accuracy"], 4),
         "heldout_tokens": ev["tokens"], "params": n_params, "config": {
@@ -182,8 +182,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             f"steps ({metrics['wall_s_total']/60:.1f} min, 1 CPU thread) on the Python {info.python_version} standard "
             f"library's .py sources ({info.n_files_train} train files, {info.n_files_heldout} held out by path hash), "
             f"byte-level BPE vocab {len(tok)}. Weights stored in {args.save_dtype}. Reproduce with "
-            f"`scripts/train_tiny_qwen3.sh`.")
-    common.write_cards(final, out, "tiny-qwen3 (spiffy demo target)", metrics, body)
+            f"`scripts/train_{args.name.replace('-', '_')}.sh`.")
+    common.write_cards(final, out, f"{args.name} (spiffy {args.role})", metrics, body)
     print(json.dumps({k: v for k, v in metrics.items() if k != "samples_greedy"}, indent=2))
     for p, s in samples.items():
         print(f"--- {p!r} ->\n{p}{s}")
@@ -193,6 +193,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train spiffy's tiny Qwen3 target on the stdlib corpus.")
     p.add_argument("--out", required=True, help="run dir (train_state.pt, logs; final model in OUT/model)")
+    p.add_argument("--name", default="tiny-qwen3", help="the model's name in metrics.json and its card (the card "
+                   "names scripts/train_NAME.sh, with - as _, as the way to reproduce it)")
+    p.add_argument("--role", default="demo target", help="what the model is for, in its card's title")
     common.add_corpus_arguments(p)
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer dir instead of training OUT/tokenizer")
