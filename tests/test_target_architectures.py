@@ -277,6 +277,24 @@ def test_a_multimodal_qwen3_5_checkpoint_is_a_target(tmp_path):
         assert res.tokens == ref, method
 
 
+def test_an_offloaded_hybrid_equals_the_plain_load(tmp_path):
+    """Qwen3.5 with its linear-attention layers offloaded to disk (accelerate's hooks wrap those modules' forward):
+    the branch-by-branch calls keep the hooks, and DDTree with oracle drafts through side branches equals the plain
+    load's AR."""
+    path = make_tiny("qwen3_5", tmp_path / "hybrid", seed=1, num_hidden_layers=3)
+    plain = load_target(path, torch.float32, "cpu")
+    placed = load_target(path, torch.float32, device_map={
+        "model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu", "model.layers.2": "disk",
+        "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}, offload_folder=tmp_path / "off")
+    assert "forward" in placed.model.layers[0].linear_attn.__dict__  # accelerate's hook
+    prompt = _prompts(int(plain.config.vocab_size))[0]
+    ar = speculative_generate(plain, None, prompt, _config("ar", 14, 0.0)).tokens
+    res = speculative_generate(placed, Oracle(ar, len(prompt), int(plain.config.vocab_size), 3), prompt,
+                               _config("ddtree", 14, 0.0))
+    assert res.tokens == ar
+    assert "forward" in placed.model.layers[0].linear_attn.__dict__  # given back after every planned forward
+
+
 def test_unrunnable_layer_kinds_are_refused():
     with pytest.raises(UnsupportedTargetError, match="'x' model with 1 of 2 layers of kind 'mamba'"):
         check_target_config({"model_type": "x", "layer_types": ["mamba", "full_attention"]})

@@ -24,7 +24,7 @@ loaded before and read after each call (:func:`attention_layers` are the cache l
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -78,14 +78,40 @@ def branches(parents: Sequence[int]) -> list[list[int]]:
 
 @dataclass
 class _Call:
-    """One batched call of a mixer: sequence ``n`` is row ``rows[n]``'s columns ``cols[n]``."""
+    """One batched call of a mixer: sequence ``n`` is row ``rows[n]``'s columns ``cols[n]`` (the index tensors are
+    built once per call and device, then shared by every layer)."""
 
     rows: list[int]
     cols: list[list[int]]
+    _index: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @property
     def width(self) -> int:
         return max(len(c) for c in self.cols)
+
+    def gather_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rows [N, M], cols [N, M], real [N, M] bool)``: padding repeats a sequence's last column, not real."""
+        if ("gather", device) not in self._index:  # type: ignore[comparison-overlap]
+            width = self.width
+            cols = torch.tensor([c + [c[-1]] * (width - len(c)) for c in self.cols])
+            rows = torch.tensor(self.rows).view(-1, 1).expand_as(cols)
+            real = torch.arange(width).view(1, -1) < torch.tensor([len(c) for c in self.cols]).view(-1, 1)
+            self._index[("gather", device)] = tuple(t.to(device) for t in (rows, cols, real))  # type: ignore[index]
+        return self._index[("gather", device)]  # type: ignore[index,return-value]
+
+    def scatter_index(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``(sequence, step, row, column)`` ``[K]`` each: every (row, column) once, from the first sequence through
+        it (deterministic: a node on several branches is read from one)."""
+        if ("scatter", device) not in self._index:  # type: ignore[comparison-overlap]
+            seen: set[tuple[int, int]] = set()
+            picks: list[tuple[int, int, int, int]] = []
+            for n, (b, cols) in enumerate(zip(self.rows, self.cols)):
+                for m, c in enumerate(cols):
+                    if (b, c) not in seen:
+                        seen.add((b, c))
+                        picks.append((n, m, b, c))
+            self._index[("scatter", device)] = tuple(torch.tensor(t, device=device) for t in zip(*picks))  # type: ignore[index]
+        return self._index[("scatter", device)]  # type: ignore[index]
 
 
 class RecurrentMixers:
@@ -112,6 +138,12 @@ class RecurrentMixers:
                     "mixer spiffy can run branch by branch; fix: use transformers' own class of the checkpoint"
                 )
             self.mixers[i] = mixer
+        # the forward each call runs: an instance forward already there (accelerate's offloading hook wraps the
+        # module so) or transformers' own; ours replaces it only inside a planned target forward and then gives it back
+        self._previous: dict[int, Any] = {i: m.__dict__.get("forward") for i, m in self.mixers.items()}
+        self._forwards: dict[int, Callable[..., torch.Tensor]] = {
+            i: prev if prev is not None else type(m).forward.__get__(m) for (i, m), prev in
+            zip(self.mixers.items(), self._previous.values())}
         self.state: dict[int, State | None] = {i: None for i in self.mixers}
         self._saved: dict[int, tuple[torch.Tensor, _Call, State]] = {}
 
@@ -139,18 +171,13 @@ class RecurrentMixers:
             layer.conv_kernel_size[0] = int(conv.shape[-1])
             if layer.device is None:
                 layer.dtype, layer.device = conv.dtype, conv.device
-        mixer = self.mixers[index]
-        forward = type(mixer).forward.__get__(mixer)  # transformers' forward (the instance one may be ours)
-        out = forward(x, self.cache, None, **kwargs)  # (hidden_states, cache, attention_mask): both 5.x spellings
+        # (hidden_states, cache, attention_mask) positionally: transformers 5.17 names the cache cache_params, 5.24 cache
+        out = self._forwards[index](x, self.cache, None, **kwargs)
         return out, (layer.conv_states[0], layer.recurrent_states[0])
 
     def _gather(self, hidden: torch.Tensor, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(x [N, M, H], row index [N, M], column index [N, M])`` of a call (padding repeats the last column and is
-        zeroed in ``x``)."""
-        width = call.width
-        cols = torch.tensor([c + [c[-1]] * (width - len(c)) for c in call.cols], device=hidden.device)
-        rows = torch.tensor(call.rows, device=hidden.device).view(-1, 1).expand_as(cols)
-        real = torch.tensor([[j < len(c) for j in range(width)] for c in call.cols], device=hidden.device)
+        """``(x [N, M, H], row index [N, M], column index [N, M])`` of a call (padding zeroed in ``x``)."""
+        rows, cols, real = call.gather_index(hidden.device)
         return hidden[rows, cols] * real.unsqueeze(-1).to(hidden.dtype), rows, cols
 
     def _start(self, index: int, rows: Sequence[int]) -> State | None:
@@ -163,16 +190,8 @@ class RecurrentMixers:
     def _scatter(self, hidden: torch.Tensor, call: _Call, y: torch.Tensor) -> torch.Tensor:
         """``[B, R, H]`` outputs: each (row, column) from the first sequence through it; zeros elsewhere."""
         out = torch.zeros(hidden.shape[:2] + y.shape[2:], dtype=y.dtype, device=y.device)
-        seen: set[tuple[int, int]] = set()
-        src_n, src_m, dst_b, dst_c = [], [], [], []
-        for n, (b, cols) in enumerate(zip(call.rows, call.cols)):
-            for m, c in enumerate(cols):
-                if (b, c) not in seen:
-                    seen.add((b, c))
-                    src_n.append(n), src_m.append(m), dst_b.append(b), dst_c.append(c)
-        dev = y.device
-        out[torch.tensor(dst_b, device=dev), torch.tensor(dst_c, device=dev)] = y[torch.tensor(src_n, device=dev),
-                                                                                 torch.tensor(src_m, device=dev)]
+        n, m, b, c = call.scatter_index(y.device)
+        out[b, c] = y[n, m]
         return out
 
     # ---------------------------------------------------------------------------------------------- the plans
@@ -189,8 +208,11 @@ class RecurrentMixers:
         try:
             yield
         finally:
-            for mixer in self.mixers.values():
-                mixer.__dict__.pop("forward", None)
+            for index, mixer in self.mixers.items():
+                if self._previous[index] is None:
+                    mixer.__dict__.pop("forward", None)
+                else:
+                    mixer.forward = self._previous[index]  # type: ignore[method-assign]
 
     @contextmanager
     def prefill(self, columns: Sequence[Sequence[int]]) -> Iterator[None]:
