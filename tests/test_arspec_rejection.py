@@ -359,7 +359,7 @@ def test_rejection_on_a_hybrid_target_matches_the_exact_distribution(tiny_hybrid
     distortion is large, not the small biases the Qwen3 tests are sized for."""
     target, drafter = tiny_hybrid_pair
     exact = _exact_generation(target)
-    assert sum(p * HYBRID_N >= MIN_EXPECTED for p in exact.values()) >= 12  # the outcomes are spread
+    assert sum(p * HYBRID_N >= MIN_EXPECTED for p in exact.values()) >= 9  # the outcomes are spread
     counts: Counter = Counter()
     rounds = 0
     for seed in range(HYBRID_N):
