@@ -10,6 +10,8 @@ windows, unknown layer kinds) are refused with a typed one-line error."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -32,7 +34,7 @@ from spiffy.arspec.tree import DraftTree, build_ddtree
 from spiffy.errors import ConfigError, UnknownModelTypeError, UnsupportedTargetError
 from spiffy.models import load_drafter, load_model, load_target, make_tiny_dflash
 from spiffy.models.ar_drafters import load_ar_drafter, make_tiny_dllm_drafter
-from spiffy.models.recurrent import branches
+from spiffy.models.recurrent import RecurrentMixers, branches
 from spiffy.models.target import check_target_config, target_families
 from spiffy.models.tiny import make_tiny
 
@@ -238,6 +240,8 @@ def test_a_plain_tree_forward_is_wrong_on_hybrids(tmp_path):
     torch.testing.assert_close(ours, alone, rtol=0, atol=1e-5)
     with pytest.raises(ConfigError, match="tree_columns"):  # a hybrid's verification cannot run without its tree
         verify(runner, compiled)
+    with pytest.raises(UnsupportedTargetError, match="layer 0 .*conv_states"):  # a cache keeping the state otherwise
+        RecurrentMixers(model, SimpleNamespace(layers=[object()] * 3))
 
 
 @given(st.lists(st.integers(min_value=0, max_value=10**6), min_size=0, max_size=12))

@@ -138,6 +138,15 @@ class RecurrentMixers:
                     "mixer spiffy can run branch by branch; fix: use transformers' own class of the checkpoint"
                 )
             self.mixers[i] = mixer
+            layers_of_cache = getattr(cache, "layers", None)
+            fields = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
+                      "is_recurrent_states_initialized", "conv_kernel_size")
+            if layers_of_cache is None or i >= len(layers_of_cache) or not all(
+                    hasattr(layers_of_cache[i], f) for f in fields):
+                raise UnsupportedTargetError(
+                    f"{type(target).__name__} layer {i} ({kind!r}): this transformers version's cache layer does not "
+                    f"keep the state as {', '.join(fields)}; fix: use transformers 5.17 to 5.24 (tested)"
+                )
         # the forward each call runs: an instance forward already there (accelerate's offloading hook wraps the
         # module so) or transformers' own; ours replaces it only inside a planned target forward and then gives it back
         self._previous: dict[int, Any] = {i: m.__dict__.get("forward") for i, m in self.mixers.items()}
