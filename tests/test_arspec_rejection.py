@@ -12,9 +12,9 @@ Two levels:
 The test (:func:`_pearson`): Pearson's chi-square goodness of fit, ``scipy.stats.chisquare``, of the observed
 outcome counts against the exact distribution, on bins fixed before sampling: every outcome expected at least
 :data:`MIN_EXPECTED` times is a bin, the rarer ones are pooled into one (so the chi-square approximation of the
-statistic's null distribution holds). Each test rejects at p < :data:`ALPHA` = 1e-3; six tests claim exactness
-(three rules x one round, three methods x whole generations), so a correct rule fails any of them with probability
-at most 6e-3 (Bonferroni) for a random choice of seeds. Every seed is fixed, so the outcome is deterministic.
+statistic's null distribution holds). Each test rejects at p < :data:`ALPHA` = 1e-3; seven tests claim exactness
+(three rules x one round, three methods x whole generations, DDTree on a hybrid target), so a correct rule fails any
+of them with probability at most 7e-3 (Bonferroni) for a random choice of seeds. Every seed is fixed, so the outcome is deterministic.
 
 Power against the biased self-selection (:func:`test_the_sample_size_catches_the_bias`): its output distribution ``b``
 is computed exactly (:func:`_biased_round_distribution`, every ordered 4-tuple of drafts enumerated; the sampled
@@ -321,3 +321,52 @@ def test_rejection_generation_matches_the_exact_distribution(tiny_pair, method):
         rounds += res.rounds
     assert rounds < E2E_N * (E2E_NEW - 1)  # drafts were accepted (fewer rounds than plain AR)
     assert _pearson(counts, exact, E2E_N) >= ALPHA, method
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid_pair(tmp_path_factory, tiny_pair):
+    """A Qwen3.5 target (transformers' class: a Gated-DeltaNet layer, then full attention) over the same 4-token
+    vocabulary, random weights of std 0.4 so the outcomes spread, with the same kind of dLLM drafter."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    base = tmp_path_factory.mktemp("rejection_hybrid")
+    config = Qwen3_5TextConfig(vocab_size=E2E_V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, full_attention_interval=2,
+                               linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+                               linear_value_head_dim=8, max_position_embeddings=64, eos_token_id=None)
+    torch.manual_seed(6)
+    model = Qwen3_5ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.4)
+    model.save_pretrained(base / "t")
+    drafter_dir = make_tiny_dllm_drafter(base / "d", base / "t", seed=4, block_size=4, hidden_size=16, num_layers=1,
+                                         num_heads=2, num_kv_heads=1, weight_std=0.5, mask_token_id=E2E_V - 1)
+    target = load_target(base / "t", torch.float64, "cpu")
+    return target, as_drafter(load_ar_drafter(drafter_dir, dtype=torch.float64))
+
+
+#: whole generations on the hybrid (its reference Gated-DeltaNet kernels make a generation several times slower)
+HYBRID_N = 500
+
+
+def test_rejection_on_a_hybrid_target_matches_the_exact_distribution(tiny_hybrid_pair):
+    """DDTree (branching trees: the linear-attention layer runs branch by branch and is re-advanced over the accepted
+    path) under the rejection rule on a hybrid target: the whole-generation outcomes follow the exact AR distribution
+    (a seventh exactness claim: at most 7e-3 for the module). Fewer samples than the Qwen3 tests: it is there to
+    catch a wrong recurrent state (it fails when the state is not re-advanced over the accepted path), whose
+    distortion is large, not the small biases the Qwen3 tests are sized for."""
+    target, drafter = tiny_hybrid_pair
+    exact = _exact_generation(target)
+    assert sum(p * HYBRID_N >= MIN_EXPECTED for p in exact.values()) >= 9  # the outcomes are spread
+    counts: Counter = Counter()
+    rounds = 0
+    for seed in range(HYBRID_N):
+        cfg = ARSpecConfig(method="ddtree", budget=2, accept="rejection", max_new_tokens=E2E_NEW,
+                           sampling=SamplingConfig(temperature=1.0, seed=seed))
+        res = speculative_generate(target, drafter, E2E_PROMPT, cfg)
+        counts[tuple(res.tokens)] += 1
+        rounds += res.rounds
+    assert rounds < HYBRID_N * (E2E_NEW - 1)
+    assert _pearson(counts, exact, HYBRID_N) >= ALPHA

@@ -1,6 +1,7 @@
 """The targets people run, at their published sizes on the meta device (no memory): Qwen3-30B-A3B and
 Qwen3-Coder-30B-A3B-Instruct (``qwen3_moe``: the DEER and DDTree papers' targets), Qwen2.5-14B-Instruct (``qwen2``:
-SpecDiff-2's verifier), Llama-3.1-8B-Instruct (``llama``), and Qwen3.5-27B (a hybrid, refused as a target).
+SpecDiff-2's verifier), Llama-3.1-8B-Instruct (``llama``), and Qwen3.5-27B (``qwen3_5``, a hybrid verified through its
+text model).
 
 Each is built from its published ``config.json`` (``tests/data/real_configs``, provenance in SOURCES.md) the way
 ``load_target`` builds it (its registry family's transformers class and config class), and its parameter count is
@@ -18,7 +19,6 @@ import pytest
 import torch
 import transformers
 
-from spiffy.errors import UnsupportedTargetError
 from spiffy.models.ar_checkpoints import dflash_config_for_target
 from spiffy.models.dflash import DFlashDraftModel, check_compatible
 from spiffy.models.target import target_spec
@@ -101,15 +101,43 @@ def test_a_dflash_drafter_fits_each_real_target(name: str) -> None:
     assert drafter.target_layer_ids[0] == 1 and drafter.target_layer_ids[-1] == n - 3
 
 
-def test_real_qwen3_5_is_refused_and_sized() -> None:
-    """Qwen3.5-27B (48 Gated-DeltaNet layers, 16 full attention): refused as a target, one line naming why; built
-    with transformers' own class its size is the published 27B (transformers builds no multi-token-prediction head)."""
+def counted_hybrid(c: dict) -> int:
+    """Qwen3.5's text model from its config's dimensions: per Gated-DeltaNet layer the q/k/v, z, b and a input
+    projections, the depthwise convolution, ``dt_bias`` and ``A_log``, the gated norm and the output projection; per
+    full-attention layer a gated query (twice the heads), k, v, o and the q/k norms; an MLP and two norms each."""
+    h, v = c["hidden_size"], c["vocab_size"]
+    kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    vd, nv = c["linear_num_value_heads"] * c["linear_value_head_dim"], c["linear_num_value_heads"]
+    linear = (h * (2 * kd + vd) + h * vd + 2 * h * nv + (2 * kd + vd) * c["linear_conv_kernel_dim"] + 2 * nv
+              + c["linear_value_head_dim"] + vd * h)
+    hd, heads, kv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    attention = 2 * h * heads * hd + 2 * h * kv * hd + heads * hd * h + 2 * hd
+    per_layer = {"linear_attention": linear, "full_attention": attention}
+    head = 0 if c.get("tie_word_embeddings") else v * h
+    return v * h + head + h + sum(per_layer[k] + 3 * h * c["intermediate_size"] + 2 * h for k in c["layer_types"])
+
+
+def test_real_qwen3_5_is_a_target_and_sized() -> None:
+    """Qwen3.5-27B (48 Gated-DeltaNet layers, 16 full attention), published as ``Qwen3_5ForConditionalGeneration``:
+    its target is the text model (``Qwen3_5ForCausalLM``, what ``load_target`` builds; the vision tower is not
+    loaded), counted here from the config's dimensions; with the tower, transformers' multimodal class is the
+    published 27B (transformers builds no multi-token-prediction layer). A DFlash drafter config fits it."""
     raw = _raw("Qwen--Qwen3.5-27B")
-    with pytest.raises(UnsupportedTargetError, match="'qwen3_5' model with 48 of 64 layers of kind 'linear_attention'"):
-        target_spec(raw)
+    spec = target_spec(raw)
+    assert spec.name == "qwen3_5"
+    with torch.device("meta"):
+        target = spec.model_class(spec.config_class.from_dict(raw["text_config"]))
+    text = sum(p.numel() for p in target.parameters())
+    assert type(target).__name__ == "Qwen3_5ForCausalLM" and text == counted_hybrid(raw["text_config"])
     config = transformers.AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
     with torch.device("meta"):
         model = getattr(transformers, raw["architectures"][0])(config)
     count = sum(p.numel() for p in model.parameters())
-    print(f"\nQwen/Qwen3.5-27B: {count:,} parameters = {count / 1e9:.2f}B (published 27B)")
-    assert int(count / 1e9) == 27
+    tower = sum(p.numel() for p in model.model.visual.parameters())
+    print(f"\nQwen/Qwen3.5-27B: {count:,} parameters = {count / 1e9:.2f}B (published 27B); text model (the target) "
+          f"{text:,} = {text / 1e9:.2f}B, vision tower {tower:,}")
+    assert int(count / 1e9) == 27 and count == text + tower
+    drafter_config = dflash_config_for_target(raw, num_layers=5, block_size=16, target_layer_ids=None,
+                                              mask_token_id=int(target.config.vocab_size) - 1)
+    with torch.device("meta"):
+        check_compatible(DFlashDraftModel(drafter_config), target)

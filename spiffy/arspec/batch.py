@@ -49,6 +49,7 @@ from spiffy.arspec.stages import (
     prefill,
     prefill_inputs,
     sync,
+    tree_columns,
     verify,
 )
 from spiffy.errors import ConfigError
@@ -165,7 +166,7 @@ def speculative_generate_batch(
         sync(runner.device)
         t_start = time.perf_counter()
         ids, positions, mask, valid, pads = prefill_inputs([rows[b] for b in live], runner.device, runner.dtype)
-        first = prefill(runner, ids, positions, mask)
+        first = prefill(runner, ids, positions, mask, valid)
         for i, b in enumerate(live):
             token = int(sample_keyed(first[i : i + 1], [len(rows[b])], cfgs[b].sampling)[0])
             results[b].append_until_stop([token], cfgs[b].stop_token_ids, cfgs[b].max_new_tokens)
@@ -192,7 +193,7 @@ def speculative_generate_batch(
             buffers = buffers.ensure(len(live), 1 + max(t.num_nodes for t in trees))
             compiled, widths = compile_round(trees, roots, valid, runner.dtype, buffers)
             clock.lap("compile")
-            hidden = verify(runner, compiled)
+            hidden = verify(runner, compiled, tree_columns(trees))
             outcomes = [row_rules[b].accept(tree, TargetLogits(hidden[i, : widths[i]], runner.lm_head), logits, pos)
                         for i, (b, tree, logits, (_tok, pos)) in enumerate(zip(live, trees, draft_logits, roots))]
             clock.lap("verify")

@@ -36,6 +36,7 @@ from spiffy.arspec.selector import Draft
 from spiffy.arspec.tree import DraftTree
 from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.cache import hf_cache
+from spiffy.models.recurrent import RecurrentMixers, crop_attention, select_rows
 from spiffy.models.target import check_target_config
 from spiffy.torch_utils import execution_device
 from spiffy.verify import CompiledDraft, compile_tree_rows
@@ -55,6 +56,7 @@ __all__ = [
     "prefill",
     "prefill_inputs",
     "sync",
+    "tree_columns",
     "verify",
 ]
 
@@ -94,6 +96,8 @@ class TargetRunner:
         backbone: ``target.model`` (hidden states); lm_head: ``target.lm_head``.
         device, dtype: of the target's embeddings (inputs and the attention mask are built there, in this dtype).
         cache: a transformers ``DynamicCache`` holding exactly the committed context of every batch row.
+        recurrent: a hybrid target's recurrent layers with their committed state per row
+            (:class:`~spiffy.models.recurrent.RecurrentMixers`); ``None`` when every layer is attention.
     """
 
     backbone: nn.Module
@@ -101,6 +105,7 @@ class TargetRunner:
     device: torch.device
     dtype: torch.dtype
     cache: Any
+    recurrent: RecurrentMixers | None = None
 
     @classmethod
     def for_target(cls, target: nn.Module) -> "TargetRunner":
@@ -121,7 +126,9 @@ class TargetRunner:
                 "fix: load the target with attn_implementation='sdpa' (or 'eager')"
             )
         embed = target.get_input_embeddings()  # inputs and masks go to its device (its weight may be offloaded)
-        return cls(backbone, head, execution_device(embed), embed.weight.dtype, DynamicCache(config=target.config))
+        cache = DynamicCache(config=target.config)
+        return cls(backbone, head, execution_device(embed), embed.weight.dtype, cache,
+                   RecurrentMixers.for_target(target, cache))
 
     @property
     def context_len(self) -> int:
@@ -195,10 +202,22 @@ def prefill_inputs(prompts: Sequence[Sequence[int]], device: torch.device, dtype
     return ids, positions, _additive(visible, dtype).unsqueeze(1), valid, pads
 
 
-def prefill(runner: TargetRunner, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Forward the prompts ``[B, P]`` into the empty cache; returns ``[B, V]`` logits of each row's first new token."""
-    out = runner.backbone(input_ids=ids, position_ids=positions, attention_mask=mask, **hf_cache(runner.cache),
-                          use_cache=True)
+def prefill(runner: TargetRunner, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+            valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward the prompts ``[B, P]`` into the empty cache; returns ``[B, V]`` logits of each row's first new token.
+
+    ``valid`` (``[B, P]`` bool, :func:`prefill_inputs`'): each row's real columns, which a hybrid target's recurrent
+    layers run alone (``None``: every column is real)."""
+    def forward() -> Any:
+        return runner.backbone(input_ids=ids, position_ids=positions, attention_mask=mask, **hf_cache(runner.cache),
+                               use_cache=True)
+
+    if runner.recurrent is None:
+        out = forward()
+    else:
+        real = valid.cpu() if valid is not None else torch.ones(ids.shape, dtype=torch.bool)
+        with runner.recurrent.prefill([row.nonzero().view(-1).tolist() for row in real]):
+            out = forward()
     return runner.lm_head(out.last_hidden_state[:, -1])
 
 
@@ -256,17 +275,28 @@ def compile_round(trees: Sequence[DraftTree], roots: Sequence[tuple[int, int]], 
     )
 
 
-def verify(runner: TargetRunner, compiled: CompiledDraft) -> torch.Tensor:
+def tree_columns(trees: Sequence[DraftTree]) -> list[list[int]]:
+    """Each row's parent column per verification column (column 0 the root: ``-1``; node ``i`` is column ``i + 1``)."""
+    return [[-1] + [int(p) + 1 for p in t.parents.tolist()] for t in trees]
+
+
+def verify(runner: TargetRunner, compiled: CompiledDraft, parents: Sequence[Sequence[int]] | None = None
+           ) -> torch.Tensor:
     """ONE target forward over the compiled rows on top of the cache (their K/V are appended to it); returns the
-    final hidden states ``[B, R, H]`` (the head runs lazily, per visited node: :class:`~spiffy.arspec.TargetLogits`)."""
-    out = runner.backbone(
-        input_ids=compiled.input_ids,
-        position_ids=compiled.position_ids,
-        attention_mask=compiled.attention_mask,
-        **hf_cache(runner.cache),
-        use_cache=True,
-    )
-    return out.last_hidden_state
+    final hidden states ``[B, R, H]`` (the head runs lazily, per visited node: :class:`~spiffy.arspec.TargetLogits`).
+
+    ``parents`` (:func:`tree_columns`): each row's tree, which a hybrid target's recurrent layers run branch by branch
+    (required for such a target; :func:`commit` then advances their state over the accepted path)."""
+    def forward() -> Any:
+        return runner.backbone(input_ids=compiled.input_ids, position_ids=compiled.position_ids,
+                               attention_mask=compiled.attention_mask, **hf_cache(runner.cache), use_cache=True)
+
+    if runner.recurrent is None:
+        return forward().last_hidden_state
+    if parents is None:
+        raise ConfigError("a hybrid target's verification needs each row's tree (parents=tree_columns(trees))")
+    with runner.recurrent.tree(parents):
+        return forward().last_hidden_state
 
 
 def cache_tensors_with_index(cache: Any, index: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -306,7 +336,9 @@ def commit(runner: TargetRunner, valid: torch.Tensor, context_len: int, keep: Se
             t[:, :, context_len : context_len + width] = t.gather(2, index)
     extra = int(cache.get_seq_length()) - (context_len + width)
     if extra > 0:
-        cache.crop(-extra)  # transformers 5.x: a negative count of positions to drop
+        crop_attention(cache, extra)
+    if runner.recurrent is not None:
+        runner.recurrent.advance(keep)
     lengths = [len(k) for k in keep]
     if min(lengths) == width:  # no holes (always so for one row)
         new = valid.new_ones(len(keep), width)
@@ -319,5 +351,7 @@ def drop_rows(runner: TargetRunner, valid: torch.Tensor, kept: Sequence[int]) ->
     """Keep only batch rows ``kept`` (in that order) of the cache; returns their validity rows."""
     idx = torch.tensor(list(kept), dtype=torch.long, device=valid.device)
     if len(kept):
-        runner.cache.batch_select_indices(idx)
+        select_rows(runner.cache, idx)
+        if runner.recurrent is not None:
+            runner.recurrent.select_rows(idx)
     return valid[idx]

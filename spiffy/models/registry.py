@@ -338,8 +338,8 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     ),
     FamilySpec(
-        # a hybrid (Gated-DeltaNet linear attention between full attention layers): written by `spiffy tiny`, loaded
-        # by load_model, refused as an AR target (spiffy.models.target.check_target_config says why)
+        # a hybrid (Gated-DeltaNet linear attention between full attention layers): its recurrent layers run branch
+        # by branch during verification (spiffy.models.recurrent.RecurrentMixers)
         name="qwen3_5",
         model_type="qwen3_5_text",
         model_class_path="transformers.Qwen3_5ForCausalLM",
@@ -349,12 +349,31 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         special_tokens=_QWEN_TOKENS,
         diffusion=False,
         tiny_config=dict(
-            _TINY_QWEN, head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+            _TINY_QWEN, head_dim=16, full_attention_interval=2, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         ),
         generation_stops=True,
-        verifiable=False,
+    ),
+    FamilySpec(
+        # a hybrid mixture-of-experts (Gated-DeltaNet linear attention between full attention layers, a shared
+        # expert); its recurrent layers run branch by branch as Qwen3.5's do
+        name="qwen3_next",
+        model_type="qwen3_next",
+        model_class_path="transformers.Qwen3NextForCausalLM",
+        config_class_path="transformers.Qwen3NextConfig",
+        mask_config_key=None,
+        mask_token=None,
+        special_tokens=_QWEN_TOKENS,
+        diffusion=False,
+        tiny_config=dict(
+            _TINY_QWEN, head_dim=16, full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+            norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                  "partial_rotary_factor": 0.25},
+        ),
+        generation_stops=True,
     ),
     FamilySpec(name="dflash", model_class_path="spiffy.models.dflash.DFlashDraftModel",
                loader_path="spiffy.models.dflash.load_drafter", **_DFLASH_DRAFTER),

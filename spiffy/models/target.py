@@ -1,17 +1,18 @@
 """The targets of AR speculative decoding: :func:`load_target` (transformers' own classes; one device, a
 ``device_map`` across devices, or ``tp_plan`` tensor parallel under torchrun), and what a target must be.
 
-A target is a transformers decoder-only causal LM whose every layer attends through the 4-D additive mask it is given
-(explicit ``position_ids``) and keeps its state in a K/V cache that can be cut back to a length. Verification then
-computes each tree node exactly as the same path decoded alone. The architectures with a registry entry
-(:func:`target_families`: Qwen3, Qwen3-MoE, Qwen2/Qwen2.5, Llama, Mistral) are proved so by the target tests.
-Refused, with :class:`~spiffy.errors.UnsupportedTargetError` naming the architecture and why
+A target is a transformers decoder-only causal LM whose attention layers attend through the 4-D additive mask they
+are given (explicit ``position_ids``) and keep their state in a K/V cache that can be cut back to a length.
+Verification then computes each tree node exactly as the same path decoded alone. Its linear-attention (recurrent)
+layers, if any (hybrids: Qwen3.5, Qwen3-Next), are run branch by branch and advanced over the accepted path by
+:class:`~spiffy.models.recurrent.RecurrentMixers`, which makes them exact too. The architectures with a registry
+entry (:func:`target_families`: Qwen3, Qwen3-MoE, Qwen2/Qwen2.5, Llama, Mistral, Qwen3.5, Qwen3-Next) are proved so
+by the target tests. Refused, with :class:`~spiffy.errors.UnsupportedTargetError` naming the architecture and why
 (:func:`check_target_config`):
 
-* linear-attention (hybrid) layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): their recurrent state is not masked by a 4-D
-  tree mask and cropping the cache does not roll it back, so a tree or a rejected suffix would change it;
 * sliding-window or chunked layers (Gemma 3, gpt-oss, Mistral with ``sliding_window``): a 4-D mask replaces
-  transformers' window mask and the sliding cache layers cannot be cut back to an earlier length.
+  transformers' window mask and the sliding cache layers cannot be cut back to an earlier length;
+* any other layer kind that is neither full attention nor a recurrent kind spiffy runs branch by branch.
 
 Any other ``model_type`` raises :class:`~spiffy.errors.UnknownModelTypeError` listing the supported ones.
 """
@@ -28,6 +29,7 @@ from spiffy.models.checkpoint import CONFIG_FILE, check_loading_info, load_failu
 from spiffy.models.flex import target_attention
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.placement import DeviceMap, native_from_pretrained, native_tensor_parallel, placement_device
+from spiffy.models.recurrent import RECURRENT_KINDS
 from spiffy.models.registry import FAMILIES, FamilySpec
 
 __all__ = [
@@ -43,10 +45,6 @@ __all__ = [
 FULL_ATTENTION = "full_attention"
 #: why a layer kind cannot be verified exactly, by transformers' ``layer_types`` spelling
 _REFUSED_LAYERS: dict[str, str] = {
-    "linear_attention": (
-        "its linear-attention (Gated DeltaNet) layers carry a recurrent state that a 4-D tree mask does not reach and "
-        "cropping the cache does not roll back, so verifying a tree or a rejected suffix would change the output"
-    ),
     "sliding_attention": (
         "its sliding-window layers take transformers' window mask, which a 4-D tree mask replaces, and their cache "
         "layers cannot be cut back to an earlier length"
@@ -83,12 +81,13 @@ def _layer_kinds(config: Any) -> list[str]:
 
 
 def check_target_config(config: Any, where: str = "the target") -> None:
-    """Raise :class:`UnsupportedTargetError` unless every layer of ``config`` (object or dict) is full attention.
+    """Raise :class:`UnsupportedTargetError` unless every layer of ``config`` (object or dict) is full attention or a
+    recurrent kind of :data:`~spiffy.models.recurrent.RECURRENT_KINDS` (run branch by branch).
 
     The message is one line naming the ``model_type``, the first refused layer kind and why it cannot be exact.
     """
     kinds = _layer_kinds(config)
-    refused = next((k for k in kinds if k != FULL_ATTENTION), None)
+    refused = next((k for k in kinds if k != FULL_ATTENTION and k not in RECURRENT_KINDS), None)
     if refused is None:
         return
     model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
@@ -96,7 +95,7 @@ def check_target_config(config: Any, where: str = "the target") -> None:
     count = sum(k == refused for k in kinds)
     raise UnsupportedTargetError(
         f"{where} is a {model_type!r} model with {count} of {len(kinds)} layers of kind {refused!r}: {why}; "
-        f"fix: use a target whose layers are all full attention (model types {_supported()})"
+        f"fix: use a target whose layers are full or linear attention (model types {_supported()})"
     )
 
 
@@ -108,7 +107,11 @@ def target_spec(raw: Mapping[str, Any], where: str = "the target") -> FamilySpec
         UnknownModelTypeError: any other architecture without a target registry entry.
     """
     model_type = raw.get("model_type")
-    spec = next((s for s in target_families().values() if s.model_type == model_type), None)
+    text = raw.get("text_config")
+    # a multimodal checkpoint (Qwen3.5's Qwen3_5ForConditionalGeneration) is verified through its text model, which
+    # the family's causal-LM class loads from the same files (transformers maps the keys, skips the vision tower)
+    text_type = text.get("model_type") if isinstance(text, Mapping) else None
+    spec = next((s for s in target_families().values() if s.model_type in (model_type, text_type)), None)
     check_target_config(raw, where)
     if spec is None:
         raise UnknownModelTypeError(
@@ -145,7 +148,7 @@ def load_target(
 
     Raises:
         CheckpointError: no ``config.json`` or unreadable weights; UnsupportedTargetError: an architecture whose
-            layers cannot be verified exactly (hybrid linear attention, sliding windows); UnknownModelTypeError: an
+            layers cannot be verified exactly (sliding windows); UnknownModelTypeError: an
             architecture without a target entry; ConfigError: an attention implementation that cannot take tree masks.
     """
     root = checkpoint_dir(path)  # a directory, or a Hub id such as Qwen/Qwen3-8B

@@ -57,7 +57,7 @@ def make_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0, **override
 
     Args:
         family: a name of :data:`TINY_FAMILIES` (``"llada"``, ``"dream"``, ``"sdar"``, the AR targets ``"qwen3"``,
-            ``"qwen3_moe"``, ``"qwen2"``, ``"llama"``, ``"mistral"``, the refused hybrid ``"qwen3_5"``), or a drafter
+            ``"qwen3_moe"``, ``"qwen2"``, ``"llama"``, ``"mistral"``, the hybrids ``"qwen3_5"``, ``"qwen3_next"``), or a drafter
             family (``"dflash"``, ``"dflash2"``: needs ``target=PATH`` of a target checkpoint and delegates to the
             family's writer in :data:`DRAFTER_WRITERS`).
         out_dir: directory to write (replaced atomically if it exists).
