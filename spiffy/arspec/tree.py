@@ -197,6 +197,16 @@ _COMB_PER_NODE = 4
 _HOST_COMB_MAX = 1024
 #: up to this many candidate tokens they are ranked on the host, beyond it on the device
 _HOST_RANK_MAX = 256
+#: up to this vocabulary size every depth's top ``k`` comes from one ``torch.topk`` (:func:`_direct_top_k`): below it
+#: the bound's fixed cost (a dozen small tensor operations) and the many candidates a flat small-vocabulary drafter
+#: lets through cost more than the direct selection
+_DIRECT_TOPK_MAX_VOCAB = 16384
+#: the chunk pass gives up for each row's own top ``k`` (:func:`_rows_top_k`) when the chunks to read again hold more
+#: than this share of the ``[L, V]`` entries, or when more candidates than this many per budget node clear the bars
+#: (a flat drafter: the comb bound is loose when the best prefixes all sit at the first depths, and ranking every
+#: candidate would cost more than the rows' own selection)
+_REREAD_SHARE = 1 / 4
+_MAX_CANDIDATES_PER_NODE = 8
 
 
 def _chunk_width(vocab: int, budget: int) -> int | None:
@@ -312,6 +322,52 @@ def _rank_on_device(cand: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, 
     return values, tokens
 
 
+def _direct_top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """The top ``k`` of every depth from one ``torch.topk`` (small vocabularies: no bound, no candidate ranking).
+
+    ``torch.topk`` leaves the order of equal values unspecified. The device flags, per row, equal neighbours among
+    its top ``k`` (their order is then fixed on the host: value descending, token id ascending) and a tie at the
+    boundary (the ``k``-th value reached by more than ``k`` entries: the set itself is ambiguous, and the exact
+    :func:`~spiffy.topk.top_ranked` ranks every row; rare on real logits). The boundary shows as the ``k + 1``-th
+    value equal to the ``k``-th; where ``torch.topk`` on a CPU would switch to its slower algorithm for ``k + 1``
+    (it partially sorts up to ``V / 64`` entries), it counts the entries that reach the ``k``-th value instead.
+    Host synchronisations: two (the values with the flags, the token ids).
+    """
+    depth_limit, vocab = int(logprobs.shape[0]), int(logprobs.shape[1])
+    boundary: torch.Tensor | None = None
+    if k < vocab and ((k + 1) * 64 <= vocab or k * 64 > vocab):
+        vals_t, idx_t = torch.topk(logprobs, k + 1, dim=-1)  # [L, k + 1], sorted descending
+        boundary = vals_t[:, k] == vals_t[:, k - 1]
+        vals_t, idx_t = vals_t[:, :k], idx_t[:, :k]
+    else:
+        vals_t, idx_t = torch.topk(logprobs, k, dim=-1)  # [L, k], sorted descending
+        if k < vocab:
+            boundary = (logprobs >= vals_t[:, k - 1 :]).sum(dim=-1) != k
+    flags = (vals_t[:, 1:] == vals_t[:, :-1]).any(dim=1).to(torch.float64)  # [L]: 1 = ties inside the row
+    if boundary is not None:
+        flags = flags + 2 * boundary.to(torch.float64)
+    packed = torch.cat([flags, vals_t.double().reshape(-1)]).tolist()
+    if max(packed[:depth_limit]) >= 2:
+        vals_t, idx_t = top_ranked(logprobs, k)
+        return vals_t.double().cpu().tolist(), idx_t.cpu().tolist()
+    ids = idx_t.tolist()
+    values = [packed[depth_limit + d * k : depth_limit + (d + 1) * k] for d in range(depth_limit)]
+    for d in range(depth_limit):
+        if packed[d]:  # equal values in unspecified order: token id ascending among them
+            ranked = sorted(zip(values[d], ids[d]), key=lambda e: (-e[0], e[1]))
+            values[d], ids[d] = [v for v, _ in ranked], [t for _, t in ranked]
+    return values, ids
+
+
+def _rows_top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Every depth's top ``k`` (:func:`_direct_top_k` on small vocabularies, :func:`~spiffy.topk.top_ranked` on
+    large ones), as the builder's lists."""
+    if int(logprobs.shape[1]) <= _DIRECT_TOPK_MAX_VOCAB:
+        return _direct_top_k(logprobs, k)
+    vals_t, idx_t = top_ranked(logprobs, k)
+    return vals_t.double().cpu().tolist(), idx_t.cpu().tolist()
+
+
 def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list[list[float]], list[list[int]]]:
     """Per depth, the tokens a ``budget``-node DDTree can use, best first (ties by token id), at most ``k`` each.
 
@@ -329,6 +385,8 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
     tokens), take the top ``k`` of every depth instead.
     """
     depth_limit, vocab = int(logprobs.shape[0]), int(logprobs.shape[1])
+    if vocab <= _DIRECT_TOPK_MAX_VOCAB:
+        return _direct_top_k(logprobs, k)
     width = _chunk_width(vocab, budget)
     if width is not None and depth_limit * (vocab // width) >= budget:
         x = logprobs.contiguous()
@@ -350,6 +408,8 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
             if x.device.type != "cpu":
                 bar = bar.to(x.device)  # [L, 1]: a token below it is never popped
             rows, chunk = torch.nonzero(chunk_max >= bar, as_tuple=True)  # [n] (depth, chunk), row-major
+            if int(rows.shape[0]) * width > _REREAD_SHARE * depth_limit * vocab:
+                return _rows_top_k(logprobs, k)
             blocks = chunks[rows, chunk]  # [n, w]
             if tail is not None:  # every depth's tail block (chunk index C), after the picked ones
                 blocks = torch.cat([blocks, tail])
@@ -360,6 +420,8 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
             # each depth's entries are in ascending column order here (the tail blocks come last and hold the
             # last columns); both rankings keep that order between equal values
             n, m = int(rows.shape[0]), int(block.shape[0])
+            if m > _MAX_CANDIDATES_PER_NODE * budget + _HOST_RANK_MAX:
+                return _rows_top_k(logprobs, k)
             if m <= _HOST_RANK_MAX:
                 where = torch.cat([rows, chunk, block, offset]).tolist()
                 picked_rows, picked_chunks = where[:n], where[n : 2 * n]
@@ -368,8 +430,7 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
                 return _rank_on_host(cand.tolist(), hit_rows, cols, depth_limit, k)
             cols = chunk.index_select(0, block).mul_(width).add_(offset)
             return _rank_on_device(cand, rows.index_select(0, block), cols, depth_limit, k)
-    vals_t, idx_t = top_ranked(logprobs, k)
-    return vals_t.double().cpu().tolist(), idx_t.cpu().tolist()
+    return _rows_top_k(logprobs, k)
 
 
 def build_chain(logits: torch.Tensor) -> DraftTree:
