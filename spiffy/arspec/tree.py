@@ -170,14 +170,11 @@ def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
             heapq.heappush(heap, (-(parent_score + vals[d][r + 1]), key + place[d], r + 1, d, parent, parent_score))
         if d < last_depth and sizes[d + 1]:  # first child
             heapq.heappush(heap, (-(score + vals[d + 1][0]), key + place[d + 1], 0, d + 1, node, score))
-    return DraftTree(_long_tensor(tokens), _long_tensor(parents), _long_tensor(depths),
-                     torch.frombuffer(array("d", scores), dtype=torch.float64).clone())
-
-
-def _long_tensor(values: list[int]) -> torch.Tensor:
-    """``[n]`` long CPU tensor of a non-empty list (through a packed buffer: several times faster than
-    ``torch.tensor`` on a list)."""
-    return torch.frombuffer(array("q", values), dtype=torch.long).clone()
+    # one packed buffer for the three integer fields (several times faster than ``torch.tensor`` on lists); the
+    # tensors are views of it and keep it alive
+    n = len(tokens)
+    packed = torch.frombuffer(array("q", tokens + parents + depths), dtype=torch.long)
+    return DraftTree(packed[:n], packed[n : 2 * n], packed[2 * n :], _host_tensor(scores, torch.float64))
 
 
 def _host_tensor(values: list[float], dtype: torch.dtype) -> torch.Tensor:
@@ -325,35 +322,33 @@ def _rank_on_device(cand: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, 
 def _direct_top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
     """The top ``k`` of every depth from one ``torch.topk`` (small vocabularies: no bound, no candidate ranking).
 
-    ``torch.topk`` leaves the order of equal values unspecified. The device flags, per row, equal neighbours among
-    its top ``k`` (their order is then fixed on the host: value descending, token id ascending) and a tie at the
-    boundary (the ``k``-th value reached by more than ``k`` entries: the set itself is ambiguous, and the exact
-    :func:`~spiffy.topk.top_ranked` ranks every row; rare on real logits). The boundary shows as the ``k + 1``-th
-    value equal to the ``k``-th; where ``torch.topk`` on a CPU would switch to its slower algorithm for ``k + 1``
-    (it partially sorts up to ``V / 64`` entries), it counts the entries that reach the ``k``-th value instead.
-    Host synchronisations: two (the values with the flags, the token ids).
+    ``torch.topk`` leaves the order of equal values unspecified. Equal values inside a row's top ``k`` are put in
+    token-id order on the host; a tie at the boundary (the ``k``-th value reached by more than ``k`` entries: the
+    set itself is ambiguous, rare on real logits) sends every row to the exact :func:`~spiffy.topk.top_ranked`. The
+    boundary shows as the ``k + 1``-th value equal to the ``k``-th; where ``torch.topk`` on a CPU would switch to
+    its slower algorithm for ``k + 1`` (it partially sorts up to ``V / 64`` entries), the device counts the entries
+    that reach the ``k``-th value instead. Host synchronisations: two (the values, the token ids).
     """
     depth_limit, vocab = int(logprobs.shape[0]), int(logprobs.shape[1])
-    boundary: torch.Tensor | None = None
-    if k < vocab and ((k + 1) * 64 <= vocab or k * 64 > vocab):
-        vals_t, idx_t = torch.topk(logprobs, k + 1, dim=-1)  # [L, k + 1], sorted descending
-        boundary = vals_t[:, k] == vals_t[:, k - 1]
-        vals_t, idx_t = vals_t[:, :k], idx_t[:, :k]
+    one_more = k < vocab and ((k + 1) * 64 <= vocab or k * 64 > vocab)
+    vals_t, idx_t = torch.topk(logprobs, k + 1 if one_more else k, dim=-1)  # [L, k (+ 1)], sorted descending
+    flat = vals_t.double().reshape(-1)
+    if not one_more and k < vocab:  # [L] 1.0 where more than k entries reach the k-th value, after the values
+        over = ((logprobs >= vals_t[:, k - 1 :]).sum(dim=-1) != k).to(torch.float64)
+        flat = torch.cat([flat, over])
+    packed = flat.tolist()
+    width = k + 1 if one_more else k
+    values = [packed[d * width : d * width + k] for d in range(depth_limit)]
+    if one_more:
+        tied = any(packed[d * width + k] == values[d][-1] for d in range(depth_limit))
     else:
-        vals_t, idx_t = torch.topk(logprobs, k, dim=-1)  # [L, k], sorted descending
-        if k < vocab:
-            boundary = (logprobs >= vals_t[:, k - 1 :]).sum(dim=-1) != k
-    flags = (vals_t[:, 1:] == vals_t[:, :-1]).any(dim=1).to(torch.float64)  # [L]: 1 = ties inside the row
-    if boundary is not None:
-        flags = flags + 2 * boundary.to(torch.float64)
-    packed = torch.cat([flags, vals_t.double().reshape(-1)]).tolist()
-    if max(packed[:depth_limit]) >= 2:
+        tied = any(packed[depth_limit * width :])
+    if tied:
         vals_t, idx_t = top_ranked(logprobs, k)
         return vals_t.double().cpu().tolist(), idx_t.cpu().tolist()
-    ids = idx_t.tolist()
-    values = [packed[depth_limit + d * k : depth_limit + (d + 1) * k] for d in range(depth_limit)]
+    ids = [row[:k] for row in idx_t.tolist()]
     for d in range(depth_limit):
-        if packed[d]:  # equal values in unspecified order: token id ascending among them
+        if len(set(values[d])) < k:  # equal values in unspecified order: token id ascending among them
             ranked = sorted(zip(values[d], ids[d]), key=lambda e: (-e[0], e[1]))
             values[d], ids[d] = [v for v, _ in ranked], [t for _, t in ranked]
     return values, ids
