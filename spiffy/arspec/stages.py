@@ -49,7 +49,9 @@ __all__ = [
     "cache_tensors_with_index",
     "check_context",
     "commit",
+    "commit_roots",
     "compile_round",
+    "decode_inputs",
     "draft",
     "drop_rows",
     "prefill",
@@ -254,6 +256,24 @@ def compile_round(trees: Sequence[DraftTree], roots: Sequence[tuple[int, int]], 
         valid, dtype=dtype, max_depths=[t.max_depth() for t in trees],
         staging=(buffers.ids, buffers.positions, buffers.visible),
     )
+
+
+def decode_inputs(runner: TargetRunner, roots: Sequence[tuple[int, int]], valid: torch.Tensor) -> CompiledDraft:
+    """A round with nothing drafted (plain AR, or a last token): each row's root alone, ``[B, 1]``, and the mask
+    over ``[cache ; root]`` that :func:`compile_round` would build for empty trees (the same values, so the forward
+    is bit for bit the same), without the tree machinery: a batch of one has no holes and sees all of its cache."""
+    batch, context_len = int(valid.shape[0]), int(valid.shape[1])
+    ids = torch.tensor([[tok for tok, _pos in roots], [pos for _tok, pos in roots]], dtype=torch.long)
+    ids = ids.to(runner.device) if runner.device.type != "cpu" else ids
+    mask = torch.zeros(batch, 1, 1, context_len + 1, dtype=runner.dtype, device=valid.device)
+    if batch > 1:  # left padding and the holes of uneven commits
+        mask[:, 0, 0, :context_len].masked_fill_(~valid, torch.finfo(runner.dtype).min)
+    return CompiledDraft(ids[0].view(batch, 1), ids[1].view(batch, 1), mask, None)
+
+
+def commit_roots(valid: torch.Tensor) -> torch.Tensor:
+    """:func:`commit` for a round that kept only each row's root (its K/V row already sits right after the cache)."""
+    return torch.cat([valid, valid.new_ones(int(valid.shape[0]), 1)], dim=1)
 
 
 def verify(runner: TargetRunner, compiled: CompiledDraft) -> torch.Tensor:
