@@ -253,7 +253,8 @@ def compile_round(trees: Sequence[DraftTree], roots: Sequence[tuple[int, int]], 
     return compile_tree_rows(
         [(t.tokens, t.depths + pos, t.parents) for t, (_tok, pos) in zip(trees, roots)],
         [(torch.tensor([tok]), torch.tensor([pos])) for tok, pos in roots],
-        valid, dtype=dtype, max_depths=[t.max_depth() for t in trees],
+        valid, dtype=dtype, max_depths=None if all(t.parents.device.type == "cpu" for t in trees)
+        else [t.max_depth() for t in trees],  # only a device tree's mask walks its levels
         staging=(buffers.ids, buffers.positions, buffers.visible),
     )
 
