@@ -58,11 +58,13 @@ def test_ddtree_syncs_per_round_do_not_grow_with_budget_or_vocabulary():
     rounds = [ddtree_sync_counts(v, 16, b) for v in (2048, 4096) for b in (16, 64, 256)]
     for r in rounds:
         assert r["nodes"] == r["budget"]
-    stages = {(r["tree_build"], r["compile"]) for r in rounds}
-    assert len(stages) == 1, rounds
+    # the builder takes one of two paths (a direct top-k: 2; the chunk bound: 5, or 3 before it gives up for the
+    # direct top-k's 2), never more whatever the budget and the vocabulary; compile always the same
+    assert {r["tree_build"] for r in rounds} <= {2, 4, 5}, rounds
+    assert len({r["compile"] for r in rounds}) == 1, rounds
     # commit: one upload of the kept-row indices, skipped when the accepted rows already sit in place (data, not size)
     assert {r["commit"] for r in rounds} <= {0, 1}
-    assert max(r["per_round"] for r in rounds) <= sum(stages.pop()) + 1 < 20
+    assert max(r["per_round"] for r in rounds) <= 5 + rounds[0]["compile"] + 1 < 20
 
 
 class _SoftmaxCounter(TorchFunctionMode):

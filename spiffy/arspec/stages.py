@@ -17,7 +17,10 @@ its position ``p0``:
    longest kept list and the shorter rows' trailing columns are marked invalid (holes, never seen again: position
    ids are explicit); :func:`drop_rows` removes finished rows from the cache batch.
 
-The prefill (:func:`prefill_inputs`, :func:`prefill`) is the round-zero forward over the left-padded prompts.
+The prefill (:func:`prefill_inputs`, :func:`prefill`) is the round-zero forward over the left-padded prompts. A
+round in which no row drafts anything (plain AR) skips stages 1-3 and 5's cache moves: :func:`decode_inputs` gives
+the roots' ``[B, 1]`` inputs with the mask empty trees would get, and :func:`commit_roots` marks the new column
+valid.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ renormalisation), so the tree is a function of the ``logprobs`` tensor alone.
 
 Costs (one CPU thread, ``L = 16``, ``V = 151,936``): one pass of chunk maxima over ``[L, V]`` (chunks of 128 or
 256 columns for small budgets, where about ``B`` chunks are read again, 64 otherwise), then a fixed handful of
-small tensor operations and five host synchronisations, then the heap in Python (``O(B log B)``; rank tuples are
+small tensor operations and at most five host synchronisations, then the heap in Python (``O(B log B)``; rank tuples are
 kept as integers with the same order, see :func:`build_ddtree`).
 """
 
@@ -194,9 +194,10 @@ _COMB_PER_NODE = 4
 _HOST_COMB_MAX = 1024
 #: up to this many candidate tokens they are ranked on the host, beyond it on the device
 _HOST_RANK_MAX = 256
-#: up to this vocabulary size every depth's top ``k`` comes from one ``torch.topk`` (:func:`_direct_top_k`): below it
-#: the bound's fixed cost (a dozen small tensor operations) and the many candidates a flat small-vocabulary drafter
-#: lets through cost more than the direct selection
+#: up to this vocabulary size every depth's top ``k`` comes from one ``torch.topk`` (:func:`_direct_top_k`) when
+#: ``64 k <= V`` (where it partially sorts), and after the chunk pass gives up otherwise: below it the bound's fixed
+#: cost (a dozen small tensor operations) and the many candidates a flat small-vocabulary drafter lets through cost
+#: more than the direct selection
 _DIRECT_TOPK_MAX_VOCAB = 16384
 #: the chunk pass gives up for each row's own top ``k`` (:func:`_rows_top_k`) when the chunks to read again hold more
 #: than this share of the ``[L, V]`` entries, or when more candidates than this many per budget node clear the bars
@@ -324,10 +325,11 @@ def _direct_top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], li
 
     ``torch.topk`` leaves the order of equal values unspecified. Equal values inside a row's top ``k`` are put in
     token-id order on the host; a tie at the boundary (the ``k``-th value reached by more than ``k`` entries: the
-    set itself is ambiguous, rare on real logits) sends every row to the exact :func:`~spiffy.topk.top_ranked`. The
-    boundary shows as the ``k + 1``-th value equal to the ``k``-th; where ``torch.topk`` on a CPU would switch to
-    its slower algorithm for ``k + 1`` (it partially sorts up to ``V / 64`` entries), the device counts the entries
-    that reach the ``k``-th value instead. Host synchronisations: two (the values, the token ids).
+    set itself is ambiguous) is settled by the lowest token ids of that value (one ``nonzero`` over the row, for
+    such rows only). The boundary shows as the ``k + 1``-th value equal to the ``k``-th; where ``torch.topk`` on a
+    CPU would switch to its slower algorithm for ``k + 1`` (it partially sorts up to ``V / 64`` entries), the device
+    counts the entries that reach the ``k``-th value instead. Host synchronisations: two (the values, the token
+    ids), one more per row tied at the boundary.
     """
     depth_limit, vocab = int(logprobs.shape[0]), int(logprobs.shape[1])
     one_more = k < vocab and ((k + 1) * 64 <= vocab or k * 64 > vocab)
@@ -340,13 +342,15 @@ def _direct_top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], li
     width = k + 1 if one_more else k
     values = [packed[d * width : d * width + k] for d in range(depth_limit)]
     if one_more:
-        tied = any(packed[d * width + k] == values[d][-1] for d in range(depth_limit))
+        tied = [d for d in range(depth_limit) if packed[d * width + k] == values[d][-1]]
     else:
-        tied = any(packed[depth_limit * width :])
-    if tied:
-        vals_t, idx_t = top_ranked(logprobs, k)
-        return vals_t.double().cpu().tolist(), idx_t.cpu().tolist()
+        tied = [d for d, over in enumerate(packed[depth_limit * width :]) if over]
     ids = [row[:k] for row in idx_t.tolist()]
+    for d in tied:  # the k-th value's entries by column: the lowest ones complete the set
+        kth = values[d][-1]
+        kept = [(v, t) for v, t in zip(values[d], ids[d]) if v > kth]
+        cols = torch.nonzero(logprobs[d] == kth).view(-1)[: k - len(kept)].tolist()
+        values[d], ids[d] = [v for v, _ in kept] + [kth] * len(cols), [t for _, t in kept] + cols
     for d in range(depth_limit):
         if len(set(values[d])) < k:  # equal values in unspecified order: token id ascending among them
             ranked = sorted(zip(values[d], ids[d]), key=lambda e: (-e[0], e[1]))
@@ -376,11 +380,13 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
         token at least as probable as a listed one is listed, up to ``k``); depth 1 is never empty.
 
     See the module docstring for the bound. Host synchronisations: five (the bound, two ``nonzero``, two lists).
+    Small vocabularies with ``64 k <= V`` take :func:`_direct_top_k` (two); a flat drafter's rows, whose bound lets
+    too many candidates through, give up after three for the rows' own top ``k`` (:func:`_rows_top_k`).
     Small vocabularies, and rows whose bound is not finite (``-inf`` log-probabilities everywhere but a few
     tokens), take the top ``k`` of every depth instead.
     """
     depth_limit, vocab = int(logprobs.shape[0]), int(logprobs.shape[1])
-    if vocab <= _DIRECT_TOPK_MAX_VOCAB:
+    if vocab <= _DIRECT_TOPK_MAX_VOCAB and k * 64 <= vocab:  # torch.topk's cheap partial sort
         return _direct_top_k(logprobs, k)
     width = _chunk_width(vocab, budget)
     if width is not None and depth_limit * (vocab // width) >= budget:
