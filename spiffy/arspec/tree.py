@@ -30,8 +30,10 @@ renormalisation), so the tree is a function of the ``logprobs`` tensor alone.
 
 Costs (one CPU thread, ``L = 16``, ``V = 151,936``): one pass of chunk maxima over ``[L, V]`` (chunks of 128 or
 256 columns for small budgets, where about ``B`` chunks are read again, 64 otherwise), then a fixed handful of
-small tensor operations and at most five host synchronisations, then the heap in Python (``O(B log B)``; rank tuples are
-kept as integers with the same order, see :func:`build_ddtree`).
+small tensor operations and at most five host synchronisations, then the heap in Python (``O(B log B)``; rank
+tuples are kept as integers with the same order, see :func:`build_ddtree`). Small vocabularies (up to 16,384, where
+``64 K <= V``) take each depth's top ``K`` from one ``torch.topk`` instead, and so do the rows of a flat drafter,
+whose bound lets too many candidates through (:func:`ranked_candidates`).
 """
 
 from __future__ import annotations
