@@ -205,10 +205,15 @@ def _oracle_tree(lp: torch.Tensor, budget: int) -> tuple[list[int], list[int], l
     return tokens, parents, depths, scores
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct top-k", "chunk bound"])
 @pytest.mark.parametrize("seed", range(6))
-def test_fast_builder_equals_heap_oracle_on_random_logits(seed):
-    """The builder (comb bound, only reachable ranks) builds exactly the oracle's tree: same nodes, same order, same
-    scores, same tie-breaks, for budgets 1..1024, vocabularies on both sides of the chunked path, with ties."""
+def test_fast_builder_equals_heap_oracle_on_random_logits(seed, direct, monkeypatch):
+    """The builder (comb bound, only reachable ranks; or the small-vocabulary direct top-k) builds exactly the
+    oracle's tree: same nodes, same order, same scores, same tie-breaks, for budgets 1..1024, vocabularies on both
+    sides of the chunked path, with ties."""
+    import spiffy.arspec.tree as tree_module
+
+    monkeypatch.setattr(tree_module, "_DIRECT_TOPK_MAX_VOCAB", 1 << 30 if direct else 0)
     g = torch.Generator().manual_seed(seed)
     for case in range(4):
         depth = int(torch.randint(1, 17, (1,), generator=g))
@@ -263,10 +268,15 @@ def test_fast_builder_equals_oracle_on_every_path(monkeypatch):
     spy("_comb_bound", lambda summary, budget: f"bound on {'host' if summary.numel() <= 1024 else 'device'}")
     spy("_rank_on_host", lambda *args: "rank on host")
     spy("_rank_on_device", lambda *args: "rank on device")
+    spy("_direct_top_k", lambda *args: "direct top-k")
+    spy("top_ranked", lambda *args: "top_ranked")
     widths: set[int | None] = set()
     for vocab, depth, dtype, seed in ((30_000, 16, torch.float32, 0), (30_011, 12, torch.float64, 1),
-                                      (20_480, 16, torch.bfloat16, 2), (4_099, 9, torch.float32, 3)):
+                                      (20_480, 16, torch.bfloat16, 2), (4_099, 9, torch.float32, 3),
+                                      (24_576, 15, torch.float32, 4)):
         logits = synthetic_draft_logits(depth, vocab, seed=seed)
+        if seed == 4:  # a flat drafter: the comb bound lets most chunks through, each row's own top-k is cheaper
+            logits = torch.randn(depth, vocab, generator=torch.Generator().manual_seed(seed)) * 1.5
         if seed % 2:  # exact ties between tokens (and between prefixes across depths)
             logits = torch.round(logits * 2) / 2
         # a depth's best token in its last column (the tail block when the chunks do not divide V) or its first
@@ -286,5 +296,6 @@ def test_fast_builder_equals_oracle_on_every_path(monkeypatch):
         tree = build_ddtree(uniform, budget)
         tokens, parents, depths, scores = _oracle_tree(uniform, budget)
         assert (tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()) == (tokens, parents, depths)
-    assert used >= {"bound on host", "bound on device", "rank on host", "rank on device"}, used
+    assert used >= {"bound on host", "bound on device", "rank on host", "rank on device", "direct top-k",
+                    "top_ranked"}, used
     assert {256, 128, 64} <= widths, widths

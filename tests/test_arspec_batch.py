@@ -160,3 +160,25 @@ def test_batch_errors(pair, prompts):
         speculative_generate_batch(target, [shared, shared], prompts[:2], ARSpecConfig(method="dflash"))
     out = ddtree_generate_batch(target, None, prompts[:2], method="ar", max_new_tokens=0)
     assert [r.tokens for r in out] == [[], []]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compile_one_host_tree_equals_the_staged_layout(seed, monkeypatch):
+    """A batch of one host tree takes its own short path; it lays out exactly what the staged path (forced here
+    through a batch of two, second row dropped) lays out: random trees, random cached-column visibility."""
+    import spiffy.verify.backend as backend
+
+    g = torch.Generator().manual_seed(seed)
+    for n in (0, 1, 7, 40):
+        parents = torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)], dtype=torch.long)
+        tree = (torch.randint(0, 99, (n,), generator=g), torch.randint(0, 50, (n,), generator=g), parents)
+        pre = (torch.tensor([3]), torch.tensor([7]))
+        ctx = torch.rand(1, 6, generator=g) < 0.7
+        one, rows = compile_tree_rows([tree], [pre], ctx, dtype=torch.float32)
+        spy = []
+        monkeypatch.setattr(backend, "_compile_one_host_tree", lambda *a: spy.append(a))
+        two, rows2 = compile_tree_rows([tree, tree], [pre, pre], ctx.expand(2, 6), dtype=torch.float32)
+        monkeypatch.undo()
+        assert not spy and rows == rows2[:1] == [1 + n]
+        assert torch.equal(one.input_ids, two.input_ids[:1]) and torch.equal(one.position_ids, two.position_ids[:1])
+        assert torch.equal(one.attention_mask, two.attention_mask[:1])

@@ -12,6 +12,10 @@ The target's K/V cache is one rectangular ``DynamicCache`` of ``B`` rows with a 
 * after a round, row ``b`` keeps its root and accepted nodes (``k_b`` rows) at the front of the appended window,
   the window is cropped to ``max_b k_b`` and the ``max - k_b`` trailing columns of row ``b`` are marked invalid
   (holes: never seen again; position ids are explicit, so holes do not shift anything);
+* a round in which no row drafts anything (plain AR, whose :class:`~spiffy.arspec.methods.Method` never drafts; a
+  budget of 0; the last token of a row) skips the tree machinery: one ``[B, 1]`` forward of the roots with the mask
+  empty trees would get (:func:`~spiffy.arspec.stages.decode_inputs`: the same values, so the same tokens), the
+  acceptance rule's root draw, and a commit that only marks the new column valid;
 * a row that finishes (stop token or ``max_new_tokens``) leaves the batch: its cache row is dropped and its drafter
   detached, so later forwards only pay for the rows still decoding.
 
@@ -43,7 +47,9 @@ from spiffy.arspec.stages import (
     build_trees,
     check_context,
     commit,
+    commit_roots,
     compile_round,
+    decode_inputs,
     draft,
     drop_rows,
     prefill,
@@ -52,10 +58,14 @@ from spiffy.arspec.stages import (
     tree_columns,
     verify,
 )
+from spiffy.arspec.tree import empty_tree
 from spiffy.errors import ConfigError
 from spiffy.sampling import SamplingConfig
 
 __all__ = ["GenerateKeywords", "speculative_generate_batch", "ddtree_generate_batch", "prompt_lists"]
+
+#: the draft of a row in a round that drafts nothing (read only)
+EMPTY_TREE = empty_tree()
 
 
 def prompt_lists(prompts: Sequence[Any] | torch.Tensor) -> list[list[int]]:
@@ -185,22 +195,31 @@ def speculative_generate_batch(
             # a DFlash block is bidirectional, so a shorter block would change the drafts themselves
             depths = [min(cfgs[b].draft_depth(blocks[b]), cfgs[b].max_new_tokens - len(results[b].tokens))
                       for b in live]
-            draft_logits = draft([active[b] for b in live], roots, depths)
-            clock.lap("draft")
-            trees = build_trees([cfgs[b].spec for b in live], [cfgs[b] for b in live], draft_logits, roots)
-            clock.lap("tree_build")
-            context_len = runner.context_len
-            buffers = buffers.ensure(len(live), 1 + max(t.num_nodes for t in trees))
-            compiled, widths = compile_round(trees, roots, valid, runner.dtype, buffers)
-            clock.lap("compile")
-            hidden = verify(runner, compiled, tree_columns(trees))
-            outcomes = [row_rules[b].accept(tree, TargetLogits(hidden[i, : widths[i]], runner.lm_head), logits, pos)
-                        for i, (b, tree, logits, (_tok, pos)) in enumerate(zip(live, trees, draft_logits, roots))]
-            clock.lap("verify")
-            keep = [[0] + [int(a) + 1 for a in o.accepted] for o in outcomes]
-            valid = commit(runner, valid, context_len, keep)
+            if _plain_round(depths):  # nothing to draft (plain AR, a last token): one token, no tree machinery
+                trees = [EMPTY_TREE] * len(live)
+                hidden = verify(runner, decode_inputs(runner, roots, valid), [[-1]] * len(live))
+                outcomes = [row_rules[b].accept(EMPTY_TREE, TargetLogits(hidden[i, :1], runner.lm_head), None, pos)
+                            for i, (b, (_tok, pos)) in enumerate(zip(live, roots))]
+                clock.lap("verify")
+                keep = [[0]] * len(live)
+                valid = commit_roots(runner, valid)
+            else:
+                draft_logits = draft([active[b] for b in live], roots, depths)
+                clock.lap("draft")
+                trees = build_trees([cfgs[b].spec for b in live], [cfgs[b] for b in live], draft_logits, roots)
+                clock.lap("tree_build")
+                context_len = runner.context_len
+                buffers = buffers.ensure(len(live), 1 + max(t.num_nodes for t in trees))
+                compiled, widths = compile_round(trees, roots, valid, runner.dtype, buffers)
+                clock.lap("compile")
+                hidden = verify(runner, compiled, tree_columns(trees))
+                outcomes = [row_rules[b].accept(tree, TargetLogits(hidden[i, : widths[i]], runner.lm_head), lg, pos)
+                            for i, (b, tree, lg, (_tok, pos)) in enumerate(zip(live, trees, draft_logits, roots))]
+                clock.lap("verify")
+                keep = [[0] + [int(a) + 1 for a in o.accepted] for o in outcomes]
+                valid = commit(runner, valid, context_len, keep)
             for i, (b, tree, o, (root_tok, root_pos)) in enumerate(zip(live, trees, outcomes, roots)):
-                node_tokens = tree.tokens.tolist()
+                node_tokens = tree.tokens.tolist() if o.accepted else []
                 new = [node_tokens[a] for a in o.accepted] + [o.bonus]
                 if active[b] is not None:
                     active[b].commit(ContextUpdate([root_tok] + new[:-1], root_pos, keep[i], i))  # type: ignore[union-attr]
@@ -222,6 +241,11 @@ def speculative_generate_batch(
         if cfgs[b].max_new_tokens > 0:
             res.finish(t_end - t_start, t_prefill - t_start, t_end - t_prefill, batch_tokens, clock.times)
     return results
+
+
+def _plain_round(depths: Sequence[int]) -> bool:
+    """Whether a round drafts nothing on any row (then it decodes one token per row without the tree stages)."""
+    return not any(depths)
 
 
 def _leave_finished(runner: TargetRunner, valid: torch.Tensor, live: list[int], results: list[ARGenerationResult],

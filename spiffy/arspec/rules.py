@@ -112,6 +112,8 @@ class CoupledRule:
         draft_logits: torch.Tensor | None,
         root_position: int,
     ) -> Acceptance:
+        if tree.num_nodes == 0:  # nothing drafted: the root's own draw (what the walk below returns at once)
+            return Acceptance([], int(sample_keyed(target.logits(-1), [root_position + 1], self.sampling)[0]))
         lookup = tree.children_lookup()
         depths = tree.depths.tolist()
 

@@ -17,7 +17,10 @@ its position ``p0``:
    longest kept list and the shorter rows' trailing columns are marked invalid (holes, never seen again: position
    ids are explicit); :func:`drop_rows` removes finished rows from the cache batch.
 
-The prefill (:func:`prefill_inputs`, :func:`prefill`) is the round-zero forward over the left-padded prompts.
+The prefill (:func:`prefill_inputs`, :func:`prefill`) is the round-zero forward over the left-padded prompts. A
+round in which no row drafts anything (plain AR) skips stages 1-3 and 5's cache moves: :func:`decode_inputs` gives
+the roots' ``[B, 1]`` inputs with the mask empty trees would get, and :func:`commit_roots` marks the new column
+valid.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ __all__ = [
     "cache_tensors_with_index",
     "check_context",
     "commit",
+    "commit_roots",
     "compile_round",
+    "decode_inputs",
     "draft",
     "drop_rows",
     "prefill",
@@ -270,7 +275,8 @@ def compile_round(trees: Sequence[DraftTree], roots: Sequence[tuple[int, int]], 
     return compile_tree_rows(
         [(t.tokens, t.depths + pos, t.parents) for t, (_tok, pos) in zip(trees, roots)],
         [(torch.tensor([tok]), torch.tensor([pos])) for tok, pos in roots],
-        valid, dtype=dtype, max_depths=[t.max_depth() for t in trees],
+        valid, dtype=dtype, max_depths=None if all(t.parents.device.type == "cpu" for t in trees)
+        else [t.max_depth() for t in trees],  # only a device tree's mask walks its levels
         staging=(buffers.ids, buffers.positions, buffers.visible),
     )
 
@@ -278,6 +284,27 @@ def compile_round(trees: Sequence[DraftTree], roots: Sequence[tuple[int, int]], 
 def tree_columns(trees: Sequence[DraftTree]) -> list[list[int]]:
     """Each row's parent column per verification column (column 0 the root: ``-1``; node ``i`` is column ``i + 1``)."""
     return [[-1] + [int(p) + 1 for p in t.parents.tolist()] for t in trees]
+
+
+def decode_inputs(runner: TargetRunner, roots: Sequence[tuple[int, int]], valid: torch.Tensor) -> CompiledDraft:
+    """A round with nothing drafted (plain AR, or a last token): each row's root alone, ``[B, 1]``, and the mask
+    over ``[cache ; root]`` that :func:`compile_round` would build for empty trees (the same values, so the forward
+    is bit for bit the same), without the tree machinery: a batch of one has no holes and sees all of its cache."""
+    batch, context_len = int(valid.shape[0]), int(valid.shape[1])
+    ids = torch.tensor([[tok for tok, _pos in roots], [pos for _tok, pos in roots]], dtype=torch.long)
+    ids = ids.to(runner.device) if runner.device.type != "cpu" else ids
+    mask = torch.zeros(batch, 1, 1, context_len + 1, dtype=runner.dtype, device=valid.device)
+    if batch > 1:  # left padding and the holes of uneven commits
+        mask[:, 0, 0, :context_len].masked_fill_(~valid, torch.finfo(runner.dtype).min)
+    return CompiledDraft(ids[0].view(batch, 1), ids[1].view(batch, 1), mask, None)
+
+
+def commit_roots(runner: TargetRunner, valid: torch.Tensor) -> torch.Tensor:
+    """:func:`commit` for a round that kept only each row's root (its K/V row already sits right after the cache;
+    a hybrid target's recurrent layers keep the state their one-token branch ended in)."""
+    if runner.recurrent is not None:
+        runner.recurrent.advance([[0]] * int(valid.shape[0]))
+    return torch.cat([valid, valid.new_ones(int(valid.shape[0]), 1)], dim=1)
 
 
 def verify(runner: TargetRunner, compiled: CompiledDraft, parents: Sequence[Sequence[int]] | None = None

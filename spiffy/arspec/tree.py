@@ -30,8 +30,10 @@ renormalisation), so the tree is a function of the ``logprobs`` tensor alone.
 
 Costs (one CPU thread, ``L = 16``, ``V = 151,936``): one pass of chunk maxima over ``[L, V]`` (chunks of 128 or
 256 columns for small budgets, where about ``B`` chunks are read again, 64 otherwise), then a fixed handful of
-small tensor operations and five host synchronisations, then the heap in Python (``O(B log B)``; rank tuples are
-kept as integers with the same order, see :func:`build_ddtree`).
+small tensor operations and at most five host synchronisations, then the heap in Python (``O(B log B)``; rank
+tuples are kept as integers with the same order, see :func:`build_ddtree`). Small vocabularies (up to 16,384, where
+``64 K <= V``) take each depth's top ``K`` from one ``torch.topk`` instead, and so do the rows of a flat drafter,
+whose bound lets too many candidates through (:func:`ranked_candidates`).
 """
 
 from __future__ import annotations
@@ -170,14 +172,11 @@ def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
             heapq.heappush(heap, (-(parent_score + vals[d][r + 1]), key + place[d], r + 1, d, parent, parent_score))
         if d < last_depth and sizes[d + 1]:  # first child
             heapq.heappush(heap, (-(score + vals[d + 1][0]), key + place[d + 1], 0, d + 1, node, score))
-    return DraftTree(_long_tensor(tokens), _long_tensor(parents), _long_tensor(depths),
-                     torch.frombuffer(array("d", scores), dtype=torch.float64).clone())
-
-
-def _long_tensor(values: list[int]) -> torch.Tensor:
-    """``[n]`` long CPU tensor of a non-empty list (through a packed buffer: several times faster than
-    ``torch.tensor`` on a list)."""
-    return torch.frombuffer(array("q", values), dtype=torch.long).clone()
+    # one packed buffer for the three integer fields (several times faster than ``torch.tensor`` on lists); the
+    # tensors are views of it and keep it alive
+    n = len(tokens)
+    packed = torch.frombuffer(array("q", tokens + parents + depths), dtype=torch.long)
+    return DraftTree(packed[:n], packed[n : 2 * n], packed[2 * n :], _host_tensor(scores, torch.float64))
 
 
 def _host_tensor(values: list[float], dtype: torch.dtype) -> torch.Tensor:
@@ -197,6 +196,17 @@ _COMB_PER_NODE = 4
 _HOST_COMB_MAX = 1024
 #: up to this many candidate tokens they are ranked on the host, beyond it on the device
 _HOST_RANK_MAX = 256
+#: up to this vocabulary size every depth's top ``k`` comes from one ``torch.topk`` (:func:`_direct_top_k`) when
+#: ``64 k <= V`` (where it partially sorts), and after the chunk pass gives up otherwise: below it the bound's fixed
+#: cost (a dozen small tensor operations) and the many candidates a flat small-vocabulary drafter lets through cost
+#: more than the direct selection
+_DIRECT_TOPK_MAX_VOCAB = 16384
+#: the chunk pass gives up for each row's own top ``k`` (:func:`_rows_top_k`) when the chunks to read again hold more
+#: than this share of the ``[L, V]`` entries, or when more candidates than this many per budget node clear the bars
+#: (a flat drafter: the comb bound is loose when the best prefixes all sit at the first depths, and ranking every
+#: candidate would cost more than the rows' own selection)
+_REREAD_SHARE = 1 / 4
+_MAX_CANDIDATES_PER_NODE = 8
 
 
 def _chunk_width(vocab: int, budget: int) -> int | None:
@@ -312,6 +322,53 @@ def _rank_on_device(cand: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, 
     return values, tokens
 
 
+def _direct_top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """The top ``k`` of every depth from one ``torch.topk`` (small vocabularies: no bound, no candidate ranking).
+
+    ``torch.topk`` leaves the order of equal values unspecified. Equal values inside a row's top ``k`` are put in
+    token-id order on the host; a tie at the boundary (the ``k``-th value reached by more than ``k`` entries: the
+    set itself is ambiguous) is settled by the lowest token ids of that value (one ``nonzero`` over the row, for
+    such rows only). The boundary shows as the ``k + 1``-th value equal to the ``k``-th; where ``torch.topk`` on a
+    CPU would switch to its slower algorithm for ``k + 1`` (it partially sorts up to ``V / 64`` entries), the device
+    counts the entries that reach the ``k``-th value instead. Host synchronisations: two (the values, the token
+    ids), one more per row tied at the boundary.
+    """
+    depth_limit, vocab = int(logprobs.shape[0]), int(logprobs.shape[1])
+    one_more = k < vocab and ((k + 1) * 64 <= vocab or k * 64 > vocab)
+    vals_t, idx_t = torch.topk(logprobs, k + 1 if one_more else k, dim=-1)  # [L, k (+ 1)], sorted descending
+    flat = vals_t.double().reshape(-1)
+    if not one_more and k < vocab:  # [L] 1.0 where more than k entries reach the k-th value, after the values
+        over = ((logprobs >= vals_t[:, k - 1 :]).sum(dim=-1) != k).to(torch.float64)
+        flat = torch.cat([flat, over])
+    packed = flat.tolist()
+    width = k + 1 if one_more else k
+    values = [packed[d * width : d * width + k] for d in range(depth_limit)]
+    if one_more:
+        tied = [d for d in range(depth_limit) if packed[d * width + k] == values[d][-1]]
+    else:
+        tied = [d for d, over in enumerate(packed[depth_limit * width :]) if over]
+    ids = [row[:k] for row in idx_t.tolist()]
+    for d in tied:  # the k-th value's entries by column: the lowest ones complete the set
+        kth = values[d][-1]
+        kept = [(v, t) for v, t in zip(values[d], ids[d]) if v > kth]
+        cols = torch.nonzero(logprobs[d] == kth).view(-1)[: k - len(kept)].tolist()
+        values[d], ids[d] = [v for v, _ in kept] + [kth] * len(cols), [t for _, t in kept] + cols
+    for d in range(depth_limit):
+        if len(set(values[d])) < k:  # equal values in unspecified order: token id ascending among them
+            ranked = sorted(zip(values[d], ids[d]), key=lambda e: (-e[0], e[1]))
+            values[d], ids[d] = [v for v, _ in ranked], [t for _, t in ranked]
+    return values, ids
+
+
+def _rows_top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Every depth's top ``k`` (:func:`_direct_top_k` on small vocabularies, :func:`~spiffy.topk.top_ranked` on
+    large ones), as the builder's lists."""
+    if int(logprobs.shape[1]) <= _DIRECT_TOPK_MAX_VOCAB:
+        return _direct_top_k(logprobs, k)
+    vals_t, idx_t = top_ranked(logprobs, k)
+    return vals_t.double().cpu().tolist(), idx_t.cpu().tolist()
+
+
 def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list[list[float]], list[list[int]]]:
     """Per depth, the tokens a ``budget``-node DDTree can use, best first (ties by token id), at most ``k`` each.
 
@@ -325,10 +382,14 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
         token at least as probable as a listed one is listed, up to ``k``); depth 1 is never empty.
 
     See the module docstring for the bound. Host synchronisations: five (the bound, two ``nonzero``, two lists).
+    Small vocabularies with ``64 k <= V`` take :func:`_direct_top_k` (two); a flat drafter's rows, whose bound lets
+    too many candidates through, give up after three for the rows' own top ``k`` (:func:`_rows_top_k`).
     Small vocabularies, and rows whose bound is not finite (``-inf`` log-probabilities everywhere but a few
     tokens), take the top ``k`` of every depth instead.
     """
     depth_limit, vocab = int(logprobs.shape[0]), int(logprobs.shape[1])
+    if vocab <= _DIRECT_TOPK_MAX_VOCAB and k * 64 <= vocab:  # torch.topk's cheap partial sort
+        return _direct_top_k(logprobs, k)
     width = _chunk_width(vocab, budget)
     if width is not None and depth_limit * (vocab // width) >= budget:
         x = logprobs.contiguous()
@@ -350,6 +411,8 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
             if x.device.type != "cpu":
                 bar = bar.to(x.device)  # [L, 1]: a token below it is never popped
             rows, chunk = torch.nonzero(chunk_max >= bar, as_tuple=True)  # [n] (depth, chunk), row-major
+            if int(rows.shape[0]) * width > _REREAD_SHARE * depth_limit * vocab:
+                return _rows_top_k(logprobs, k)
             blocks = chunks[rows, chunk]  # [n, w]
             if tail is not None:  # every depth's tail block (chunk index C), after the picked ones
                 blocks = torch.cat([blocks, tail])
@@ -360,6 +423,8 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
             # each depth's entries are in ascending column order here (the tail blocks come last and hold the
             # last columns); both rankings keep that order between equal values
             n, m = int(rows.shape[0]), int(block.shape[0])
+            if m > _MAX_CANDIDATES_PER_NODE * budget + _HOST_RANK_MAX:
+                return _rows_top_k(logprobs, k)
             if m <= _HOST_RANK_MAX:
                 where = torch.cat([rows, chunk, block, offset]).tolist()
                 picked_rows, picked_chunks = where[:n], where[n : 2 * n]
@@ -368,8 +433,7 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> tuple[list
                 return _rank_on_host(cand.tolist(), hit_rows, cols, depth_limit, k)
             cols = chunk.index_select(0, block).mul_(width).add_(offset)
             return _rank_on_device(cand, rows.index_select(0, block), cols, depth_limit, k)
-    vals_t, idx_t = top_ranked(logprobs, k)
-    return vals_t.double().cpu().tolist(), idx_t.cpu().tolist()
+    return _rows_top_k(logprobs, k)
 
 
 def build_chain(logits: torch.Tensor) -> DraftTree:

