@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batch_cases import BLOCK, GEN, SEEDS, dream, llada, sdar  # noqa: F401 - module fixtures
+from batch_cases import BLOCK, GEN, SEEDS, dream, fast_dllm_v2, llada, sdar  # noqa: F401 - module fixtures
 from batch_cases import decode_kwargs as _kw
 from batch_cases import left_pad as _left_pad
 from batch_cases import ragged_prompts as _prompts
@@ -75,6 +75,17 @@ def test_llada_batch_equals_alone(llada, rule: str, cache: str, temp: float) -> 
 @pytest.mark.parametrize("rule", ["static", "threshold"])
 def test_dream_batch_equals_alone(dream, rule: str, cache: str, temp: float) -> None:
     _check_batch(dream, _prompts([4, 7, 2]), _kw(rule, cache, temp, alg="entropy"))
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+@pytest.mark.parametrize("threshold", [1.0, 0.05])
+@pytest.mark.parametrize("lengths", [[5, 5, 5], [5, 8, 16], [3, 11, 6]], ids=["equal", "ragged-quirk-head", "ragged"])
+def test_fast_dllm_v2_batch_equals_alone(fast_dllm_v2, threshold: float, temp: float, lengths: list[int]) -> None:
+    """Rows keep their own layout: a prompt of one whole block (ignored, the official quirk), an aligned prompt whose
+    first block starts with the prefill's argmax (its head), unaligned prompts sharing their first block."""
+    kw = dict(gen_length=GEN, block_length=BLOCK, small_block_size=4, threshold=threshold, temperature=temp,
+              stop_token_ids=())
+    _check_batch(fast_dllm_v2, _prompts(lengths), kw)
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])
