@@ -169,3 +169,24 @@ def test_baseline_equals_the_official_generators(official_models: dict, index: i
     ours = _cut(s.x[0].tolist(), len(case["prompt"]), case["stop"])
     for generator, tokens in case["official"].items():
         assert ours == tokens, f"{generator} differs ({case['dtype']}, case {index})"
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.3])
+def test_freedave_chain_equals_baseline(tiny_fast_dllm_v2: Path, threshold: float) -> None:
+    """FreeDave's chain (``freedave:K``) on Fast-dLLM v2: the output is the baseline's and drafts are accepted."""
+    from spiffy.api import generate
+    from spiffy.decoding.fast_dllm_v2_config import FastDLLMv2DecodeConfig
+    from spiffy.selfspec.freedave import freedave_graph
+
+    model = load_model(tiny_fast_dllm_v2, dtype="float64")
+    config = FastDLLMv2DecodeConfig(gen_length=16, block_length=8, small_block_size=4, threshold=threshold,
+                                    stop_token_ids=())
+    accepted = 0
+    for steps in (2, 4):
+        graph = freedave_graph(model, config, steps)
+        for seq in ([3, 9, 11, 4], [17, 2, 5, 8, 9, 10, 11, 12, 40, 41]):
+            ids = torch.tensor([seq])
+            out = generate(model, ids, config, graph=graph, budget=steps - 1)
+            assert out.tokens == generate(model, ids, config).tokens
+            accepted += int(out.stats["accepted_total"]) if "accepted_total" in out.stats else 0
+    assert accepted > 0
