@@ -217,9 +217,16 @@ class FastDLLMv2Session(DecodeSession):
         self._block_kv = None
         start = self.block_bounds(block)[0]
         if self._committed < start and (block > 0 or self._needs_prefill):
-            return self._commit(start)
-        vocab = int(self.model.config.vocab_size)
-        return torch.zeros((self.x.shape[0], 1, vocab), dtype=self.model.dtype, device=self.x.device)
+            logits = self._commit(start)
+        else:
+            vocab = int(self.model.config.vocab_size)
+            logits = torch.zeros((self.x.shape[0], 1, vocab), dtype=self.model.dtype, device=self.x.device)
+        # rows without a head get zeros whatever was computed for them, so the first step's logits (from which
+        # Spiffy ranks its next drafts) are a row's own alone and in any batch
+        for r, heads in enumerate(self.heads):
+            if not heads[block]:
+                logits[r] = 0
+        return logits
 
     def begin_block_calls(self, block: int) -> int:
         return 1 if block > 0 or self._needs_prefill else 0
