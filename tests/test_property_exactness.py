@@ -72,8 +72,8 @@ _MODELS: dict[tuple[str, str], Any] = {}
 
 
 @pytest.fixture(scope="module")
-def dllm_paths(tiny_llada, tiny_dream, tiny_sdar) -> dict[str, Path]:
-    return {"llada": tiny_llada, "dream": tiny_dream, "sdar": tiny_sdar}
+def dllm_paths(tiny_llada, tiny_dream, tiny_sdar, tiny_fast_dllm_v2) -> dict[str, Path]:
+    return {"llada": tiny_llada, "dream": tiny_dream, "sdar": tiny_sdar, "fast_dllm_v2": tiny_fast_dllm_v2}
 
 
 def _dllm(paths: dict[str, Path], family: str, dtype: str) -> Any:
@@ -95,7 +95,7 @@ def _graph(kind: str, family: str, levels: int, graph_seed: int) -> DraftGraph:
 
 
 dllm_cases = st.fixed_dictionaries({
-    "family": st.sampled_from(["llada", "dream", "sdar"]),
+    "family": st.sampled_from(["llada", "dream", "sdar", "fast_dllm_v2"]),
     "cache": st.sampled_from(["none", "prefix", "dual"]),
     "rule": st.sampled_from(["static", "threshold"]),
     "steps_per_block": st.sampled_from([1, 2, 4]),
@@ -113,6 +113,10 @@ dllm_cases = st.fixed_dictionaries({
 
 def _dllm_kwargs(case: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = dict(gen_length=GEN, block_length=BLOCK, temperature=case["temperature"], seed=case["seed"])
+    if case["family"] == "fast_dllm_v2":  # its rule: sub-blocks and a threshold (1.0: one token per step)
+        kw["small_block_size"] = (2, 4)[case["seed"] % 2]
+        kw["threshold"] = 1.0 if case["rule"] == "static" else case["threshold"]
+        return kw
     if case["family"] != "sdar":
         kw["cache"] = case["cache"]
     if case["family"] == "dream":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batch_cases import BLOCK, GEN, SEEDS, dream, llada, sdar  # noqa: F401 - module fixtures
+from batch_cases import BLOCK, GEN, SEEDS, dream, fast_dllm_v2, llada, sdar  # noqa: F401 - module fixtures
 from batch_cases import decode_kwargs as _kw
 from batch_cases import left_pad as _left_pad
 from batch_cases import ragged_prompts as _prompts
@@ -26,9 +26,11 @@ from spiffy.selfspec.runtime import speculative_generate
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
-def _check_batch(model, prompts: list[torch.Tensor], kw: dict, graph_rows: tuple[int, ...] = (0, 1, 2)) -> dict:
+def _check_batch(model, prompts: list[torch.Tensor], kw: dict, graph_rows: tuple[int, ...] = (0, 1, 2),
+                 same_forwards: bool = True) -> dict:
     """Alone baseline + alone Spiffy per prompt vs one batched Spiffy call; returns figures for extra checks.
-    The oracle graph is calibrated on the alone trajectories of ``graph_rows``."""
+    The oracle graph is calibrated on the alone trajectories of ``graph_rows``. ``same_forwards=False``: a row's
+    forward count is not compared (drafts ranked at near ties may differ by rounding; the tokens never do)."""
     records, alone = [], []
     for r, (x, seed) in enumerate(zip(prompts, SEEDS)):
         s = make_session(model, x[None], **{**kw, "seed": seed})
@@ -55,7 +57,7 @@ def _check_batch(model, prompts: list[torch.Tensor], kw: dict, graph_rows: tuple
         assert out.tokens[r] == tokens.tolist(), f"row {r} differs from the prompt decoded alone for {kw}"
         assert base.tokens[r] == out.tokens[r], f"row {r} of batched Spiffy differs from the batched baseline's"
         assert base.stats["rows"][r]["nfe"] == base_nfe
-        assert rows[r]["nfe"] == spec_nfe[r], f"row {r} was served by another number of forwards than alone"
+        assert rows[r]["nfe"] == spec_nfe[r] or not same_forwards, f"row {r} was served by another number of forwards than alone"
         assert rows[r]["baseline_equivalent_nfe"] == base_nfe
     assert max(spec_nfe) <= out.nfe < sum(spec_nfe)  # one forward serves several rows
     assert torch.equal(base.sequences, out.sequences)
@@ -75,6 +77,25 @@ def test_llada_batch_equals_alone(llada, rule: str, cache: str, temp: float) -> 
 @pytest.mark.parametrize("rule", ["static", "threshold"])
 def test_dream_batch_equals_alone(dream, rule: str, cache: str, temp: float) -> None:
     _check_batch(dream, _prompts([4, 7, 2]), _kw(rule, cache, temp, alg="entropy"))
+
+
+#: (lengths, temperature). A one-block prompt (8) only at T > 0: at T = 0 this checkpoint, decoding that block from an
+#: empty context (the official quirk), proposes the mask id for a position forever (the official loop never ends; the
+#: session stops at its step bound). From an empty context the masked positions differ only by their positions, so
+#: their confidences nearly tie: Spiffy's draft ranking may then differ by rounding between the row alone and in a
+#: batch (logits equal to ~1e-15), so that case compares tokens, not forward counts.
+FDV2_BATCHES = [([5, 5, 5], 0.0), ([5, 5, 5], 1.0), ([3, 11, 6], 0.0), ([3, 11, 6], 1.0), ([5, 8, 16], 1.0),
+                ([3, 16, 6], 0.0)]
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.05])
+@pytest.mark.parametrize("lengths, temp", FDV2_BATCHES)
+def test_fast_dllm_v2_batch_equals_alone(fast_dllm_v2, threshold: float, temp: float, lengths: list[int]) -> None:
+    """Rows keep their own layout: a prompt of one whole block (ignored, the official quirk), an aligned prompt whose
+    first block starts with the prefill's argmax (its head), unaligned prompts sharing their first block."""
+    kw = dict(gen_length=GEN, block_length=BLOCK, small_block_size=4, threshold=threshold, temperature=temp,
+              stop_token_ids=())
+    _check_batch(fast_dllm_v2, _prompts(lengths), kw, same_forwards=8 not in lengths)
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])

@@ -49,20 +49,27 @@ def dream(tiny_dream):
 
 
 @pytest.fixture(scope="module")
+def fast_dllm_v2(tiny_fast_dllm_v2):
+    m = load_f64(tiny_fast_dllm_v2, cached=True)
+    return m, _threshold(m, "fast_dllm_v2")
+
+
+@pytest.fixture(scope="module")
 def sdar(tiny_sdar):
     m = load_f64(tiny_sdar, cached=True)
     return m, _threshold(m, "sdar")
 
 
-def _check(model, kw: dict, *, random_seed: int = 0) -> dict:
+def _check(model, kw: dict, *, random_seed: int = 0, prompt: torch.Tensor | None = None) -> dict:
     """Baseline vs Spiffy with an oracle graph (all nodes kept) and a random graph (budget 3)."""
-    base = make_session(model, _prompt(), **kw)
+    prompt = _prompt() if prompt is None else prompt
+    base = make_session(model, prompt, **kw)
     records = record_trajectory(base)
     x_base, nfe_base = base.x.clone(), base.nfe
     assert len(records) > 0
 
     graph = oracle_graph_from_records(records, base.mask_id)
-    s = make_session(model, _prompt(), **kw)
+    s = make_session(model, prompt, **kw)
     st = speculative_generate(s, graph, budget=len(graph.nodes))
     assert torch.equal(s.x, x_base), f"oracle graph changed the output for {kw}"
     assert st.steps == len(records)
@@ -70,7 +77,7 @@ def _check(model, kw: dict, *, random_seed: int = 0) -> dict:
     assert st.accepted_total > 0, f"oracle graph accepted nothing for {kw}"
     assert st.baseline_equivalent_nfe == nfe_base
 
-    s = make_session(model, _prompt(), **kw)
+    s = make_session(model, prompt, **kw)
     st2 = speculative_generate(s, random_graph(3, 10, seed=random_seed, i_max=4, j_max=3), budget=3)
     assert torch.equal(s.x, x_base), f"random graph changed the output for {kw}"
     assert st2.nfe <= nfe_base
@@ -284,3 +291,44 @@ def test_sdar_stop_tokens(sdar) -> None:
     first = int(probe.x[0, probe.block_bounds(0)[0] + BLOCK - 1])  # a token of the first decoded block
     out = _check(model, {**kw, "stop_token_ids": (first,)})
     assert out["oracle"].steps_per_block[-1] == 0  # the generation stopped after the first block
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("rule", ["one_per_step", "threshold"])
+@pytest.mark.parametrize("prompt_len", [4, 8, 11, 16])
+def test_fast_dllm_v2_lossless(fast_dllm_v2, rule: str, temp: float, prompt_len: int) -> None:
+    """Prompt lengths: inside the first block, one whole block (the official quirk: the prompt is ignored), unaligned
+    over a prefilled block, aligned (the first block starts with the prefill's argmax)."""
+    model, thr = fast_dllm_v2
+    kw = dict(gen_length=GEN, block_length=BLOCK, small_block_size=4, temperature=temp, seed=7, stop_token_ids=(),
+              threshold=1.0 if rule == "one_per_step" else thr)
+    prompt = torch.randint(5, 250, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    _check(model, kw, prompt=prompt)
+
+
+def test_fast_dllm_v2_stop_tokens(fast_dllm_v2) -> None:
+    model, _ = fast_dllm_v2
+    kw = dict(gen_length=GEN, block_length=BLOCK, temperature=0.0, seed=7, stop_token_ids=())
+    probe = make_session(model, _prompt(), **kw)
+    run_baseline(probe)
+    first = int(probe.x[0, BLOCK - 2])  # a token generated in the first block
+    out = _check(model, {**kw, "stop_token_ids": (first,)})
+    assert out["oracle"].steps_per_block[-1] == 0  # the generation stopped in the first block
+
+
+def test_fast_dllm_v2_sub_block_cache(fast_dllm_v2) -> None:
+    """cache="dual" (the official use_block_cache): the baseline and Spiffy without drafts agree; drafts are refused
+    (a state's logits depend on which earlier state refreshed the block cache)."""
+    model, _ = fast_dllm_v2
+    kw = dict(gen_length=GEN, block_length=BLOCK, small_block_size=4, threshold=0.5, cache="dual", seed=7)
+    base = make_session(model, _prompt(), **kw)
+    run_baseline(base)
+    plain = make_session(model, _prompt(), **{**kw, "cache": "prefix"})
+    run_baseline(plain)
+    assert base.nfe == plain.nfe and not torch.equal(base.x, plain.x)  # same calls, stale K/V: other tokens
+    s = make_session(model, _prompt(), **kw)
+    speculative_generate(s, None, budget=0)
+    assert torch.equal(s.x, base.x)
+    s = make_session(model, _prompt(), **kw)
+    with pytest.raises(ConfigError, match="sub-block cache"):
+        speculative_generate(s, random_graph(3, 10, seed=0, i_max=4, j_max=3), budget=3)

@@ -88,7 +88,7 @@ def _non_negative_int(flag: str) -> Any:
 #: the dLLM decoding flags (dest names), refused in AR mode
 DLLM_DECODING_FLAGS: tuple[str, ...] = (
     "gen_length", "block_length", "steps", "threshold", "remasking", "cache", "cfg_scale", "logits_eos_inf",
-    "confidence_eos_eot_inf", "alg", "alg_temp", "eps", "strategy",
+    "confidence_eos_eot_inf", "alg", "alg_temp", "eps", "strategy", "small_block_size",
 )
 
 
@@ -132,6 +132,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, *, sampling: bool = 
     g.add_argument("--strategy", default=None,
                    choices=("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded"),
                    help="SDAR remasking strategy (default: dynamic with --threshold, else static)")
+    g.add_argument("--small-block-size", type=int, default=None, metavar="S",
+                   help="Fast-dLLM v2: sub-block length, a divisor of --block-length (default 8)")
     if sampling:
         add_sampling_arguments(parser)
     return parser

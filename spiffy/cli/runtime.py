@@ -58,14 +58,14 @@ def decode_config(args: argparse.Namespace, base: dict[str, Any] | None = None) 
 
     Unset flags (``None``) keep the value of ``base`` (a recorded ``DecodeConfig.to_dict()``, e.g. the one a graph
     was calibrated for; its seed is not inherited), else the class default. The overrides are the family-specific
-    options ``generate`` takes as keywords (SDAR's ``strategy``).
+    options ``generate`` takes as keywords (SDAR's ``strategy``, Fast-dLLM v2's ``small_block_size``).
     """
     values: dict[str, Any] = {}
     if base:
         fields = DecodeConfig.__dataclass_fields__
         values = {k: v for k, v in base.items() if k in fields and k not in ("seed", "mask_id")}
     for name in (*DLLM_DECODING_FLAGS, *_SAMPLING_FIELDS):
-        if name == "strategy":
+        if name in _FAMILY_OPTIONS:
             continue
         value = getattr(args, name, None)
         if value is not None:
@@ -76,12 +76,18 @@ def decode_config(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         values["top_k"] = None
     values["temperature"] = float(values.get("temperature") or 0.0)
     extra: dict[str, Any] = {}
-    strategy = getattr(args, "strategy", None)
-    if strategy is None and base:
-        strategy = base.get("strategy")
-    if strategy is not None:
-        extra["strategy"] = strategy
+    for name in _FAMILY_OPTIONS:
+        value = getattr(args, name, None)
+        if value is None and base:
+            value = base.get(name)
+        if value is not None:
+            extra[name] = value
     return DecodeConfig(**values), extra
+
+
+#: decoding options of one family's configuration class, passed to ``generate`` as keywords (SDAR's ``strategy``,
+#: Fast-dLLM v2's ``small_block_size``)
+_FAMILY_OPTIONS: tuple[str, ...] = ("strategy", "small_block_size")
 
 
 def _steps_keeping_the_rate(base: dict[str, Any], values: dict[str, Any]) -> int | None:

@@ -320,6 +320,9 @@ def attend(
     """
     batch = q.shape[0]
     k_all, v_all = k, v
+    record = getattr(ctx.cache, "record_new", None)
+    if record is not None:  # a cache that keeps each layer's new K/V (Fast-dLLM v2's sub-block cache)
+        record.append((k, v))
     if ctx.cache is not None:
         k_old, v_old = ctx.cache.layer(layer_idx)
         if k_old is not None:

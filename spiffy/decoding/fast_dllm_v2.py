@@ -1,0 +1,368 @@
+"""Fast-dLLM v2 baseline decoder: the official generator's block + sub-block threshold rule over a committed K/V cache.
+
+Reproduces ``Fast_dLLM_QwenForCausalLM.generate`` (the checkpoints' ``modeling.py``; ``batch_sample`` in NVlabs/Fast-dLLM
+``v2/generation_functions.py`` runs the same loop) for one prompt of ``P`` tokens, block size ``B``, sub-block ``S``:
+
+* Blocks sit at absolute multiples of ``B``. When ``P > B`` the ``P // B`` whole prompt blocks are prefilled (one
+  forward appending their K/V); if ``P`` is a multiple of ``B``, the argmax of the prefill's last logits is the
+  first token of the first block (the *head*). When ``P < B`` the prompt shares the first block with the masks.
+  **Quirk, followed:** when ``P == B`` the official loop neither prefills nor keeps the prompt in the block (it
+  decodes ``x[:, -B:]``, all masks, from an empty cache at positions ``0..B-1``): the prompt is ignored.
+* A block is decoded sub-block by sub-block (the first sub-block with a mask left). A step forwards the whole block
+  against the committed cache (read only) and **shifts** the logits: position ``i`` reads logits ``i - 1``, the
+  block's first position its own. On the current sub-block: temperature 0 takes ``argmax(softmax(logits))``,
+  else top-p filtering of ``softmax(logits / T)`` and one ``multinomial`` draw per position; a masked position
+  whose probability is ``> threshold`` is unmasked, and the most probable masked one always is.
+  **Quirk, followed:** the denoising forwards build their block-causal mask with the official forward's default
+  ``block_size=32``, not the decoding block (only block sizes that do not divide 32 see a difference).
+* A finished block is committed by one forward (appending its K/V, mask in blocks of ``B``) whose last logits'
+  argmax (at every temperature) is the next block's head. The commit happens in :meth:`begin_block` of the next
+  block (and of a last, one-position block that holds the final head), whose first step places the head.
+* Stop: generation ends once the first stop token of the current block (head included) has no mask before it;
+  that block is not committed. The official result is ``x`` cut after its first stop token past the prompt.
+* ``cache="dual"`` (official ``use_block_cache=True``): a step whose sub-block starts with a mask (or the block's
+  first step) forwards the whole block and keeps its K/V; other steps forward only the sub-block, writing its
+  fresh K/V over the kept ones (in place, as officially) and attending to all of them.
+
+Documented deviations: ``gen_length`` must be a multiple of ``B`` (the official loop runs ``gen_length // B``
+blocks); a block stops after :meth:`FastDLLMv2Session.max_block_steps` steps (the official loop spins forever when
+the model proposes the mask id itself); random draws come from :attr:`generator` (officially the global RNG:
+seeding both alike reproduces it); a batch decoded by its own session applies the rule to every row on its own.
+Ragged batches use SDAR's layout (rows right-aligned by whole blocks, padding hidden, positions the row's own).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spiffy.decoding.config import DecodeConfig
+from spiffy.decoding.fast_dllm_v2_config import FastDLLMv2DecodeConfig
+from spiffy.decoding.sdar import _logits_of, _prompt_lengths
+from spiffy.decoding.session import DecodeSession, StepInfo, check_state_rows, gather_cache_rows
+from spiffy.errors import ConfigError, PromptTooLongError
+from spiffy.models.cache import KVCache
+from spiffy.models.fast_dllm_v2 import OFFICIAL_MASK_BLOCK
+from spiffy.models.loading import SpecialTokenIds, mask_token_id
+from spiffy.torch_utils import model_device
+
+
+def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float,
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official sampler on one row's sub-block logits ``[L, V]``: ``(tokens [L], probabilities [L, V])``.
+
+    Temperature 0: ``softmax`` then its argmax. Else ``softmax(logits / T)``, the smallest set of most probable
+    tokens whose cumulative mass exceeds ``top_p`` kept (the crossing token included), renormalised by its sum, and
+    one ``multinomial`` draw per position (in the logits' dtype, as officially).
+    """
+    if float(temperature) <= 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        return probs.argmax(dim=-1), probs
+    probs = torch.softmax(logits / temperature, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    drop_sorted = torch.cumsum(sorted_probs, dim=-1) > top_p
+    drop_sorted[..., 1:] = drop_sorted[..., :-1].clone()
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, drop_sorted)
+    probs[drop] = 0
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.multinomial(probs, num_samples=1, generator=generator)[:, 0], probs
+
+
+class FastDLLMv2Session(DecodeSession):
+    """One Fast-dLLM v2 generation (see the module doc for the exact semantics).
+
+    Args:
+        model: a Fast-dLLM v2 causal LM (``spiffy.models.fast_dllm_v2``).
+        input_ids: ``[B, P]`` prompt ids (left padded when ``attention_mask`` says so).
+        config: a :class:`FastDLLMv2DecodeConfig` (another :class:`DecodeConfig` is converted).
+        mask_id: the mask id (default: config, model config or tokenizer). stop_ids: the stop ids when the config
+            names none (``for_model`` passes the model's end-of-turn id). generator: the generator every draw
+            consumes (default: seeded with ``config.resolved_seed``). attention_mask: ``[B, P]`` 0/1 prompt mask.
+
+    Attributes beyond :class:`DecodeSession`: ``cache`` (committed K/V), ``lengths`` (prompt length per row),
+    ``pads``/``offsets`` (left padding / hidden columns per row), ``first_block`` (absolute index of the first
+    decode block), ``heads`` (per row, per block: whether the block's first position is a head), ``stopped``.
+    ``num_blocks`` is ``gen_length // B + 1``: the last block is the single position of the final head.
+    """
+
+    rule = "fast_dllm_v2"
+    config_class = FastDLLMv2DecodeConfig
+
+    def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, config: DecodeConfig | None = None, *,
+                 mask_id: int | None = None, tokenizer: Any = None, stop_ids: tuple[int, ...] = (),
+                 generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None) -> None:
+        cfg = config if isinstance(config, FastDLLMv2DecodeConfig) else FastDLLMv2DecodeConfig.from_config(config)
+        self.config = cfg
+        self.model = model
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None, :]
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ConfigError(f"input_ids must be [B, P] with P >= 1, got shape {tuple(input_ids.shape)}; fix: pass a "
+                              "tokenized prompt")
+        self.device = device = model_device(model)
+        self.mask_id = int(mask_id if mask_id is not None else (cfg.mask_id if cfg.mask_id is not None
+                                                                 else mask_token_id(model, tokenizer)))
+        self.stop_ids = tuple(cfg.stop_token_ids) if cfg.stop_token_ids is not None else tuple(stop_ids)
+        bs = self.block_length = cfg.resolved_block_length
+        self.small_block = int(cfg.small_block_size)
+        nb = cfg.gen_length // bs
+        self.lengths = _prompt_lengths(input_ids, attention_mask)
+        # each row alone: first decode block (absolute), its prompt block ignored (P == B quirk), head at block 0
+        firsts = [0 if p < bs else p // bs for p in self.lengths]
+        skips = [bs if p == bs else 0 for p in self.lengths]
+        total = max(firsts) + nb
+        self.first_block = total - nb
+        self.num_blocks = nb + 1
+        self.pads = [(total - f - nb) * bs for f in firsts]
+        self.offsets = [pad + skip for pad, skip in zip(self.pads, skips)]
+        self.heads = [[p > bs and p % bs == 0] + [True] * nb for p in self.lengths]
+        self.gen_starts = [pad + p for pad, p in zip(self.pads, self.lengths)]
+        self.prompt_len = min(self.gen_starts)
+        width = total * bs + 1
+        max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if max_pos is not None and width - min(self.offsets) > int(max_pos):
+            raise PromptTooLongError(
+                f"prompt ({max(self.lengths)} tokens) + gen_length ({cfg.gen_length}) in blocks of {bs} needs "
+                f"{width - min(self.offsets)} positions but the model's context is {int(max_pos)}; fix: shorten the "
+                "prompt or lower gen_length"
+            )
+        x = torch.full((len(self.lengths), width), self.mask_id, dtype=torch.long, device=device)
+        ids = input_ids.to(device)
+        pad_id = int(getattr(model.config, "pad_token_id", None) or 0)  # hidden from every key
+        for r, (pad, p) in enumerate(zip(self.pads, self.lengths)):
+            x[r, :pad] = pad_id
+            x[r, pad : pad + p] = ids[r, ids.shape[1] - p :]
+        self.x = x
+        self.threshold = cfg.resolved_threshold
+        self.temperature = float(cfg.temperature)
+        self.top_p = float(cfg.top_p)
+        self.steps_per_block = bs
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(cfg.resolved_seed)
+        self.generator = generator
+        self.cache = KVCache(int(model.config.num_hidden_layers))
+        # leading columns outside the cache: every column before the first block when nothing is prefilled
+        self._needs_prefill = any(p > bs for p in self.lengths)
+        self._cache_base = 0 if self._needs_prefill else self.first_block * bs
+        self._committed = self._cache_base
+        self._block = -1
+        self._block_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # cache="dual": the block's K/V
+        self.nfe = 0
+        self.row_stopped = [False] * len(self.lengths)
+        self.stopped = False
+
+    @classmethod
+    def for_model(cls, model: Any, input_ids: torch.Tensor, config: DecodeConfig, *, token_ids: SpecialTokenIds,
+                  attention_mask: torch.Tensor | None = None,
+                  generator: torch.Generator | None = None) -> "FastDLLMv2Session":
+        """The factory's session: the mask id and, unless the config names stop ids, the end-of-turn id."""
+        stop = token_ids.eot if token_ids.eot is not None else token_ids.eos
+        return cls(model, input_ids, config, mask_id=token_ids.require("mask"),
+                   stop_ids=() if stop is None else (int(stop),), attention_mask=attention_mask, generator=generator)
+
+    # ------------------------------------------------------------------ layout
+    def block_bounds(self, block: int) -> tuple[int, int]:
+        start = (self.first_block + block) * self.block_length
+        return start, start + (1 if block == self.num_blocks - 1 else self.block_length)
+
+    def window_start(self, block: int) -> int:
+        return self.block_bounds(block)[0]
+
+    def max_block_steps(self) -> int:
+        return 4 * self.block_length + 1
+
+    # ------------------------------------------------------------------ model calls
+    def _call(self, tokens: torch.Tensor, q_start: int, store: bool, mask_block: int,
+              rows: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
+        """One model call on ``tokens`` ``[N, L]`` (columns ``[q_start, q_start + L)``) over the committed keys:
+        the official block-causal mask (blocks of ``mask_block`` over each row's own positions), padding hidden;
+        ``mask_block=0``: no mask (every key visible, the official sub-block cache forward)."""
+        n, length = int(tokens.shape[0]), int(tokens.shape[1])
+        dev = tokens.device
+        if mask_block == 0:
+            positions = torch.arange(q_start, q_start + length, device=dev)[None, :] - self.offsets[0]
+            with torch.no_grad():
+                out = self.model(tokens, position_ids=positions, past_key_values=cache, cache_policy="read",
+                                 block_size=0)
+            self.nfe += 1
+            return _logits_of(out)
+        offsets = torch.tensor(self.offsets, dtype=torch.long, device=dev)
+        offsets = offsets[rows] if rows is not None else offsets.expand(n) if len(self.offsets) == 1 else offsets
+        qcol = torch.arange(q_start, q_start + length, device=dev)
+        kcol = torch.arange(self._cache_base, q_start + length, device=dev)
+        qpos = qcol[None, :] - offsets[:, None]
+        kpos = kcol[None, :] - offsets[:, None]
+        visible = (kpos[:, None, :] >= 0) & (kpos[:, None, :] // mask_block <= qpos[:, :, None] // mask_block)
+        visible |= qcol[:, None] == kcol[None, :]  # a padding query sees itself (its output is discarded)
+        with torch.no_grad():
+            out = self.model(tokens, attention_mask=visible[:, None], position_ids=qpos.clamp(min=0),
+                             past_key_values=cache if cache is not None else gather_cache_rows(self.cache, rows),
+                             cache_policy="append" if store else "read")
+        self.nfe += 1
+        return _logits_of(out)
+
+    def _commit(self, end: int) -> torch.Tensor:
+        """Append the K/V of columns ``[committed, end)``: ``[B, 1, V]`` the logits of column ``end - 1``."""
+        logits = self._call(self.x[:, self._committed : end], self._committed, True, self.block_length)
+        self._committed = end
+        return logits[:, -1:]
+
+    def begin_block(self, block: int) -> torch.Tensor | None:
+        """The prefill (block 0) or the commit of block ``block - 1``; returns ``[B, 1, V]`` logits of the block's
+        first position (its head when it has one; a no-op step otherwise: zeros when no call is made)."""
+        self._block = block
+        self._block_kv = None
+        start = self.block_bounds(block)[0]
+        if self._committed < start and (block > 0 or self._needs_prefill):
+            logits = self._commit(start)
+        else:
+            vocab = int(self.model.config.vocab_size)
+            logits = torch.zeros((self.x.shape[0], 1, vocab), dtype=self.model.dtype, device=self.x.device)
+        # rows without a head get zeros whatever was computed for them, so the first step's logits (from which
+        # Spiffy ranks its next drafts) are a row's own alone and in any batch
+        for r, heads in enumerate(self.heads):
+            if not heads[block]:
+                logits[r] = 0
+        return logits
+
+    def begin_block_calls(self, block: int) -> int:
+        return 1 if block > 0 or self._needs_prefill else 0
+
+    def begin_block_rule(self, block: int) -> None:
+        self._block = block
+        self._block_kv = None
+
+    def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``F`` of ``N`` states: the current block of each (``[N, B]`` tokens) against the committed K/V, logits
+        shifted (``[N, B, V]``, index ``i`` = block position ``i``). ``cache="dual"``: one state at a time."""
+        start, end = self.block_bounds(self._block)
+        if self._committed != start:
+            raise RuntimeError(f"forward_states for block {self._block} before its prefix was committed")
+        if rows is not None:
+            states, rows = check_state_rows(states, rows, self.x)
+        if self.config.block_cache:
+            return self._block_cache_forward(states, rows, start, end)
+        logits = self._call(states[:, start:end].to(self.x.device), start, False, OFFICIAL_MASK_BLOCK, rows)
+        return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+    def _block_cache_forward(self, states: torch.Tensor, rows: torch.Tensor | None, start: int,
+                             end: int) -> torch.Tensor:
+        """The official sub-block cache (``use_block_cache=True``) on the one real state."""
+        if states.shape[0] != self.x.shape[0] or rows is not None or self.x.shape[0] != 1:
+            raise ConfigError(
+                "cache='dual' (the sub-block cache) decodes one prompt alone without drafts: the logits of a state "
+                "depend on which earlier state last refreshed the block cache, so drafts cannot be verified exactly; "
+                "fix: use cache='prefix' (the official default) for Spiffy and batches"
+            )
+        x = states.to(self.x.device)
+        sub = self._current_sub_block(x[0], start, end)
+        a, c = sub if sub is not None else (0, self.block_length)
+        if self._block_kv is None or bool(x[0, start + a] == self.mask_id):
+            recorder = _Recorder(self.cache)
+            logits = self._call(x[:, start:end], start, False, OFFICIAL_MASK_BLOCK, cache=recorder)
+            self._block_kv = recorder.new
+            return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        recorder = _Recorder(self.cache, self._block_kv, a, c)
+        part = self._call(x[:, start + a : start + c], start + a, False, 0, cache=recorder)
+        for layer, (k, v) in enumerate(recorder.new):  # the official in-place write of the sub-block's K/V
+            self._block_kv[layer][0][..., a:c, :] = k
+            self._block_kv[layer][1][..., a:c, :] = v
+        out = torch.zeros((1, self.block_length, part.shape[-1]), dtype=part.dtype, device=part.device)
+        out[:, a:c] = torch.cat([part[:, :1], part[:, :-1]], dim=1)
+        return out
+
+    # ------------------------------------------------------------------ the rule
+    def _current_sub_block(self, row: torch.Tensor, start: int, end: int) -> tuple[int, int] | None:
+        """``(a, c)`` block-relative bounds of the first sub-block of ``row`` with a mask, or None."""
+        masked = (row[start:end] == self.mask_id).nonzero()
+        if masked.numel() == 0:
+            return None
+        a = int(masked[0, 0]) // self.small_block * self.small_block
+        return a, a + self.small_block
+
+    def transition(self, x: torch.Tensor, logits: torch.Tensor, info: StepInfo) -> torch.Tensor:
+        """One step on ``x`` ``[B, T]``: the head (``[B, 1, V]`` logits of the previous commit: argmax, no draw) or a
+        denoising step on the current sub-block (``[B, B_len, V]`` shifted window logits)."""
+        out = x.clone()
+        s, e = info.block_start, info.block_end
+        for r in range(x.shape[0]):
+            if logits.shape[1] == 1:
+                if not self.row_stopped[r] and self.heads[r][info.block] and bool(x[r, s] == self.mask_id):
+                    out[r, s] = logits[r, 0].argmax(dim=-1)
+                continue
+            sub = self._current_sub_block(x[r], s, e)
+            if sub is None or self.row_stopped[r] or self._stop_hit(r, info.block, x[r]):
+                continue
+            a, c = sub
+            tokens, probs = top_p_sample(logits[r, a:c], self.temperature, self.top_p, self.generator)
+            masked = x[r, s + a : s + c] == self.mask_id
+            conf = torch.gather(probs, -1, tokens[:, None])[:, 0]
+            conf = torch.where(masked, conf, -torch.inf)
+            take = conf > self.threshold
+            take[conf.argmax(dim=-1)] = True
+            take &= masked
+            out[r, s + a : s + c] = torch.where(take, tokens, x[r, s + a : s + c])
+        return out
+
+    def _stop_hit(self, r: int, block: int, row: torch.Tensor) -> bool:
+        """Whether row ``r``'s first stop token in ``block`` (head included, prompt excluded) has no mask before it."""
+        if not self.stop_ids:
+            return False
+        s, e = self.block_bounds(block)
+        lo = max(s, self.gen_starts[r])
+        region = row[lo:e]
+        hits = torch.isin(region, torch.tensor(self.stop_ids, device=row.device)).nonzero()
+        return hits.numel() > 0 and not bool((region[: int(hits[0, 0])] == self.mask_id).any())
+
+    def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
+        """No mask left in the block, or a stop reached (see :meth:`_stop_hit`), or the step bound."""
+        if self.stopped or step >= self.max_block_steps():
+            return True
+        s, e = self.block_bounds(block)
+        for r in range(x.shape[0]):
+            if not self.row_stopped[r] and bool((x[r, s:e] == self.mask_id).any()) and not self._stop_hit(r, block, x[r]):
+                return False
+        return True
+
+    def end_block(self, block: int) -> None:
+        """A stop reached in ``block`` ends its row's generation (:attr:`stopped` once every row stopped)."""
+        for r in range(self.x.shape[0]):
+            self.row_stopped[r] = self.row_stopped[r] or self._stop_hit(r, block, self.x[r])
+        self.stopped = all(self.row_stopped)
+
+    def planned_steps(self) -> int | None:
+        return None
+
+    def generated(self) -> torch.Tensor:
+        """``[B, T - P]`` everything after the prompt."""
+        return self.x[:, self.prompt_len :]
+
+
+class _Recorder(KVCache):
+    """A read-only view of the committed cache that records each layer's new K/V (``new[layer] = (k, v)``); with
+    ``block`` (the kept block K/V) and ``(a, c)``, the keys are ``[committed ; block[:a] ; new ; block[c:]]``."""
+
+    def __init__(self, cache: KVCache, block: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 a: int = 0, c: int = 0) -> None:
+        super().__init__(cache.num_layers)
+        self.record_new: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(cache.num_layers):
+            k, v = cache.layer(i)
+            if block is not None:
+                bk, bv = block[i]
+                parts_k = [t for t in (k, bk[..., :a, :], bk[..., c:, :]) if t is not None]
+                parts_v = [t for t in (v, bv[..., :a, :], bv[..., c:, :]) if t is not None]
+                k, v = torch.cat(parts_k, dim=-2), torch.cat(parts_v, dim=-2)
+            self.keys[i], self.values[i] = k, v
+        if block is not None:
+            self.insert_at = cache.get_seq_length() + a
+
+    @property
+    def new(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.record_new
+
+
+__all__ = ["FastDLLMv2DecodeConfig", "FastDLLMv2Session", "top_p_sample"]
