@@ -17,6 +17,7 @@ from batch_cases import left_pad as _left_pad
 from batch_cases import ragged_prompts as _prompts
 from spiffy.api import generate
 from spiffy.decoding import make_session, run_baseline
+from spiffy.decoding.dream_generation import MODEL_CARD_CALLS, card_decode_options
 from spiffy.errors import ConfigError
 from spiffy.selfspec.oracle import oracle_graph_from_records, record_trajectory
 from spiffy.selfspec.runtime import speculative_generate
@@ -75,6 +76,12 @@ def test_llada_batch_equals_alone(llada, rule: str, cache: str, temp: float) -> 
 @pytest.mark.parametrize("rule", ["static", "threshold"])
 def test_dream_batch_equals_alone(dream, rule: str, cache: str, temp: float) -> None:
     _check_batch(dream, _prompts([4, 7, 2]), _kw(rule, cache, temp, alg="entropy"))
+
+
+@pytest.mark.parametrize("card", list(MODEL_CARD_CALLS))
+def test_dream_variant_card_calls_batch_equals_alone(dream, card: str) -> None:
+    """Dream-Coder's and DiffuCoder's recommended calls (TOKEN_PER_STEP 2) on ragged left-padded prompts."""
+    _check_batch(dream, _prompts([4, 7, 2]), card_decode_options(card, GEN, 2))
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])

@@ -59,6 +59,17 @@ CLASS_DEFAULTS: dict[str, Any] = {
 }
 #: ``PretrainedConfig``'s legacy generation attributes under transformers 4.46.2 (every model config has them)
 TRANSFORMERS4_CONFIG_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+#: the calls the model cards recommend (``steps = max_new_tokens // tokens_per_step``; ``top_k`` is left out, so the
+#: official code uses the model config's 50): DiffuCoder's README and inference_demo.py (github.com/apple/
+#: ml-diffucoder), Dream-Coder's README (github.com/DreamLM/Dream-Coder)
+MODEL_CARD_CALLS: dict[str, dict[str, Any]] = {
+    "apple/DiffuCoder-7B-Base": dict(alg="entropy", alg_temp=0.0, temperature=0.2, top_p=0.95, tokens_per_step=1),
+    "apple/DiffuCoder-7B-Instruct": dict(alg="entropy", alg_temp=0.0, temperature=0.3, top_p=0.95,
+                                         tokens_per_step=1),
+    "apple/DiffuCoder-7B-cpGRPO": dict(alg="entropy", alg_temp=0.0, temperature=0.4, top_p=0.95, tokens_per_step=1),
+    "Dream-org/Dream-Coder-v0-Instruct-7B": dict(alg="entropy", alg_temp=0.0, temperature=0.1, top_p=0.95,
+                                                 tokens_per_step=1),
+}
 #: what is read from a generation-config object
 _OBJECT_FIELDS: tuple[str, ...] = RULE_FIELDS + OUTPUT_FIELDS + ("num_return_sequences", "generation_kwargs",
                                                                   "eos_penalty")
@@ -155,7 +166,27 @@ def official_call_defaults(model_config: Any, transformers4: bool = True) -> dic
     return out
 
 
+def card_decode_options(model: str, gen_length: int, tokens_per_step: int | None = None) -> dict[str, Any]:
+    """:class:`~spiffy.decoding.config.DecodeConfig` fields of a model card's recommended call, as the official code
+    runs it (``top_k`` 50 and ``top_p`` from the call; one block, no cache).
+
+    Args:
+        model: a key of :data:`MODEL_CARD_CALLS`.
+        gen_length: ``max_new_tokens``.
+        tokens_per_step: the cards' ``TOKEN_PER_STEP`` (``None`` = the card's 1); must divide ``gen_length``.
+    """
+    if model not in MODEL_CARD_CALLS:
+        raise ConfigError(f"no model-card call for {model!r}; fix: use one of {', '.join(MODEL_CARD_CALLS)}")
+    call = dict(MODEL_CARD_CALLS[model])
+    tps = int(call.pop("tokens_per_step") if tokens_per_step is None else tokens_per_step)
+    if tps < 1 or gen_length % tps:
+        raise ConfigError(f"tokens_per_step={tps} does not divide gen_length={gen_length}; fix: choose a divisor")
+    call.pop("tokens_per_step", None)
+    defaults = official_call_defaults({})
+    return dict(gen_length=gen_length, steps=gen_length // tps, eps=defaults["eps"], top_k=defaults["top_k"], **call)
+
+
 __all__ = [
-    "CLASS_DEFAULTS", "METADATA_FIELDS", "OUTPUT_FIELDS", "RULE_FIELDS", "TRANSFORMERS4_CONFIG_DEFAULTS",
+    "CLASS_DEFAULTS", "MODEL_CARD_CALLS", "card_decode_options", "METADATA_FIELDS", "OUTPUT_FIELDS", "RULE_FIELDS", "TRANSFORMERS4_CONFIG_DEFAULTS",
     "UNUSED_TOKEN_FIELDS", "check_alg", "dream_generation_options", "official_call_defaults",
 ]
