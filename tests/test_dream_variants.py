@@ -136,3 +136,20 @@ def test_generation_config_drives_the_wrapper(tiny_dream: Path, tmp_path: Path) 
     assert entropy == dream_diffusion_generate(model, ids, max_new_tokens=8, steps=8, seed=3, alg="entropy").tolist()
     with pytest.raises(ConfigError, match="eos_penalty"):
         dream_diffusion_generate(model, ids, generation_config={**data, "eos_penalty": 3.0}, max_new_tokens=8)
+
+
+def test_sliding_window_is_refused(tmp_path: Path) -> None:
+    """use_sliding_window=true is refused by name (the released configs say false; sliding_window 131072 is then
+    unused, as in the official SDPA attention)."""
+    ckpt = tmp_path / "c"
+    ckpt.mkdir()
+    data = _config("apple--DiffuCoder-7B-Instruct")
+    (ckpt / "config.json").write_text(json.dumps({**data, "use_sliding_window": True}))
+    config = load_config(ckpt)
+    from spiffy.models.dream import DreamModel
+
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        import torch
+
+        with torch.device("meta"):
+            DreamModel(config)
