@@ -201,11 +201,15 @@ def dream_diffusion_generate(
     ``official_defaults=True`` they take what the official ``diffusion_generate`` uses under transformers 4.46.2
     instead (:func:`spiffy.decoding.dream_generation.official_call_defaults`: the model config's values over the
     class defaults, including ``temperature`` 1.0, ``top_k`` 50, ``top_p`` 1.0), so a call written for the official
-    code gives its tokens.
+    code gives its tokens; with a ``generation_config`` the official code starts from the class defaults, and so
+    does this wrapper.
     """
     rule = {"steps": steps, "eps": eps, "alg": alg, "alg_temp": alg_temp, "temperature": temperature,
             "top_p": top_p, "top_k": top_k}
-    resolved = official_call_defaults(model.config) if official_defaults else dict(CLASS_DEFAULTS)
+    # the official code builds its defaults from the model config only when no generation-config object is given;
+    # a given one starts from DreamGenerationConfig's class defaults (its file may name only a few fields)
+    use_model_config = official_defaults and generation_config is None
+    resolved = official_call_defaults(model.config) if use_model_config else dict(CLASS_DEFAULTS)
     resolved.pop("mask_token_id", None)
     if generation_config is not None:
         given = dream_generation_options(generation_config)

@@ -136,6 +136,14 @@ def test_generation_config_drives_the_wrapper(tiny_dream: Path, tmp_path: Path) 
     assert entropy == dream_diffusion_generate(model, ids, max_new_tokens=8, steps=8, seed=3, alg="entropy").tolist()
     with pytest.raises(ConfigError, match="eos_penalty"):
         dream_diffusion_generate(model, ids, generation_config={**data, "eos_penalty": 3.0}, max_new_tokens=8)
+    # Dream-Coder's file names no rule field: the official code then starts from DreamGenerationConfig's class
+    # defaults (temperature 0, no top_k), not from the model config's, even with official_defaults
+    coder = CONFIGS / "Dream-org--Dream-Coder-v0-Instruct-7B.generation_config.json"
+    kw = dict(max_new_tokens=8, steps=8, seed=3, alg="entropy")
+    with_file = dream_diffusion_generate(model, ids, generation_config=coder, official_defaults=True, **kw).tolist()
+    assert with_file == dream_diffusion_generate(model, ids, temperature=0.0, top_k=None, **kw).tolist()
+    assert dream_diffusion_generate(model, ids, official_defaults=True, **kw).tolist() == \
+        dream_diffusion_generate(model, ids, temperature=1.0, top_k=50, top_p=1.0, **kw).tolist()
 
 
 def test_sliding_window_is_refused(tmp_path: Path) -> None:
