@@ -34,6 +34,7 @@ import argparse
 import hashlib
 import importlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -116,6 +117,12 @@ def _batch(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]
     return ids, mask
 
 
+def dumps(record: dict) -> str:
+    """JSON with one line per list of token ids (readable diffs, a small file)."""
+    text = json.dumps(record, indent=1)
+    return re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, required=True)
@@ -161,7 +168,7 @@ def main() -> None:
             record["dtypes"][dname] = results
             print(dname, sum("error" in e for e in results.values()), "errors of", len(results), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    args.out.write_text(dumps(record), encoding="utf-8")
     print("wrote", args.out)
 
 
