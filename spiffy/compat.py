@@ -38,8 +38,14 @@ from spiffy.errors import ConfigError
 from spiffy.selfspec.runtime import speculative_generate
 from spiffy.torch_utils import model_device
 
-#: a Dream option the caller left out (its value then comes from a generation config or the defaults)
-_UNSET: Any = object()
+class _Unset:
+    """A Dream option the caller left out (its value then comes from a generation config or the defaults)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_UNSET: Any = _Unset()
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
