@@ -29,6 +29,7 @@ import torch
 
 from spiffy.api import DiffusionResult, generate, run_session
 from spiffy.decoding.config import DecodeConfig
+from spiffy.decoding.dream_generation import CLASS_DEFAULTS, dream_generation_options, official_call_defaults
 from spiffy.decoding.factory import as_batch, make_session
 from spiffy.decoding.sdar import DEFAULT_EB_THRESHOLD, SDARDecodeConfig, SDARSession
 from spiffy.decoding.batch import run_baseline
@@ -36,6 +37,15 @@ from spiffy.decoding.session import StepRecord
 from spiffy.errors import ConfigError
 from spiffy.selfspec.runtime import speculative_generate
 from spiffy.torch_utils import model_device
+
+class _Unset:
+    """A Dream option the caller left out (its value then comes from a generation config or the defaults)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_UNSET: Any = _Unset()
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
@@ -161,13 +171,13 @@ def dream_diffusion_generate(
     attention_mask: torch.Tensor | None = None,
     max_length: int | None = None,
     max_new_tokens: int | None = None,
-    steps: int = 512,
-    eps: float = 1e-3,
-    alg: str = "origin",
-    alg_temp: float | None = None,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int | None = None,
+    steps: Any = _UNSET,
+    eps: Any = _UNSET,
+    alg: Any = _UNSET,
+    alg_temp: Any = _UNSET,
+    temperature: Any = _UNSET,
+    top_p: Any = _UNSET,
+    top_k: Any = _UNSET,
     output_history: bool = False,
     return_dict_in_generate: bool = False,
     mask_token_id: int | None = None,
@@ -179,6 +189,7 @@ def dream_diffusion_generate(
     tokenizer: Any = None,
     graph: Any = None,
     budget: int | None = None,
+    official_defaults: bool = False,
     **unused: Any,
 ) -> torch.Tensor | DreamGenerateOutput:
     """Drop-in for Dream's ``model.diffusion_generate(inputs, ...)`` (keyword-compatible; returns ``x`` or, with
@@ -187,24 +198,40 @@ def dream_diffusion_generate(
     ``gen_length`` = ``max_new_tokens``, else ``max_length - P``, else 20 (Dream's default ``max_length``). Fast-dLLM
     extras: ``block_length``, ``threshold`` (or ``alg="confidence_threshold"``, threshold 0.9 by default),
     ``dual_cache`` / ``cache``. A ``generation_config`` object's matching attributes are read when the keywords
-    are not given. Without ``seed`` the device's global generator is consumed.
+    are not given (a dict or a ``generation_config.json`` path too; every field is checked:
+    :func:`spiffy.decoding.dream_generation.dream_generation_options` refuses what Dream's generator does not have).
+    Without ``seed`` the device's global generator is consumed.
+
+    Rule options left out (``steps``, ``eps``, ``alg``, ``alg_temp``, ``temperature``, ``top_p``, ``top_k``) take
+    ``DreamGenerationConfig``'s class defaults (512, 1e-3, origin, None, 0, None, None). With
+    ``official_defaults=True`` they take what the official ``diffusion_generate`` uses under transformers 4.46.2
+    instead (:func:`spiffy.decoding.dream_generation.official_call_defaults`: the model config's values over the
+    class defaults, including ``temperature`` 1.0, ``top_k`` 50, ``top_p`` 1.0), so a call written for the official
+    code gives its tokens; with a ``generation_config`` the official code starts from the class defaults, and so
+    does this wrapper.
     """
+    rule = {"steps": steps, "eps": eps, "alg": alg, "alg_temp": alg_temp, "temperature": temperature,
+            "top_p": top_p, "top_k": top_k}
+    # the official code builds its defaults from the model config only when no generation-config object is given;
+    # a given one starts from DreamGenerationConfig's class defaults (its file may name only a few fields)
+    use_model_config = official_defaults and generation_config is None
+    resolved = official_call_defaults(model.config) if use_model_config else dict(CLASS_DEFAULTS)
+    resolved.pop("mask_token_id", None)
     if generation_config is not None:
+        given = dream_generation_options(generation_config)
+        resolved.update({k: given[k] for k in rule if k in given})
+
         def pick(name: str, current: Any, default: Any) -> Any:
-            return getattr(generation_config, name, current) if current == default else current
+            return given.get(name, current) if current == default else current
 
         max_length = pick("max_length", max_length, None)
         max_new_tokens = pick("max_new_tokens", max_new_tokens, None)
-        steps = pick("steps", steps, 512)
-        eps = pick("eps", eps, 1e-3)
-        alg = pick("alg", alg, "origin")
-        alg_temp = pick("alg_temp", alg_temp, None)
-        temperature = pick("temperature", temperature, 0.0)
-        top_p = pick("top_p", top_p, None)
-        top_k = pick("top_k", top_k, None)
         mask_token_id = pick("mask_token_id", mask_token_id, None)
         output_history = pick("output_history", output_history, False)
         return_dict_in_generate = pick("return_dict_in_generate", return_dict_in_generate, False)
+    resolved.update({k: v for k, v in rule.items() if v is not _UNSET})
+    steps, eps, alg, alg_temp = resolved["steps"], resolved["eps"], resolved["alg"], resolved["alg_temp"]
+    temperature, top_p, top_k = resolved["temperature"], resolved["top_p"], resolved["top_k"]
     if unused:
         known = {"generation_tokens_hook_func", "generation_logits_hook_func"}
         bad = sorted(set(unused) - known)

@@ -121,6 +121,8 @@ def _dllm_kwargs(case: dict[str, Any]) -> dict[str, Any]:
         kw["cache"] = case["cache"]
     if case["family"] == "dream":
         kw["alg"] = ("maskgit_plus", "entropy", "topk_margin")[case["seed"] % 3]
+        if case["seed"] % 2:  # the Dream-Coder / DiffuCoder calls: top_p 0.95 and the model config's top_k 50
+            kw.update(top_p=0.95, top_k=50)
     if case["rule"] == "static":
         kw["steps"] = case["steps_per_block"] * (GEN // BLOCK)
     else:

@@ -17,6 +17,7 @@ from batch_cases import left_pad as _left_pad
 from batch_cases import ragged_prompts as _prompts
 from spiffy.api import generate
 from spiffy.decoding import make_session, run_baseline
+from spiffy.decoding.dream_generation import MODEL_CARD_CALLS, card_decode_options
 from spiffy.errors import ConfigError
 from spiffy.selfspec.oracle import oracle_graph_from_records, record_trajectory
 from spiffy.selfspec.runtime import speculative_generate
@@ -96,6 +97,11 @@ def test_fast_dllm_v2_batch_equals_alone(fast_dllm_v2, threshold: float, temp: f
     kw = dict(gen_length=GEN, block_length=BLOCK, small_block_size=4, threshold=threshold, temperature=temp,
               stop_token_ids=())
     _check_batch(fast_dllm_v2, _prompts(lengths), kw, same_forwards=8 not in lengths)
+@pytest.mark.parametrize("card", list(MODEL_CARD_CALLS))
+def test_dream_variant_card_calls_batch_equals_alone(dream, card: str) -> None:
+    """Dream-Coder's and DiffuCoder's recommended calls (TOKEN_PER_STEP 2) on ragged left-padded prompts."""
+    # one block per prompt: the oracle graph comes from one trajectory (records of two prompts would run together)
+    _check_batch(dream, _prompts([4, 7, 2]), card_decode_options(card, GEN, 2), graph_rows=(0,))
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import load_f64
+from spiffy.decoding.dream_generation import MODEL_CARD_CALLS, card_decode_options
 from spiffy.decoding import make_session, run_baseline
 from spiffy.api import generate
 from spiffy.errors import ConfigError
@@ -115,6 +116,15 @@ def test_dream_lossless(dream, rule: str, cache: str, temp: float) -> None:
     model, thr = dream
     alg = {"one_per_step": "maskgit_plus", "several_per_step": "entropy", "threshold": "topk_margin"}[rule]
     _check(model, _bidir_kw(rule, cache, temp, thr, alg=alg))
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 2])
+@pytest.mark.parametrize("card", list(MODEL_CARD_CALLS))
+def test_dream_variant_card_calls_lossless(dream, card: str, tokens_per_step: int) -> None:
+    """Dream-Coder's and DiffuCoder's recommended calls (entropy, alg_temp 0, top_p 0.95, the model config's
+    top_k 50, T 0.1 to 0.4, TOKEN_PER_STEP 1 or 2)."""
+    model, _ = dream
+    _check(model, dict(card_decode_options(card, GEN, tokens_per_step), seed=7))
 
 
 def test_llada_random_remasking(llada) -> None:

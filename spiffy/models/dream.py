@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from spiffy.errors import ConfigError
 from spiffy.models.layers import check_rope_scaling
 from spiffy.models.pretrained import init_weights
 from spiffy.models.qwen_style import QwenStyleBackbone, QwenStyleLMMixin
@@ -118,6 +119,12 @@ class DreamModel(QwenStyleLMMixin, DreamPreTrainedModel):
         super().__init__(config)
         c = config
         check_rope_scaling(c)
+        if getattr(c, "use_sliding_window", False):
+            # Dream's own code applies the window only in its flash-attention path (its SDPA path attends to every
+            # position): which one a checkpoint was meant for is unknowable, and spiffy implements no window
+            raise ConfigError("Dream config has use_sliding_window=true, which spiffy does not implement (the official "
+                              "SDPA attention ignores it, its flash-attention path applies it); fix: set "
+                              "use_sliding_window to false in config.json (Dream, Dream-Coder and DiffuCoder ship false)")
         self.model = QwenStyleBackbone(
             c.vocab_size,
             c.hidden_size,
