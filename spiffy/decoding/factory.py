@@ -19,6 +19,7 @@ import torch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.dream import DreamSession
 from spiffy.decoding.llada import LLaDASession
+from spiffy.decoding.llada2 import LLaDA2Session
 from spiffy.decoding.sdar import SDARSession
 from spiffy.decoding.session import DecodeSession
 from spiffy.errors import ConfigError, PromptTooLongError, UnknownModelTypeError
@@ -26,7 +27,7 @@ from spiffy.models.loading import family_of, mask_token_id, special_token_ids
 from spiffy.models.registry import decoded_families, family_spec
 
 #: every decoding rule, by the name a family's registry entry gives it (``FamilySpec.decoder``)
-SESSIONS: dict[str, type[DecodeSession]] = {cls.rule: cls for cls in (LLaDASession, DreamSession, SDARSession)}
+SESSIONS: dict[str, type[DecodeSession]] = {cls.rule: cls for cls in (LLaDASession, DreamSession, SDARSession, LLaDA2Session)}
 
 
 # ---------------------------------------------------------------------------------------------------- lookups
