@@ -53,3 +53,8 @@ def dream(tiny_dream):
 @pytest.fixture(scope="module")
 def sdar(tiny_sdar):
     return load_f64(tiny_sdar, cached=True)
+
+
+@pytest.fixture(scope="module")
+def llada2(tiny_llada2):
+    return load_f64(tiny_llada2, cached=True)
