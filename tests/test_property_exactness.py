@@ -72,8 +72,8 @@ _MODELS: dict[tuple[str, str], Any] = {}
 
 
 @pytest.fixture(scope="module")
-def dllm_paths(tiny_llada, tiny_dream, tiny_sdar) -> dict[str, Path]:
-    return {"llada": tiny_llada, "dream": tiny_dream, "sdar": tiny_sdar}
+def dllm_paths(tiny_llada, tiny_dream, tiny_sdar, tiny_llada2) -> dict[str, Path]:
+    return {"llada": tiny_llada, "dream": tiny_dream, "sdar": tiny_sdar, "llada2": tiny_llada2}
 
 
 def _dllm(paths: dict[str, Path], family: str, dtype: str) -> Any:
@@ -95,7 +95,7 @@ def _graph(kind: str, family: str, levels: int, graph_seed: int) -> DraftGraph:
 
 
 dllm_cases = st.fixed_dictionaries({
-    "family": st.sampled_from(["llada", "dream", "sdar"]),
+    "family": st.sampled_from(["llada", "dream", "sdar", "llada2"]),
     "cache": st.sampled_from(["none", "prefix", "dual"]),
     "rule": st.sampled_from(["static", "threshold"]),
     "steps_per_block": st.sampled_from([1, 2, 4]),
@@ -113,12 +113,16 @@ dllm_cases = st.fixed_dictionaries({
 
 def _dllm_kwargs(case: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = dict(gen_length=GEN, block_length=BLOCK, temperature=case["temperature"], seed=case["seed"])
-    if case["family"] != "sdar":
+    if case["family"] == "llada2":  # LLaDA2.0: the official whole-window recompute or the committed-block cache
+        kw["cache"] = "none" if case["cache"] == "none" else "prefix"
+    elif case["family"] != "sdar":
         kw["cache"] = case["cache"]
     if case["family"] == "dream":
         kw["alg"] = ("maskgit_plus", "entropy", "topk_margin")[case["seed"] % 3]
     if case["rule"] == "static":
         kw["steps"] = case["steps_per_block"] * (GEN // BLOCK)
+        if case["family"] == "llada2":
+            kw["threshold"] = 1.0  # LLaDA2's rule is always thresholded: 1.0 is never crossed, the schedule decides
     else:
         kw["threshold"] = case["threshold"]
     return kw
