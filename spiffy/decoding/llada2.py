@@ -56,7 +56,8 @@ OFFICIAL_BLOCK_LENGTH = 32
 class LLaDA2DecodeConfig(SDARDecodeConfig):
     """:class:`~spiffy.decoding.sdar_config.SDARDecodeConfig` with LLaDA2.0's rule and defaults.
 
-    ``block_length`` 32, ``threshold`` 0.95, ``cache`` ``"none"`` (official) or ``"prefix"``; the strategy is the
+    ``block_length`` 32 (``None`` too: LLaDA2 is trained on blocks of 32, so "one block" is not its default),
+    ``threshold`` 0.95 (``None`` too), ``cache`` ``"none"`` (official) or ``"prefix"``; the strategy is the
     official one (``low_confidence_dynamic``); ``denoising_steps`` is the official per-block ``steps``.
 
     Attributes:
@@ -101,6 +102,8 @@ class LLaDA2DecodeConfig(SDARDecodeConfig):
                 "least the schedule's count); fix: leave strategy unset"
             )
         self.strategy = "low_confidence_dynamic"
+        if self.block_length is None:
+            self.block_length = OFFICIAL_BLOCK_LENGTH
         if self.threshold is None:
             self.threshold = OFFICIAL_THRESHOLD
         if isinstance(self.minimal_topk, bool) or not isinstance(self.minimal_topk, int) or self.minimal_topk < 1:
