@@ -216,7 +216,7 @@ def test_baseline_equals_the_official_generator(tiny_llada2: Path, prompt_len, b
         mask_id=ids.mask, generator=torch.Generator().manual_seed(seed),
     )
     s = make_session(model, torch.tensor([prompt]), gen_length=gen_length, block_length=block,
-                     denoising_steps=min(steps, block), minimal_topk=minimal_topk, threshold=threshold,
+                     denoising_steps=steps, minimal_topk=minimal_topk, threshold=threshold,
                      temperature=temperature, top_k=top_k, top_p=top_p, cache=cache,
                      generator=torch.Generator().manual_seed(seed))
     run_baseline(s)

@@ -5,10 +5,10 @@ The official generator is SDAR's block diffusion (it lays out, denoises and stop
 official generator's rule and defaults:
 
 * blocks of ``block_length`` (default 32) anchored at position 0, the prompt's tail sharing the first decode block;
-* per block at most ``steps`` steps (the official ``steps``, default 32, capped at ``gen_length // minimal_topk``;
-  spiffy also caps it at ``block_length``, which changes nothing: a schedule longer than the block has zero-count
-  steps after the block is already done); the step's count comes from ``get_num_transfer_tokens(block_length,
-  steps)``;
+* per block at most ``steps`` steps (the official ``steps``, default 32, capped at ``gen_length // minimal_topk``);
+  the step's count comes from ``get_num_transfer_tokens(block_length, steps)`` (a schedule longer than the block
+  ends in steps of count 0, which take only rows above the threshold but still draw their samples: they matter
+  when a sampled token was the mask id itself and left its row masked);
 * each step samples every block row (``temperature == 0``: argmax of the float32 softmax, the confidence its
   probability, top-k/top-p not applied, as the official greedy branch; else ``logits / T`` when ``T != 1``, top-k
   then top-p (``-inf`` fill, the crossing token kept), softmax, one ``multinomial`` draw per row) and takes every
@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.sdar import SDARSession
 from spiffy.decoding.sdar_config import SDARDecodeConfig
 from spiffy.decoding.sdar_rule import sdar_sample, select_transfer
@@ -113,7 +114,22 @@ class LLaDA2DecodeConfig(SDARDecodeConfig):
                 f"minimal_topk={self.minimal_topk} leaves gen_length // minimal_topk = 0 steps per block; fix: use "
                 f"minimal_topk <= gen_length ({self.gen_length})"
             )
-        super().validate()  # normalises cache to "prefix": restore the LLaDA2 choice
+        # SDAR's checks without its steps <= block_length bound: the official schedule may be longer than the
+        # block (its extra steps have a count of 0: they take only rows above the threshold, yet still draw samples)
+        DecodeConfig.validate(self)
+        if self.denoising_steps is not None:
+            if isinstance(self.denoising_steps, bool) or not isinstance(self.denoising_steps, int) or self.denoising_steps < 1:
+                raise ConfigError(f"denoising_steps must be an integer >= 1, got {self.denoising_steps!r}")
+            if self.steps is not None and self.steps != self.denoising_steps * self.num_blocks:
+                raise ConfigError(
+                    f"steps={self.steps} (total) contradicts denoising_steps={self.denoising_steps} per block "
+                    f"x {self.num_blocks} blocks; fix: pass only one of them"
+                )
+        if self.stop_token_ids is not None:
+            ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else tuple(self.stop_token_ids)
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ConfigError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+            self.stop_token_ids = ids
         self.cache = cache
 
     @property
@@ -124,8 +140,7 @@ class LLaDA2DecodeConfig(SDARDecodeConfig):
             steps = int(self.steps) // self.num_blocks
         else:
             steps = OFFICIAL_BLOCK_LENGTH  # the official default steps=32
-        bl = self.resolved_block_length
-        return max(1, min(steps, int(self.gen_length) // int(self.minimal_topk), bl))
+        return max(1, min(steps, int(self.gen_length) // int(self.minimal_topk)))
 
     def rule_dict(self) -> dict[str, Any]:
         d = super().rule_dict()
