@@ -33,6 +33,10 @@ class PromptTooLongError(ConfigError):
     """Prompt plus requested generation exceeds the model's context window."""
 
 
+class UnsupportedDecodingError(ConfigError):
+    """A decoding option Spiffy cannot keep exact (e.g. LLaDA2.1 token editing); the message says why."""
+
+
 class DecodingError(SpiffyError, RuntimeError):
     """A decoding loop cannot go on (e.g. a block its rule never finishes)."""
 

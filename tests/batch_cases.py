@@ -58,3 +58,8 @@ def sdar(tiny_sdar):
 @pytest.fixture(scope="module")
 def fast_dllm_v2(tiny_fast_dllm_v2):
     return load_f64(tiny_fast_dllm_v2, cached=True)
+
+
+@pytest.fixture(scope="module")
+def llada2(tiny_llada2):
+    return load_f64(tiny_llada2, cached=True)

@@ -72,8 +72,9 @@ _MODELS: dict[tuple[str, str], Any] = {}
 
 
 @pytest.fixture(scope="module")
-def dllm_paths(tiny_llada, tiny_dream, tiny_sdar, tiny_fast_dllm_v2) -> dict[str, Path]:
-    return {"llada": tiny_llada, "dream": tiny_dream, "sdar": tiny_sdar, "fast_dllm_v2": tiny_fast_dllm_v2}
+def dllm_paths(tiny_llada, tiny_dream, tiny_sdar, tiny_fast_dllm_v2, tiny_llada2) -> dict[str, Path]:
+    return {"llada": tiny_llada, "dream": tiny_dream, "sdar": tiny_sdar, "fast_dllm_v2": tiny_fast_dllm_v2,
+            "llada2": tiny_llada2}
 
 
 def _dllm(paths: dict[str, Path], family: str, dtype: str) -> Any:
@@ -95,7 +96,7 @@ def _graph(kind: str, family: str, levels: int, graph_seed: int) -> DraftGraph:
 
 
 dllm_cases = st.fixed_dictionaries({
-    "family": st.sampled_from(["llada", "dream", "sdar", "fast_dllm_v2"]),
+    "family": st.sampled_from(["llada", "dream", "sdar", "fast_dllm_v2", "llada2"]),
     "cache": st.sampled_from(["none", "prefix", "dual"]),
     "rule": st.sampled_from(["static", "threshold"]),
     "steps_per_block": st.sampled_from([1, 2, 4]),
@@ -117,7 +118,9 @@ def _dllm_kwargs(case: dict[str, Any]) -> dict[str, Any]:
         kw["small_block_size"] = (2, 4)[case["seed"] % 2]
         kw["threshold"] = 1.0 if case["rule"] == "static" else case["threshold"]
         return kw
-    if case["family"] != "sdar":
+    if case["family"] == "llada2":  # LLaDA2.0: the official whole-window recompute or the committed-block cache
+        kw["cache"] = "none" if case["cache"] == "none" else "prefix"
+    elif case["family"] != "sdar":
         kw["cache"] = case["cache"]
     if case["family"] == "dream":
         kw["alg"] = ("maskgit_plus", "entropy", "topk_margin")[case["seed"] % 3]
@@ -125,6 +128,8 @@ def _dllm_kwargs(case: dict[str, Any]) -> dict[str, Any]:
             kw.update(top_p=0.95, top_k=50)
     if case["rule"] == "static":
         kw["steps"] = case["steps_per_block"] * (GEN // BLOCK)
+        if case["family"] == "llada2":
+            kw["threshold"] = 1.0  # LLaDA2's rule is always thresholded: 1.0 is never crossed, the schedule decides
     else:
         kw["threshold"] = case["threshold"]
     return kw

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batch_cases import BLOCK, GEN, SEEDS, dream, fast_dllm_v2, llada, sdar  # noqa: F401 - module fixtures
+from batch_cases import BLOCK, GEN, SEEDS, dream, fast_dllm_v2, llada, llada2, sdar  # noqa: F401 - module fixtures
 from batch_cases import decode_kwargs as _kw
 from batch_cases import left_pad as _left_pad
 from batch_cases import ragged_prompts as _prompts
@@ -116,6 +116,17 @@ def test_sdar_batch_equals_alone(sdar, strategy: str, temp: float, lengths: list
     if strategy == "low_confidence_dynamic":
         kw["threshold"] = 0.05
     _check_batch(sdar, _prompts(lengths), kw)
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+@pytest.mark.parametrize("cache", ["none", "prefix"])
+@pytest.mark.parametrize("lengths", [[5, 5, 5], [5, 8, 13]], ids=["equal", "ragged"])
+def test_llada2_batch_equals_alone(llada2, cache: str, temp: float, lengths: list[int]) -> None:
+    """LLaDA2.0 rows (SDAR's block layout: ragged prompts keep their own block anchoring) under both cache modes;
+    the official rule with a low threshold so blocks finish after different numbers of steps per row."""
+    kw = dict(gen_length=GEN, block_length=BLOCK, temperature=temp, cache=cache, denoising_steps=BLOCK // 2,
+              threshold=0.05)
+    _check_batch(llada2, _prompts(lengths), kw)
 
 
 @pytest.mark.parametrize("lengths", [[5, 5, 5], [5, 8, 13]], ids=["equal", "ragged"])

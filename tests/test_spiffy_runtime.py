@@ -159,6 +159,25 @@ def test_sdar_lossless(sdar, rule: str, temp: float) -> None:
     _check(model, kw)
 
 
+@pytest.fixture(scope="module")
+def llada2(tiny_llada2):
+    m = load_f64(tiny_llada2, cached=True)
+    return m, _threshold(m, "llada2")
+
+
+@pytest.mark.parametrize("temp", TEMPS)
+@pytest.mark.parametrize("cache", ["none", "prefix"])
+@pytest.mark.parametrize("rule", ["one_per_step", "several_per_step", "threshold"])
+def test_llada2_lossless(llada2, rule: str, cache: str, temp: float) -> None:
+    """LLaDA2.0's official rule (confidence above the threshold, at least the schedule's count): ``threshold=1.0``
+    never crosses, so the schedule alone decides (one or two rows per step); the tuned threshold crosses."""
+    model, thr = llada2
+    steps = {"one_per_step": BLOCK, "several_per_step": BLOCK // 2, "threshold": BLOCK}[rule]
+    kw = dict(gen_length=GEN, block_length=BLOCK, temperature=temp, seed=7, cache=cache, denoising_steps=steps,
+              threshold=thr if rule == "threshold" else 1.0)
+    _check(model, kw)
+
+
 def test_sdar_fused_commit(sdar) -> None:
     model, _ = sdar
     kw = dict(gen_length=GEN, block_length=BLOCK, temperature=1.0, seed=3, fuse_commit=True)

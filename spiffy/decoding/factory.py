@@ -20,6 +20,7 @@ from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.dream import DreamSession
 from spiffy.decoding.fast_dllm_v2 import FastDLLMv2Session
 from spiffy.decoding.llada import LLaDASession
+from spiffy.decoding.llada2 import LLaDA2Session
 from spiffy.decoding.sdar import SDARSession
 from spiffy.decoding.session import DecodeSession
 from spiffy.errors import ConfigError, PromptTooLongError, UnknownModelTypeError
@@ -27,7 +28,8 @@ from spiffy.models.loading import family_of, mask_token_id, special_token_ids
 from spiffy.models.registry import decoded_families, family_spec
 
 #: every decoding rule, by the name a family's registry entry gives it (``FamilySpec.decoder``)
-SESSIONS: dict[str, type[DecodeSession]] = {cls.rule: cls for cls in (LLaDASession, DreamSession, SDARSession, FastDLLMv2Session)}
+SESSIONS: dict[str, type[DecodeSession]] = {cls.rule: cls for cls in (LLaDASession, DreamSession, SDARSession,
+                                                                       FastDLLMv2Session, LLaDA2Session)}
 
 
 # ---------------------------------------------------------------------------------------------------- lookups

@@ -6,6 +6,8 @@
 * :data:`LLAMA3_CHAT_TEMPLATE`: the same format, for Llama targets; :data:`MISTRAL_CHAT_TEMPLATE`: ``[INST] ... [/INST]``.
 * :data:`CHATML_TEMPLATE`: ChatML (``<|im_start|>role``, turns end with ``<|im_end|>``), as SDAR and Qwen3.
 * :data:`DREAM_CHAT_TEMPLATE`: ChatML with Dream's default system prompt.
+* :data:`LING_CHAT_TEMPLATE`: Ling 2.0 / LLaDA2 style (``<role>ROLE</role>`` with ``HUMAN`` for the user, turns
+  end with ``<|role_end|>``).
 """
 
 from __future__ import annotations
@@ -46,3 +48,11 @@ DREAM_CHAT_TEMPLATE = (
 __all__ = [
     "CHATML_TEMPLATE", "DREAM_CHAT_TEMPLATE", "LLADA_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE", "MISTRAL_CHAT_TEMPLATE",
 ]
+
+LING_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set role = 'HUMAN' if message['role'] == 'user' else message['role'] | upper %}"
+    "{{ '<role>' + role + '</role>' + message['content'] + '<|role_end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<role>ASSISTANT</role>' }}{% endif %}"
+)

@@ -24,6 +24,7 @@ from spiffy.models.chat_templates import (
     CHATML_TEMPLATE,
     DREAM_CHAT_TEMPLATE,
     LLADA_CHAT_TEMPLATE,
+    LING_CHAT_TEMPLATE,
     LLAMA3_CHAT_TEMPLATE,
     MISTRAL_CHAT_TEMPLATE,
 )
@@ -165,6 +166,15 @@ _DREAM_ARCH_FIELDS: tuple[str, ...] = (
 #: SDAR keeps Qwen3's spellings (explicit head_dim, attention_bias) plus its training block size
 _SDAR_ARCH_FIELDS: tuple[str, ...] = _DREAM_ARCH_FIELDS + ("head_dim", "attention_bias", "block_size")
 
+#: LLaDA2's (BailingMoeV2) spellings of the architecture fields
+_LLADA2_ARCH_FIELDS: tuple[str, ...] = (
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "hidden_act", "rope_theta", "partial_rotary_factor", "rms_norm_eps",
+    "tie_word_embeddings", "max_position_embeddings", "use_qkv_bias", "use_bias", "use_qk_norm", "num_experts",
+    "num_shared_experts", "num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
+    "moe_intermediate_size", "first_k_dense_replace", "mask_token_id",
+)
+
 #: initializer std of tiny models: larger than the 0.02 of real models so a random model's distributions are
 #: not flat (logit spread ~ std * sqrt(hidden)), which gives decoding tests distinct confidences.
 TINY_INIT_STD = 0.1
@@ -252,6 +262,35 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         fingerprint_fields=_SDAR_ARCH_FIELDS,
         decoder="sdar",
         tiny_config=dict(_TINY_QWEN, head_dim=16, rope_theta=1000000.0, max_window_layers=2),
+    ),
+    FamilySpec(
+        name="llada2",
+        model_type="llada2_moe",
+        model_class_path="spiffy.models.llada2.LLaDA2MoeModelLM",
+        config_class_path="spiffy.models.llada2.LLaDA2MoeConfig",
+        mask_config_key="mask_token_id",
+        mask_token="<|mask|>",
+        special_tokens=("<|startoftext|>", "<|endoftext|>", "<|mask|>", "<role>", "</role>", "<|role_end|>"),
+        bos_token="<|startoftext|>",
+        eot_token="<|role_end|>",
+        auto_map={
+            "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+            "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+            "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
+        },
+        base_model_class_path="spiffy.models.llada2.LLaDA2MoeModel",
+        block_causal=True,
+        fingerprint_fields=_LLADA2_ARCH_FIELDS,
+        decoder="llada2",
+        chat_template=LING_CHAT_TEMPLATE,
+        tiny_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=512, initializer_range=TINY_INIT_STD, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, rope_theta=600000.0, partial_rotary_factor=0.5, use_qkv_bias=False,
+            use_bias=False, use_qk_norm=True, num_experts=8, num_shared_experts=1, num_experts_per_tok=2, n_group=4,
+            topk_group=2, routed_scaling_factor=2.5, moe_intermediate_size=32, first_k_dense_replace=1,
+            embedding_dropout=0.0, attention_dropout=0.0, output_dropout=0.0,
+        ),
     ),
     FamilySpec(
         name="qwen3",
