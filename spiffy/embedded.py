@@ -11,7 +11,9 @@ Kinds: ``"dllm"`` (the demo diffusion LM ``tiny-sdar``: the tiny Qwen3 adapted t
 on function completions), ``"ar-target"`` (a Qwen3 target), ``"ar-drafter"`` (its DFlash drafter),
 ``"ar-dllm-drafter"`` (an SDAR diffusion LM sharing the target's tokenizer, D2A-aligned to it: the DEER / SpecDiff-2
 drafter), ``"dllm-llada"`` (the earlier LLaDA-architecture demo dLLM ``tiny-llada``; the memory benchmark uses it for
-its cache modes).
+its cache modes), ``"ar-target-small"`` / ``"ar-drafter-small"`` (the wall-clock pair: a 12.1M-parameter, 14-layer
+Qwen3 target and its DFlash drafter with a tenth of its parameters, so that the target's forward dominates as it does
+for real pairs; `--target small-qwen3 --drafter small-qwen3-dflash-b16`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from spiffy.selfspec.graph import load_graph, runtime_signature
 EMBEDDED_NAMES: dict[str, str] = {"dllm": "tiny-sdar", "ar-target": "tiny-qwen3", "ar-drafter": "tiny-qwen3-dflash-b16"}
 
 #: embedded checkpoints only some methods use (``spiffy demo`` adds their rows when shipped and runs without them)
-OPTIONAL_EMBEDDED_NAMES: dict[str, str] = {"ar-dllm-drafter": "tiny-sdar-d2a", "dllm-llada": "tiny-llada"}
+OPTIONAL_EMBEDDED_NAMES: dict[str, str] = {"ar-dllm-drafter": "tiny-sdar-d2a", "dllm-llada": "tiny-llada",
+                                           "ar-target-small": "small-qwen3", "ar-drafter-small": "small-qwen3-dflash-b16"}
 
 #: kind -> the training script that produces the checkpoint (relative to the repository root)
 TRAINING_SCRIPTS: dict[str, str] = {
@@ -40,6 +43,8 @@ TRAINING_SCRIPTS: dict[str, str] = {
     "ar-drafter": "scripts/train_tiny_drafter.sh",
     "ar-dllm-drafter": "scripts/train_tiny_d2a_drafter.sh",
     "dllm-llada": "scripts/train_tiny_llada.sh",
+    "ar-target-small": "scripts/train_small_qwen3.sh",
+    "ar-drafter-small": "scripts/train_small_drafter.sh",
 }
 
 #: subdirectory of a model directory holding its calibrated draft graphs (``*.json``)

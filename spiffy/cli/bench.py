@@ -100,9 +100,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          description="Plain AR vs DFlash, DDTree and, with a diffusion drafter, DEER, SpecDiff-2 and "
                                      "DDTree over the diffusion drafter, on one Qwen3 target, same process and prompts.")
     a.add_argument("--target", default=None, metavar="DIR|ID",
-                   help="Qwen3 target checkpoint: directory or Hub id (default: the embedded demo target)")
+                   help="AR target checkpoint: a directory, a Hub id, or the name of one the package ships (tiny-qwen3, "
+                        "the default demo target; small-qwen3, the wall-clock pair's 12M target)")
     a.add_argument("--drafter", default=None, metavar="DIR|ID",
-                   help="DFlash drafter checkpoint: directory or Hub id (default: the embedded demo drafter)")
+                   help="DFlash drafter checkpoint: a directory, a Hub id, or a shipped name (tiny-qwen3-dflash-b16, the "
+                        "default; small-qwen3-dflash-b16 for small-qwen3)")
     a.add_argument("--dllm-drafter", default=None, metavar="DIR",
                    help="diffusion-LM drafter sharing the target's tokenizer (enables ddtree-dllm, deer, specdiff; "
                         "default: the embedded one when neither --target nor --drafter is given and it is shipped)")

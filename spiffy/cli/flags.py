@@ -163,7 +163,8 @@ def add_ar_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--target, --drafter or --method selects AR mode. --method alone runs on the embedded pair: the tiny "
         "Qwen3 target with its DFlash drafter (ddtree, dflash) or its diffusion drafter (deer, specdiff).", 100))
     g.add_argument("--target", default=None, metavar="DIR|ID",
-                   help="Qwen3 target checkpoint: a directory or a Hub id ORG/NAME[@REVISION]")
+                   help="AR target checkpoint: a directory, a Hub id ORG/NAME[@REVISION], or the name of one the package "
+                        "ships (tiny-qwen3, small-qwen3)")
     g.add_argument("--drafter", default=None, metavar="DIR|ID",
                    help="drafter made for --target (directory or Hub id): a DFlash drafter, or a diffusion LM sharing "
                         "the target's tokenizer (the kind is read from its config.json); every method but ar needs one")
