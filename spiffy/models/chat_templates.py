@@ -6,6 +6,7 @@
 * :data:`LLAMA3_CHAT_TEMPLATE`: the same format, for Llama targets; :data:`MISTRAL_CHAT_TEMPLATE`: ``[INST] ... [/INST]``.
 * :data:`CHATML_TEMPLATE`: ChatML (``<|im_start|>role``, turns end with ``<|im_end|>``), as SDAR and Qwen3.
 * :data:`DREAM_CHAT_TEMPLATE`: ChatML with Dream's default system prompt.
+* :data:`LLADA_MOE_CHAT_TEMPLATE`: Ling style (``<role>HUMAN</role>...<|role_end|>``), as LLaDA-MoE's tokenizer.
 """
 
 from __future__ import annotations
@@ -42,7 +43,17 @@ DREAM_CHAT_TEMPLATE = (
     "{% endif %}" + CHATML_TEMPLATE
 )
 
+#: Ling-style turns (LLaDA-MoE shares the Ling tokenizer): ``<role>ROLE</role>content<|role_end|>``, user = HUMAN
+LLADA_MOE_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set role = 'HUMAN' if message['role'] == 'user' else message['role'] | upper %}"
+    "{{ '<role>' + role + '</role>' + message['content'] + '<|role_end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<role>ASSISTANT</role>' }}{% endif %}"
+)
+
 
 __all__ = [
-    "CHATML_TEMPLATE", "DREAM_CHAT_TEMPLATE", "LLADA_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE", "MISTRAL_CHAT_TEMPLATE",
+    "CHATML_TEMPLATE", "DREAM_CHAT_TEMPLATE", "LLADA_CHAT_TEMPLATE", "LLADA_MOE_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE",
+    "MISTRAL_CHAT_TEMPLATE",
 ]
