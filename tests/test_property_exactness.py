@@ -72,8 +72,8 @@ _MODELS: dict[tuple[str, str], Any] = {}
 
 
 @pytest.fixture(scope="module")
-def dllm_paths(tiny_llada, tiny_dream, tiny_sdar) -> dict[str, Path]:
-    return {"llada": tiny_llada, "dream": tiny_dream, "sdar": tiny_sdar}
+def dllm_paths(tiny_llada, tiny_llada_moe, tiny_dream, tiny_sdar) -> dict[str, Path]:
+    return {"llada": tiny_llada, "llada_moe": tiny_llada_moe, "dream": tiny_dream, "sdar": tiny_sdar}
 
 
 def _dllm(paths: dict[str, Path], family: str, dtype: str) -> Any:
@@ -95,7 +95,7 @@ def _graph(kind: str, family: str, levels: int, graph_seed: int) -> DraftGraph:
 
 
 dllm_cases = st.fixed_dictionaries({
-    "family": st.sampled_from(["llada", "dream", "sdar"]),
+    "family": st.sampled_from(["llada", "llada_moe", "dream", "sdar"]),
     "cache": st.sampled_from(["none", "prefix", "dual"]),
     "rule": st.sampled_from(["static", "threshold"]),
     "steps_per_block": st.sampled_from([1, 2, 4]),

@@ -118,7 +118,8 @@ class LLaDAMoEConfig(PretrainedConfig):
         self.use_cache = use_cache
         self.rope_theta = rope_theta
         self.partial_rotary_factor = partial_rotary_factor
-        self.rope_scaling = rope_scaling
+        if rope_scaling is not None:  # setting None triggers a transformers 5 deprecation warning
+            self.rope_scaling = rope_scaling
         self.attention_bias = attention_bias
         self.attention_dropout = attention_dropout
         self.clip_qkv = clip_qkv
@@ -343,7 +344,11 @@ class LLaDAMoEPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:
-        init_weights(module, float(getattr(self.config, "initializer_range", 0.02)))
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        init_weights(module, std)
+        if isinstance(module, LLaDAMoESparseMoeBlock) and module.expert_bias is not None:
+            # random in tiny checkpoints (trained in real ones) so that the bias path is exercised
+            nn.init.normal_(module.expert_bias, mean=0.0, std=std)
 
 
 class LLaDAMoEModelLM(SpiffyForwardMixin, LLaDAMoEPreTrainedModel):
