@@ -16,7 +16,8 @@ code)::
 For each checkpoint it loads the official ``LLaDAMoEModelLM`` (``from_pretrained``: the load report must list no
 missing or unexpected key) in float32 and bfloat16 and, for each case, runs ``generate`` (the LLaDA-MoE model
 card's sampler is LLaDA's ``generate`` with ``mask_id=156895``; here the tiny tokenizer's mask id) after
-``torch.manual_seed(seed)``, recording the output ids and a digest of the checkpoint's tensors.
+``torch.manual_seed(seed)``, recording the output ids, a digest of the checkpoint's tensors and a digest of the
+logits of one forward (:func:`logits_probe`: spiffy's must be bit for bit the same).
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def tensor_digest(path: Path) -> str:
         h.update(name.encode())
         h.update(state[name].to(torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def logits_probe(vocab: int, mask_id: int) -> torch.Tensor:
+    """The fixed input whose logits are recorded bit for bit: 3 rows of 6 random tokens and 7 masks."""
+    x = torch.randint(0, vocab - 16, (3, 13), generator=torch.Generator().manual_seed(0))
+    x[:, 6:] = mask_id
+    return x
+
+
+def logits_digest(logits: torch.Tensor) -> str:
+    """sha256 of the logits' bytes in their own dtype (bit-for-bit equality)."""
+    return hashlib.sha256(logits.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def prompts(vocab: int, mask_id: int, length: int, seed: int) -> torch.Tensor:
@@ -92,6 +105,8 @@ def main() -> None:
                 raise SystemExit(f"{name} {dname}: official load report {bad}")
             model.eval()
             entry["attn_implementation"] = model.config._attn_implementation
+            with torch.no_grad():
+                entry.setdefault("logits", {})[dname] = logits_digest(model(logits_probe(raw["vocab_size"], mask_id)).logits)
             for case, plen, gen_length, block, steps, temp, remasking, seed in CASES:
                 ids = prompts(raw["vocab_size"], mask_id, plen, seed)
                 torch.manual_seed(seed)

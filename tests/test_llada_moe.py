@@ -30,7 +30,7 @@ from spiffy.models.tiny import make_tiny
 
 DATA = Path(__file__).resolve().parent / "data"
 sys.path.insert(0, str(DATA.parent.parent / "scripts"))
-from llada_moe_official_parity import CASES, tensor_digest  # noqa: E402
+from llada_moe_official_parity import CASES, logits_digest, logits_probe, tensor_digest  # noqa: E402
 
 EXPECTED = json.loads((DATA / "llada_moe" / "expected.json").read_text())
 REAL_CONFIG = DATA / "real_configs" / "inclusionAI--LLaDA-MoE-7B-A1B-Instruct.config.json"
@@ -62,6 +62,9 @@ def test_checkpoints_are_the_recorded_ones(checkpoints, name: str) -> None:
 def test_baseline_equals_official_generator(checkpoints, name: str, dtype: str) -> None:
     entry = EXPECTED["checkpoints"][name]
     model = load_model(checkpoints[name], dtype=dtype)
+    with torch.no_grad():  # one forward, bit for bit
+        logits = model(logits_probe(model.config.vocab_size, entry["mask_id"])).logits
+    assert logits_digest(logits) == entry["logits"][dtype], f"{name} {dtype}: logits differ from the official model's"
     for case, _plen, gen_length, block, steps, temp, remasking, seed in CASES:
         run = entry["runs"][f"{dtype}/{case}"]
         torch.manual_seed(seed)
@@ -98,6 +101,11 @@ def test_real_size_on_meta() -> None:
     attn = 4 * h * h + 2 * 128 + 2 * h
     active = v * h + layers * (attn + k * 3 * h * ff + e * h) + h  # head + the 8 routed experts (no input embedding)
     assert round(active / 1e9, 1) == 1.4  # "1.4B activated" (1,397,823,488)
+    # the GPU cost script's random-weight builder picks the MoE class for this "llada" config too
+    from spiffy.bench.gpu_costs import build_random, count_parameters
+
+    built = build_random(data, "meta", torch.bfloat16)
+    assert type(built) is LLaDAMoEModelLM and count_parameters(built) == total
 
 
 # ------------------------------------------------------------------------------------------------ loading
