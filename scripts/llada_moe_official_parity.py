@@ -106,7 +106,8 @@ def main() -> None:
             model.eval()
             entry["attn_implementation"] = model.config._attn_implementation
             with torch.no_grad():
-                entry.setdefault("logits", {})[dname] = logits_digest(model(logits_probe(raw["vocab_size"], mask_id)).logits)
+                logits = model(logits_probe(raw["vocab_size"], mask_id)).logits
+            entry.setdefault("logits", {})[dname] = logits_digest(logits)
             for case, plen, gen_length, block, steps, temp, remasking, seed in CASES:
                 ids = prompts(raw["vocab_size"], mask_id, plen, seed)
                 torch.manual_seed(seed)

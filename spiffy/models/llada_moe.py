@@ -5,8 +5,9 @@ Own implementation with the official checkpoint's parameter names (strict keys),
 
 ``model.embed_tokens.weight``, ``model.layers.{i}.input_layernorm.weight``,
 ``model.layers.{i}.self_attn.{q_proj,k_proj,v_proj,o_proj}.weight`` (``.bias`` with ``attention_bias``),
-``model.layers.{i}.self_attn.{q_norm,k_norm}.weight`` (``qk_layernorm``), ``model.layers.{i}.post_attention_layernorm.weight``,
-MoE layers: ``model.layers.{i}.mlp.gate.weight``, ``model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight``,
+``model.layers.{i}.self_attn.{q_norm,k_norm}.weight`` (``qk_layernorm``),
+``model.layers.{i}.post_attention_layernorm.weight``, MoE layers: ``model.layers.{i}.mlp.gate.weight``,
+``model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight``,
 ``model.layers.{i}.mlp.expert_bias`` (``moe_router_enable_expert_bias``), ``model.layers.{i}.shared_expert.*``
 (``shared_expert_intermediate_size`` not null); dense layers (``moe_layer_freq[i] == 0``):
 ``model.layers.{i}.mlp.{gate_proj,up_proj,down_proj}.weight``; ``model.norm.weight``, ``lm_head.weight``.
@@ -166,7 +167,8 @@ def check_config(config: LLaDAMoEConfig) -> None:
     if config.hidden_act != "silu":
         problems.append(f"hidden_act={config.hidden_act!r} (only 'silu')")
     if config.hidden_size % config.num_attention_heads:
-        problems.append(f"hidden_size {config.hidden_size} not divisible by num_attention_heads {config.num_attention_heads}")
+        problems.append(f"hidden_size {config.hidden_size} not divisible by num_attention_heads "
+                        f"{config.num_attention_heads}")
     elif config.num_attention_heads % config.num_key_value_heads:
         problems.append(f"num_attention_heads {config.num_attention_heads} not a multiple of num_key_value_heads "
                         f"{config.num_key_value_heads}")
