@@ -46,6 +46,11 @@ def llada(tiny_llada):
 
 
 @pytest.fixture(scope="module")
+def llada_moe(tiny_llada_moe):
+    return load_f64(tiny_llada_moe, cached=True)
+
+
+@pytest.fixture(scope="module")
 def dream(tiny_dream):
     return load_f64(tiny_dream, cached=True)
 

@@ -3,8 +3,8 @@
 Fixtures (session-scoped, each a ``pathlib.Path`` of a checkpoint directory in the real layout: config.json with
 the official auto_map, >= 2 safetensors shards + index, tokenizer files, generation_config.json):
 
-* ``tiny_llada``, ``tiny_dream``, ``tiny_sdar``, ``tiny_llada2``, ``tiny_qwen3``, ``tiny_fast_dllm_v2`` (seed 0, hidden 64,
-  2 layers, vocab 512).
+* ``tiny_llada``, ``tiny_llada_moe``, ``tiny_dream``, ``tiny_sdar``, ``tiny_llada2``, ``tiny_qwen3``,
+  ``tiny_fast_dllm_v2`` (seed 0, hidden 64, 2 layers, vocab 512).
 
 Helper: :func:`load_f64` loads a checkpoint in float64 (``from conftest import load_f64``), the precision every
 equality test uses. Loaded models are cached per path, so tests must not modify their weights.
@@ -45,6 +45,12 @@ def _tiny(tmp_path_factory: pytest.TempPathFactory, family: str) -> Path:
 def tiny_llada(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random LLaDA checkpoint directory (seed 0)."""
     return _tiny(tmp_path_factory, "llada")
+
+
+@pytest.fixture(scope="session")
+def tiny_llada_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random LLaDA-MoE checkpoint directory (seed 0: 8 experts, 2 per token)."""
+    return _tiny(tmp_path_factory, "llada_moe")
 
 
 @pytest.fixture(scope="session")

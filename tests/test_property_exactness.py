@@ -72,9 +72,9 @@ _MODELS: dict[tuple[str, str], Any] = {}
 
 
 @pytest.fixture(scope="module")
-def dllm_paths(tiny_llada, tiny_dream, tiny_sdar, tiny_fast_dllm_v2, tiny_llada2) -> dict[str, Path]:
-    return {"llada": tiny_llada, "dream": tiny_dream, "sdar": tiny_sdar, "fast_dllm_v2": tiny_fast_dllm_v2,
-            "llada2": tiny_llada2}
+def dllm_paths(tiny_llada, tiny_llada_moe, tiny_dream, tiny_sdar, tiny_fast_dllm_v2, tiny_llada2) -> dict[str, Path]:
+    return {"llada": tiny_llada, "llada_moe": tiny_llada_moe, "dream": tiny_dream, "sdar": tiny_sdar,
+            "fast_dllm_v2": tiny_fast_dllm_v2, "llada2": tiny_llada2}
 
 
 def _dllm(paths: dict[str, Path], family: str, dtype: str) -> Any:
@@ -96,7 +96,7 @@ def _graph(kind: str, family: str, levels: int, graph_seed: int) -> DraftGraph:
 
 
 dllm_cases = st.fixed_dictionaries({
-    "family": st.sampled_from(["llada", "dream", "sdar", "fast_dllm_v2", "llada2"]),
+    "family": st.sampled_from(["llada", "llada_moe", "dream", "sdar", "fast_dllm_v2", "llada2"]),
     "cache": st.sampled_from(["none", "prefix", "dual"]),
     "rule": st.sampled_from(["static", "threshold"]),
     "steps_per_block": st.sampled_from([1, 2, 4]),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batch_cases import BLOCK, GEN, SEEDS, dream, fast_dllm_v2, llada, llada2, sdar  # noqa: F401 - module fixtures
+from batch_cases import BLOCK, GEN, SEEDS, dream, fast_dllm_v2, llada, llada2, llada_moe, sdar  # noqa: F401 - module fixtures
 from batch_cases import decode_kwargs as _kw
 from batch_cases import left_pad as _left_pad
 from batch_cases import ragged_prompts as _prompts
@@ -69,8 +69,9 @@ def _check_batch(model, prompts: list[torch.Tensor], kw: dict, graph_rows: tuple
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 @pytest.mark.parametrize("rule", ["static", "threshold"])
-def test_llada_batch_equals_alone(llada, rule: str, cache: str, temp: float) -> None:
-    _check_batch(llada, _prompts([4, 7, 2]), _kw(rule, cache, temp))
+@pytest.mark.parametrize("family", ["llada", "llada_moe"])
+def test_llada_batch_equals_alone(request, family: str, rule: str, cache: str, temp: float) -> None:
+    _check_batch(request.getfixturevalue(family), _prompts([4, 7, 2]), _kw(rule, cache, temp))
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])

@@ -44,6 +44,12 @@ def llada(tiny_llada):
 
 
 @pytest.fixture(scope="module")
+def llada_moe(tiny_llada_moe):
+    m = load_f64(tiny_llada_moe, cached=True)
+    return m, _threshold(m, "llada_moe")
+
+
+@pytest.fixture(scope="module")
 def dream(tiny_dream):
     m = load_f64(tiny_dream, cached=True)
     return m, _threshold(m, "dream")
@@ -104,8 +110,9 @@ def _bidir_kw(rule: str, cache: str, temp: float, thr: float, **extra) -> dict:
 @pytest.mark.parametrize("temp", TEMPS)
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 @pytest.mark.parametrize("rule", RULES)
-def test_llada_lossless(llada, rule: str, cache: str, temp: float) -> None:
-    model, thr = llada
+@pytest.mark.parametrize("family", ["llada", "llada_moe"])
+def test_llada_lossless(request, family: str, rule: str, cache: str, temp: float) -> None:
+    model, thr = request.getfixturevalue(family)
     _check(model, _bidir_kw(rule, cache, temp, thr))
 
 
@@ -127,8 +134,9 @@ def test_dream_variant_card_calls_lossless(dream, card: str, tokens_per_step: in
     _check(model, dict(card_decode_options(card, GEN, tokens_per_step), seed=7))
 
 
-def test_llada_random_remasking(llada) -> None:
-    model, thr = llada
+@pytest.mark.parametrize("family", ["llada", "llada_moe"])
+def test_llada_random_remasking(request, family: str) -> None:
+    model, thr = request.getfixturevalue(family)
     _check(model, _bidir_kw("several_per_step", "none", 0.0, thr, remasking="random"))
 
 
@@ -273,7 +281,7 @@ def test_scores_are_lossless_with_small_budget(llada, score: str) -> None:
     assert base.nfe - st.nfe == st.accepted_total + st.reused_steps
 
 
-@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("family", ["llada", "llada_moe", "dream"])
 def test_calibrated_graph_end_to_end(request, family: str) -> None:
     """A graph calibrated on some prompts (spiffy.selfspec.calibrate) decodes other prompts losslessly."""
     from spiffy.decoding import DecodeConfig

@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticC
 
 from spiffy.decoding import DecodeConfig, make_session
 from spiffy.models.dflash import DFlashDraftModel
-from spiffy.models.loading import load_config
+from spiffy.models.loading import family_of, load_config
 from spiffy.models.cache import hf_cache
 from spiffy.models.registry import family_spec
 
@@ -107,7 +107,7 @@ def build_random(config: dict[str, Any], device: str | torch.device, dtype: torc
                     (Path(tmp) / "config.json").write_text(json.dumps(config))
                     cfg = load_config(tmp)
                 cfg._attn_implementation = "sdpa"
-                model = family_spec(config["model_type"]).model_class(cfg)
+                model = family_spec(family_of(config)).model_class(cfg)  # LLaDA-MoE also says "llada"
             else:
                 cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "model_type"},
                                            model_type=config["model_type"])

@@ -6,8 +6,8 @@
 * :data:`LLAMA3_CHAT_TEMPLATE`: the same format, for Llama targets; :data:`MISTRAL_CHAT_TEMPLATE`: ``[INST] ... [/INST]``.
 * :data:`CHATML_TEMPLATE`: ChatML (``<|im_start|>role``, turns end with ``<|im_end|>``), as SDAR and Qwen3.
 * :data:`DREAM_CHAT_TEMPLATE`: ChatML with Dream's default system prompt.
-* :data:`LING_CHAT_TEMPLATE`: Ling 2.0 / LLaDA2 style (``<role>ROLE</role>`` with ``HUMAN`` for the user, turns
-  end with ``<|role_end|>``).
+* :data:`LING_CHAT_TEMPLATE`: Ling 2.0 style (``<role>ROLE</role>`` with ``HUMAN`` for the user, turns end with
+  ``<|role_end|>``), as LLaDA-MoE's and LLaDA2's tokenizers.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ DREAM_CHAT_TEMPLATE = (
     "{% endif %}" + CHATML_TEMPLATE
 )
 
-
+#: Ling-style turns (LLaDA-MoE shares the Ling tokenizer): ``<role>ROLE</role>content<|role_end|>``, user = HUMAN
 __all__ = [
-    "CHATML_TEMPLATE", "DREAM_CHAT_TEMPLATE", "LLADA_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE", "MISTRAL_CHAT_TEMPLATE",
+    "CHATML_TEMPLATE", "DREAM_CHAT_TEMPLATE", "LLADA_CHAT_TEMPLATE", "LING_CHAT_TEMPLATE", "LLAMA3_CHAT_TEMPLATE",
+    "MISTRAL_CHAT_TEMPLATE",
 ]
 
 LING_CHAT_TEMPLATE = (

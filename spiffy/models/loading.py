@@ -47,7 +47,7 @@ from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config
 from spiffy.models.dflash2 import is_dflash2_config
 from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device
-from spiffy.models.registry import FAMILIES, family_of_model_type, family_spec, model_types
+from spiffy.models.registry import FAMILIES, family_of_model_type, family_spec, model_types, variant_family
 from spiffy.models.target import load_native, load_target
 from spiffy.torch_utils import resolve_dtype
 
@@ -89,7 +89,7 @@ def family_of(path_or_config: Any) -> str:
     if is_dflash_config(cfg):
         return "dflash"
     model_type = cfg.get("model_type")
-    family = family_of_model_type(model_type)
+    family = variant_family(cfg) or family_of_model_type(model_type)
     if family is None:
         supported = ", ".join(repr(t) for t in model_types())
         raise UnknownModelTypeError(

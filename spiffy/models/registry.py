@@ -75,6 +75,8 @@ class FamilySpec:
         verifiable: an AR family (transformers' class) whose layers a 4-D tree mask and a croppable K/V cache
             verify exactly: an AR target. ``False``: written and loaded, but refused as a target
             (:func:`spiffy.models.target.check_target_config` says why).
+        variant_keys: for a family that shares its ``model_type`` with an earlier one (LLaDA-MoE's ``"llada"``): the
+            config keys whose presence marks a config as this family's (see :func:`variant_family`).
     """
 
     name: str
@@ -102,6 +104,7 @@ class FamilySpec:
     vocab_fields: tuple[str, ...] = ("vocab_size",)
     generation_stops: bool = False
     verifiable: bool = True
+    variant_keys: tuple[str, ...] = ()
 
     @property
     def model_class(self) -> type:
@@ -162,6 +165,14 @@ _DREAM_ARCH_FIELDS: tuple[str, ...] = (
     "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "intermediate_size", "hidden_act", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
     "use_sliding_window", "mask_token_id",
+)
+#: LLaDA-MoE keeps OLMoE's spellings plus its expert layout
+_LLADA_MOE_ARCH_FIELDS: tuple[str, ...] = (
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "dense_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+    "num_experts_per_tok", "moe_layer_freq", "moe_router_enable_expert_bias", "qk_layernorm", "clip_qkv",
+    "partial_rotary_factor", "attention_bias", "hidden_act", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+    "mask_token_id",
 )
 #: SDAR keeps Qwen3's spellings (explicit head_dim, attention_bias) plus its training block size
 _SDAR_ARCH_FIELDS: tuple[str, ...] = _DREAM_ARCH_FIELDS + ("head_dim", "attention_bias", "block_size")
@@ -225,6 +236,31 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
             "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
             "AutoModel": "modeling_llada.LLaDAModelLM",
         },
+    ),
+    FamilySpec(
+        # LLaDA-MoE-7B-A1B: the official config keeps LLaDA's model_type "llada"; its MoE keys tell it apart
+        name="llada_moe",
+        model_type="llada",
+        model_class_path="spiffy.models.llada_moe.LLaDAMoEModelLM",
+        config_class_path="spiffy.models.llada_moe.LLaDAMoEConfig",
+        mask_config_key="mask_token_id",
+        mask_token="<|mask|>",
+        special_tokens=("<|endoftext|>", "<|mask|>", "<role>", "</role>", "<|role_end|>"),
+        eot_token="<|role_end|>",
+        auto_map={
+            "AutoConfig": "configuration_lladamoe.LLaDAConfig",
+            "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM",
+            "AutoModelForCausalLM": "modeling_lladamoe.LLaDAMoEModelLM",
+        },
+        fingerprint_fields=_LLADA_MOE_ARCH_FIELDS,
+        decoder="llada",
+        chat_template=LING_CHAT_TEMPLATE,
+        tiny_config=dict(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            dense_intermediate_size=128, expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            moe_layer_freq=[1, 1], max_position_embeddings=512, initializer_range=TINY_INIT_STD,
+        ),
+        variant_keys=("expert_intermediate_size", "num_experts"),
     ),
     FamilySpec(
         name="dream",
@@ -458,6 +494,17 @@ def model_types() -> dict[str, str]:
     return found
 
 
+def variant_family(config: Mapping[str, Any]) -> str | None:
+    """The family a config dict belongs to by its :attr:`FamilySpec.variant_keys` (a family sharing its
+    ``model_type`` with an earlier one: LLaDA-MoE's configs say ``"llada"`` and have expert fields); ``None``
+    when no variant matches (the model type decides)."""
+    model_type = config.get("model_type")
+    for name, spec in FAMILIES.items():
+        if spec.variant_keys and spec.model_type == model_type and any(k in config for k in spec.variant_keys):
+            return name
+    return None
+
+
 def family_of_model_type(model_type: Any) -> str | None:
     """The family of a config.json ``model_type`` (case-insensitive, as transformers' spellings vary: ``Dream``);
     ``None`` for a model type no family has."""
@@ -489,14 +536,32 @@ def register_with_transformers() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    owners: dict[str, type] = {}
     for spec in FAMILIES.values():
         if not spec.auto_map:
             continue
         cfg_cls = spec.config_class
-        _safe(AutoConfig.register, spec.model_type, cfg_cls)
+        if spec.model_type not in owners:  # a variant (same model_type) is reached through the owner's from_dict
+            owners[spec.model_type] = cfg_cls
         _safe(AutoModel.register, cfg_cls, spec.base_model_class)
         _safe(AutoModelForCausalLM.register, cfg_cls, spec.model_class)
+    for model_type, cfg_cls in owners.items():
+        variants = any(s.variant_keys and s.model_type == model_type for s in FAMILIES.values())
+        _safe(AutoConfig.register, model_type, _dispatching(cfg_cls) if variants else cfg_cls)
     _REGISTERED = True
+
+
+def _dispatching(cfg_cls: type) -> type:
+    """A subclass of ``cfg_cls`` (same name and model type) whose ``from_dict`` builds the variant family's config
+    when the dict carries its :attr:`FamilySpec.variant_keys`, and ``cfg_cls`` itself otherwise: AutoConfig maps one
+    model type to one class, and LLaDA and LLaDA-MoE checkpoints both say ``"llada"``."""
+
+    def from_dict(cls: type, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        variant = variant_family(config_dict)
+        target = FAMILIES[variant].config_class if variant else cfg_cls
+        return target.from_dict(config_dict, **kwargs)
+
+    return type(cfg_cls.__name__, (cfg_cls,), {"from_dict": classmethod(from_dict), "__module__": cfg_cls.__module__})
 
 
 def _safe(register: Callable[..., Any], *args: Any) -> None:
