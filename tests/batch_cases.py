@@ -53,3 +53,8 @@ def dream(tiny_dream):
 @pytest.fixture(scope="module")
 def sdar(tiny_sdar):
     return load_f64(tiny_sdar, cached=True)
+
+
+@pytest.fixture(scope="module")
+def sdar_moe(tiny_sdar_moe):
+    return load_f64(tiny_sdar_moe, cached=True)

@@ -72,8 +72,8 @@ _MODELS: dict[tuple[str, str], Any] = {}
 
 
 @pytest.fixture(scope="module")
-def dllm_paths(tiny_llada, tiny_dream, tiny_sdar) -> dict[str, Path]:
-    return {"llada": tiny_llada, "dream": tiny_dream, "sdar": tiny_sdar}
+def dllm_paths(tiny_llada, tiny_dream, tiny_sdar, tiny_sdar_moe) -> dict[str, Path]:
+    return {"llada": tiny_llada, "dream": tiny_dream, "sdar": tiny_sdar, "sdar_moe": tiny_sdar_moe}
 
 
 def _dllm(paths: dict[str, Path], family: str, dtype: str) -> Any:
@@ -85,7 +85,7 @@ def _dllm(paths: dict[str, Path], family: str, dtype: str) -> Any:
 def _graph(kind: str, family: str, levels: int, graph_seed: int) -> DraftGraph:
     """A graph of the drawn shape, without a ``calibrated_for`` section (any configuration may run it)."""
     if kind == "shipped":
-        shipped = load_graph(REPO / "graphs" / ("tiny-sdar-s1.json" if family == "sdar" else "tiny-llada-s1.json"))
+        shipped = load_graph(REPO / "graphs" / ("tiny-sdar-s1.json" if family.startswith("sdar") else "tiny-llada-s1.json"))
         formulas = [(n.level, n.pairs) for n in shipped.nodes]
     elif kind == "chain":
         formulas = chain_formulas(levels)
@@ -95,7 +95,7 @@ def _graph(kind: str, family: str, levels: int, graph_seed: int) -> DraftGraph:
 
 
 dllm_cases = st.fixed_dictionaries({
-    "family": st.sampled_from(["llada", "dream", "sdar"]),
+    "family": st.sampled_from(["llada", "dream", "sdar", "sdar_moe"]),
     "cache": st.sampled_from(["none", "prefix", "dual"]),
     "rule": st.sampled_from(["static", "threshold"]),
     "steps_per_block": st.sampled_from([1, 2, 4]),
@@ -113,7 +113,7 @@ dllm_cases = st.fixed_dictionaries({
 
 def _dllm_kwargs(case: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = dict(gen_length=GEN, block_length=BLOCK, temperature=case["temperature"], seed=case["seed"])
-    if case["family"] != "sdar":
+    if not case["family"].startswith("sdar"):
         kw["cache"] = case["cache"]
     if case["family"] == "dream":
         kw["alg"] = ("maskgit_plus", "entropy", "topk_margin")[case["seed"] % 3]
