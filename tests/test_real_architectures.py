@@ -108,8 +108,18 @@ LAYOUTS = {
 }
 
 
+_META: dict[str, tuple[str, torch.nn.Module]] = {}
+
+
 def _meta_model(name: str, tmp_path: Path) -> tuple[str, torch.nn.Module]:
-    """Build the checkpoint's model as ``load_model`` does, on the meta device."""
+    """Build the checkpoint's model as ``load_model`` does, on the meta device (once per checkpoint: building
+    SDAR-30B-A3B's 6,144 experts takes seconds; the tests only read the models)."""
+    if name not in _META:
+        _META[name] = _build_meta_model(name, tmp_path)
+    return _META[name]
+
+
+def _build_meta_model(name: str, tmp_path: Path) -> tuple[str, torch.nn.Module]:
     ckpt = tmp_path / name
     ckpt.mkdir(parents=True)
     shutil.copy(CONFIGS / f"{name}.config.json", ckpt / "config.json")
