@@ -1,4 +1,6 @@
-"""SDAR (JetAstra/SDAR, ``model_type="sdar"``): block diffusion in the Qwen3 layout.
+"""SDAR (JetAstra/SDAR, ``model_type="sdar"``): block diffusion in the Qwen3 layout; and its MoE variant SDAR-MoE
+(SDAR-30B-A3B-Chat / -Sci, ``model_type="sdar_moe"``: :class:`SDARMoeForCausalLM`, the same attention with Qwen3-MoE
+feed-forward layers ``mlp.gate`` + ``mlp.experts.{e}.{gate,up,down}_proj``, see :mod:`spiffy.models.qwen_moe`).
 
 Own implementation keeping the official config keys and parameter names (Qwen3 layout: ``model.embed_tokens``,
 ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``model.layers.{i}.self_attn.{q_norm,k_norm}.weight``,
