@@ -1,10 +1,10 @@
 """spiffy: lossless speculative decoding for diffusion LLMs (Spiffy) and Qwen3 targets (DDTree).
 
 Importing spiffy registers its model families with transformers' Auto classes, so checkpoint directories of
-LLaDA (``model_type="llada"``), Dream (``"Dream"``) and SDAR (``"sdar"``) load through ``AutoModel`` without
-``trust_remote_code``. Heavy submodules are imported lazily: ``import spiffy`` itself imports neither torch nor
-transformers (so ``spiffy --help`` starts fast); the registration runs when transformers is imported, or at once
-when it already is.
+LLaDA (``model_type="llada"``), Dream (``"Dream"``), SDAR (``"sdar"``) and SDAR-MoE (``"sdar_moe"``) load through
+``AutoModel`` without ``trust_remote_code``. Heavy submodules are imported lazily: ``import spiffy`` itself imports
+neither torch nor transformers (so ``spiffy --help`` starts fast); the registration runs when transformers is
+imported, or at once when it already is.
 """
 
 from __future__ import annotations

@@ -68,3 +68,8 @@ def fast_dllm_v2(tiny_fast_dllm_v2):
 @pytest.fixture(scope="module")
 def llada2(tiny_llada2):
     return load_f64(tiny_llada2, cached=True)
+
+
+@pytest.fixture(scope="module")
+def sdar_moe(tiny_sdar_moe):
+    return load_f64(tiny_sdar_moe, cached=True)

@@ -3,7 +3,7 @@
 Fixtures (session-scoped, each a ``pathlib.Path`` of a checkpoint directory in the real layout: config.json with
 the official auto_map, >= 2 safetensors shards + index, tokenizer files, generation_config.json):
 
-* ``tiny_llada``, ``tiny_llada_moe``, ``tiny_dream``, ``tiny_sdar``, ``tiny_llada2``, ``tiny_qwen3``,
+* ``tiny_llada``, ``tiny_llada_moe``, ``tiny_dream``, ``tiny_sdar``, ``tiny_sdar_moe``, ``tiny_llada2``, ``tiny_qwen3``,
   ``tiny_fast_dllm_v2`` (seed 0, hidden 64, 2 layers, vocab 512).
 
 Helper: :func:`load_f64` loads a checkpoint in float64 (``from conftest import load_f64``), the precision every
@@ -69,6 +69,12 @@ def tiny_sdar(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llada2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random LLaDA2.0 (llada2_moe) checkpoint directory (seed 0)."""
     return _tiny(tmp_path_factory, "llada2")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdar_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random SDAR-MoE checkpoint directory (seed 0; 8 experts, 2 per token)."""
+    return _tiny(tmp_path_factory, "sdar_moe")
 
 
 @pytest.fixture(scope="session")

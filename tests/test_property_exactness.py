@@ -72,9 +72,10 @@ _MODELS: dict[tuple[str, str], Any] = {}
 
 
 @pytest.fixture(scope="module")
-def dllm_paths(tiny_llada, tiny_llada_moe, tiny_dream, tiny_sdar, tiny_fast_dllm_v2, tiny_llada2) -> dict[str, Path]:
+def dllm_paths(tiny_llada, tiny_llada_moe, tiny_dream, tiny_sdar, tiny_sdar_moe, tiny_fast_dllm_v2,
+               tiny_llada2) -> dict[str, Path]:
     return {"llada": tiny_llada, "llada_moe": tiny_llada_moe, "dream": tiny_dream, "sdar": tiny_sdar,
-            "fast_dllm_v2": tiny_fast_dllm_v2, "llada2": tiny_llada2}
+            "sdar_moe": tiny_sdar_moe, "fast_dllm_v2": tiny_fast_dllm_v2, "llada2": tiny_llada2}
 
 
 def _dllm(paths: dict[str, Path], family: str, dtype: str) -> Any:
@@ -86,7 +87,7 @@ def _dllm(paths: dict[str, Path], family: str, dtype: str) -> Any:
 def _graph(kind: str, family: str, levels: int, graph_seed: int) -> DraftGraph:
     """A graph of the drawn shape, without a ``calibrated_for`` section (any configuration may run it)."""
     if kind == "shipped":
-        shipped = load_graph(REPO / "graphs" / ("tiny-sdar-s1.json" if family == "sdar" else "tiny-llada-s1.json"))
+        shipped = load_graph(REPO / "graphs" / ("tiny-sdar-s1.json" if family.startswith("sdar") else "tiny-llada-s1.json"))
         formulas = [(n.level, n.pairs) for n in shipped.nodes]
     elif kind == "chain":
         formulas = chain_formulas(levels)
@@ -96,7 +97,7 @@ def _graph(kind: str, family: str, levels: int, graph_seed: int) -> DraftGraph:
 
 
 dllm_cases = st.fixed_dictionaries({
-    "family": st.sampled_from(["llada", "llada_moe", "dream", "sdar", "fast_dllm_v2", "llada2"]),
+    "family": st.sampled_from(["llada", "llada_moe", "dream", "sdar", "sdar_moe", "fast_dllm_v2", "llada2"]),
     "cache": st.sampled_from(["none", "prefix", "dual"]),
     "rule": st.sampled_from(["static", "threshold"]),
     "steps_per_block": st.sampled_from([1, 2, 4]),
@@ -120,7 +121,7 @@ def _dllm_kwargs(case: dict[str, Any]) -> dict[str, Any]:
         return kw
     if case["family"] == "llada2":  # LLaDA2.0: the official whole-window recompute or the committed-block cache
         kw["cache"] = "none" if case["cache"] == "none" else "prefix"
-    elif case["family"] != "sdar":
+    elif not case["family"].startswith("sdar"):
         kw["cache"] = case["cache"]
     if case["family"] == "dream":
         kw["alg"] = ("maskgit_plus", "entropy", "topk_margin")[case["seed"] % 3]

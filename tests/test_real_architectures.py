@@ -1,4 +1,4 @@
-"""The five real checkpoints' architectures at their published sizes, built on the meta device (no memory).
+"""The real checkpoints' architectures at their published sizes, built on the meta device (no memory).
 
 Each model is built the way ``load_model`` builds it - ``load_config`` on a directory holding the official
 ``config.json`` (fixtures in ``tests/data/real_configs``, provenance in its SOURCES.md), then the family's class on
@@ -28,6 +28,8 @@ REAL = {
     "sdar": ("JetLM--SDAR-8B-Chat", 8.2, 8_190_735_360),
     "qwen3": ("Qwen--Qwen3-8B", 8.2, 8_190_735_360),
     "dflash": ("z-lab--Qwen3-8B-DFlash-b16", None, None),
+    # SDAR-30B-A3B-Chat: 30.5B in total (the official index's total_size / 2), 3.3B activated per token
+    "sdar_moe": ("JetLM--SDAR-30B-A3B-Chat", 30.5, 30_532_122_624),
 }
 
 
@@ -79,17 +81,45 @@ def dflash_layout(c: dict) -> dict[str, tuple[int, ...]]:
     return out | qwen_layers(c, "", qkv_bias=False, qk_norm=True)
 
 
+def sdar_moe_layout(c: dict) -> dict[str, tuple[int, ...]]:
+    """SDAR-MoE: SDAR's layout with every sparse layer's MLP replaced by ``mlp.gate`` and ``mlp.experts.{e}.*``."""
+    out = qwen_lm_layout(c, qkv_bias=False, qk_norm=True)
+    h, e, ff = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
+    for i in range(c["num_hidden_layers"]):
+        if i in c["mlp_only_layers"] or e == 0 or (i + 1) % c["decoder_sparse_step"]:
+            continue
+        p = f"model.layers.{i}.mlp."
+        for k in ("gate_proj", "up_proj", "down_proj"):
+            del out[f"{p}{k}.weight"]
+        out[p + "gate.weight"] = (e, h)
+        for x in range(e):
+            out |= {f"{p}experts.{x}.gate_proj.weight": (ff, h), f"{p}experts.{x}.up_proj.weight": (ff, h),
+                    f"{p}experts.{x}.down_proj.weight": (h, ff)}
+    return out
+
+
 LAYOUTS = {
     "llada": llada_layout,
     "dream": lambda c: qwen_lm_layout(c, qkv_bias=True, qk_norm=False),
     "sdar": lambda c: qwen_lm_layout(c, qkv_bias=False, qk_norm=True),
     "qwen3": lambda c: qwen_lm_layout(c, qkv_bias=False, qk_norm=True),
     "dflash": dflash_layout,
+    "sdar_moe": sdar_moe_layout,
 }
 
 
+_META: dict[str, tuple[str, torch.nn.Module]] = {}
+
+
 def _meta_model(name: str, tmp_path: Path) -> tuple[str, torch.nn.Module]:
-    """Build the checkpoint's model as ``load_model`` does, on the meta device."""
+    """Build the checkpoint's model as ``load_model`` does, on the meta device (once per checkpoint: building
+    SDAR-30B-A3B's 6,144 experts takes seconds; the tests only read the models)."""
+    if name not in _META:
+        _META[name] = _build_meta_model(name, tmp_path)
+    return _META[name]
+
+
+def _build_meta_model(name: str, tmp_path: Path) -> tuple[str, torch.nn.Module]:
     ckpt = tmp_path / name
     ckpt.mkdir(parents=True)
     shutil.copy(CONFIGS / f"{name}.config.json", ckpt / "config.json")
@@ -142,3 +172,26 @@ def test_dflash_drafter_fits_the_qwen3_8b_target(tmp_path: Path) -> None:
     assert settings["block_size"] == 16 and settings["target_layer_ids"] == [1, 9, 17, 25, 33]
     assert settings["mask_token_id"] == 151669
     check_compatible(drafter, target)
+
+
+def test_sdar_moe_matches_the_official_weight_map(tmp_path: Path) -> None:
+    """SDAR-30B-A3B-Chat's key names and total size against its own model.safetensors.index.json (bf16), and the
+    published 3.3B activated parameters (embeddings, head, attention, norms, router and 8 of 128 experts)."""
+    summary = json.loads((CONFIGS / "JetLM--SDAR-30B-A3B-Chat.index-summary.json").read_text())
+    layers = [f"{summary['layer_prefix']}{i}." for i in range(summary["num_layers"])]
+    keys = set(summary["top_level_keys"]) | {p + k for p in layers for k in summary["layer_keys"]} | {
+        f"{p}{summary['expert_prefix']}{e}.{k}" for p in layers for e in range(summary["num_experts"])
+        for k in summary["expert_keys"]
+    }
+    assert len(keys) == summary["num_keys"]
+    _, model = _meta_model("JetLM--SDAR-30B-A3B-Chat", tmp_path)
+    state = model.state_dict()
+    assert set(state) == keys
+    assert sum(t.numel() for t in state.values()) * 2 == summary["metadata"]["total_size"]
+    c = model.config
+    expert = sum(t.numel() for k, t in state.items() if ".experts.0." in k and k.startswith("model.layers.0."))
+    active = sum(t.numel() for k, t in state.items() if ".experts." not in k) + (
+        c.num_hidden_layers * c.num_experts_per_tok * expert
+    )
+    print(f"\nSDAR-30B-A3B-Chat: {active:,} activated parameters per token")
+    assert active == 3_353_032_704 and abs(active / 1e9 - 3.3) < 0.1  # the card's 3.3B; 3.35B counting both embeddings

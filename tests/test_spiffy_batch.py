@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batch_cases import BLOCK, GEN, SEEDS, dream, fast_dllm_v2, llada, llada2, llada_moe, sdar  # noqa: F401 - module fixtures
+from batch_cases import BLOCK, GEN, SEEDS, dream, fast_dllm_v2, llada, llada2, llada_moe, sdar, sdar_moe  # noqa: F401 - module fixtures
 from batch_cases import decode_kwargs as _kw
 from batch_cases import left_pad as _left_pad
 from batch_cases import ragged_prompts as _prompts
@@ -110,13 +110,14 @@ def test_dream_variant_card_calls_batch_equals_alone(dream, card: str) -> None:
 @pytest.mark.parametrize(
     "lengths", [[5, 5, 5], [5, 8, 13], [3, 8, 6]], ids=["equal", "ragged", "ragged-unpadded"]
 )
-def test_sdar_batch_equals_alone(sdar, strategy: str, temp: float, lengths: list[int]) -> None:
+@pytest.mark.parametrize("family", ["sdar", "sdar_moe"])
+def test_sdar_batch_equals_alone(request, family: str, strategy: str, temp: float, lengths: list[int]) -> None:
     """Ragged: 5 and 13 tokens leave their last prompt block unaligned, 8 fills one block (one decode block less,
     left padded by one block beside 5); 3, 8 and 6 end in the same block (no padding, 8 starts a block later)."""
     kw = dict(gen_length=GEN, block_length=BLOCK, temperature=temp, strategy=strategy, denoising_steps=BLOCK // 2)
     if strategy == "low_confidence_dynamic":
         kw["threshold"] = 0.05
-    _check_batch(sdar, _prompts(lengths), kw)
+    _check_batch(request.getfixturevalue(family), _prompts(lengths), kw)
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])

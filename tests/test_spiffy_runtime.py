@@ -67,6 +67,12 @@ def sdar(tiny_sdar):
     return m, _threshold(m, "sdar")
 
 
+@pytest.fixture(scope="module")
+def sdar_moe(tiny_sdar_moe):
+    m = load_f64(tiny_sdar_moe, cached=True)
+    return m, _threshold(m, "sdar_moe")
+
+
 def _check(model, kw: dict, *, random_seed: int = 0, prompt: torch.Tensor | None = None) -> dict:
     """Baseline vs Spiffy with an oracle graph (all nodes kept) and a random graph (budget 3)."""
     prompt = _prompt() if prompt is None else prompt
@@ -159,8 +165,9 @@ SDAR_RULES = {
 
 @pytest.mark.parametrize("temp", TEMPS)
 @pytest.mark.parametrize("rule", list(SDAR_RULES))
-def test_sdar_lossless(sdar, rule: str, temp: float) -> None:
-    model, thr = sdar
+@pytest.mark.parametrize("family", ["sdar", "sdar_moe"])
+def test_sdar_lossless(request, family: str, rule: str, temp: float) -> None:
+    model, thr = request.getfixturevalue(family)
     kw = dict(gen_length=GEN, block_length=BLOCK, temperature=temp, seed=7, **SDAR_RULES[rule])
     if rule == "threshold":
         kw["threshold"] = thr

@@ -28,8 +28,8 @@ ACCEPT_RULES: tuple[str, ...] = ("coupled", "rejection")
 DEFAULT_TREE_BUDGET = 64
 
 #: families ``spiffy tiny`` writes (home: ``spiffy.models.tiny.TINY_FAMILIES``)
-TINY_FAMILIES: tuple[str, ...] = ("llada", "llada_moe", "dream", "sdar", "llada2", "qwen3", "qwen3_moe", "qwen2",
-                                  "llama", "mistral", "qwen3_5", "qwen3_next", "fast_dllm_v2", "dflash", "dflash2")
+TINY_FAMILIES: tuple[str, ...] = ("llada", "llada_moe", "dream", "sdar", "llada2", "sdar_moe", "qwen3", "qwen3_moe",
+                                  "qwen2", "llama", "mistral", "qwen3_5", "qwen3_next", "fast_dllm_v2", "dflash", "dflash2")
 #: dLLM-drafter training recipes (home: ``spiffy.train.d2a.RECIPES``)
 D2A_RECIPES: tuple[str, ...] = ("d2a-stage1", "d2a-stage2", "streak")
 #: DDTree budgets of ``spiffy bench overheads`` (home: ``spiffy.bench.overheads.DEFAULT_BUDGETS``)

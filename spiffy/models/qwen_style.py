@@ -3,7 +3,7 @@ and the causal-LM plumbing on top of it (:class:`QwenStyleLMMixin`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -67,7 +67,12 @@ class QwenStyleAttention(nn.Module):
 
 
 class QwenStyleDecoderLayer(nn.Module):
-    """Pre-norm block: ``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``."""
+    """Pre-norm block: ``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``.
+
+    ``mlp`` (default: a :class:`~spiffy.models.layers.SwiGLUMLP` of ``intermediate_size``) is any module mapping
+    ``[B, L, H] -> [B, L, H]`` (an MoE block for SDAR-MoE); ``o_bias`` gives ``o_proj`` a bias (Qwen3 layout with
+    ``attention_bias``).
+    """
 
     def __init__(
         self,
@@ -80,12 +85,15 @@ class QwenStyleDecoderLayer(nn.Module):
         eps: float,
         qkv_bias: bool,
         qk_norm: bool,
+        o_bias: bool = False,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = QwenStyleAttention(
-            hidden_size, num_heads, num_kv_heads, head_dim, layer_idx, qkv_bias=qkv_bias, qk_norm=qk_norm, eps=eps
+            hidden_size, num_heads, num_kv_heads, head_dim, layer_idx, qkv_bias=qkv_bias, o_bias=o_bias,
+            qk_norm=qk_norm, eps=eps,
         )
-        self.mlp = SwiGLUMLP(hidden_size, intermediate_size)
+        self.mlp = mlp if mlp is not None else SwiGLUMLP(hidden_size, intermediate_size)
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
@@ -110,15 +118,20 @@ class QwenStyleStackMixin:
         rope_theta: float,
         qkv_bias: bool,
         qk_norm: bool,
+        o_bias: bool = False,
+        mlp_for: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
         """Create ``embed_tokens``, ``layers.{i}`` (:class:`QwenStyleDecoderLayer`), ``norm`` and ``rotary_emb``.
 
-        ``qkv_bias`` (Dream, Qwen2 layout) and ``qk_norm`` (SDAR, Qwen3 layout) select the attention variant.
+        ``qkv_bias`` (Dream, Qwen2 layout) and ``qk_norm`` (SDAR, Qwen3 layout) select the attention variant;
+        ``o_bias`` adds the ``o_proj`` bias; ``mlp_for(i)`` builds layer ``i``'s feed-forward (``None`` or absent:
+        the dense SwiGLU MLP of ``intermediate_size``).
         """
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(
             QwenStyleDecoderLayer(
-                hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, i, eps, qkv_bias, qk_norm
+                hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, i, eps, qkv_bias, qk_norm,
+                o_bias=o_bias, mlp=mlp_for(i) if mlp_for is not None else None,
             )
             for i in range(num_layers)
         )

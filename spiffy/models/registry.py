@@ -176,6 +176,11 @@ _LLADA_MOE_ARCH_FIELDS: tuple[str, ...] = (
 )
 #: SDAR keeps Qwen3's spellings (explicit head_dim, attention_bias) plus its training block size
 _SDAR_ARCH_FIELDS: tuple[str, ...] = _DREAM_ARCH_FIELDS + ("head_dim", "attention_bias", "block_size")
+#: the MoE fields of SDAR-MoE (Qwen3-MoE spellings)
+_MOE_ARCH_FIELDS: tuple[str, ...] = (
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+    "norm_topk_prob",
+)
 
 #: LLaDA2's (BailingMoeV2) spellings of the architecture fields
 _LLADA2_ARCH_FIELDS: tuple[str, ...] = (
@@ -326,6 +331,29 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
             use_bias=False, use_qk_norm=True, num_experts=8, num_shared_experts=1, num_experts_per_tok=2, n_group=4,
             topk_group=2, routed_scaling_factor=2.5, moe_intermediate_size=32, first_k_dense_replace=1,
             embedding_dropout=0.0, attention_dropout=0.0, output_dropout=0.0,
+        ),
+    ),
+    FamilySpec(
+        # SDAR-30B-A3B-Chat / -Sci: SDAR with Qwen3-MoE feed-forward layers, decoded by SDAR's rule
+        name="sdar_moe",
+        model_type="sdar_moe",
+        model_class_path="spiffy.models.sdar.SDARMoeForCausalLM",
+        config_class_path="spiffy.models.sdar.SDARMoeConfig",
+        mask_config_key="mask_token_id",
+        mask_token="<|MASK|>",
+        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"),
+        auto_map={
+            "AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
+            "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+            "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM",
+        },
+        base_model_class_path="spiffy.models.sdar.SDARMoeModel",
+        block_causal=True,
+        fingerprint_fields=_SDAR_ARCH_FIELDS + _MOE_ARCH_FIELDS,
+        decoder="sdar",
+        tiny_config=dict(
+            _TINY_QWEN, head_dim=16, rope_theta=1000000.0, max_window_layers=2, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[],
         ),
     ),
     FamilySpec(

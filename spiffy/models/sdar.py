@@ -1,4 +1,6 @@
-"""SDAR (JetAstra/SDAR, ``model_type="sdar"``): block diffusion in the Qwen3 layout.
+"""SDAR (JetAstra/SDAR, ``model_type="sdar"``): block diffusion in the Qwen3 layout; and its MoE variant SDAR-MoE
+(SDAR-30B-A3B-Chat / -Sci, ``model_type="sdar_moe"``: :class:`SDARMoeForCausalLM`, the same attention with Qwen3-MoE
+feed-forward layers ``mlp.gate`` + ``mlp.experts.{e}.{gate,up,down}_proj``, see :mod:`spiffy.models.qwen_moe`).
 
 Own implementation keeping the official config keys and parameter names (Qwen3 layout: ``model.embed_tokens``,
 ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``model.layers.{i}.self_attn.{q_norm,k_norm}.weight``,
@@ -26,6 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from spiffy.errors import ConfigError
 from spiffy.models.layers import ForwardContext, check_rope_scaling
 from spiffy.models.pretrained import SpiffyForwardMixin, init_weights
+from spiffy.models.qwen_moe import SparseMoeBlock
 from spiffy.models.qwen_style import QwenStyleLMMixin, QwenStyleStackMixin
 
 SDAR_AUTO_MAP: dict[str, str] = {
@@ -175,6 +178,8 @@ class SDARModel(QwenStyleStackMixin, SDARPreTrainedModel):
         super().__init__(config)
         c = config
         check_rope_scaling(c)
+        if c.hidden_act != "silu":  # the official MLPs read ACT2FN[hidden_act]; every SDAR checkpoint has silu
+            raise ConfigError(f"hidden_act {c.hidden_act!r} is not supported (SwiGLU with silu only); fix config.json")
         self._build_stack(
             c.vocab_size,
             c.hidden_size,
@@ -187,8 +192,14 @@ class SDARModel(QwenStyleStackMixin, SDARPreTrainedModel):
             c.rope_theta,
             qkv_bias=bool(c.attention_bias),
             qk_norm=True,
+            o_bias=bool(c.attention_bias),  # the official o_proj has bias=attention_bias as q/k/v do
+            mlp_for=self._mlp_for,
         )
         self.post_init()
+
+    def _mlp_for(self, layer_idx: int) -> nn.Module | None:
+        """Layer ``layer_idx``'s feed-forward: ``None`` = the dense SwiGLU MLP (every layer of dense SDAR)."""
+        return None
 
     def get_input_embeddings(self) -> nn.Module:
         return self.embed_tokens
@@ -235,9 +246,111 @@ class SDARForCausalLM(QwenStyleLMMixin, SDARPreTrainedModel):
     the same.
     """
 
+    backbone_class: type = SDARModel
+
     def __init__(self, config: SDARConfig) -> None:
         super().__init__(config)
-        self.model = SDARModel(config)
+        self.model = self.backbone_class(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SDAR-MoE (SDAR-30B-A3B-Chat / -Sci, ``model_type="sdar_moe"``): SDAR with Qwen3-MoE feed-forward layers
+# --------------------------------------------------------------------------------------------------------------
+
+SDAR_MOE_AUTO_MAP: dict[str, str] = {
+    "AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
+    "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+    "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM",
+}
+
+
+class SDARMoeConfig(SDARConfig):
+    """SDAR-MoE config; defaults are those of SDAR-30B-A3B-Chat (Qwen3-30B-A3B shape: hidden 2048, 48 layers, 32/4
+    heads of 128, 128 experts of 768 with 8 per token, ``norm_topk_prob``, vocab 151936, untied head).
+
+    The MoE fields, as the official ``modeling_sdar_moe.py`` reads them: layer ``i`` is sparse when ``num_experts
+    > 0``, ``i not in mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``, else a dense SwiGLU MLP of
+    ``intermediate_size``; ``num_experts_per_tok``, ``moe_intermediate_size`` and ``norm_topk_prob`` shape the
+    routing (:class:`~spiffy.models.qwen_moe.SparseMoeBlock`). ``output_router_logits`` and
+    ``router_aux_loss_coef`` feed only the training loss (no effect on logits); they are kept so configs round-trip.
+    """
+
+    model_type = "sdar_moe"
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        hidden_size: int = 2048,
+        intermediate_size: int = 6144,
+        num_hidden_layers: int = 48,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int | None = 4,
+        head_dim: int | None = 128,
+        max_window_layers: int = 48,
+        decoder_sparse_step: int = 1,
+        moe_intermediate_size: int = 768,
+        num_experts_per_tok: int = 8,
+        num_experts: int = 128,
+        norm_topk_prob: bool = True,
+        output_router_logits: bool = False,
+        router_aux_loss_coef: float = 0.001,
+        mlp_only_layers: list[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.decoder_sparse_step = decoder_sparse_step
+        self.moe_intermediate_size = moe_intermediate_size
+        self.num_experts_per_tok = num_experts_per_tok
+        self.num_experts = num_experts
+        self.norm_topk_prob = norm_topk_prob
+        self.output_router_logits = output_router_logits
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.mlp_only_layers = [] if mlp_only_layers is None else list(mlp_only_layers)
+        super().__init__(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=head_dim,
+            max_window_layers=max_window_layers,
+            **kwargs,
+        )
+
+
+def is_sparse_layer(config: SDARMoeConfig, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` of an SDAR-MoE config is an MoE layer (the official rule; see
+    :class:`SDARMoeConfig`). ConfigError when ``decoder_sparse_step < 1`` with experts (the official code divides
+    by it)."""
+    if int(config.num_experts) <= 0 or layer_idx in config.mlp_only_layers:
+        return False
+    step = int(config.decoder_sparse_step)
+    if step < 1:
+        raise ConfigError(f"decoder_sparse_step must be >= 1 when num_experts > 0, got {step}; fix config.json")
+    return (layer_idx + 1) % step == 0
+
+
+class SDARMoeModel(SDARModel):
+    """SDAR-MoE backbone: :class:`SDARModel` whose sparse layers' ``mlp`` is a
+    :class:`~spiffy.models.qwen_moe.SparseMoeBlock` (``mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``)."""
+
+    config_class = SDARMoeConfig
+    _no_split_modules = ["QwenStyleDecoderLayer"]
+
+    def _mlp_for(self, layer_idx: int) -> nn.Module | None:
+        c = self.config
+        if not is_sparse_layer(c, layer_idx):
+            return None
+        return SparseMoeBlock(
+            c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob)
+        )
+
+
+class SDARMoeForCausalLM(SDARForCausalLM):
+    """SDAR-MoE block-diffusion LM (``model`` + ``lm_head``), the same forward contract as :class:`SDARForCausalLM`."""
+
+    config_class = SDARMoeConfig
+    backbone_class = SDARMoeModel
