@@ -112,7 +112,7 @@ class Fast_dLLM_QwenConfig(PretrainedConfig):
         return self.hidden_size // self.num_attention_heads
 
 
-def check_config(config: Fast_dLLM_QwenConfig) -> None:
+def check_fast_dllm_v2_config(config: Fast_dLLM_QwenConfig) -> None:
     """Refuse (ConfigError) the config values spiffy does not implement exactly as the official model."""
     check_rope_scaling(config)
     if config.hidden_act != "silu":
@@ -184,7 +184,7 @@ class Fast_dLLM_QwenModel(QwenStyleStackMixin, Fast_dLLM_QwenPreTrainedModel):
     def __init__(self, config: Fast_dLLM_QwenConfig) -> None:
         super().__init__(config)
         c = config
-        check_config(c)
+        check_fast_dllm_v2_config(c)
         self._build_stack(
             c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
             c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta, qkv_bias=True, qk_norm=False,
@@ -262,5 +262,5 @@ __all__ = [
     "Fast_dLLM_QwenConfig",
     "Fast_dLLM_QwenForCausalLM",
     "Fast_dLLM_QwenModel",
-    "check_config",
+    "check_fast_dllm_v2_config",
 ]

@@ -161,7 +161,7 @@ def _unused_routing_knob(value: Any, neutral: tuple[Any, ...]) -> bool:
     return value not in neutral
 
 
-def check_config(config: LLaDAMoEConfig) -> None:
+def check_llada_moe_config(config: LLaDAMoEConfig) -> None:
     """ConfigError naming every field value spiffy (and the official model) cannot compute as asked."""
     problems = []
     if config.hidden_act != "silu":
@@ -312,7 +312,7 @@ class LLaDAMoEModel(nn.Module):
 
     def __init__(self, config: LLaDAMoEConfig) -> None:
         super().__init__()
-        check_config(config)
+        check_llada_moe_config(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LLaDAMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
