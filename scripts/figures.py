@@ -17,7 +17,7 @@ from those files:
 code and compares it with the documents: a renamed or added column, or a figure edited by hand, fails the suite until
 this script is run again. Usage::
 
-    python scripts/figures.py                   # every figure (about 30 minutes on two cores)
+    python scripts/figures.py                   # every figure (about 7 minutes on two cores at load 2)
     python scripts/figures.py --only ar,overheads
     python scripts/figures.py --render-only     # rewrite the documents from docs/figures/*.json, run nothing
 
