@@ -74,3 +74,16 @@ def test_resume_reproduces_uninterrupted_run_and_seed_matters(data, tmp_path):
     ar.train(_args(data, tmp_path / "seed0", "--steps", "3"))
     c, d = _state(tmp_path / "seed1")["model"], _state(tmp_path / "seed0")["model"]
     assert not all(torch.equal(c[k], d[k]) for k in c)
+
+
+def test_init_from_continues_a_saved_model(data, tmp_path):
+    """--init-from starts from a saved model's weights (a shipped model trained further); a wrong shape is refused."""
+    from spiffy.errors import ConfigError
+
+    first = ar.train(_args(data, tmp_path / "a", "--steps", "6"))
+    again = ar.train(_args(data, tmp_path / "b", "--steps", "0", "--init-from", str(tmp_path / "a" / "model")))
+    assert again["heldout_loss"] == pytest.approx(first["heldout_loss"], abs=1e-6)
+    fresh = ar.train(_args(data, tmp_path / "c", "--steps", "0"))
+    assert fresh["heldout_loss"] > first["heldout_loss"]
+    with pytest.raises(ConfigError, match="--init-from"):
+        ar.train(_args(data, tmp_path / "d", "--steps", "0", "--layers", "3", "--init-from", str(tmp_path / "a" / "model")))

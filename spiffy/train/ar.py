@@ -87,6 +87,17 @@ SAMPLE_PROMPTS = common.SAMPLE_PROMPTS
 write_card = common.write_card  # re-exported (dllm and drafter import it from here)
 
 
+def init_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Start ``model`` from the weights of a saved checkpoint of the same shape (a fresh optimizer and schedule), e.g.
+    to train a shipped model further after its run directory is gone."""
+    source = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    try:
+        model.load_state_dict(source.state_dict(), strict=True)
+    except RuntimeError as exc:
+        raise ConfigError(f"--init-from {str(path)!r} does not match the configured model ({str(exc).splitlines()[0]}); "
+                          "fix: pass the --hidden/--layers/--heads/--kv-heads/--intermediate it was trained with") from exc
+
+
 def prepare_data(corpus_dir: str | None, out: Path, vocab_size: int, family: str, max_files: int | None = None,
                  tokenizer_dir: str | None = None, heldout_percent: int = 5):
     """Build/reuse the corpus, train/reuse the tokenizer (``OUT/tokenizer``) and token streams; returns
@@ -136,6 +147,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model.train()
     opt = common.adamw_decay_groups(model, args.lr, args.weight_decay)
     step, extra = common.maybe_resume(args, out, model, opt, {"wall_s": 0.0, "tokens": 0})
+    if args.init_from and step == 0:  # a resumed run keeps its own weights
+        init_weights(model, args.init_from)
     n_params = sum(p.numel() for p in model.parameters())
     held_w = common.eval_windows(held_s, args.context, args.eval_windows)
     loop = common.TrainLoop(args, out, model, opt, step, extra, "qwen3")
@@ -199,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_corpus_arguments(p)
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer dir instead of training OUT/tokenizer")
+    p.add_argument("--init-from", default=None, metavar="DIR", help="start from this saved model's weights (same "
+                   "shape; fresh optimizer and schedule), e.g. a shipped model to train further")
     p.add_argument("--hidden", type=int, default=256, help="hidden size")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
