@@ -211,7 +211,7 @@ def test_fast_builder_equals_heap_oracle_on_random_logits(seed, direct, monkeypa
     """The builder (comb bound, only reachable ranks; or the small-vocabulary direct top-k) builds exactly the
     oracle's tree: same nodes, same order, same scores, same tie-breaks, for budgets 1..1024, vocabularies on both
     sides of the chunked path, with ties."""
-    import spiffy.arspec.tree as tree_module
+    import spiffy.arspec.tree_ranks as tree_module
 
     monkeypatch.setattr(tree_module, "_DIRECT_TOPK_MAX_VOCAB", 1 << 30 if direct else 0)
     g = torch.Generator().manual_seed(seed)
@@ -251,7 +251,7 @@ def test_fast_builder_equals_oracle_on_every_path(monkeypatch):
     """Real-sized rows: wide and narrow chunks, vocabularies with and without a tail block, the bound selected on
     the host and on the device, candidates ranked on the host and on the device, float32 / float64 / bfloat16
     log-probabilities (bfloat16: many exact ties): always the oracle's tree, node for node, with the same scores."""
-    import spiffy.arspec.tree as tree_module
+    import spiffy.arspec.tree_ranks as tree_module
     from spiffy.bench.synthetic import synthetic_draft_logits
 
     used: set[str] = set()

@@ -164,21 +164,33 @@ def test_batch_errors(pair, prompts):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_compile_one_host_tree_equals_the_staged_layout(seed, monkeypatch):
-    """A batch of one host tree takes its own short path; it lays out exactly what the staged path (forced here
-    through a batch of two, second row dropped) lays out: random trees, random cached-column visibility."""
+    """A batch of one host tree takes its own short path (bit-set rows for small trees, a NumPy walk for large
+    ones; a whole fill or a broadcast row of cached columns); it lays out exactly what the staged path (forced here
+    through a batch of two, second row dropped) lays out: random trees, prefixes and cached-column visibility. The
+    AR round's entry (depths below the root, :func:`compile_round`) gives the same inputs."""
     import spiffy.verify.backend as backend
+    from spiffy.arspec.stages import RoundBuffers, compile_round
+    from spiffy.arspec.tree import DraftTree
 
     g = torch.Generator().manual_seed(seed)
-    for n in (0, 1, 7, 40):
+    for n, n_pre in ((0, 1), (1, 1), (7, 2), (40, 1), (60, 0), (250, 1)):
         parents = torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)], dtype=torch.long)
-        tree = (torch.randint(0, 99, (n,), generator=g), torch.randint(0, 50, (n,), generator=g), parents)
-        pre = (torch.tensor([3]), torch.tensor([7]))
+        depths = torch.zeros(n, dtype=torch.long)
+        for i, p in enumerate(parents.tolist()):
+            depths[i] = 1 if p < 0 else int(depths[p]) + 1
+        tree = (torch.randint(0, 99, (n,), generator=g), depths + 7, parents)
+        pre = (torch.tensor([3] * n_pre), torch.tensor([7] * n_pre))
         ctx = torch.rand(1, 6, generator=g) < 0.7
         one, rows = compile_tree_rows([tree], [pre], ctx, dtype=torch.float32)
         spy = []
-        monkeypatch.setattr(backend, "_compile_one_host_tree", lambda *a: spy.append(a))
+        monkeypatch.setattr(backend, "compile_one_host_tree", lambda *a: spy.append(a))
         two, rows2 = compile_tree_rows([tree, tree], [pre, pre], ctx.expand(2, 6), dtype=torch.float32)
         monkeypatch.undo()
-        assert not spy and rows == rows2[:1] == [1 + n]
+        assert not spy and rows == rows2[:1] == [n_pre + n]
         assert torch.equal(one.input_ids, two.input_ids[:1]) and torch.equal(one.position_ids, two.position_ids[:1])
         assert torch.equal(one.attention_mask, two.attention_mask[:1])
+        if n_pre == 1:
+            draft = DraftTree(tree[0], parents, depths, torch.zeros(n, dtype=torch.float64))
+            staged, _ = compile_round([draft], [(3, 7)], ctx, torch.float32, RoundBuffers.allocate(1, 1 + n))
+            assert torch.equal(staged.input_ids, one.input_ids) and torch.equal(staged.position_ids, one.position_ids)
+            assert torch.equal(staged.attention_mask, one.attention_mask)

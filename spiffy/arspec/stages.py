@@ -43,6 +43,7 @@ from spiffy.models.recurrent import RecurrentMixers, crop_attention, select_rows
 from spiffy.models.target import check_target_config
 from spiffy.torch_utils import execution_device
 from spiffy.verify import CompiledDraft, compile_tree_rows
+from spiffy.verify.host_tree import compile_one_host_tree
 
 __all__ = [
     "STAGES",
@@ -272,6 +273,11 @@ def compile_round(trees: Sequence[DraftTree], roots: Sequence[tuple[int, int]], 
 
     Returns ``(compiled, rows)``: row ``b`` occupies verification rows ``[0, rows[b])``.
     """
+    if len(trees) == 1 and trees[0].parents.device.type == "cpu":  # one prompt's host tree: no staging, no padding
+        (tree,), ((tok, pos),) = trees, roots
+        ids, positions, mask = compile_one_host_tree((tree.tokens, tree.depths, tree.parents), ([tok], [pos]), valid,
+                                                     dtype, position_offset=pos)
+        return CompiledDraft(ids, positions, mask, None), [int(ids.shape[1])]
     return compile_tree_rows(
         [(t.tokens, t.depths + pos, t.parents) for t, (_tok, pos) in zip(trees, roots)],
         [(torch.tensor([tok]), torch.tensor([pos])) for tok, pos in roots],

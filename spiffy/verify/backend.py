@@ -27,6 +27,7 @@ from typing import Callable, Hashable, Literal, Sequence, TypeVar
 import torch
 
 from spiffy.errors import StepLimitError
+from spiffy.verify.host_tree import compile_one_host_tree
 
 Visibility = Literal["ancestors", "self"]
 
@@ -309,39 +310,6 @@ def _ancestor_pairs(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(nodes, dtype=torch.long), torch.tensor(ancestors, dtype=torch.long)
 
 
-def _compile_one_host_tree(tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                           prefix: tuple[torch.Tensor, torch.Tensor], context_visible: torch.Tensor,
-                           dtype: torch.dtype) -> tuple[CompiledDraft, list[int]]:
-    """:func:`compile_tree_rows` for a batch of one host tree, in a handful of tensor operations: the visible
-    entries of the tree block are listed in Python (each node's ancestor chain) and zeroed in one scatter."""
-    tok, tpos, par = tree
-    dev = context_visible.device
-    parents = par.reshape(-1).tolist()
-    n_pre, n, context_len = int(prefix[0].numel()), len(parents), int(context_visible.shape[1])
-    rows = n_pre + n
-    stride = context_len + rows
-    visible: list[int] = []  # flat indices into [R, C + R] of the tree block's visible entries
-    for row in range(n_pre):  # the prefix sees itself
-        visible.extend(range(row * stride + context_len, row * stride + context_len + n_pre))
-    chains: list[list[int]] = []
-    for i, p in enumerate(parents):
-        if p >= i:
-            raise ValueError("every parent index must be smaller than its node's index (parents precede children)")
-        chain = (chains[p] if p >= 0 else []) + [i]
-        chains.append(chain)
-        start = (n_pre + i) * stride + context_len  # every node sees the prefix, its ancestors and itself
-        visible.extend(range(start, start + n_pre))
-        visible.extend([start + n_pre + a for a in chain])
-    hidden = torch.finfo(dtype).min
-    additive = torch.full((1, 1, rows, stride), hidden, dtype=dtype, device=dev)
-    additive[0, 0, :, :context_len] = torch.zeros((), dtype=dtype, device=dev).masked_fill(
-        ~context_visible[0].to(torch.bool), hidden)
-    additive.view(-1).index_fill_(0, torch.tensor(visible, dtype=torch.long, device=dev), 0.0)
-    ids = torch.cat([prefix[0].reshape(-1), tok.reshape(-1)]).view(1, rows)
-    pos = torch.cat([prefix[1].reshape(-1), tpos.reshape(-1)]).view(1, rows)
-    return CompiledDraft(ids.to(dev), pos.to(dev), additive, None), [rows]
-
-
 def compile_tree_rows(
     trees: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     prefix_rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -377,7 +345,9 @@ def compile_tree_rows(
     dev = context_visible.device
     context_len = int(context_visible.shape[1])
     if len(trees) == 1 and trees[0][2].device.type == "cpu":  # one prompt, a host tree: no staging, no padding
-        return _compile_one_host_tree(trees[0], prefix_rows[0], context_visible, dtype)
+        prefix = (prefix_rows[0][0].reshape(-1).tolist(), prefix_rows[0][1].reshape(-1).tolist())
+        ids, pos, additive = compile_one_host_tree(trees[0], prefix, context_visible, dtype)
+        return CompiledDraft(ids, pos, additive, None), [int(ids.shape[1])]
     pres = [int(pre[0].numel()) for pre in prefix_rows]
     rows = [p + int(tok.numel()) for (tok, _p, _q), p in zip(trees, pres)]
     width = max(rows) if rows else 0
