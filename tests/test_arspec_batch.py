@@ -194,3 +194,32 @@ def test_compile_one_host_tree_equals_the_staged_layout(seed, monkeypatch):
             staged, _ = compile_round([draft], [(3, 7)], ctx, torch.float32, RoundBuffers.allocate(1, 1 + n))
             assert torch.equal(staged.input_ids, one.input_ids) and torch.equal(staged.position_ids, one.position_ids)
             assert torch.equal(staged.attention_mask, one.attention_mask)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mask_workspace_rounds_equal_fresh_masks(seed):
+    """A generation's batch-of-one masks written into one workspace (only the columns that changed since the last
+    round) equal masks compiled fresh, round after round: the context growing by uneven commits, trees of every
+    size (both visibility builders), now and then a hidden cached column (holes), float32 and bfloat16."""
+    from spiffy.verify.host_tree import MaskWorkspace, compile_one_host_tree
+
+    g = torch.Generator().manual_seed(seed)
+    for dtype in (torch.float32, torch.bfloat16):
+        workspace = MaskWorkspace()
+        context = int(torch.randint(1, 20, (1,), generator=g))
+        for _round in range(12):
+            n = int(torch.randint(0, 260 if _round % 4 == 3 else 40, (1,), generator=g))
+            parents = [int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)]
+            depths = []
+            for p in parents:
+                depths.append(1 if p < 0 else depths[p] + 1)
+            tree = (torch.randint(0, 99, (n,), generator=g), torch.tensor(depths, dtype=torch.long),
+                    torch.tensor(parents, dtype=torch.long))
+            visible = torch.ones(1, context, dtype=torch.bool)
+            if _round % 5 == 4:
+                visible[0, int(torch.randint(0, context, (1,), generator=g))] = False
+            fresh = compile_one_host_tree(tree, ([5], [context]), visible, dtype, position_offset=context)
+            reused = compile_one_host_tree(tree, ([5], [context]), visible, dtype, position_offset=context,
+                                           workspace=workspace)
+            assert all(torch.equal(a, b) for a, b in zip(fresh, reused)), (dtype, _round, n)
+            context += int(torch.randint(1, 1 + min(n, 8) + 1, (1,), generator=g))  # the root and a few accepted

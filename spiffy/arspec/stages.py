@@ -26,7 +26,7 @@ valid.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -43,7 +43,7 @@ from spiffy.models.recurrent import RecurrentMixers, crop_attention, select_rows
 from spiffy.models.target import check_target_config
 from spiffy.torch_utils import execution_device
 from spiffy.verify import CompiledDraft, compile_tree_rows
-from spiffy.verify.host_tree import compile_one_host_tree
+from spiffy.verify.host_tree import MaskWorkspace, compile_one_host_tree
 
 __all__ = [
     "STAGES",
@@ -155,15 +155,18 @@ def check_context(target: nn.Module, prompt_len: int, max_new_tokens: int) -> No
 @dataclass
 class RoundBuffers:
     """Host staging of one round's verification inputs, allocated once per generation for its widest round and
-    filled in place every round (:func:`spiffy.verify.compile_tree_rows`'s ``staging``).
+    filled in place every round (:func:`spiffy.verify.compile_tree_rows`'s ``staging``), and the workspace a batch of
+    one writes its attention masks into (only what changed since the last round).
 
     Attributes:
         ids, positions: ``[B, W]`` long; visible: ``[B, W, W]`` bool (``W`` = 1 + the most draft nodes of a round).
+        mask: the :class:`~spiffy.verify.host_tree.MaskWorkspace` a batch of one's host masks are views of.
     """
 
     ids: torch.Tensor
     positions: torch.Tensor
     visible: torch.Tensor
+    mask: MaskWorkspace = field(default_factory=MaskWorkspace)
 
     @classmethod
     def allocate(cls, rows: int, width: int) -> "RoundBuffers":
@@ -171,10 +174,12 @@ class RoundBuffers:
                    torch.empty(rows, width, width, dtype=torch.bool))
 
     def ensure(self, rows: int, width: int) -> "RoundBuffers":
-        """These buffers if a round of ``rows`` x ``width`` fits them, else larger ones."""
+        """These buffers if a round of ``rows`` x ``width`` fits them, else larger ones (the mask workspace kept)."""
         if self.ids.shape[0] >= rows and self.ids.shape[1] >= width:
             return self
-        return RoundBuffers.allocate(max(rows, int(self.ids.shape[0])), max(width, int(self.ids.shape[1])))
+        grown = RoundBuffers.allocate(max(rows, int(self.ids.shape[0])), max(width, int(self.ids.shape[1])))
+        grown.mask = self.mask
+        return grown
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -276,7 +281,7 @@ def compile_round(trees: Sequence[DraftTree], roots: Sequence[tuple[int, int]], 
     if len(trees) == 1 and trees[0].parents.device.type == "cpu":  # one prompt's host tree: no staging, no padding
         (tree,), ((tok, pos),) = trees, roots
         ids, positions, mask = compile_one_host_tree((tree.tokens, tree.depths, tree.parents), ([tok], [pos]), valid,
-                                                     dtype, position_offset=pos)
+                                                     dtype, position_offset=pos, workspace=buffers.mask)
         return CompiledDraft(ids, positions, mask, None), [int(ids.shape[1])]
     return compile_tree_rows(
         [(t.tokens, t.depths + pos, t.parents) for t, (_tok, pos) in zip(trees, roots)],

@@ -71,6 +71,11 @@ _REREAD_SHARE = 1 / 4
 _MAX_CANDIDATES_PER_NODE = 8
 
 
+def _candidate_limit(budget: int) -> int:
+    """The most candidate tokens the comb bound may let through before lazy ranks are cheaper."""
+    return _MAX_CANDIDATES_PER_NODE * budget + _HOST_RANK_MAX
+
+
 def _chunk_width(vocab: int, budget: int) -> int | None:
     """The chunk width of the maximum pass (``None``: too few columns, rank whole rows instead).
 
@@ -316,7 +321,10 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> RankedDept
             if x.device.type != "cpu":
                 bar = bar.to(x.device)  # [L, 1]: a token below it is never popped
             rows, chunk = torch.nonzero(chunk_max >= bar, as_tuple=True)  # [n] (depth, chunk), row-major
-            if int(rows.shape[0]) * width > _REREAD_SHARE * depth_limit * vocab:
+            reread = int(rows.shape[0])
+            # every chunk that clears its bar holds at least one candidate (its maximum): past the candidate limit
+            # below, reading them would be wasted
+            if reread * width > _REREAD_SHARE * depth_limit * vocab or reread > _candidate_limit(budget):
                 return _lazy_ranks(logprobs, k)
             blocks = chunks[rows, chunk]  # [n, w]
             if tail is not None:  # every depth's tail block (chunk index C), after the picked ones
@@ -328,7 +336,7 @@ def ranked_candidates(logprobs: torch.Tensor, budget: int, k: int) -> RankedDept
             # each depth's entries are in ascending column order here (the tail blocks come last and hold the
             # last columns); both rankings keep that order between equal values
             n, m = int(rows.shape[0]), int(block.shape[0])
-            if m > _MAX_CANDIDATES_PER_NODE * budget + _HOST_RANK_MAX:
+            if m > _candidate_limit(budget):
                 return _lazy_ranks(logprobs, k)
             if m <= _HOST_RANK_MAX:
                 where = torch.cat([rows, chunk, block, offset]).tolist()

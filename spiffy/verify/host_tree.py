@@ -17,7 +17,7 @@ from array import array
 import numpy as np
 import torch
 
-__all__ = ["compile_one_host_tree"]
+__all__ = ["MaskWorkspace", "compile_one_host_tree"]
 
 #: from this many nodes the ancestor chains are walked in NumPy and scattered (below, bit-set rows and one masked
 #: fill of the tree block cost less)
@@ -79,10 +79,41 @@ def _tree_block_numpy(parents: list[int], n_pre: int, context_len: int, stride: 
     return np.concatenate([flat_prefix, flat_nodes])
 
 
+class MaskWorkspace:
+    """Memory a generation's batch-of-one rounds write their attention masks into, kept across rounds.
+
+    A mask is a view ``[R, C + R]`` of a ``[rows, cols]`` storage whose row stride stays fixed, so a round writes
+    only what changed: the columns that became cached context since the last round (zeroed in every row: visible),
+    then its own tree block ``[R, R]``. Cached columns are written in full only when some are hidden (a row with
+    left padding or holes) or the storage grows. The view is consumed by the round's forward before the next round
+    writes (host execution; a device mask is written in full every round, without the workspace).
+
+    Invariant: every row's columns ``[0, clean)`` are zero.
+    """
+
+    def __init__(self) -> None:
+        self.storage: torch.Tensor | None = None
+        self.clean = 0
+
+    def view(self, rows: int, context_len: int, dtype: torch.dtype, all_visible: bool) -> torch.Tensor:
+        """``[rows, context_len + rows]`` view whose cached columns are zero (visible) when ``all_visible``; the rest
+        of it is for the caller to write (the tree block always, the cached columns when not ``all_visible``)."""
+        width = context_len + rows
+        st = self.storage
+        if st is None or st.dtype != dtype or st.shape[0] < rows or st.shape[1] < width:
+            height = rows if st is None else max(rows, int(st.shape[0]))
+            st = self.storage = torch.zeros(height, 2 * width, dtype=dtype)
+            self.clean = 2 * width
+        if all_visible and self.clean < context_len:
+            st[:, self.clean : context_len] = 0
+        self.clean = context_len if all_visible else 0
+        return st[:rows, :width]
+
+
 def compile_one_host_tree(tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                           prefix: tuple[list[int], list[int]], context_visible: torch.Tensor,
-                          dtype: torch.dtype, position_offset: int | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          dtype: torch.dtype, position_offset: int | None = None,
+                          workspace: MaskWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One host tree below its prefix rows, as :func:`~spiffy.verify.compile_tree_rows` lays out a batch of one.
 
     Args:
@@ -93,6 +124,8 @@ def compile_one_host_tree(tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         dtype: the mask dtype.
         position_offset: ``None``, or ``tree``'s positions are its nodes' depths (children of the root at depth 1)
             below a root at this position: they are added to it.
+        workspace: the generation's :class:`MaskWorkspace` (host masks only): the mask is a view of it, written
+            only where it changed since the last round; ``None`` writes a fresh mask.
     Returns:
         ``(input_ids [1, R], position_ids [1, R], attention_mask [1, 1, R, C + R])`` (``R = P + N``) on
         ``context_visible``'s device.
@@ -110,11 +143,18 @@ def compile_one_host_tree(tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     stride = context_len + rows
     # [R, C + R]: everything hidden, then the visible cached columns and the tree block's visible entries opened
     hidden = torch.finfo(dtype).min
-    if rows <= _FILL_WHOLE_MAX_ROWS:  # few rows: a masked fill of the cached columns costs least
-        mask = torch.full((rows, stride), hidden, dtype=dtype, device=dev)
+    reuse = workspace is not None and dev.type == "cpu"
+    all_visible = reuse and bool(context_visible.all())  # a host tensor: no device synchronisation
+    if reuse:
+        mask = workspace.view(rows, context_len, dtype, all_visible)  # type: ignore[union-attr]
+    else:
+        mask = torch.empty((rows, stride), dtype=dtype, device=dev)
+    if all_visible:  # the cached columns are zero already: only the tree block is written
+        mask.narrow(1, context_len, rows).fill_(hidden)
+    elif rows <= _FILL_WHOLE_MAX_ROWS:  # few rows: a masked fill of the cached columns costs least
+        mask.fill_(hidden)
         mask.narrow(1, 0, context_len).masked_fill_(context_visible[0], 0.0)
     else:  # many rows: one row of the cached columns broadcast down, the tree block filled apart
-        mask = torch.empty((rows, stride), dtype=dtype, device=dev)
         mask.narrow(1, 0, context_len).copy_(torch.zeros(context_len, dtype=dtype, device=dev).masked_fill_(
             ~context_visible[0], hidden).expand(rows, context_len))
         mask.narrow(1, context_len, rows).fill_(hidden)
@@ -122,9 +162,11 @@ def compile_one_host_tree(tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         block = torch.from_numpy(_tree_block_bits(parents, n_pre)).view(torch.bool)
         mask.narrow(1, context_len, rows).masked_fill_(block if dev.type == "cpu" else block.to(dev), 0.0)
     else:
-        flat = torch.from_numpy(_tree_block_numpy(parents, n_pre, context_len, stride, max_depth))
-        mask.view(-1).index_fill_(0, flat if dev.type == "cpu" else flat.to(dev), 0.0)
+        # flat indices over the memory the view starts at (offset 0: the workspace's storage, or the fresh mask)
+        base = workspace.storage.view(-1) if reuse else mask.view(-1)  # type: ignore[union-attr]
+        flat = torch.from_numpy(_tree_block_numpy(parents, n_pre, context_len, int(mask.stride(0)), max_depth))
+        base.index_fill_(0, flat if dev.type == "cpu" else flat.to(dev), 0.0)
     packed = _long_tensor(prefix[0] + tok.tolist() + prefix[1] + positions).view(2, rows)
     if dev.type != "cpu":
         packed = packed.to(dev)
-    return packed[:1], packed[1:], mask.view(1, 1, rows, stride)
+    return packed[:1], packed[1:], mask.unsqueeze(0).unsqueeze(0)
