@@ -96,3 +96,46 @@ def test_default_prompts_skip_those_the_development_used(tmp_path: Path) -> None
 def test_ar_keeps_the_chat_template_by_default() -> None:
     args = build_parser().parse_args(["bench", "ar", "--out", "/tmp/x"])
     assert not args.no_chat  # None: the chat template, as before
+
+
+def test_the_default_run_adds_the_threshold_regime_with_its_shipped_graph() -> None:
+    """With no decoding flags, `bench dllm` also runs threshold 0.9 with the graph shipped for it; a run already at
+    a threshold, a graph named, or --also-threshold none adds nothing; a threshold no shipped graph fits is refused
+    with a fix."""
+    from spiffy.cli.bench_run import _companion_graph
+    from spiffy.cli.runtime import decode_config
+
+    model_dir = embedded_model_path("dllm")
+
+    def companion(*argv: str):
+        args = _args(*argv)
+        _graph_settings(args, {"dtype": "bfloat16", "chat": False}, "/g/tiny-sdar-s1.json")
+        cfg, _extra = decode_config(args)
+        return _companion_graph(args, cfg, model_dir)
+
+    tau, graph = companion()
+    assert tau == 0.9 and json.loads(graph.read_text())["calibration"]["decode_config"]["threshold"] == 0.9
+    assert json.loads(graph.read_text())["calibration"]["chat"] is False  # the main run's prompt format
+    assert companion("--also-threshold", "none") is None
+    assert companion("--threshold", "0.9") is None and companion("--graph", "tiny-sdar-s1") is None
+    assert companion("--threshold", "0.9", "--also-threshold", "0.9")[0] == 0.9  # asked for: run
+    with pytest.raises(ConfigError, match="no graph shipped .* threshold 0.5"):
+        companion("--also-threshold", "0.5")
+    with pytest.raises(SystemExit):
+        _args("--also-threshold", "1.5")
+
+
+def test_the_threshold_regime_is_reported_beside_the_main_one(tmp_path: Path) -> None:
+    from spiffy.cli.main import main
+
+    out = tmp_path / "b"
+    rc = main(["bench", "dllm", "--dataset", "humaneval", "--max-prompts", "1", "--budgets", "3", "--freedave", "none",
+               "--ssd", "none", "--gen-length", "32", "--warmup", "0", "--no-progress", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    comp = res["companion"]
+    assert comp["decoding"]["threshold"] == 0.9 and res["decoding"]["threshold"] is None
+    assert comp["prompt_ids"] == res["prompt_ids"] and [r["budget"] for r in comp["runs"]] == [3]
+    assert comp["all_identical"] is True and res["all_identical"] is True
+    assert comp["graph"]["path"].endswith("tiny-sdar-t09.json")
+    assert "## Spiffy on top of threshold 0.9 decoding" in (out / "results.md").read_text()

@@ -188,10 +188,17 @@ def markdown_dllm(res: dict[str, Any]) -> str:
     for r in res["runs"]:
         rates = " ".join(f"{k}:{v:.2f}" for k, v in r["acceptance_rate_per_level"].items()) or "-"
         lines.append(f"| {_run_label(r)} | {_hist_str(r['acceptance_histogram'])} | {_hist_str(r['accepted_per_level'])} | {rates} |")
-    return _tail_sections(
+    text = _tail_sections(
         lines, [dict(r, run=_run_label(r)) for r in res["runs"]], res, "run", "run",
         "Mismatches (speculative output differs from the baseline)", lambda r: r["run"],
     )
+    companion = res.get("companion")
+    if companion:  # the second regime (``--also-threshold``): its own report, one heading level down
+        body = markdown_dllm(companion).split("\n", 1)[1]
+        threshold = companion.get("decoding", {}).get("threshold")
+        text += (f"\n## Spiffy on top of threshold {threshold} decoding (same prompts, its own baseline)\n"
+                 + body.replace("\n## ", "\n### "))
+    return text
 
 
 def _versus(run: dict[str, Any], rival: str) -> str:

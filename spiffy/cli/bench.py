@@ -26,7 +26,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from spiffy.cli.flags import add_decoding_arguments, add_sampling_arguments, add_threads_argument, plain_text
+from spiffy.cli.flags import (
+    add_decoding_arguments,
+    add_sampling_arguments,
+    add_threads_argument,
+    plain_text,
+    threshold_or_none,
+)
 from spiffy.cli.names import OVERHEAD_BUDGETS, SCORE_HELP, SCORES
 from spiffy.cli.placement import add_placement_arguments
 
@@ -91,6 +97,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="also run SSD (arXiv 2510.04147) with these states per forward K, e.g. 2,4,6: its verification "
                         "path of K-1 self-drafted states (the most confident positions the step leaves masked), like "
                         "Spiffy at budget K-1; same run, same prompts (default: each budget + 1; none: no rows)")
+    d.add_argument("--also-threshold", default=None, type=threshold_or_none, metavar="TAU|none",
+                   help="also run the threshold-TAU decoding regime (tokens committed while their confidence reaches "
+                        "TAU): its baseline against Spiffy on top of it with the model's shipped graph for it, same "
+                        "prompts and budgets, reported in a second table (default: 0.9 when this run decodes with "
+                        "the default one-token-per-step regime and the model ships a graph calibrated for 0.9; "
+                        "none: skip)")
     d.add_argument("--score", default=None, choices=SCORES, help="pruning score of the Spiffy rows. " + SCORE_HELP)
     _common(d, "1,3,5", "Spiffy budgets D (drafts verified per model call)")
     add_decoding_arguments(d, defaults="the values of the graph the run uses (--graph, else the model's shipped "

@@ -17,7 +17,14 @@ from spiffy.bench.dllm import run_dllm_bench
 from spiffy.bench.overheads import markdown_overheads, run_overheads
 from spiffy.bench.report import markdown_report, write_report
 from spiffy.bench.throughput import ar_methods, dllm_methods, encode_prompts, markdown_throughput, measure, parse_batch_sizes, throughput_report
-from spiffy.cli.graph_defaults import differences, difference_note, pick_defaults_graph, recorded_settings, requested_decoding
+from spiffy.cli.graph_defaults import (
+    DEFAULT_COMPANION_THRESHOLD,
+    difference_note,
+    differences,
+    pick_defaults_graph,
+    recorded_settings,
+    requested_decoding,
+)
 from spiffy.cli.placement import placement_kwargs
 from spiffy.cli.runtime import check_output_path, decode_config, quiet_loading, set_threads
 from spiffy.distributed import join_data_parallel
@@ -117,6 +124,36 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
     return prompts
 
 
+def _companion_graph(args: argparse.Namespace, cfg: Any, model_dir: Path) -> tuple[float, Path] | None:
+    """``--also-threshold``: the threshold regime to run beside this one and the shipped graph calibrated for it,
+    or ``None`` (unset: 0.9 when this run decodes one token per step with the default graph and a graph for 0.9
+    ships with the model; ``none``: never). A value given with no graph for it shipped is a :class:`ConfigError`."""
+    given = args.also_threshold  # None (unset), "none" or a confidence (flags.threshold_or_none)
+    if given == "none" or (given is None and (cfg.threshold is not None or args.graph)):
+        return None
+    tau = DEFAULT_COMPANION_THRESHOLD if given is None else float(given)
+    fitting = [path for path in shipped_graphs(model_dir)
+               if (recorded_settings(path).get("decode_config") or {}).get("threshold") == tau]
+    chosen = pick_defaults_graph(fitting, args.dtype, not args.no_chat, {"threshold": tau})
+    if chosen is None and given is not None:
+        raise ConfigError(f"--also-threshold {tau}: no graph shipped with {model_dir} was calibrated for threshold "
+                          f"{tau}; fix: calibrate one (`spiffy calibrate --threshold {tau}`) and run `spiffy bench "
+                          "dllm --graph FILE --threshold` with it, or pass --also-threshold none")
+    return None if chosen is None else (tau, chosen)
+
+
+def _companion_run(args: argparse.Namespace, companion: tuple[float, Path], run: Any) -> dict[str, Any]:
+    """The threshold regime's baseline against Spiffy with its graph (``run``: :func:`run_dllm_bench` with the
+    model, prompts and placement of the main run bound), the user's other decoding flags kept."""
+    tau, path = companion
+    flags = argparse.Namespace(**vars(args))
+    flags.threshold = tau
+    cfg, extra = decode_config(flags, recorded_settings(path).get("decode_config"))
+    print(f"spiffy bench dllm: also threshold {tau} decoding with the shipped graph {path.name} "
+          "(--also-threshold none skips it)", file=sys.stderr)
+    return run(cfg, load_graph(path), extra, str(path))
+
+
 def run_dllm(args: argparse.Namespace) -> int:
     """``spiffy bench dllm``."""
     budgets = parse_budgets(args.budgets)
@@ -156,15 +193,24 @@ def run_dllm(args: argparse.Namespace) -> int:
                            gen_length=cfg.gen_length)
     freedave = parse_rival_list("freedave", _rival_widths(args.freedave, budgets))
     ssd = parse_rival_list("ssd", _rival_widths(args.ssd, budgets))
+    companion = _companion_graph(args, cfg, model_dir)
     announce_cost("spiffy bench dllm", len(prompts),
                   ["baseline"] + [f"Spiffy D*={b}" for b in budgets] + [f"FreeDave {k}" for k in freedave]
-                  + [f"SSD {k}" for k in ssd],
+                  + [f"SSD {k}" for k in ssd]
+                  + ([f"threshold {companion[0]}: baseline"] + [f"Spiffy D*={b}" for b in budgets] if companion else []),
                   f"decodes of {cfg.gen_length} positions", args.warmup)
-    res = run_dllm_bench(
-        model, tokenizer, prompts, cfg, graph, budgets, config_overrides=extra, chat=not args.no_chat,
-        warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
-        graph_path=str(graph_path), device=device, parallel=dp, freedave=freedave, ssd=ssd, score=args.score,
-    )
+
+    def run(run_cfg: Any, run_graph: Any, run_extra: dict[str, Any], run_path: str, **rivals: Any) -> dict[str, Any]:
+        return run_dllm_bench(
+            model, tokenizer, prompts, run_cfg, run_graph, budgets, config_overrides=run_extra, chat=not args.no_chat,
+            warmup=args.warmup, progress=not args.no_progress, model_name=str(model_dir), dataset=args.dataset,
+            graph_path=run_path, device=device, parallel=dp, score=args.score, **rivals,
+        )
+
+    res = run(cfg, graph, extra, str(graph_path), freedave=freedave, ssd=ssd)
+    if companion is not None:
+        res["companion"] = _companion_run(args, companion, run)
+        res["all_identical"] = bool(res["all_identical"] and res["companion"]["all_identical"])
     return _finish(args, res, "some speculative outputs differ from the baseline")
 
 

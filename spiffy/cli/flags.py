@@ -47,6 +47,11 @@ def add_threads_argument(parser: argparse.ArgumentParser, help_text: str = THREA
     return parser
 
 
+def threshold_or_none(text: str) -> float | str:
+    """argparse type of ``--also-threshold``: ``"none"`` (skip), else a confidence as :func:`threshold` takes."""
+    return "none" if text.strip().lower() == "none" else threshold(text)
+
+
 def threshold(text: str) -> float:
     """argparse type of ``--threshold``: a number in (0, 1] (a fix that names the flag, not a Python value)."""
     try:

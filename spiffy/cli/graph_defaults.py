@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from spiffy.selfspec.graph import load_graph
 
-__all__ = ["DECODE_FIELDS", "differences", "difference_note", "pick_defaults_graph", "recorded_settings",
+__all__ = ["DECODE_FIELDS", "DEFAULT_COMPANION_THRESHOLD", "differences", "difference_note", "pick_defaults_graph", "recorded_settings",
            "requested_decoding"]
 
 #: DecodeConfig fields compared between a graph's calibration and a run (the decoding flags that shape the drafts)
@@ -23,6 +23,9 @@ DECODE_FIELDS: tuple[str, ...] = (
     "gen_length", "block_length", "steps", "threshold", "remasking", "cache", "cfg_scale", "alg", "alg_temp",
     "temperature",
 )
+
+#: ``spiffy bench dllm``'s default second regime: threshold decoding at this confidence, beside one token per step
+DEFAULT_COMPANION_THRESHOLD = 0.9
 
 
 def recorded_settings(path: str | Path | None) -> dict[str, Any]:
