@@ -76,3 +76,24 @@ def test_tree_mask_is_ancestor_only() -> None:
     assert visible[0, 3:].sum() == 1  # the root sees only itself
     for i in range(1, 7):  # a node's depth is the number of tree nodes it sees, minus itself
         assert int(positions[0, i]) == 3 + int(visible[i, 3:].sum()) - 1
+
+
+def test_cpu_size_study_self_check() -> None:
+    """scripts/cpu_dllm_sizes.py (which model size and cache mode turn Spiffy's saved forwards into CPU wall-clock)
+    at toy size: every family and cache mode measured, each projection = the headline's NFE reduction / the
+    measured cost ratio, the scaled architecture has the asked-for shape."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpu_dllm_sizes", ROOT / "scripts" / "cpu_dllm_sizes.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    cfg = study.scaled(gpu_costs.real_config("JetLM--SDAR-4B-Chat"), 256, 3, 1000)
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["mask_token_id"]) == (256, 3, 1000, 999)
+    res = study.run(study.SELF_CHECK_LADDER, range(1, 3), reps=1, prompt=8, gen=8)
+    assert {(r["family"], r["cache"]) for r in res["rows"]} == {("SDAR", "prefix"), ("LLaDA", "none"),
+                                                               ("LLaDA", "prefix"), ("LLaDA", "dual")}
+    measured = {m["budget"]: m["nfe_reduction"] for m in res["measured"]}
+    for r in res["rows"]:
+        assert r["budget"] == 1 and r["projected_speedup"] == pytest.approx(measured[1] / r["cost_ratio"])
+    table = study.markdown(res)
+    assert table.startswith("PROJECTION") and table.count("| SDAR |") == 1 and table.count("| LLaDA |") == 3
