@@ -38,9 +38,10 @@ def test_first_commands_from_an_empty_directory(tmp_path: Path) -> None:
     dllm = _run(["bench", "dllm", "--dataset", "mbpp", "--max-prompts", "1", "--budgets", "1", "--gen-length", "64",
                  "--block-length", "32", "--steps", "64", "--out", "D", "--no-progress"], tmp_path)
     assert dllm.returncode == 0, dllm.stderr[-3000:]
-    assert "1 prompt(s) x 4 configuration(s)" in dllm.stderr and "graphs/tiny-sdar-s1.json" in dllm.stderr
+    # baseline, Spiffy, FreeDave and SSD; then threshold 0.9's baseline and Spiffy on top of it
+    assert "1 prompt(s) x 6 configuration(s)" in dllm.stderr and "graphs/tiny-sdar-s1.json" in dllm.stderr
     res = json.loads((tmp_path / "D" / "results.json").read_text())
-    assert res["all_identical"] and res["num_prompts"] == 1
+    assert res["all_identical"] and res["num_prompts"] == 1 and res["companion"]["all_identical"]
 
     ar = _run(["bench", "ar", "--dataset", "gsm8k", "--max-prompts", "1", "--budgets", "16", "--max-new-tokens", "16",
                "--out", "D2", "--no-progress"], tmp_path)
