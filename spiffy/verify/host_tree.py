@@ -28,6 +28,18 @@ _FILL_WHOLE_MAX_ROWS = 48
 _ORDER_ERROR = "every parent index must be smaller than its node's index (parents precede children)"
 
 
+_HIDDEN: dict[torch.dtype, float] = {}
+
+
+def _hidden_value(dtype: torch.dtype) -> float:
+    """The additive mask's "hidden" value, the dtype's minimum (looked up once per dtype: ``torch.finfo`` costs
+    about a microsecond a call)."""
+    value = _HIDDEN.get(dtype)
+    if value is None:
+        value = _HIDDEN[dtype] = float(torch.finfo(dtype).min)
+    return value
+
+
 def _long_tensor(values: list[int]) -> torch.Tensor:
     """``[n]`` long CPU tensor of a list of ints, through a packed buffer (several times faster than
     ``torch.tensor`` on a list; the tensor keeps the buffer alive)."""
@@ -107,7 +119,7 @@ class MaskWorkspace:
         if all_visible and self.clean < context_len:
             st[:, self.clean : context_len] = 0
         self.clean = context_len if all_visible else 0
-        return st[:rows, :width]
+        return st.narrow(0, 0, rows).narrow(1, 0, width)
 
 
 def compile_one_host_tree(tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -142,31 +154,33 @@ def compile_one_host_tree(tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     rows = n_pre + n
     stride = context_len + rows
     # [R, C + R]: everything hidden, then the visible cached columns and the tree block's visible entries opened
-    hidden = torch.finfo(dtype).min
+    hidden = _hidden_value(dtype)
     reuse = workspace is not None and dev.type == "cpu"
     all_visible = reuse and bool(context_visible.all())  # a host tensor: no device synchronisation
     if reuse:
         mask = workspace.view(rows, context_len, dtype, all_visible)  # type: ignore[union-attr]
     else:
         mask = torch.empty((rows, stride), dtype=dtype, device=dev)
+    tree_block = mask.narrow(1, context_len, rows)
     if all_visible:  # the cached columns are zero already: only the tree block is written
-        mask.narrow(1, context_len, rows).fill_(hidden)
+        tree_block.fill_(hidden)
     elif rows <= _FILL_WHOLE_MAX_ROWS:  # few rows: a masked fill of the cached columns costs least
         mask.fill_(hidden)
         mask.narrow(1, 0, context_len).masked_fill_(context_visible[0], 0.0)
     else:  # many rows: one row of the cached columns broadcast down, the tree block filled apart
         mask.narrow(1, 0, context_len).copy_(torch.zeros(context_len, dtype=dtype, device=dev).masked_fill_(
             ~context_visible[0], hidden).expand(rows, context_len))
-        mask.narrow(1, context_len, rows).fill_(hidden)
+        tree_block.fill_(hidden)
     if n < _VECTOR_WALK_MIN_NODES:
         block = torch.from_numpy(_tree_block_bits(parents, n_pre)).view(torch.bool)
-        mask.narrow(1, context_len, rows).masked_fill_(block if dev.type == "cpu" else block.to(dev), 0.0)
+        tree_block.masked_fill_(block if dev.type == "cpu" else block.to(dev), 0.0)
     else:
         # flat indices over the memory the view starts at (offset 0: the workspace's storage, or the fresh mask)
         base = workspace.storage.view(-1) if reuse else mask.view(-1)  # type: ignore[union-attr]
         flat = torch.from_numpy(_tree_block_numpy(parents, n_pre, context_len, int(mask.stride(0)), max_depth))
         base.index_fill_(0, flat if dev.type == "cpu" else flat.to(dev), 0.0)
-    packed = _long_tensor(prefix[0] + tok.tolist() + prefix[1] + positions).view(2, rows)
+    packed = _long_tensor(prefix[0] + tok.tolist() + prefix[1] + positions).view(2, 1, rows)
     if dev.type != "cpu":
         packed = packed.to(dev)
-    return packed[:1], packed[1:], mask.unsqueeze(0).unsqueeze(0)
+    ids, pos = packed.unbind(0)
+    return ids, pos, mask[None, None]
