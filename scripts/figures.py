@@ -67,7 +67,7 @@ FIGURES: dict[str, Figure] = {f.id: f for f in (
                   "--max-new-tokens", "64", "--no-chat", "--methods", "ar,dflash,ddtree"),
            "plain AR, the DFlash chain and DDTree on the 4M-parameter demo pair"),
     Figure("ar-small", ("bench", "ar", "--target", "small-qwen3", "--drafter", "small-qwen3-dflash-b16", "--dataset",
-                        "humaneval", "--budgets", "8,16,32", "--max-prompts", "10", "--max-new-tokens", "128",
+                        "humaneval", "--budgets", "16,32,64", "--max-prompts", "10", "--max-new-tokens", "128",
                         "--no-chat", "--methods", "ar,dflash,ddtree"),
            "the wall-clock pair: a 12M-parameter target with a drafter a tenth of its size"),
     Figure("ar-bf16", ("bench", "ar", "--dtype", "bfloat16", "--budgets", "16,32", "--max-prompts", "20",
