@@ -299,3 +299,21 @@ def test_fast_builder_equals_oracle_on_every_path(monkeypatch):
     assert used >= {"bound on host", "bound on device", "rank on host", "rank on device", "direct top-k",
                     "top_ranked"}, used
     assert {256, 128, 64} <= widths, widths
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(17, 90), st.integers(1, 400), st.integers(0, 2**31 - 1),
+       st.sampled_from(["peaked", "flat", "ties"]))
+def test_lazy_ranks_grow_into_the_oracle_tree(depth, vocab, budget, seed, kind):
+    """Random small-vocabulary rows with budgets past the first 16 ranks: depths are ranked further only as the
+    heap reaches their end (a flat row's first depth all the way to K, several times over), ties included, and the
+    tree is the oracle's over full rankings, node for node."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(depth, vocab, generator=g) * (0.3 if kind == "flat" else 3.0)
+    if kind == "ties":
+        logits = torch.round(logits)
+    lp = torch.log_softmax(logits, dim=-1)
+    tree = build_ddtree(lp, budget)
+    tokens, parents, depths, scores = _oracle_tree(lp, budget)
+    assert (tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()) == (tokens, parents, depths)
+    assert tree.scores.tolist() == scores
