@@ -5,13 +5,15 @@ One home each, so the device of a model and the spelling of a dtype are decided 
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, Mapping
 
 import torch
 
 from spiffy.errors import ConfigError
 
-__all__ = ["DTYPE_NAMES", "execution_device", "model_device", "model_dtype", "dtype_name", "resolve_dtype"]
+__all__ = ["DTYPE_NAMES", "execution_device", "host_tensor", "model_device", "model_dtype", "dtype_name",
+           "resolve_dtype"]
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -105,3 +107,16 @@ def resolve_dtype(dtype: Any, config: Mapping[str, Any] | None = None, device: A
         if key in DTYPE_NAMES:
             return DTYPE_NAMES[key]
     raise ConfigError(f"unknown dtype {dtype!r}; fix: use a torch.dtype, one of {sorted(DTYPE_NAMES)}, or 'auto'")
+
+
+#: array typecodes of the dtypes :func:`host_tensor` packs
+_TYPECODES = {torch.long: "q", torch.float64: "d", torch.float32: "f"}
+
+
+def host_tensor(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+    """``[n]`` CPU tensor (long, float64 or float32) of a list of Python numbers, read from one packed buffer: several
+    times faster than ``torch.tensor`` on a list (floats are rounded to nearest; the tensor keeps the buffer alive)."""
+    if not values:
+        return torch.zeros(0, dtype=dtype)
+    return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
+

@@ -24,13 +24,13 @@ lazily, the top 16 first and more only for a depth whose last rank the heap pops
 from __future__ import annotations
 
 import heapq
-from array import array
 from dataclasses import dataclass
 
 import torch
 
 from spiffy.errors import ConfigError
-from spiffy.arspec.tree_ranks import host_tensor, ranked_candidates
+from spiffy.torch_utils import host_tensor
+from spiffy.arspec.tree_ranks import ranked_candidates
 
 __all__ = ["DraftTree", "NodeProposals", "build_ddtree", "build_chain", "empty_tree"]
 
@@ -162,7 +162,7 @@ def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
     # one packed buffer for the three integer fields (several times faster than ``torch.tensor`` on lists); the
     # tensors are views of it and keep it alive
     n = len(tokens)
-    packed = torch.frombuffer(array("q", tokens + parents + depths), dtype=torch.long)
+    packed = host_tensor(tokens + parents + depths, torch.long)
     return DraftTree(packed[:n], packed[n : 2 * n], packed[2 * n :], host_tensor(scores, torch.float64))
 
 

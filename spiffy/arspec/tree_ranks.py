@@ -33,19 +33,13 @@ small tensor operations and at most five host synchronisations.
 from __future__ import annotations
 
 import math
-from array import array
 
 import torch
 
 from spiffy.topk import top_ranked
+from spiffy.torch_utils import host_tensor
 
-__all__ = ["RankedDepths", "host_tensor", "ranked_candidates"]
-
-
-def host_tensor(values: list[float], dtype: torch.dtype) -> torch.Tensor:
-    """``[n]`` float32 / float64 CPU tensor of a non-empty list of Python floats (rounded to nearest), sharing the
-    packed buffer it was read from (the tensor keeps the buffer alive)."""
-    return torch.frombuffer(array("d" if dtype == torch.float64 else "f", values), dtype=dtype)
+__all__ = ["RankedDepths", "ranked_candidates"]
 
 
 #: chunk widths for the comb bound, widest first; a row needs at least :data:`_MIN_CHUNKS` of them

@@ -27,7 +27,7 @@ from typing import Callable, Hashable, Literal, Sequence, TypeVar
 import torch
 
 from spiffy.errors import StepLimitError
-from spiffy.verify.host_tree import compile_one_host_tree
+from spiffy.verify.host_tree import PARENT_ORDER_ERROR, compile_one_host_tree
 
 Visibility = Literal["ancestors", "self"]
 
@@ -276,7 +276,7 @@ def compile_tree(
     if positions.numel() != n or parents.numel() != n:
         raise ValueError(f"tokens ({n}), positions ({positions.numel()}) and parents ({parents.numel()}) must have one entry per node")
     if n and bool((parents >= torch.arange(n, device=dev)).any()):
-        raise ValueError("every parent index must be smaller than its node's index (parents precede children)")
+        raise ValueError(PARENT_ORDER_ERROR)
     n_pre = 0 if prefix_rows is None else int(prefix_rows[0].numel())
     r = n_pre + n
     vis = torch.zeros(r, r, dtype=torch.bool, device=dev)
@@ -302,7 +302,7 @@ def _ancestor_pairs(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     ancestors: list[int] = []
     for i, p in enumerate(parents):
         if p >= i:
-            raise ValueError("every parent index must be smaller than its node's index (parents precede children)")
+            raise ValueError(PARENT_ORDER_ERROR)
         chain = (chains[p] if p >= 0 else []) + [i]
         chains.append(chain)
         nodes.extend([i] * len(chain))
@@ -373,8 +373,7 @@ def compile_tree_rows(
                 vis[b, n_pre:r, n_pre:r][node, ancestor] = True
             else:
                 if bool((par >= torch.arange(n, device=par.device)).any()):
-                    raise ValueError("every parent index must be smaller than its node's index (parents precede "
-                                     "children)")
+                    raise ValueError(PARENT_ORDER_ERROR)
                 vis[b, n_pre:r, n_pre:r] = tree_ancestor_mask(par.reshape(-1), None if max_depths is None
                                                               else max_depths[b]).cpu()
         if r < width:  # padding rows: the pad token at the last position, each sees only itself

@@ -12,12 +12,12 @@ indices, a 1024-node tree in about a tenth of a millisecond.
 
 from __future__ import annotations
 
-from array import array
-
 import numpy as np
 import torch
 
-__all__ = ["MaskWorkspace", "compile_one_host_tree"]
+from spiffy.torch_utils import host_tensor
+
+__all__ = ["PARENT_ORDER_ERROR", "MaskWorkspace", "compile_one_host_tree"]
 
 #: from this many nodes the ancestor chains are walked in NumPy and scattered (below, bit-set rows and one masked
 #: fill of the tree block cost less)
@@ -25,7 +25,8 @@ _VECTOR_WALK_MIN_NODES = 192
 #: up to this many rows the mask is filled whole and the cached columns opened by a masked fill
 _FILL_WHOLE_MAX_ROWS = 48
 
-_ORDER_ERROR = "every parent index must be smaller than its node's index (parents precede children)"
+#: the error a tree whose parents do not precede their children gets (every compile path)
+PARENT_ORDER_ERROR = "every parent index must be smaller than its node's index (parents precede children)"
 
 
 _HIDDEN: dict[torch.dtype, float] = {}
@@ -40,12 +41,6 @@ def _hidden_value(dtype: torch.dtype) -> float:
     return value
 
 
-def _long_tensor(values: list[int]) -> torch.Tensor:
-    """``[n]`` long CPU tensor of a list of ints, through a packed buffer (several times faster than
-    ``torch.tensor`` on a list; the tensor keeps the buffer alive)."""
-    return torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.zeros(0, dtype=torch.long)
-
-
 def _tree_block_bits(parents: list[int], n_pre: int) -> np.ndarray:
     """``[R, R]`` 0/1 visibility of the tree block (``R = P + N``): the prefix rows see each other, every node sees
     the prefix, its ancestors and itself. Each row is a Python integer used as a bit set (a node's row is its
@@ -54,7 +49,7 @@ def _tree_block_bits(parents: list[int], n_pre: int) -> np.ndarray:
     rows = [prefix] * n_pre
     for i, p in enumerate(parents):
         if p >= i:
-            raise ValueError(_ORDER_ERROR)
+            raise ValueError(PARENT_ORDER_ERROR)
         rows.append((rows[n_pre + p] if p >= 0 else prefix) | (1 << (n_pre + i)))
     width = len(rows)
     nbytes = (width + 7) // 8
@@ -73,7 +68,7 @@ def _tree_block_numpy(parents: list[int], n_pre: int, context_len: int, stride: 
     up[n] = -1  # index -1 reads this sentinel: a walk past the root stays there
     nodes = np.arange(n, dtype=np.int64)
     if bool((up[:n] >= nodes).any()):
-        raise ValueError(_ORDER_ERROR)
+        raise ValueError(PARENT_ORDER_ERROR)
     levels = [nodes]  # levels[k][i]: node i's ancestor k levels up (-1 past the root)
     cur = up[:n]
     # each step moves to a strictly smaller index: at most n levels; a known depth needs no check per level
@@ -179,7 +174,7 @@ def compile_one_host_tree(tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         base = workspace.storage.view(-1) if reuse else mask.view(-1)  # type: ignore[union-attr]
         flat = torch.from_numpy(_tree_block_numpy(parents, n_pre, context_len, int(mask.stride(0)), max_depth))
         base.index_fill_(0, flat if dev.type == "cpu" else flat.to(dev), 0.0)
-    packed = _long_tensor(prefix[0] + tok.tolist() + prefix[1] + positions).view(2, 1, rows)
+    packed = host_tensor(prefix[0] + tok.tolist() + prefix[1] + positions, torch.long).view(2, 1, rows)
     if dev.type != "cpu":
         packed = packed.to(dev)
     ids, pos = packed.unbind(0)
