@@ -17,7 +17,7 @@ from those files:
 code and compares it with the documents: a renamed or added column, or a figure edited by hand, fails the suite until
 this script is run again. Usage::
 
-    python scripts/figures.py                   # every figure (about 7 minutes on two cores at load 2)
+    python scripts/figures.py                   # every figure (about 15 minutes on two cores at load 2)
     python scripts/figures.py --only ar,overheads
     python scripts/figures.py --render-only     # rewrite the documents from docs/figures/*.json, run nothing
 
@@ -63,6 +63,10 @@ FIGURES: dict[str, Figure] = {f.id: f for f in (
     Figure("dllm", ("bench", "dllm", "--dataset", "humaneval"),
            "the demo dLLM with every default: its shipped graph's configuration, Spiffy D* = 1..5, FreeDave and SSD, "
            "and Spiffy on top of threshold 0.9 decoding"),
+    Figure("dllm-rivals", ("bench", "dllm", "--dataset", "humaneval", "--max-prompts", "50", "--budgets", "1,2,3,4,5",
+                           "--freedave", "2,3,4,5,6", "--ssd", "2,3,4,5,6", "--also-threshold", "none"),
+           "Spiffy against FreeDave and SSD at every width from 2 to 6 states per forward, on 50 held-out prompts "
+           "(enough to separate a few per cent)"),
     Figure("ar", ("bench", "ar", "--dataset", "humaneval", "--budgets", "16,32,64,128,256", "--max-prompts", "10",
                   "--max-new-tokens", "64", "--no-chat", "--methods", "ar,dflash,ddtree"),
            "plain AR, the DFlash chain and DDTree on the 4M-parameter demo pair"),

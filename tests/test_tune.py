@@ -9,12 +9,15 @@ import pytest
 import torch
 from conftest import load_f64
 
+from spiffy.bench.datasets import held_out_from, load_benchmark_prompts
 from spiffy.cli.main import main
 from spiffy.decoding import DecodeConfig, make_session, run_baseline
+from spiffy.embedded import embedded_graph_path, embedded_model_path
 from spiffy.errors import ConfigError
-from spiffy.models import load_tokenizer
+from spiffy.models import load_model, load_tokenizer
 from spiffy.selfspec.calibrate import calibrate
 from spiffy.selfspec.chains import Chain, Trajectory
+from spiffy.selfspec.freedave import freedave_graph
 from spiffy.selfspec.graph import DraftGraph, load_graph
 from spiffy.selfspec.pruning import DEFAULT_BUDGET, resolve_budget
 from spiffy.selfspec.prompts import prompt_token_ids
@@ -197,3 +200,30 @@ def test_the_graph_file_keeps_the_test_and_old_files_still_load(tmp_path: Path) 
     old = load_graph(path)
     assert old.tuned_budget == 1 and "p_value" not in old.projected["candidates"][0]
     assert "(clearly more than the chain)" in old.summary() and "p =" not in old.summary()
+
+
+def test_rival_headroom_replays_spend_what_real_runs_spend() -> None:
+    """scripts/dllm_rival_headroom.py on one held-out prompt of the shipped tiny-sdar (16 positions): its replays of
+    FreeDave's chain and of the shipped graph spend exactly the forwards that real runs spend at the same budget,
+    and the perfect-foresight bound never spends more than either."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("dllm_rival_headroom", root / "scripts" / "dllm_rival_headroom.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    model_dir = embedded_model_path("dllm")
+    graph = load_graph(embedded_graph_path(model_dir))
+    config = study.graph_config(graph, gen_length=16)
+    model = load_model(model_dir, dtype=graph.meta["calibration"]["dtype"])
+    prompt = load_benchmark_prompts("humaneval", skip=held_out_from("humaneval"), max_prompts=1)[0].prompt
+    ids = prompt_token_ids(load_tokenizer(model_dir), prompt, chat=False)
+    rows = study.compare(study.record(model, [ids], config, 4), graph, (1, 2))
+    for row in rows:
+        d, spent = row["budget"], row["forwards"]
+        real_graph = speculative_generate(make_session(model, torch.tensor([ids]), config), graph, d).nfe
+        real_chain = speculative_generate(make_session(model, torch.tensor([ids]), config),
+                                          freedave_graph(model, config, d + 1), d).nfe
+        assert (spent["graph"], spent["chain"]) == (real_graph, real_chain)
+        assert spent["bound"] <= min(spent["graph"], spent["chain"]) < spent["baseline"]
+    assert "| 2 | 3 |" in study.markdown({"rows": rows, "first_misses": {"steps": 1, "chain_share": 1.0, "instead": {}}})

@@ -32,7 +32,7 @@ Replaying costs no model call: a pruning per recorded step and candidate (millis
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -73,6 +73,48 @@ def replay_ranking(probs: torch.Tensor) -> Ranking:
     )
 
 
+def replay_walks(trajectories: Sequence[Trajectory],
+                 depth_at: Callable[[Trajectory, int, Chain], int]) -> dict[str, Any]:
+    """Walk recorded trajectories the way the runtime walks a generation, with drafts decided by ``depth_at``.
+
+    At step ``n`` with a recorded chain, ``depth_at(trajectory, n, chain)`` drafts are accepted (what a pruned graph,
+    the chain, or a bound would accept there); the walk saves that many forwards and goes on at ``n + 1 + depth``.
+    Steps without a chain (block starts, commit forwards) cost what they cost the baseline, as in
+    :func:`~spiffy.selfspec.select.project`.
+
+    Returns:
+        ``{"baseline_nfe", "projected_nfe", "reduction", "saved_forwards", "walks", "accepted_per_level",
+        "saved_per_prompt"}``.
+    """
+    baseline = sum(t.nfe for t in trajectories)
+    saved = walks = 0
+    per_level: Counter[int] = Counter()
+    per_prompt: list[int] = []
+    for t in trajectories:
+        saved_before = saved
+        n = 0
+        while n < t.num_steps:  # bounded: every pass advances n by at least 1
+            chain = t.chains.get(n)
+            depth = 0
+            if chain is not None:
+                walks += 1
+                depth = depth_at(t, n, chain)
+            per_level.update(range(1, depth + 1))
+            saved += depth
+            n += 1 + depth
+        per_prompt.append(saved - saved_before)
+    projected = baseline - saved
+    return {
+        "baseline_nfe": baseline,
+        "projected_nfe": projected,
+        "reduction": (baseline / projected) if projected > 0 else 1.0,
+        "saved_forwards": saved,
+        "walks": walks,
+        "accepted_per_level": [per_level[lvl] for lvl in range(1, max(per_level, default=0) + 1)],
+        "saved_per_prompt": per_prompt,
+    }
+
+
 def project_at_budget(trajectories: Sequence[Trajectory], graph: DraftGraph, budget: int, score: str) -> dict[str, Any]:
     """Replay the runtime's pruning at ``budget`` drafts per step on recorded trajectories.
 
@@ -82,50 +124,25 @@ def project_at_budget(trajectories: Sequence[Trajectory], graph: DraftGraph, bud
         budget: drafts kept per step (``D*``).
         score: the pruning score (:data:`~spiffy.selfspec.pruning.SCORES`).
     Returns:
-        ``{"budget", "score", "baseline_nfe", "projected_nfe", "reduction", "saved_forwards", "walks",
-        "accepted_per_level"}``; steps without drafts and block-start / commit forwards cost what they cost the
-        baseline, as in :func:`~spiffy.selfspec.select.project`.
+        ``{"budget", "score"}`` and :func:`replay_walks`' counts.
     Raises:
         ConfigError: a bad score, or a trajectory recorded without probabilities.
     """
     check_score(score)  # the budget is a D* validated where it entered (check_tune_budget)
-    baseline = sum(t.nfe for t in trajectories)
-    saved = walks = 0
-    per_level: Counter[int] = Counter()
-    per_prompt: list[int] = []
-    for t in trajectories:
-        saved_before = saved
-        n = 0
-        while n < t.num_steps:
-            chain = t.chains.get(n)
-            depth = 0
-            if chain is not None:
-                walks += 1
-                if budget > 0 and chain.formulas and graph.nodes:
-                    probs = t.probs.get(n)
-                    if probs is None:
-                        raise ConfigError(
-                            f"trajectory of prompt {t.prompt} has no ranking probabilities at step {n}; fix: record it "
-                            "with spiffy.selfspec.chains.ChainRecorder (calibrate does)"
-                        )
-                    kept = set(prune(graph, replay_ranking(probs), budget, score))
-                    depth = walk_depth(chain.formulas, graph, kept)
-            per_level.update(range(1, depth + 1))
-            saved += depth
-            n += 1 + depth
-        per_prompt.append(saved - saved_before)
-    projected = baseline - saved
-    return {
-        "budget": budget,
-        "score": score,
-        "baseline_nfe": baseline,
-        "projected_nfe": projected,
-        "reduction": (baseline / projected) if projected > 0 else 1.0,
-        "saved_forwards": saved,
-        "walks": walks,
-        "accepted_per_level": [per_level[lvl] for lvl in range(1, max(per_level, default=0) + 1)],
-        "saved_per_prompt": per_prompt,
-    }
+
+    def depth(t: Trajectory, n: int, chain: Chain) -> int:
+        if budget <= 0 or not chain.formulas or not graph.nodes:
+            return 0
+        probs = t.probs.get(n)
+        if probs is None:
+            raise ConfigError(
+                f"trajectory of prompt {t.prompt} has no ranking probabilities at step {n}; fix: record it "
+                "with spiffy.selfspec.chains.ChainRecorder (calibrate does)"
+            )
+        kept = set(prune(graph, replay_ranking(probs), budget, score))
+        return walk_depth(chain.formulas, graph, kept)
+
+    return {"budget": budget, "score": score, **replay_walks(trajectories, depth)}
 
 
 def paired_p_value(saved: Sequence[int], reference: Sequence[int]) -> float:
@@ -223,4 +240,4 @@ def tune_for_budget(
 
 
 __all__ = ["CAPPED_NODES_PER_DRAFT", "CLEARLY_MORE_LEVEL", "CLEARLY_MORE_TEST", "check_tune_budget", "replay_ranking",
-           "project_at_budget", "paired_p_value", "clearly_more", "tune_for_budget"]
+           "replay_walks", "project_at_budget", "paired_p_value", "clearly_more", "tune_for_budget"]
