@@ -176,7 +176,20 @@ def headline_table(records: dict[str, dict[str, Any]]) -> str:
     lines = [text if fig is None else f"{text[:-2]} | `{records[fig]['command']}` |" for text, fig in rows]
     pairs = [small_pair_row(records, "ar-small", "1 thread, the default"),
              small_pair_row(records, "ar-small-2t", "both cores")]
-    return "\n".join([*lines, *pairs]) + "\n"
+    return "\n".join([*lines[:4], rivals_row(records), *lines[4:], *pairs]) + "\n"
+
+
+def rivals_row(records: dict[str, dict[str, Any]]) -> str:
+    """A headline row: Spiffy's forwards against FreeDave's and SSD's at every width of the ``dllm-rivals`` run."""
+    res = records["dllm-rivals"]["results"]
+    runs = [r for r in res["runs"] if r.get("method") == "spiffy"]
+    widths = " / ".join(str(r["states_per_forward"]) for r in runs)
+    vs = {rival: " / ".join(_ratio(r, f"nfe_reduction_vs_{rival}") for r in runs) for rival in ("freedave", "ssd")}
+    cells = (f"FreeDave and SSD (the same drafts here) {vs['freedave']}" if vs["freedave"] == vs["ssd"]
+             else f"FreeDave {vs['freedave']}; SSD {vs['ssd']}")
+    return (f"| Spiffy against FreeDave and SSD at equal states per forward ({Path(res['model']).name}, "
+            f"{res['num_prompts']} held-out prompts, every other setting the default) | their forwards over Spiffy's at "
+            f"{widths} states: {cells} | `{records['dllm-rivals']['command']}` |")
 
 
 def _speculative_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -225,7 +238,7 @@ def small_pair_row(records: dict[str, dict[str, Any]], fig_id: str, threads: str
 
 
 #: figures the headline table reads
-HEADLINE_FIGURES = ("dllm", "ar", "ar-small", "ar-small-2t")
+HEADLINE_FIGURES = ("dllm", "ar", "ar-small", "ar-small-2t", "dllm-rivals")
 
 #: block renderers other than "table k of a figure"
 SPECIAL_BLOCKS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, dict[str, Any]]], str]]] = {
