@@ -85,6 +85,8 @@ def replay_walks(trajectories: Sequence[Trajectory],
     Returns:
         ``{"baseline_nfe", "projected_nfe", "reduction", "saved_forwards", "walks", "accepted_per_level",
         "saved_per_prompt"}``.
+    Raises:
+        ValueError: ``depth_at`` returned a negative depth (the walk would not advance).
     """
     baseline = sum(t.nfe for t in trajectories)
     saved = walks = 0
@@ -99,6 +101,8 @@ def replay_walks(trajectories: Sequence[Trajectory],
             if chain is not None:
                 walks += 1
                 depth = depth_at(t, n, chain)
+                if depth < 0:
+                    raise ValueError(f"depth_at returned {depth} at step {n}: accepted drafts cannot be negative")
             per_level.update(range(1, depth + 1))
             saved += depth
             n += 1 + depth
