@@ -35,9 +35,10 @@ __all__ = [
 
 THREADS_HELP = (
     "CPU threads torch may use (0 = torch's default, all cores). Default: 1 for small models (under 50M parameters, "
-    "such as the embedded demo models and `spiffy tiny` checkpoints: they gain nothing from more threads, and on a "
-    "machine shared with other jobs extra threads make them several times slower), torch's default otherwise. "
-    "The output does not depend on it"
+    "such as the embedded demo models and `spiffy tiny` checkpoints: a one-row forward gains little from more "
+    "threads, and on a machine shared with other jobs extra threads make them several times slower; wide "
+    "verification forwards gain more, so on an idle machine try --threads 0 for the speculative methods), torch's "
+    "default otherwise. The output does not depend on it"
 )
 
 
