@@ -20,6 +20,7 @@ widths. Replays, not runs: the suite checks them against real runs forward for f
 
     python scripts/dllm_rival_headroom.py                # HumanEval/90-139, about 1 minute with 1 thread
     python scripts/dllm_rival_headroom.py --self-check   # 2 prompts, 16 positions, nothing written
+    python scripts/dllm_rival_headroom.py --model DIR --graph FILE --out my.json   # your own dLLM and graph
 
 Writes ``docs/figures/dllm-rival-headroom.json`` and the Markdown table next to it (``.md``).
 """
@@ -47,6 +48,7 @@ from spiffy.selfspec.chains import ChainRecorder, Trajectory  # noqa: E402
 from spiffy.selfspec.freedave import chain_formulas  # noqa: E402
 from spiffy.selfspec.graph import DraftGraph, load_graph  # noqa: E402
 from spiffy.selfspec.prompts import prompt_token_ids  # noqa: E402
+from spiffy.selfspec.pruning import resolve_score  # noqa: E402
 from spiffy.selfspec.tune import paired_p_value, project_at_budget, replay_walks  # noqa: E402
 
 OUT = ROOT / "docs" / "figures" / "dllm-rival-headroom.json"
@@ -83,13 +85,14 @@ def compare(trajectories: Sequence[Trajectory], graph: DraftGraph, budgets: Sequ
     per-prompt savings over the chain's, and the chain's continuation rate (level ``l`` accepted over level ``l - 1``
     accepted, ``l >= 2``)."""
     rows = []
+    score = resolve_score(None, graph)  # the graph's recorded score, as the runtime picks it
     for d in budgets:
         chain = project_at_budget(trajectories, DraftGraph.from_formulas(chain_formulas(d)), d, "gm")
-        spiffy = project_at_budget(trajectories, graph, d, graph.pruning_score)
+        spiffy = project_at_budget(trajectories, graph, d, score)
         bound = replay_walks(trajectories, lambda t, n, c, d=d: min(d, len(c.formulas)))
         levels = chain["accepted_per_level"]
         rows.append({
-            "budget": d, "states_per_forward": d + 1, "score": graph.pruning_score,
+            "budget": d, "states_per_forward": d + 1, "score": score,
             "chain": chain["reduction"], "graph": spiffy["reduction"], "bound": bound["reduction"],
             "graph_vs_chain": chain["projected_nfe"] / spiffy["projected_nfe"],
             "bound_vs_chain": chain["projected_nfe"] / bound["projected_nfe"],
@@ -145,6 +148,10 @@ def run(model_dir: Path, graph_path: Path, skip: int, max_prompts: int, budgets:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="dLLM checkpoint directory (default: the embedded tiny-sdar)")
+    p.add_argument("--graph", default=None, help="draft graph file (default: the first graph shipped with --model)")
+    p.add_argument("--skip", type=int, default=None,
+                   help="HumanEval prompts left out first (default 90: the ones the embedded models never saw)")
     p.add_argument("--self-check", action="store_true", help="2 prompts, 16 positions, D* 1-2 (nothing written)")
     p.add_argument("--max-prompts", type=int, default=50, help="held-out HumanEval prompts (default 50)")
     p.add_argument("--budgets", default="1,2,3,4,5", help="D* values (default 1,2,3,4,5)")
@@ -152,12 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(OUT), help=f"results JSON (default {OUT.relative_to(ROOT)})")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model_dir = embedded_model_path("dllm")
-    graph_path = embedded_graph_path(model_dir)
-    if graph_path is None:
-        p.error(f"no graph is shipped with {model_dir}; fix: run scripts/calibrate_tiny_sdar.sh")
+    model_dir = Path(args.model) if args.model else embedded_model_path("dllm")
+    graph_path = Path(args.graph) if args.graph else embedded_graph_path(model_dir)
+    if graph_path is None or not graph_path.is_file():
+        p.error(f"no draft graph {'at ' + str(graph_path) if graph_path else 'is shipped with ' + str(model_dir)}; "
+                "fix: pass --graph FILE (written by `spiffy calibrate`)")
     small = args.self_check
-    res = run(model_dir, graph_path, held_out_from("humaneval"), 2 if small else args.max_prompts,
+    skip = held_out_from("humaneval") if args.skip is None else args.skip
+    res = run(model_dir, graph_path, skip, 2 if small else args.max_prompts,
               (1, 2) if small else [int(b) for b in args.budgets.split(",")], gen_length=16 if small else None)
     table = markdown(res)
     print(table, end="")
