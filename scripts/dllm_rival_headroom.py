@@ -3,7 +3,7 @@
 FreeDave and SSD draft the same thing at ``K`` states per forward: the chain of the ``K - 1`` most confident next
 states. A Spiffy graph spends the same ``K - 1`` drafts per forward where calibration says the baseline's trajectory
 goes, branches included. This script decodes held-out prompts with the baseline once, records every step's ranking
-and the formula chain its future followed (:class:`~spiffy.selfspec.chains.ChainRecorder`, what calibration
+and the formula chain its future followed (:func:`~spiffy.selfspec.chains.record_chains`, what calibration
 records), and replays the runtime's walk on those trajectories (:func:`~spiffy.selfspec.tune.replay_walks`) for
 each ``D* = K - 1``:
 
@@ -39,12 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from spiffy.bench.datasets import held_out_from, load_benchmark_prompts  # noqa: E402
-from spiffy.decoding import DecodeConfig, make_session, run_baseline  # noqa: E402
+from spiffy.decoding import DecodeConfig, make_session  # noqa: E402
 from spiffy.embedded import embedded_graph_path, embedded_model_path  # noqa: E402
 from spiffy.errors import PromptTooLongError  # noqa: E402
 from spiffy.io import atomic_write_json, atomic_write_text  # noqa: E402
 from spiffy.models.loading import load_model, load_tokenizer  # noqa: E402
-from spiffy.selfspec.chains import ChainRecorder, Trajectory  # noqa: E402
+from spiffy.selfspec.chains import Trajectory, record_chains  # noqa: E402
 from spiffy.selfspec.freedave import chain_formulas  # noqa: E402
 from spiffy.selfspec.graph import DraftGraph, load_graph  # noqa: E402
 from spiffy.selfspec.prompts import prompt_token_ids  # noqa: E402
@@ -63,10 +63,7 @@ def record(model: Any, prompts: Sequence[list[int]], config: DecodeConfig, j_max
             session = make_session(model, torch.tensor([ids]), config, seed=k)
         except PromptTooLongError:
             continue
-        rec = ChainRecorder(int(session.mask_id), int(session.block_length), j_max, prompt=k)
-        rec.attach(session)
-        stats = run_baseline(session, observer=rec)
-        out.append(rec.finish(stats.nfe))
+        out.append(record_chains(session, int(session.block_length), j_max, prompt=k))
     return out
 
 

@@ -22,10 +22,10 @@ import torch
 from tqdm.auto import tqdm
 
 from spiffy.bench.datasets import load_benchmark_prompts
-from spiffy.decoding import DecodeConfig, make_session, run_baseline
+from spiffy.decoding import DecodeConfig, make_session
 from spiffy.embedded import embedded_model_path
 from spiffy.models import load_model, load_tokenizer
-from spiffy.selfspec.chains import ChainRecorder
+from spiffy.selfspec.chains import record_chains
 from spiffy.selfspec.prompts import prompt_token_ids
 
 TOP = ((1, 1),)
@@ -54,10 +54,7 @@ def main() -> None:
     cells: defaultdict[tuple[int, int, int, int], Counter] = defaultdict(Counter)
     for k, prompt in enumerate(tqdm(prompts, desc="baseline", unit="prompt")):
         session = make_session(model, torch.tensor([prompt_token_ids(tok, prompt.prompt, chat=False)]), cfg, seed=k)
-        recorder = ChainRecorder(int(session.mask_id), int(session.block_length), 4, max_level=1, prompt=k)
-        recorder.attach(session)
-        run_baseline(session, observer=recorder)
-        traj = recorder.finish()
+        traj = record_chains(session, int(session.block_length), 4, max_level=1, prompt=k)
         for n, chain in traj.chains.items():
             cells[cell(traj.probs[n])][chain.formulas[0] if chain.formulas else None] += 1
     steps = sum(sum(c.values()) for c in cells.values())

@@ -8,7 +8,7 @@
   ``drift = inf``: the tables replace the base logits and practically nothing is accepted).
 * :func:`synthetic_draft_logits` gives ``[L, V]`` drafter logits for DDTree whose confidence fades with depth.
 * :func:`calibrated_graph` calibrates a draft graph on a :class:`SyntheticDLLM`'s baseline trajectories with the
-  project's own tools (:class:`~spiffy.selfspec.chains.ChainRecorder` + the greedy
+  project's own tools (:func:`~spiffy.selfspec.chains.record_chains` + the greedy
   :func:`~spiffy.selfspec.select.build_graph`).
 """
 
@@ -24,8 +24,7 @@ from torch import nn
 
 from spiffy.decoding import DecodeConfig
 from spiffy.decoding.llada import LLaDASession
-from spiffy.decoding.batch import run_baseline
-from spiffy.selfspec.chains import ChainRecorder, all_chains
+from spiffy.selfspec.chains import all_chains, record_chains
 from spiffy.selfspec.graph import DraftGraph
 from spiffy.selfspec.select import build_graph
 
@@ -113,9 +112,7 @@ def calibrated_graph(
 ) -> DraftGraph:
     """A ``nodes``-node draft graph calibrated (greedy objective) on ``model``'s baseline trajectory."""
     session = synthetic_session(model, prompt_len, gen_length, block_length)
-    recorder = ChainRecorder(model.mask_id, i_max=block_length, j_max=j_max)
-    run_baseline(recorder.attach(session), observer=recorder)
-    trajectory = recorder.finish(session.nfe)
+    trajectory = record_chains(session, i_max=block_length, j_max=j_max)
     return build_graph(all_chains([trajectory]), nodes, "greedy", trajectories=[trajectory])
 
 

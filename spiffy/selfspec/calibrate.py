@@ -22,10 +22,10 @@ import transformers
 from tqdm.auto import tqdm
 
 from spiffy._version import __version__
-from spiffy.decoding import DecodeConfig, make_session, run_baseline
+from spiffy.decoding import DecodeConfig, make_session
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
-from spiffy.selfspec.chains import ChainRecorder, Trajectory, all_chains, describe
+from spiffy.selfspec.chains import Trajectory, all_chains, describe, record_chains
 from spiffy.selfspec.graph import DraftGraph, runtime_signature
 from spiffy.selfspec.prompts import load_prompts, prompt_token_ids
 from spiffy.selfspec.pruning import check_score
@@ -193,13 +193,12 @@ def calibrate(
                 if bar is not None:
                     bar.total = steps_per_prompt * (len(mine) - n_skipped)
                     bar.refresh()
-            rec = ChainRecorder(int(session.mask_id), i_max, j_max, max_level, prompt=k)
-            rec.attach(session)
-            stats = run_baseline(session, observer=rec, progress=(lambda n: bar.update(n)) if bar is not None else None)
+            trajectory = record_chains(session, i_max, j_max, max_level, prompt=k,
+                                       progress=(lambda n: bar.update(n)) if bar is not None else None)
             if sig is None:
                 sig = runtime_signature(model, session)
             decode_cfg = {kk: v for kk, v in scfg.to_dict().items() if kk != "seed"} if hasattr(scfg, "to_dict") else None
-            local.append((k, ("ok", rec.finish(stats.nfe), sig, decode_cfg, i_max)))
+            local.append((k, ("ok", trajectory, sig, decode_cfg, i_max)))
     finally:
         if bar is not None:
             bar.close()

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from spiffy.decoding.batch import run_baseline
 from spiffy.decoding.session import DecodeSession, StepRecord
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import rank_state, window_covers
@@ -231,6 +232,17 @@ class ChainRecorder:
         return tuple(out)
 
 
+def record_chains(session: DecodeSession, i_max: int, j_max: int, max_level: int | None = None, prompt: int = 0,
+                  progress: Callable[[int], None] | None = None) -> Trajectory:
+    """Decode a prepared batch-1 ``session`` with the baseline and return its :class:`Trajectory`: every step's ranking
+    and the formula chain its future followed (a :class:`ChainRecorder` attached before the first forward, so
+    block-start forwards are noted). ``progress`` is called with ``1`` after every step."""
+    recorder = ChainRecorder(int(session.mask_id), i_max, j_max, max_level, prompt=prompt)
+    recorder.attach(session)
+    stats = run_baseline(session, observer=recorder, progress=progress)
+    return recorder.finish(stats.nfe)
+
+
 def extract_chains(
     records: Iterable[StepRecord],
     *,
@@ -287,4 +299,4 @@ def describe(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     }
 
 
-__all__ = ["Chain", "Trajectory", "ChainRecorder", "extract_chains", "count_formulas", "all_chains", "describe"]
+__all__ = ["Chain", "Trajectory", "ChainRecorder", "record_chains", "extract_chains", "count_formulas", "all_chains", "describe"]
