@@ -169,6 +169,35 @@ def graph_decoding_flags(graph: Any) -> str:
     return " ".join(flags)
 
 
+def check_graph_fits(model: Any, graph: Any, path: str | os.PathLike[str], config: Any, **overrides: Any) -> Any:
+    """Refuse, before decoding, a graph calibrated for other decoding rules than ``config``, naming the flags it
+    needs: a command never adopts a graph's settings (the same command without ``--graph`` would not use them).
+
+    Returns:
+        the family's own configuration of the run (e.g. SDAR's, with its committed-cache default filled in), the
+        one to compare with the graph's recorded ``decode_config``.
+    Raises:
+        GraphMismatchError: the graph's ``calibrated_for`` differs in a field that shapes its drafts.
+    """
+    session = make_session(model, torch.zeros((1, 1), dtype=torch.long), config, **overrides)
+    try:
+        graph.check_compatible(runtime_signature(model, session), warn=False)
+    except GraphMismatchError as exc:
+        mismatches = getattr(exc, "mismatches", None) or []
+        if not mismatches or any(f in ("family", "config_fingerprint", "mask_id") for f, _, _ in mismatches):
+            raise  # a graph of another model: no flag fixes it (the message says how to calibrate one)
+        diffs = "; ".join(f"{f}: graph {g!r}, this run {r!r}" for f, g, r in mismatches)
+        err = GraphMismatchError(
+            f"--graph {path} was calibrated for other decoding rules ({diffs}); fix: pass its flags "
+            f"{graph_decoding_flags(graph)} (to the run without --graph as well: the flags, not the graph, choose "
+            f"the tokens), or calibrate a graph with this run's flags (`spiffy calibrate ... --out NEW.json`)"
+        )
+        for name in ("field", "graph_value", "runtime_value", "mismatches"):
+            setattr(err, name, getattr(exc, name, None))
+        raise err from exc
+    return session.config
+
+
 def compatible_shipped_graph(model: Any, model_dir: str | os.PathLike[str], config: Any, prefer: Any = None,
                              **overrides: Any) -> Path:
     """The first graph shipped with ``model_dir`` that was calibrated for ``model`` under ``config`` (``prefer``, a
@@ -208,6 +237,7 @@ def compatible_shipped_graph(model: Any, model_dir: str | os.PathLike[str], conf
 
 __all__ = [
     "EMBEDDED_NAMES",
+    "check_graph_fits",
     "ENV_VAR",
     "GRAPHS_SUBDIR",
     "TRAINING_SCRIPTS",

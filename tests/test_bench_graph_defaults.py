@@ -1,7 +1,8 @@
-"""`spiffy bench dllm` / `spiffy generate` with no flags run in the configuration the graph was calibrated for (dtype
-and prompt format included) and say so; a flag picks the shipped graph calibrated for it (`--chat` the chat graph,
-`--threshold 0.9` the threshold graph); a setting that still differs from the graph's is named in one line; the
-default benchmark prompts skip those the embedded models' development used; FreeDave and SSD run at equal widths."""
+"""`spiffy bench dllm` / `spiffy generate` with no flags run in the configuration of the model card (the graphs shipped
+with the model, dtype and prompt format included), with or without --graph, and say so; a flag picks the shipped
+graph calibrated for it (`--chat` the chat graph, `--threshold 0.9` the threshold graph); a setting that still differs
+from the graph's is named in one line; the default benchmark prompts skip those the embedded models' development
+used; FreeDave and SSD run at equal widths."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from spiffy.bench.datasets import HELD_OUT_FROM, held_out_from, load_benchmark_prompts
-from spiffy.cli.bench_run import _graph_settings, _rival_widths
-from spiffy.cli.graph_defaults import difference_note, differences, pick_defaults_graph, requested_decoding
+from spiffy.cli.bench_run import _rival_widths
+from spiffy.cli.graph_defaults import (card_note, difference_note, differences, pick_defaults_graph, requested_decoding,
+                                       settle_settings)
 from spiffy.cli.main import build_parser
 from spiffy.decoding import DecodeConfig
 from spiffy.embedded import embedded_model_path, shipped_graphs
@@ -25,20 +27,28 @@ def _args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", "dllm", "--out", "/tmp/x", *argv])
 
 
-def test_unset_dtype_and_prompt_format_come_from_the_graph(capsys: pytest.CaptureFixture[str]) -> None:
+def _settle(args: argparse.Namespace):
+    return settle_settings(args, embedded_model_path("dllm"), chat=None if args.no_chat is None else not args.no_chat,
+                           has_template=True, device="cpu")
+
+
+def test_unset_dtype_and_prompt_format_come_from_the_model_card() -> None:
     args = _args()
-    assert args.dtype is None and args.no_chat is None and args.out == "/tmp/x"  # unset: the graph decides
-    _graph_settings(args, {"dtype": "bfloat16", "chat": False}, "/g/tiny-sdar-s1.json")
-    assert args.dtype == "bfloat16" and args.no_chat is True
-    err = capsys.readouterr().err
-    assert "calibrated with dtype bfloat16, raw prompts" in err and err.count("\n") == 1
+    assert args.dtype is None and args.no_chat is None and args.out == "/tmp/x"  # unset: the model card decides
+    settings = _settle(args)
+    assert settings.dtype == "bfloat16" and settings.chat is False and settings.card == shipped_graphs(
+        embedded_model_path("dllm"))[0]
+    assert settings.config.gen_length == 64 and settings.config.block_length == 32
+    note = card_note("spiffy bench dllm", embedded_model_path("dllm"), settings)
+    assert "dtype bfloat16 (default float32)" in note and "raw prompts" in note and "\n" not in note
+    assert _settle(_args("--graph", "tiny-sdar-t09")) == settings  # --graph plays no part
 
 
-def test_a_chosen_setting_stands_and_a_difference_is_named_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_chosen_setting_stands_and_a_difference_is_named_in_one_line() -> None:
     args = _args("--dtype", "float32", "--chat")
-    _graph_settings(args, {"dtype": "bfloat16", "chat": False}, "/g/tiny-sdar-s1.json")
-    assert args.dtype == "float32" and args.no_chat is False  # the user's choice stands
-    assert capsys.readouterr().err == ""
+    settings = _settle(args)
+    assert settings.dtype == "float32" and settings.chat is True  # the user's choice stands
+    assert not any("dtype" in t or "chat" in t for t in settings.taken)
     recorded = {"dtype": "bfloat16", "chat": False, "decode_config": {"gen_length": 64, "steps": 64, "threshold": None}}
     diffs = differences(recorded, "float32", True, DecodeConfig(gen_length=128, steps=64))
     assert diffs == ["dtype float32 (graph: bfloat16)", "chat template (graph: raw prompts)",
@@ -103,15 +113,14 @@ def test_the_default_run_adds_the_threshold_regime_with_its_shipped_graph() -> N
     a threshold, a graph named, or --also-threshold none adds nothing; a threshold no shipped graph fits is refused
     with a fix."""
     from spiffy.cli.bench_run import _companion_graph
-    from spiffy.cli.runtime import decode_config
 
     model_dir = embedded_model_path("dllm")
 
     def companion(*argv: str):
         args = _args(*argv)
-        _graph_settings(args, {"dtype": "bfloat16", "chat": False}, "/g/tiny-sdar-s1.json")
-        cfg, _extra = decode_config(args)
-        return _companion_graph(args, cfg, model_dir)
+        settings = _settle(args)
+        args.dtype, args.no_chat = settings.dtype, not settings.chat
+        return _companion_graph(args, settings.config, model_dir)
 
     tau, graph = companion()
     assert tau == 0.9 and json.loads(graph.read_text())["calibration"]["decode_config"]["threshold"] == 0.9

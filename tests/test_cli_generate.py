@@ -33,7 +33,7 @@ def _ids(tok, text: str = PROMPT) -> torch.Tensor:
 def test_generate_json_llada_matches_api(capsys, tiny_llada: Path):
     argv = ["generate", "--model", str(tiny_llada), "--prompt", PROMPT, "--gen-length", "8", "--block-length", "4",
             "--steps", "8", "--temperature", "0.7", "--seed", "5", "--remasking", "random", "--dtype", "float64",
-            "--json"]
+            "--no-chat", "--json"]
     code, payload, err = _run(capsys, argv)
     assert code == 0
     assert {"tokens", "text", "nfe", "seconds", "steps", "config"} <= set(payload)
@@ -50,7 +50,7 @@ def test_generate_json_llada_matches_api(capsys, tiny_llada: Path):
 def test_generate_json_dream_with_cache(capsys, tiny_dream: Path):
     argv = ["generate", "--model", str(tiny_dream), "--prompt", PROMPT, "--gen-length", "8", "--block-length", "4",
             "--steps", "4", "--alg", "entropy", "--cache", "dual", "--top-p", "0.9", "--temperature", "0.5",
-            "--dtype", "float64", "--json", "--no-progress"]
+            "--dtype", "float64", "--no-chat", "--json", "--no-progress"]
     code, payload, err = _run(capsys, argv)
     assert code == 0 and err == ""
     model, tok = load_f64(tiny_dream, cached=True), load_tokenizer(tiny_dream)
@@ -62,7 +62,7 @@ def test_generate_json_dream_with_cache(capsys, tiny_dream: Path):
 
 def test_generate_sdar_dispatch(capsys, tiny_sdar: Path):
     argv = ["generate", "--model", str(tiny_sdar), "--prompt", PROMPT, "--gen-length", "8", "--block-length", "4",
-            "--steps", "8", "--dtype", "float64", "--json", "--no-progress"]
+            "--steps", "8", "--dtype", "float64", "--no-chat", "--json", "--no-progress"]
     code, payload, _ = _run(capsys, argv)
     assert code == 0 and payload["family"] == "sdar"
     model, tok = load_f64(tiny_sdar, cached=True), load_tokenizer(tiny_sdar)
@@ -74,8 +74,10 @@ def test_generate_sdar_dispatch(capsys, tiny_sdar: Path):
 def test_chat_flag_uses_template(capsys, tiny_llada: Path):
     base = ["generate", "--model", str(tiny_llada), "--prompt", "hi", "--gen-length", "4", "--steps", "4",
             "--dtype", "float64", "--json", "--no-progress"]
-    _, plain, _ = _run(capsys, base)
+    _, plain, _ = _run(capsys, base + ["--no-chat"])
     _, chat, _ = _run(capsys, base + ["--chat"])
+    _, default, _ = _run(capsys, base)  # the default: the chat template, as the tokenizer has one
+    assert default["prompt_tokens"] == chat["prompt_tokens"] and default["chat"] is True
     tok = load_tokenizer(tiny_llada)
     expected = len(tok(tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                                 tokenize=False), add_special_tokens=False)["input_ids"])
@@ -138,7 +140,7 @@ def test_graph_passthrough_is_lossless(capsys, tiny_llada: Path, tmp_path: Path)
     assert spec.tokens == base.tokens and spec.nfe <= base.nfe
     code, payload, _ = _run(capsys, ["generate", "--model", str(tiny_llada), "--prompt", PROMPT, "--gen-length", "8",
                                       "--block-length", "8", "--steps", "8", "--dtype", "float64", "--graph", str(path),
-                                      "--budget", "3", "--json", "--no-progress"])
+                                      "--budget", "3", "--no-chat", "--json", "--no-progress"])
     assert code == 0 and payload["tokens"] == base.tokens[0] and payload["nfe"] == spec.nfe
     with pytest.raises(GraphMismatchError, match="block_length"):
         generate(model, _ids(tok), DecodeConfig(gen_length=8, block_length=4, steps=4), graph=graph)

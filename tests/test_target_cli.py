@@ -47,7 +47,7 @@ def test_generate_returns_transformers_greedy_tokens(checkpoints, arch, capsys):
     for method in ("ar", "dflash", "ddtree"):
         pair = ["--target", str(target)] + ([] if method == "ar" else ["--drafter", str(drafter)])  # ar takes none
         assert main(["generate", *pair, "--method", method, "--prompt",
-                     PROMPT, "--max-new-tokens", "20", "--dtype", "float32", "--json", "--no-progress"]) == 0
+                     PROMPT, "--max-new-tokens", "20", "--dtype", "float32", "--no-chat", "--json", "--no-progress"]) == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert out["tokens"] == ref, method
 

@@ -54,13 +54,14 @@ def _common(p: argparse.ArgumentParser, default_budgets: str, what: str) -> None
                         "./bench-dllm or ./bench-ar)")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds before measuring (default 1)")
     p.add_argument("--no-chat", dest="no_chat", action="store_const", const=True, default=None,
-                   help="feed prompts as raw text instead of the tokenizer's chat template (dllm default: the prompt "
-                        "format the graph was calibrated with; ar default: the chat template)")
+                   help="feed prompts as raw text instead of the tokenizer's chat template (default: the chat template "
+                        "when the tokenizer has one, except where a dLLM's model card, the graphs shipped with it, "
+                        "records raw prompts; the same default as `spiffy generate` and `spiffy calibrate`)")
     p.add_argument("--chat", dest="no_chat", action="store_const", const=False, default=None,
                    help="feed prompts through the tokenizer's chat template")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--dtype", default=None, help="model dtype: float32, float64, bfloat16, float16 or auto (dllm default: "
-                   "the dtype the graph was calibrated in; ar default: float32 on CPU)")
+    p.add_argument("--dtype", default=None, help="model dtype: float32, float64, bfloat16, float16 or auto (default: a dLLM's "
+                   "model card dtype, else float32 on CPU and the checkpoint's on an accelerator; never --graph's)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     add_placement_arguments(p)
     add_threads_argument(p)
@@ -105,8 +106,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "none: skip)")
     d.add_argument("--score", default=None, choices=SCORES, help="pruning score of the Spiffy rows. " + SCORE_HELP)
     _common(d, "1,3,5", "Spiffy budgets D (drafts verified per model call)")
-    add_decoding_arguments(d, defaults="the values of the graph the run uses (--graph, else the model's shipped "
-                                       "shipped graph), else the defaults below")
+    add_decoding_arguments(d, defaults="the model card's (the configuration of a graph shipped with the "
+                                       "model, whatever --graph names), else the defaults below")
     d.set_defaults(run="bench_run", command_parser=d, bench_mode="dllm")
     a = modes.add_parser("ar", help="Qwen3 target: AR vs DFlash, DDTree, DEER, SpecDiff-2 at each budget",
                          description="Plain AR vs DFlash, DDTree and, with a diffusion drafter, DEER, SpecDiff-2 and "

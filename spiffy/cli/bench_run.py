@@ -19,16 +19,18 @@ from spiffy.bench.report import markdown_report, write_report
 from spiffy.bench.throughput import ar_methods, dllm_methods, encode_prompts, markdown_throughput, measure, parse_batch_sizes, throughput_report
 from spiffy.cli.graph_defaults import (
     DEFAULT_COMPANION_THRESHOLD,
+    card_note,
     difference_note,
     differences,
     pick_defaults_graph,
     recorded_settings,
-    requested_decoding,
+    settle_settings,
 )
 from spiffy.cli.placement import placement_kwargs
-from spiffy.cli.runtime import check_output_path, decode_config, quiet_loading, set_threads
+from spiffy.cli.runtime import check_output_path, decode_config, default_device, quiet_loading, set_threads
 from spiffy.distributed import join_data_parallel
 from spiffy.embedded import (
+    check_graph_fits,
     compatible_shipped_graph,
     embedded_model_path,
     is_embedded_available,
@@ -88,21 +90,6 @@ def announce_cost(command: str, prompts: int, configurations: list[str], unit: s
           f"{runs} {unit}{warm}; the progress bar shows the ETA", file=sys.stderr)
 
 
-def _graph_settings(args: argparse.Namespace, recorded: dict[str, Any], source: Any) -> None:
-    """Unset --dtype and prompt format take the graph's calibration settings (its figures hold for those), said in
-    one line."""
-    taken = []
-    if recorded.get("dtype") and args.dtype is None:
-        args.dtype = str(recorded["dtype"])
-        taken.append(f"dtype {args.dtype}")
-    if "chat" in recorded and args.no_chat is None:
-        args.no_chat = not bool(recorded["chat"])
-        taken.append("chat template" if recorded["chat"] else "raw prompts (no chat template)")
-    if taken:
-        print(f"spiffy bench dllm: the graph {Path(source).name} was calibrated with {', '.join(taken)}: using them "
-              "(override with --dtype / --chat / --no-chat)", file=sys.stderr)
-
-
 def _rival_widths(text: str | None, budgets: list[int]) -> str | None:
     """``--freedave`` / ``--ssd``: unset = the states per forward of the Spiffy rows (D* + 1, so every budget has
     its rivals at equal width in the same run); ``none`` = no rows."""
@@ -160,26 +147,28 @@ def run_dllm(args: argparse.Namespace) -> int:
     model_dir = checkpoint_dir(args.model) if args.model else embedded_model_path("dllm")
     graph_path = resolve_graph_argument(args.graph, model_dir) if args.graph else None
     prompts = _prompts(args)
-    chat_given = None if args.no_chat is None else not args.no_chat
-    # unset settings take the values of this graph: the one named, else the shipped one fitting the flags given
-    source = graph_path or pick_defaults_graph(shipped_graphs(model_dir), args.dtype, chat_given,
-                                               requested_decoding(args))
-    recorded = recorded_settings(source)
-    _graph_settings(args, recorded, source)
-    cfg, extra = decode_config(args, recorded.get("decode_config"))
+    tokenizer = load_tokenizer(model_dir)
+    # one default per model, whatever --graph names: the same settings as `spiffy generate` and `spiffy calibrate`
+    settings = settle_settings(args, model_dir, chat=None if args.no_chat is None else not args.no_chat,
+                               has_template=bool(getattr(tokenizer, "chat_template", None)),
+                               device=default_device(args.device))
+    note = card_note("spiffy bench dllm", model_dir, settings)
+    if note:
+        print(note, file=sys.stderr)
+    args.dtype, args.no_chat, cfg, extra = settings.dtype, not settings.chat, settings.config, settings.extra
     dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
     args.is_main_rank, device = dp.is_main, str(dp.device)
     placement = placement_kwargs(args)
     model = load_model(model_dir, dtype=args.dtype, device=device, **placement)
     device = str(model_device(model)) if placement else device  # inputs go where the embedding computes
     set_threads(args.threads, model)
-    tokenizer = load_tokenizer(model_dir)
     if graph_path is None:  # the graph shipped with the model for these decoding flags
-        graph_path = compatible_shipped_graph(model, model_dir, cfg, prefer=source, **extra)
+        graph_path = compatible_shipped_graph(model, model_dir, cfg, prefer=settings.card, **extra)
         print(f"spiffy bench dllm: using the graph shipped with the model: {graph_path}", file=sys.stderr)
     graph = load_graph(graph_path)
+    family_cfg = check_graph_fits(model, graph, str(graph_path), cfg, **extra)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    diffs = differences(recorded_settings(graph_path), dtype, not args.no_chat, cfg)
+    diffs = differences(recorded_settings(graph_path), dtype, not args.no_chat, family_cfg)
     if diffs:
         print(difference_note("spiffy bench dllm", graph_path, diffs), file=sys.stderr)
     beyond = [b for b in budgets if b > len(graph)]

@@ -73,13 +73,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--j-max", type=int, default=4, metavar="J",
                         help="drafts use at most the J most likely tokens of a position (default 4)")
     parser.add_argument("--no-chat", action="store_true",
-                        help="tokenize prompts as plain text (default: the tokenizer's chat template when it has one)")
+                        help="tokenize prompts as plain text (default: the prompt format of the model card, i.e. of the "
+                             "graphs shipped with the model, else the tokenizer's chat template when it has one: "
+                             "the default of `spiffy generate` and `spiffy bench dllm` too)")
     parser.add_argument("--dtype", default=None,
-                        help="model dtype: float32 (CPU default), float64, bfloat16, float16 or auto (the checkpoint's)")
+                        help="model dtype: float32, float64, bfloat16, float16 or auto (the checkpoint's). Default: the "
+                             "model card's (the graphs shipped with the model), else float32 on CPU and the "
+                             "checkpoint's on an accelerator, as in `spiffy generate`")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", action="store_true", help="print the graph file content instead of the text summary")
     add_threads_argument(parser)
-    add_decoding_arguments(parser)
+    add_decoding_arguments(parser, defaults="the model card's (the configuration of a graph shipped with the model, "
+                           "as in `spiffy generate`), else the defaults below")
     parser.set_defaults(run="calibrate_run", command_parser=parser)
     return parser

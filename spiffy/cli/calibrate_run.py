@@ -7,7 +7,8 @@ import shlex
 import sys
 
 from spiffy.cli.flags import DLLM_DECODING_FLAGS
-from spiffy.cli.runtime import check_output_path, decode_config, set_threads
+from spiffy.cli.graph_defaults import card_note, settle_settings
+from spiffy.cli.runtime import check_output_path, default_device, set_threads
 from spiffy.decoding import DecodeConfig
 from spiffy.distributed import join_data_parallel
 from spiffy.embedded import default_dllm_path
@@ -44,14 +45,21 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:  # default: the embedded tiny dLLM shipped with the package
         args.model = default_dllm_path()
     prompts = load_prompts(args.prompts)  # fail fast on a bad prompt set, before loading the model
-    cfg, extra = decode_config(args)
+    tokenizer = load_tokenizer(args.model)
+    # one default per model: the settings `spiffy generate` and `spiffy bench dllm` run with, flag for flag
+    settings = settle_settings(args, args.model, chat=False if args.no_chat else None,
+                               has_template=bool(getattr(tokenizer, "chat_template", None)),
+                               device=default_device(args.device))
+    note = card_note("spiffy calibrate", args.model, settings)
+    if note:
+        print(note, file=sys.stderr)
+    args.dtype, args.no_chat, cfg, extra = settings.dtype, not settings.chat, settings.config, settings.extra
     for name in DLLM_DECODING_FLAGS:  # the recorded command spells out every value, defaults included
         if getattr(args, name, None) is None and name in DecodeConfig.__dataclass_fields__:
             setattr(args, name, getattr(cfg, name))
     dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
     model = load_model(args.model, dtype=args.dtype, device=str(dp.device))
     set_threads(args.threads, model)
-    tokenizer = load_tokenizer(args.model)
     count = len(prompts) if args.max_prompts is None else min(len(prompts), int(args.max_prompts))
     print(f"spiffy calibrate: {count} prompt(s) x 1 configuration (the baseline decoder, {cfg.gen_length} positions "
           "each, recording every step's lookahead) = "

@@ -50,14 +50,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="prompt text, tokenized as is (see --chat); must not be empty. Repeat it to decode several "
                              "prompts as one batch (with --json: one JSON object per prompt, in order)")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                        help="wrap the prompt in the tokenizer's chat template (default: as the draft graph was "
-                             "calibrated, else off)")
+                        help="wrap the prompt in the tokenizer's chat template (default: on when the tokenizer has one, "
+                             "except where the model card, the graphs shipped with a dLLM, records raw prompts; "
+                             "--graph never changes it)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (tokens, text, nfe = model calls, seconds, steps, config) "
                              "instead of the text")
     parser.add_argument("--dtype", default=None,
-                        help="model dtype: float32, float64, bfloat16, float16 or auto (the checkpoint's). Default: the "
-                             "dtype the draft graph was calibrated in, else float32 on CPU")
+                        help="model dtype: float32, float64, bfloat16, float16 or auto (the checkpoint's). Default: a "
+                             "dLLM's model card dtype (its shipped graphs), else float32 on CPU and the checkpoint's on "
+                             "an accelerator; --graph never changes it")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_threads_argument(parser)
@@ -71,8 +73,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "freedave:K (FreeDave: the K most confident next states as a chain, no calibration), ssd:K (SSD's "
                         "self-drafted path, K states per forward), or none "
                         "(the baseline decoder). Default: auto when the model ships graphs (the embedded one does), "
-                        "else none. Unset decoding flags, --dtype and --chat take the calibrated values of this graph "
-                        "(of the model's first shipped graph with auto, none, freedave:K or ssd:K)")
+                        "else none. The graph changes speed, never tokens: unset decoding flags, --dtype and --chat take "
+                        "the model card's values (a shipped graph's configuration) with or without it; a graph "
+                        "calibrated for other decoding flags is refused with the flags it needs")
     d.add_argument("--budget", type=int, default=None, metavar="D",
                    help="drafts per step: how many draft states of the graph are verified in each model call "
                         f"(the call's batch is 1 + D rows; default: the D the graph was tuned for, else "
@@ -80,7 +83,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument("--score", default=None, choices=SCORES,
                    help=SCORE_HELP)
     add_placement_arguments(parser)
-    add_decoding_arguments(parser, defaults="the draft graph's calibrated values, else the defaults below")
+    add_decoding_arguments(parser, defaults="the model card's (the configuration of a graph shipped with the model, "
+                                            "whatever --graph names), else the defaults below")
     add_ar_arguments(parser)
     parser.set_defaults(run="generate_run", command_parser=parser)
     return parser

@@ -117,7 +117,8 @@ def run_generate(args: argparse.Namespace) -> int:
     target_dir = checkpoint_dir(target_dir)  # a directory, or a Hub id such as Qwen/Qwen3-8B
     config_file = Path(target_dir) / "config.json"
     raw = read_config_dict(target_dir) if config_file.is_file() else {}
-    dtype = resolve_dtype(getattr(args, "dtype", None) or "float32", raw)
+    # load_model's rule, as `spiffy bench ar` (float32 on CPU, the checkpoint's on an accelerator): one default
+    dtype = resolve_dtype(getattr(args, "dtype", None), raw, device)
     placement = placement_kwargs(args)
     quiet_loading()
     target = load_target(target_dir, dtype, device, **placement)
@@ -134,9 +135,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise CheckpointError(f"no tokenizer in {target_dir} ({exc}); fix: save the tokenizer next to the target") from exc
     prompts = getattr(args, "prompt", "") or ""
     prompts = prompts if isinstance(prompts, list) else [prompts]
-    chat = bool(getattr(args, "chat", False))
+    explicit_chat = getattr(args, "chat", None)
+    # one default everywhere (bench ar, calibrate, the Python API): the chat template when the tokenizer has one
+    chat = True if explicit_chat is None else bool(explicit_chat)
     config = replace(config, stop_token_ids=tuple(stop_token_ids(target, tokenizer, chat)))
-    batch = [prompt_token_ids(tokenizer, p, chat=chat, require_template=True) for p in prompts]
+    batch = [prompt_token_ids(tokenizer, p, chat=chat, require_template=bool(explicit_chat)) for p in prompts]
     # one batched run (one prompt is a batch of one): per-row trees in one verification forward; row r equals
     # prompt r decoded alone; each row its own drafter wrapper (the core checks it against the target)
     drafters = None if drafter_model is None else [as_drafter(drafter_model) for _ in batch]

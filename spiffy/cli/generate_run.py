@@ -3,10 +3,11 @@
 The mode follows from the flags the user set, never from a guess: ``--target``, ``--drafter`` or ``--method`` is AR
 mode, anything else dLLM mode. A flag of the other mode is refused with a one-line error (exit 2).
 
-dLLM defaults come from a draft graph: the one ``--graph`` names, else the shipped graph that fits the settings the
-user gave (:mod:`spiffy.cli.graph_defaults`; the first shipped one when nothing was given). Its recorded decoding configuration (gen length, block length, steps, cache, ...), dtype
-and chat setting fill in every flag the user left unset, so ``spiffy generate --prompt TEXT`` decodes exactly as
-the graph was calibrated, with Spiffy.
+dLLM defaults are one per model, whatever ``--graph`` says (:func:`spiffy.cli.graph_defaults.settle_settings`):
+every flag the user left unset takes the model card's value (the configuration of the shipped graph that fits the
+settings the user gave), else spiffy's own default, so ``spiffy generate --prompt TEXT`` prints the same tokens with
+``--graph none``, ``auto``, ``FILE``, ``freedave:K`` or ``ssd:K``. A graph calibrated for other decoding rules is
+refused with the flags it needs; one calibrated in another dtype or prompt format runs (exactly) with a note.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import torch
 from spiffy.api import generate
 from spiffy.cli import generate_ar
 from spiffy.cli.flags import AR_FLAGS, DLLM_DECODING_FLAGS, refuse
-from spiffy.cli.graph_defaults import differences, difference_note, pick_defaults_graph, recorded_settings, requested_decoding
+from spiffy.cli.graph_defaults import card_note, differences, difference_note, recorded_settings, settle_settings
 from spiffy.cli.placement import placement_kwargs
-from spiffy.cli.runtime import decode_config, default_device, set_threads
-from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument, shipped_graphs
+from spiffy.cli.runtime import default_device, set_threads
+from spiffy.embedded import (check_graph_fits, compatible_shipped_graph, default_dllm_path, resolve_graph_argument,
+                             shipped_graphs)
 from spiffy.errors import ConfigError
 from spiffy.models.prompting import prompt_token_ids
 from spiffy.models import load_model, load_tokenizer
@@ -64,14 +66,6 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _defaults_graph(graph_arg: str | None, model_dir: str, args: argparse.Namespace) -> Path | None:
-    """The graph whose recorded configuration fills in unset flags: the named one, else the shipped graph that fits
-    the settings given (``--chat`` the chat graph, ``--threshold`` the threshold graph; the first on a tie)."""
-    if graph_arg and graph_arg not in (NO_GRAPH, AUTO_GRAPH) and parse_rival(graph_arg) is None:
-        return resolve_graph_argument(graph_arg, model_dir)
-    return pick_defaults_graph(shipped_graphs(model_dir), args.dtype, args.chat, requested_decoding(args))
-
-
 def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
     """dLLM mode: baseline or Spiffy on a diffusion LM."""
     model_dir = args.model or default_dllm_path(" or --method METHOD for AR mode")
@@ -79,25 +73,26 @@ def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
     if graph_arg == NO_GRAPH:
         refuse(asked & {"budget", "score"}, "Spiffy flags, and no draft graph runs here",
                "drop them, or pass --graph FILE|NAME|auto (`spiffy calibrate` makes one)", args.command_parser)
-    source = _defaults_graph(graph_arg, model_dir, args)
-    recorded = recorded_settings(source)
-    if args.dtype is None and recorded.get("dtype"):
-        args.dtype = str(recorded["dtype"])
-    if args.chat is None:
-        args.chat = bool(recorded.get("chat", False))
-    cfg, extra = decode_config(args, recorded.get("decode_config"))
+    tokenizer = load_tokenizer(model_dir)
     device = default_device(args.device)
+    explicit_chat = args.chat  # --chat asks for a template; a default never fails for lack of one
+    settings = settle_settings(args, model_dir, chat=args.chat, device=device,
+                               has_template=bool(getattr(tokenizer, "chat_template", None)))
+    note = card_note("spiffy generate", model_dir, settings)
+    if note:
+        print(note, file=sys.stderr)
+    args.dtype, args.chat, cfg, extra = settings.dtype, settings.chat, settings.config, settings.extra
     placement = placement_kwargs(args)
     model = load_model(model_dir, dtype=args.dtype, device=device, **placement)
     if placement:  # inputs go where the model's embedding computes
         device = str(model_device(model))
     set_threads(args.threads, model)
-    tokenizer = load_tokenizer(model_dir)
-    batch = [prompt_token_ids(tokenizer, p, chat=args.chat, require_template=True) for p in args.prompt]
-    graph, graph_path = _choose_graph(args, graph_arg, model, model_dir, cfg, extra, source)
+    batch = [prompt_token_ids(tokenizer, p, chat=args.chat, require_template=bool(explicit_chat)) for p in args.prompt]
+    graph, graph_path = _choose_graph(args, graph_arg, model, model_dir, cfg, extra, settings.card)
     if graph is not None and parse_rival(str(graph_path)) is None:  # a calibrated graph: does the run fit it?
+        family_cfg = check_graph_fits(model, graph, str(graph_path), cfg, **extra)
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-        diffs = differences(recorded_settings(graph_path), dtype, bool(args.chat), cfg)
+        diffs = differences(recorded_settings(graph_path), dtype, bool(args.chat), family_cfg)
         if diffs:
             print(difference_note("spiffy generate", str(graph_path), diffs), file=sys.stderr)
     budget = _check_budget(args.budget, graph)

@@ -1,22 +1,34 @@
-"""Which shipped draft graph a dLLM command takes its defaults from, and the one-line note when a run departs from it.
+"""One default per model for every setting a graph can carry, and the one-line notes when a run departs from them.
 
 A graph records the configuration it was calibrated for (``calibration``: dtype, prompt format ``chat``, the
 decoding configuration ``decode_config``); its drafts, and so the forwards Spiffy saves, hold for that
-configuration. ``spiffy generate`` and ``spiffy bench dllm`` therefore fill every setting the user left unset from
-one graph: the shipped graph that agrees with most of the settings the user *did* set (``--chat`` picks the graph
-calibrated on the chat template, ``--threshold 0.9`` the threshold graph), the first shipped one on a tie. A setting
-the user set that still differs from the graph the run uses is named in one line on stderr with its cost.
+configuration. The settings a dLLM command runs with never depend on ``--graph`` (adding a graph changes speed,
+never tokens): :func:`settle_settings` fills every setting the user left unset from the **model card** alone, the
+graphs shipped with the checkpoint (the shipped graph that agrees with most of the settings the user *did* set:
+``--chat`` picks the graph calibrated on the chat template, ``--threshold 0.9`` the threshold graph; the first on a
+tie), else from spiffy's own defaults (``load_model``'s dtype rule, the chat template when the tokenizer has one,
+:class:`~spiffy.decoding.DecodeConfig`'s fields). ``spiffy generate``, ``spiffy calibrate`` and ``spiffy bench
+dllm`` all call it, so the three agree whether or not a graph is given. A model-card setting that differs from
+spiffy's own default is named in one line on stderr (:func:`card_note`); a graph whose recorded dtype or prompt
+format differs from the run's is named in one line with its cost (:func:`difference_note`); a graph calibrated for
+other decoding rules is refused with the flags it needs (``spiffy.embedded.check_graph_fits``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from spiffy.cli.runtime import decode_config
+from spiffy.decoding.factory import session_class
+from spiffy.embedded import shipped_graphs
+from spiffy.models.loading import family_of, read_config_dict
 from spiffy.selfspec.graph import load_graph
+from spiffy.torch_utils import resolve_dtype
 
-__all__ = ["DECODE_FIELDS", "DEFAULT_COMPANION_THRESHOLD", "differences", "difference_note", "pick_defaults_graph", "recorded_settings",
-           "requested_decoding"]
+__all__ = ["DECODE_FIELDS", "DEFAULT_COMPANION_THRESHOLD", "RunSettings", "card_note", "differences", "difference_note",
+           "pick_defaults_graph", "recorded_settings", "requested_decoding", "settle_settings"]
 
 #: DecodeConfig fields compared between a graph's calibration and a run (the decoding flags that shape the drafts)
 DECODE_FIELDS: tuple[str, ...] = (
@@ -88,3 +100,84 @@ def difference_note(command: str, graph: str | Path, diffs: list[str]) -> str:
             "(the embedded tiny-sdar at D* = 5 on its bfloat16 raw-prompt graph: 1.91x in float32 with the chat "
             "template against 2.78x as calibrated, docs/RESULTS.md); fix: drop the flag, or calibrate a graph for "
             "it (`spiffy calibrate`)")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The settings a dLLM command decodes with (:func:`settle_settings`).
+
+    Attributes:
+        dtype: the ``--dtype`` to load with (``None``: ``load_model``'s rule: float32 on a CPU, the checkpoint's
+            dtype on an accelerator).
+        chat: prompts go through the tokenizer's chat template.
+        config: the :class:`~spiffy.decoding.DecodeConfig`; extra: family options (SDAR's ``strategy``, ...).
+        card: the shipped graph whose calibration supplied unset settings (``None``: spiffy's own defaults).
+        taken: the settings the model card supplied that differ from spiffy's own defaults, one text each.
+    """
+
+    dtype: str | None
+    chat: bool
+    config: Any
+    extra: dict[str, Any]
+    card: Path | None
+    taken: tuple[str, ...]
+
+
+def _own_dtype(model_dir: str | Path, device: Any) -> str:
+    """The dtype ``load_model(dtype=None)`` gives on ``device``, by name."""
+    data = read_config_dict(model_dir) if (Path(model_dir) / "config.json").is_file() else {}
+    return str(resolve_dtype(None, data, device)).replace("torch.", "")
+
+
+def _family_config(model_dir: str | Path, config: Any, extra: dict[str, Any]) -> Any:
+    """``config`` as the family's own configuration class fills it (SDAR: its committed cache whatever ``--cache``
+    says), so a setting is named only where it changes the decoding rule."""
+    data = read_config_dict(model_dir) if (Path(model_dir) / "config.json").is_file() else None
+    if data is None:
+        return config
+    return session_class(family_of(data)).config_class.from_config(config, **extra)
+
+
+def _option_text(name: str, value: Any) -> str:
+    return f"{name.replace('_', ' ')} {'none' if value is None else value}"
+
+
+def settle_settings(args: Any, model_dir: str | Path, *, chat: bool | None, has_template: bool,
+                    device: Any = None) -> RunSettings:
+    """The settings a dLLM command runs with: what the user set (``args``: ``dtype`` and the decoding flags, unset =
+    ``None``; ``chat``: ``--chat`` / ``--no-chat`` or ``None``), the model card's for the rest, spiffy's own defaults
+    where the model ships no graph. ``--graph`` plays no part: the same command with and without it decodes the
+    same configuration. ``has_template``: the tokenizer has a chat template (spiffy's default prompt format then)."""
+    decoding = requested_decoding(args)
+    card = pick_defaults_graph(shipped_graphs(model_dir), getattr(args, "dtype", None), chat, decoding)
+    recorded = recorded_settings(card)
+    own_cfg, own_extra = decode_config(args)
+    cfg, extra = decode_config(args, recorded.get("decode_config"))
+    taken: list[str] = []
+    dtype = getattr(args, "dtype", None)
+    if dtype is None and recorded.get("dtype"):
+        dtype, own = str(recorded["dtype"]), _own_dtype(model_dir, device)
+        if dtype != own:
+            taken.append(f"dtype {dtype} (default {own})")
+    if chat is None:
+        chat = bool(recorded["chat"]) if "chat" in recorded else has_template
+        if chat != has_template:
+            fmt = {True: "the chat template", False: "raw prompts"}
+            taken.append(f"{fmt[chat]} (default {fmt[has_template]})")
+    ran_rule, own_rule = _family_config(model_dir, cfg, extra), _family_config(model_dir, own_cfg, own_extra)
+    for name in type(ran_rule).__dataclass_fields__:
+        if name in ("seed", "mask_id"):
+            continue
+        ran, own = getattr(ran_rule, name), getattr(own_rule, name, None)
+        if not _same(ran, own):
+            taken.append(f"{_option_text(name, ran)} (default {'none' if own is None else own})")
+    return RunSettings(dtype, bool(chat), cfg, extra, card, tuple(taken))
+
+
+def card_note(command: str, model_dir: str | Path, settings: RunSettings) -> str | None:
+    """The one stderr line naming the model-card settings that differ from spiffy's own defaults (``None``: none)."""
+    if not settings.taken or settings.card is None:
+        return None
+    return (f"{command}: note: the model card of {Path(model_dir).name} sets {', '.join(settings.taken)}: the "
+            f"configuration of its shipped graph {settings.card.stem}, used with or without --graph; pass a flag to "
+            "choose another value")
