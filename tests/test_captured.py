@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
 from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
-from spiffy.arspec.captured import StaticTarget
+from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.device_tree import ddtree_device
 from spiffy.arspec.drafter import DFlashDrafter
 from spiffy.arspec.tree import build_ddtree
@@ -126,10 +126,10 @@ def test_buckets_are_reused_across_prompts_and_calls(pair):
     target, base = pair
     kw = {"method": "ddtree", "budget": 8, "max_new_tokens": 10, "compile": True}
     ddtree_generate(target, base, _prompt(5, 6), **kw)
-    static = StaticTarget.for_target(target, 1, 6 + 10 + 10, 9, True)
+    static = static_target_of(target)
     buckets = dict(static.graphs.stats.capture_seconds)
     ddtree_generate(target, base, _prompt(6, 9), **kw)
-    assert StaticTarget.for_target(target, 1, 6 + 10 + 10, 9, True) is static
+    assert static_target_of(target) is static
     assert static.graphs.stats.capture_seconds == buckets  # no bucket made again
     assert static.graphs.stats.runs[(1, 9, BLOCK - 1)] > 2
 

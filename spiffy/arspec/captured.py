@@ -41,13 +41,18 @@ from spiffy.models.cache import hf_cache
 from spiffy.models.dflash import TargetFeatureHooks
 from spiffy.torch_utils import execution_device
 
-__all__ = ["CapturedRounds", "StaticTarget", "static_unsupported"]
+__all__ = ["CapturedRounds", "StaticTarget", "static_target_of", "static_unsupported"]
 
 #: slot counts are rounded up to a multiple of this (a later prompt of about the same length reuses the cache)
 SLOT_ROUNDING = 256
 
 #: the static targets of live models (one per target; replaced when a call needs more rows or slots)
 _STATIC: "weakref.WeakKeyDictionary[nn.Module, StaticTarget]" = weakref.WeakKeyDictionary()
+
+
+def static_target_of(target: nn.Module) -> "StaticTarget | None":
+    """The static target ``target``'s captured calls run on now (its buckets, capture times), if any."""
+    return _STATIC.get(target)
 
 
 def static_unsupported(target: nn.Module) -> str | None:
