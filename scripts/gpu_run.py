@@ -17,7 +17,10 @@ section writes its rows to ``results.json`` as soon as it ends (a run cut short 
 3. ``costs``: random-weight LLaDA-8B and SDAR-8B (one ``forward_states`` over 1..8 states per cache mode),
    Qwen3-8B and Qwen3-30B-A3B (1-token decode against tree verification of 16..1024 nodes over a 1,024-token
    context, eager and captured in a CUDA graph), the Qwen3-8B DFlash drafter (one block).
-4. ``projections``: measured acceptance x measured costs. Labelled projections: a real model's acceptance is not
+4. ``captured``: the public entry point eager against ``compile=True`` (Qwen3-8B with a random DFlash drafter: AR,
+   DFlash, DDTree at 16 / 64 / 256; Qwen3-30B-A3B: AR), ms per round and per token, capture time, beside
+   transformers' static-cache ``generate`` and the bandwidth limit (:mod:`spiffy.bench.gpu_captured`).
+5. ``projections``: measured acceptance x measured costs. Labelled projections: a real model's acceptance is not
    the tiny models'.
 
 ``--self-check`` runs every section at toy sizes on the CPU in under a minute (the suite runs it so the script
@@ -47,6 +50,7 @@ import transformers
 import spiffy
 from spiffy.arspec import ddtree_generate
 from spiffy.bench import gpu_costs as gc_costs
+from spiffy.bench.gpu_captured import captured_timings
 from spiffy.decoding import DecodeConfig
 from spiffy.io import atomic_write_json, atomic_write_text
 from spiffy.models import load_model
@@ -302,6 +306,24 @@ def markdown(data: dict[str, Any]) -> str:
                                      f"{d['block_size']} (the projections use it for both targets: no 30B-A3B drafter "
                                      "config is shipped).")
                 lines.append("")
+        elif name == "captured":
+            lines += [f"**{res['label']}**; read bandwidth {res['read_bandwidth_gb_s']:.0f} GB/s", ""]
+            for model in ("Qwen3-8B", "Qwen3-30B-A3B"):
+                entry = res.get(model)
+                if not entry:
+                    continue
+                hf = entry["transformers_static"]
+                lines += [f"### {model}: bandwidth limit {entry['bandwidth_limit_ms_per_token']:.2f} ms/token; "
+                          f"transformers static-cache generate {hf.get('ms_per_token', float('nan')):.2f} ms/token", "",
+                          "| method | budget | compile | ms/round | ms/token | tau | capture s |", "|---|---|---|---|---|---|---|"]
+                for r in entry["rows"]:
+                    if "error" in r:
+                        lines.append(f"| {r['method']} | {r['budget']} | {r['compile']} | {r['error'][:80]} | | | |")
+                        continue
+                    cap = (r.get("capture") or {}).get("capture_seconds", "")
+                    lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['compile']} | {r['ms_per_round']:.2f} | "
+                                 f"{r['ms_per_token']:.2f} | {r['tau']:.2f} | {cap} |")
+                lines.append("")
         elif name == "projections":
             lines += [f"**{res['label']}**", ""]
             for key, rows in res.items():
@@ -326,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--self-check", action="store_true", help="toy sizes on the CPU (what the suite runs)")
     parser.add_argument("--time-budget", type=float, default=510.0, help="seconds; later sections are skipped when "
                         "too little is left (default 510 = 8.5 minutes)")
-    parser.add_argument("--sections", default="lossless,bench,costs,projections", help="comma-separated subset")
+    parser.add_argument("--sections", default="captured,lossless,bench,costs,projections",
+                        help="comma-separated subset")
     args = parser.parse_args(argv)
     small = args.self_check or not torch.cuda.is_available()
     device = torch.device("cpu" if small else "cuda")
@@ -338,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.sections.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         # real-size costs first: they are what only a GPU can give; a section starts only with enough time left
-        plan = [("costs", lambda: costs(device, dtype, small), 0),
+        plan = [("captured", lambda: captured_timings(device, dtype, small), 0),
+                ("costs", lambda: costs(device, dtype, small), 0),
                 ("bench", lambda: bench(device, dtype, args.out, small), 90),
                 ("lossless", lambda: lossless(device, dtype, Path(tmp), small), 60),
                 ("projections", lambda: projections(run.data), 0)]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["top_ranked"]
+__all__ = ["top_ranked", "top_ranked_static"]
 
 #: chunk widths tried, widest first (a wide chunk makes pass 1 cheaper, a narrow one makes pass 2 read less)
 _CHUNKS: tuple[int, ...] = (256, 128, 64, 32, 16)
@@ -95,3 +95,30 @@ def top_ranked(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     starts = torch.cumsum(counts, 0) - counts
     take = order.index_select(0, (starts.unsqueeze(1) + torch.arange(k, device=dev)).reshape(-1))
     return cand_vals.index_select(0, take).view(rows, k), cand_cols.index_select(0, take).view(rows, k)
+
+
+def top_ranked_static(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_ranked` (same values, same order, same tie rule) without a host synchronisation: static shapes
+    only, so a captured step can run it. ``scores [R, V]`` -> ``(values [R, k], columns [R, k] long)``.
+
+    The ``k``-th largest value ``t`` (one ``torch.topk``) splits each row: every entry above ``t`` is in, and the
+    entries equal to ``t`` fill the rest by column (a running count); the ``k`` chosen columns, read in column
+    order and stably sorted by value, give value descending, ties by column ascending.
+    """
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [R, V], got shape {tuple(scores.shape)}")
+    rows, width = int(scores.shape[0]), int(scores.shape[1])
+    if not 0 <= k <= width:
+        raise ValueError(f"k must be in [0, {width}], got {k}")
+    if k == 0 or rows == 0:
+        dev = scores.device
+        return torch.zeros(rows, k, dtype=scores.dtype, device=dev), torch.zeros(rows, k, dtype=torch.long, device=dev)
+    kth = torch.topk(scores, k, dim=-1).values[:, k - 1 :]  # [R, 1]
+    above = scores > kth
+    tied = scores == kth
+    chosen = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
+    reverse = torch.arange(width, 0, -1, device=scores.device)  # larger for smaller columns, all distinct
+    cols = torch.topk(torch.where(chosen, reverse, 0), k, dim=-1).indices  # the chosen columns, ascending
+    vals = scores.gather(-1, cols)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return vals.gather(-1, order), cols.gather(-1, order)

@@ -42,6 +42,20 @@ def test_self_check_costs_and_projections(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_self_check_captured(tmp_path: Path) -> None:
+    """The captured section times the public entry point eager and captured (toy sizes): same tokens both ways."""
+    data = _run(tmp_path, "captured")
+    res = data["sections"]["captured"]["result"]
+    rows = res["Qwen3-8B"]["rows"]
+    assert {(r["method"], r["compile"]) for r in rows} == {(m, c) for m in ("ar", "dflash", "ddtree") for c in (0, 1)}
+    assert all("error" not in r and r["ms_per_round"] > 0 and r["same_tokens_as_first_call"] for r in rows), rows
+    assert all(r["capture"]["buckets"] >= 1 for r in rows if r["compile"])
+    assert [r["method"] for r in res["Qwen3-30B-A3B"]["rows"]] == ["ar", "ar"]
+    assert res["Qwen3-8B"]["transformers_static"]["ms_per_token"] > 0
+    assert res["Qwen3-8B"]["bandwidth_limit_ms_per_token"] > 0
+
+
+@pytest.mark.slow
 def test_self_check_every_section(tmp_path: Path) -> None:
     data = _run(tmp_path, "lossless,bench,costs,projections")
     lossless = data["sections"]["lossless"]["result"]

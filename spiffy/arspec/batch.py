@@ -33,9 +33,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from spiffy.arspec.captured import CapturedRounds
 from spiffy.arspec.config import DEFAULT_MAX_NEW_TOKENS, ARSpecConfig
 from spiffy.arspec.dllm_drafter import as_drafter
-from spiffy.arspec.drafter import ContextUpdate, Drafter
+from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter
 from spiffy.arspec.methods import DEFAULT_METHOD, get_method, make_rule
 from spiffy.arspec.result import ARGenerationResult
 from spiffy.arspec.rules import AcceptanceRule, TargetLogits
@@ -59,7 +60,9 @@ from spiffy.arspec.stages import (
     verify,
 )
 from spiffy.arspec.tree import empty_tree
+from spiffy.capture import CompileSetting, resolve_compile
 from spiffy.errors import ConfigError
+from spiffy.torch_utils import execution_device
 from spiffy.sampling import SamplingConfig
 
 __all__ = ["GenerateKeywords", "speculative_generate_batch", "ddtree_generate_batch", "prompt_lists"]
@@ -128,6 +131,7 @@ def speculative_generate_batch(
     *,
     rules: Sequence[AcceptanceRule] | None = None,
     progress: bool = False,
+    compile: CompileSetting = None,
 ) -> list[ARGenerationResult]:
     """Generate for every prompt at once; row ``b`` equals the same call with prompt ``b`` alone.
 
@@ -140,6 +144,9 @@ def speculative_generate_batch(
         configs: one :class:`ARSpecConfig` for all rows or one per row (e.g. per-row seeds or stop tokens).
         rules: one acceptance rule per row (default: the rule each row's ``config.accept`` names).
         progress: show a tqdm bar over generated tokens on stderr.
+        compile: the captured path (:mod:`spiffy.arspec.captured`: a static cache, static shapes per bucket, CUDA
+            graphs on a GPU, trees built and walked on the device): ``True``, ``False`` (eager, the reference) or
+            ``"auto"`` / ``None`` (:func:`spiffy.capture.resolve_compile`). Same tokens either way.
     Returns:
         One :class:`ARGenerationResult` per row, in order. Per-row: tokens, rounds, τ, acceptance lengths,
         histogram, nodes per round. Shared by the batch: ``seconds``, ``prefill_seconds`` and ``stage_times`` (wall
@@ -163,6 +170,13 @@ def speculative_generate_batch(
         return results
     runner = TargetRunner.for_target(target)
     clock = StageClock(runner.device)
+    engine: CapturedRounds | None = None
+    if resolve_compile(compile, execution_device(target.get_input_embeddings())):
+        engine = CapturedRounds.start(target, [rows[b] for b in live], [cfgs[b] for b in live],
+                                      [row_rules[b] for b in live],
+                                      [cfgs[b].draft_nodes(blocks[b]) for b in live],
+                                      max(cfgs[b].draft_depth(blocks[b]) for b in live),
+                                      capture=True, feature_layers=_feature_layers([active[b] for b in live]))
     buffers = RoundBuffers.allocate(len(live), 1 + max(cfgs[b].draft_nodes(blocks[b]) for b in live))
     attached: list[Drafter] = []
     bar = tqdm(total=sum(cfgs[b].max_new_tokens for b in live), unit="tok", leave=False,
@@ -175,8 +189,12 @@ def speculative_generate_batch(
                 attached.append(active[b])  # type: ignore[arg-type]
         sync(runner.device)
         t_start = time.perf_counter()
-        ids, positions, mask, valid, pads = prefill_inputs([rows[b] for b in live], runner.device, runner.dtype)
-        first = prefill(runner, ids, positions, mask, valid)
+        if engine is not None:
+            first, pads = engine.static.prefill([rows[b] for b in live])
+            valid = engine.static.valid[: len(live)]  # unused on the captured path (its validity stays on the device)
+        else:
+            ids, positions, mask, valid, pads = prefill_inputs([rows[b] for b in live], runner.device, runner.dtype)
+            first = prefill(runner, ids, positions, mask, valid)
         for i, b in enumerate(live):
             token = int(sample_keyed(first[i : i + 1], [len(rows[b])], cfgs[b].sampling)[0])
             results[b].append_until_stop([token], cfgs[b].stop_token_ids, cfgs[b].max_new_tokens)
@@ -186,7 +204,7 @@ def speculative_generate_batch(
         t_prefill = time.perf_counter()
         if bar is not None:
             bar.update(len(live))
-        live, valid = _leave_finished(runner, valid, live, results, cfgs, active, attached)
+        live, valid = _leave_finished(runner, valid, live, results, cfgs, active, attached, engine)
 
         while live:
             clock.start()
@@ -195,7 +213,15 @@ def speculative_generate_batch(
             # a DFlash block is bidirectional, so a shorter block would change the drafts themselves
             depths = [min(cfgs[b].draft_depth(blocks[b]), cfgs[b].max_new_tokens - len(results[b].tokens))
                       for b in live]
-            if _plain_round(depths):  # nothing to draft (plain AR, a last token): one token, no tree machinery
+            if engine is not None:  # the captured path: one host read per round
+                plain = _plain_round(depths)
+                drafts = [None] * len(live) if plain else draft([active[b] for b in live], roots, depths)
+                clock.lap("draft")
+                done = engine.round(roots, drafts, clock, _drafter_hooks([active[b] for b in live]))
+                trees = [EMPTY_TREE] * len(live)
+                outcomes = None
+                keep = [k for _new, k, _n in done]
+            elif _plain_round(depths):  # nothing to draft (plain AR, a last token): one token, no tree machinery
                 trees = [EMPTY_TREE] * len(live)
                 hidden = verify(runner, decode_inputs(runner, roots, valid), [[-1]] * len(live))
                 outcomes = [row_rules[b].accept(EMPTY_TREE, TargetLogits(hidden[i, :1], runner.lm_head), None, pos)
@@ -218,16 +244,20 @@ def speculative_generate_batch(
                 clock.lap("verify")
                 keep = [[0] + [int(a) + 1 for a in o.accepted] for o in outcomes]
                 valid = commit(runner, valid, context_len, keep)
-            for i, (b, tree, o, (root_tok, root_pos)) in enumerate(zip(live, trees, outcomes, roots)):
-                node_tokens = tree.tokens.tolist() if o.accepted else []
-                new = [node_tokens[a] for a in o.accepted] + [o.bonus]
+            for i, (b, tree, (root_tok, root_pos)) in enumerate(zip(live, trees, roots)):
+                if outcomes is None:
+                    new, _keep, nodes = done[i]
+                else:
+                    o = outcomes[i]
+                    node_tokens = tree.tokens.tolist() if o.accepted else []
+                    new, nodes = [node_tokens[a] for a in o.accepted] + [o.bonus], tree.num_nodes
                 if active[b] is not None:
                     active[b].commit(ContextUpdate([root_tok] + new[:-1], root_pos, keep[i], i))  # type: ignore[union-attr]
                 committed = results[b].append_until_stop(new, cfgs[b].stop_token_ids, cfgs[b].max_new_tokens)
-                results[b].record_round(committed, tree.num_nodes)
+                results[b].record_round(committed, nodes)
                 if bar is not None:
                     bar.update(committed)
-            live, valid = _leave_finished(runner, valid, live, results, cfgs, active, attached)
+            live, valid = _leave_finished(runner, valid, live, results, cfgs, active, attached, engine)
             clock.lap("commit")
         sync(runner.device)
         t_end = time.perf_counter()
@@ -248,9 +278,19 @@ def _plain_round(depths: Sequence[int]) -> bool:
     return not any(depths)
 
 
+def _feature_layers(drafters: Sequence[Drafter | None]) -> list[int]:
+    """The target layers the rows' drafters read (DFlash features), which a captured step must record."""
+    return sorted({int(i) for d in drafters if isinstance(d, DFlashDrafter) for i in d.model.target_layer_ids})
+
+
+def _drafter_hooks(drafters: Sequence[Drafter | None]) -> list[Any]:
+    """The feature hooks of the rows' attached DFlash drafters (a captured step hands them its layer outputs)."""
+    return [d.feature_hooks for d in drafters if isinstance(d, DFlashDrafter) and d.feature_hooks is not None]
+
+
 def _leave_finished(runner: TargetRunner, valid: torch.Tensor, live: list[int], results: list[ARGenerationResult],
-                    configs: list[ARSpecConfig], active: list[Drafter | None], attached: list[Drafter]
-                    ) -> tuple[list[int], torch.Tensor]:
+                    configs: list[ARSpecConfig], active: list[Drafter | None], attached: list[Drafter],
+                    engine: CapturedRounds | None = None) -> tuple[list[int], torch.Tensor]:
     """Remove the rows that stopped or reached ``max_new_tokens`` from the cache batch and detach their drafters."""
     done = [results[b].stopped or len(results[b].tokens) >= configs[b].max_new_tokens for b in live]
     if not any(done):
@@ -261,6 +301,9 @@ def _leave_finished(runner: TargetRunner, valid: torch.Tensor, live: list[int], 
             d.detach()
             attached.remove(d)
     kept = [i for i, finished in enumerate(done) if not finished]
+    if engine is not None:
+        engine.keep_rows(kept)
+        return [live[i] for i in kept], valid
     return [live[i] for i in kept], drop_rows(runner, valid, kept)
 
 
@@ -277,6 +320,7 @@ class GenerateKeywords(TypedDict, total=False):
     stop_token_ids: int | Sequence[int] | None
     block_size: int | None
     progress: bool
+    compile: CompileSetting
 
 
 def ddtree_generate_batch(
@@ -294,6 +338,7 @@ def ddtree_generate_batch(
     stop_token_ids: int | Sequence[int] | None = None,
     block_size: int | None = None,
     progress: bool = False,
+    compile: CompileSetting = None,
 ) -> list[ARGenerationResult]:
     """Keyword-argument entry point: ``prompts`` a list of token-id lists, ``seed`` one integer for every row or one
     per row; row ``b`` equals ``ddtree_generate(..., prompts[b], seed=seeds[b])``.
@@ -319,4 +364,4 @@ def ddtree_generate_batch(
     drafters: list[Drafter | None] | None = None
     if drafter is not None and get_method(method).needs_drafter:
         drafters = list(drafter) if isinstance(drafter, (list, tuple)) else [as_drafter(drafter, block_size) for _ in rows]
-    return speculative_generate_batch(target, drafters, rows, configs, progress=progress)
+    return speculative_generate_batch(target, drafters, rows, configs, progress=progress, compile=compile)

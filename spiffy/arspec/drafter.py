@@ -243,6 +243,11 @@ class DFlashDrafter:
             self._pending = torch.cat([self._pending, feats], dim=1)
         self._hooks.clear()
 
+    @property
+    def feature_hooks(self) -> TargetFeatureHooks | None:
+        """The hooks collecting the target features this drafter reads (``None`` when detached)."""
+        return self._hooks
+
     def detach(self) -> None:
         if self._hooks is not None:
             self._hooks.remove()

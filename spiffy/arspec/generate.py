@@ -19,6 +19,7 @@ from spiffy.arspec.config import ARSpecConfig
 from spiffy.arspec.drafter import Drafter
 from spiffy.arspec.result import ARGenerationResult
 from spiffy.arspec.rules import AcceptanceRule
+from spiffy.capture import CompileSetting
 from spiffy.errors import ConfigError
 
 __all__ = ["speculative_generate", "ddtree_generate", "one_prompt"]
@@ -45,6 +46,7 @@ def speculative_generate(
     *,
     rule: AcceptanceRule | None = None,
     progress: bool = False,
+    compile: CompileSetting = None,
 ) -> ARGenerationResult:
     """Generate one prompt with a Qwen3 target under ``config``: the drafter proposes, the target verifies in one
     forward per round, the acceptance rule decides (:func:`~spiffy.arspec.speculative_generate_batch` of one row).
@@ -54,12 +56,13 @@ def speculative_generate(
         input_ids: the prompt, ``[P]`` or ``[1, P]`` token ids (list or tensor).
         rule: the acceptance rule (default: the one ``config.accept`` names, :func:`~spiffy.arspec.make_rule`).
         progress: show a tqdm bar over generated tokens on stderr.
+        compile: the captured path (see :func:`~spiffy.arspec.speculative_generate_batch`).
     Raises:
         ConfigError: missing drafter, batch > 1, bad target; DrafterMismatchError; PromptTooLongError.
     """
     rules = None if rule is None else [rule]
     return speculative_generate_batch(target, [drafter], [one_prompt(input_ids)], config, rules=rules,
-                                      progress=progress)[0]
+                                      progress=progress, compile=compile)[0]
 
 
 def ddtree_generate(target: nn.Module, drafter: Any, input_ids: Any, **keywords: Unpack[GenerateKeywords]

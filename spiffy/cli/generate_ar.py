@@ -144,7 +144,8 @@ def run_generate(args: argparse.Namespace) -> int:
     # prompt r decoded alone; each row its own drafter wrapper (the core checks it against the target)
     drafters = None if drafter_model is None else [as_drafter(drafter_model) for _ in batch]
     results = speculative_generate_batch(target, drafters, batch, config,
-                                         progress=not bool(getattr(args, "no_progress", False)))
+                                         progress=not bool(getattr(args, "no_progress", False)),
+                                         compile=getattr(args, "compile", "auto"))
     for prompt, ids, res in zip(prompts, batch, results):
         _print_row(res, args, tokenizer, prompt, ids, config, target_dir, drafter_dir, dtype, device)
     return 0

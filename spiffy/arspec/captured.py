@@ -1,0 +1,340 @@
+"""The captured path of the AR loop (``compile=True``): the target's verification and plain-AR steps on a static
+K/V cache with static shapes per bucket, and rounds that stay on the device.
+
+:class:`StaticTarget` holds, for one target, a :class:`~spiffy.capture.SlotCache` of ``rows x slots`` and the
+static input buffers of a round (ids, positions ``[rows, W]``; parents, depths ``[rows, W - 1]``; node counts), and
+one step per bucket ``(rows, width, depth)`` in a :class:`~spiffy.capture.StepGraphs` (a CUDA graph on a GPU, the
+same static code eagerly on a CPU). A smaller tree is padded to its bucket with nodes that see only the root and
+themselves and are never accepted. The step reads the device-side context length ``ctx``: it writes the round's
+rows at slots ``ctx .. ctx + width - 1`` and builds the mask (committed slots of the row, then the tree's ancestor
+block) on the device. Static targets are kept per target model and reused across prompts and calls while their
+cache is large enough, so a bucket is captured once.
+
+:class:`CapturedRounds` runs the loop's rounds on it. When every row's method builds its draft on the device (plain
+AR, the DFlash chain, DDTree: :mod:`spiffy.arspec.device_tree`) and walks it with the coupled rule, a round is draft
+-> device tree -> captured verify -> the target's token at every row -> the walk -> the kept rows moved in the cache,
+and ONE host read (accepted lengths, kept rows and tokens, bonus). Any other method or rule (DEER, SpecDiff-2,
+DFlash2's selector, the rejection rule at T > 0) builds its tree on the host as the eager loop does and walks it on
+the captured step's hidden states; only the verification is captured.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from spiffy.arspec.device_tree import (DeviceTree, ancestor_visibility, chain_device, coupled_walk, ddtree_device,
+                                       position_noise, target_tokens)
+from spiffy.arspec.methods import BestTree, Chain, DraftKnobs, Method
+from spiffy.arspec.rejection import RejectionRule
+from spiffy.arspec.rules import AcceptanceRule, CoupledRule, TargetLogits
+from spiffy.arspec.sampling import tempered
+from spiffy.arspec.selector import Draft, SelectorDraft
+from spiffy.arspec.stages import StageClock, build_trees, prefill_inputs
+from spiffy.arspec.tree import DraftTree
+from spiffy.capture import SlotCache, StepGraphs, slot_cache_supported
+from spiffy.errors import ConfigError
+from spiffy.models.cache import hf_cache
+from spiffy.models.dflash import TargetFeatureHooks
+from spiffy.torch_utils import execution_device
+
+__all__ = ["CapturedRounds", "StaticTarget", "static_target_of", "static_unsupported"]
+
+#: slot counts are rounded up to a multiple of this (a later prompt of about the same length reuses the cache)
+SLOT_ROUNDING = 256
+
+#: the static targets of live models (one per target; replaced when a call needs more rows or slots)
+_STATIC: "weakref.WeakKeyDictionary[nn.Module, StaticTarget]" = weakref.WeakKeyDictionary()
+
+
+def static_target_of(target: nn.Module) -> "StaticTarget | None":
+    """The static target ``target``'s captured calls run on now (its buckets, capture times), if any."""
+    return _STATIC.get(target)
+
+
+def static_unsupported(target: nn.Module) -> str | None:
+    """``None`` when ``target`` runs on the captured path, else why not (recurrent layers, a sliding window, an
+    attention implementation that takes no 4-D mask, layers spread over several devices)."""
+    why = slot_cache_supported(target.config)
+    if why is not None:
+        return why
+    impl = str(getattr(target.config, "_attn_implementation", None) or "")
+    if "flash" in impl:
+        return f"attn_implementation={impl!r} takes no tree mask"
+    if len({p.device for p in target.parameters()}) > 1:
+        return "the target is spread over several devices"
+    return None
+
+
+class StaticTarget:
+    """A target's static cache, round buffers and captured steps (see the module docstring)."""
+
+    def __init__(self, target: nn.Module, rows: int, slots: int, width: int, capture: bool) -> None:
+        self.target = target
+        self.backbone, self.lm_head = target.model, target.lm_head
+        embed = target.get_input_embeddings()
+        self.device, self.dtype = execution_device(embed), embed.weight.dtype
+        self.rows, self.slots, self.width = int(rows), int(slots), int(width)
+        self.cache = SlotCache(target.config, rows, slots, self.dtype, self.device)
+        dev = self.device
+        self.ctx = torch.zeros(1, dtype=torch.long, device=dev)  # committed columns (the same for every row)
+        self.valid = torch.zeros(rows, slots, dtype=torch.bool, device=dev)  # [rows, slots] committed and visible
+        self.ids = torch.zeros(rows, width, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, width, dtype=torch.long, device=dev)
+        self.parents = torch.full((rows, max(width - 1, 0)), -1, dtype=torch.long, device=dev)
+        self.depths = torch.ones(rows, max(width - 1, 0), dtype=torch.long, device=dev)
+        self.counts = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.ramp = torch.arange(max(width, slots), device=dev)
+        self.graphs = StepGraphs(self._step, dev, capture)
+        self.hooks: TargetFeatureHooks | None = None  # the layers drafters read, recorded by the captured step
+
+    @classmethod
+    def for_target(cls, target: nn.Module, rows: int, slots: int, width: int, capture: bool) -> "StaticTarget":
+        """The target's static target if it holds ``rows x slots`` and rounds of ``width`` (and is not more than
+        twice the slots needed: attention reads every slot), else a new one (replacing it)."""
+        slots = -(-int(slots) // SLOT_ROUNDING) * SLOT_ROUNDING
+        have = _STATIC.get(target)
+        if (have is not None and have.rows >= rows and slots <= have.slots <= 2 * slots and have.width >= width
+                and have.graphs.capture == (capture and have.device.type == "cuda")):
+            return have
+        if have is not None:
+            have.release()
+        made = _STATIC[target] = cls(target, rows, slots, width, capture)
+        return made
+
+    def release(self) -> None:
+        self.graphs.clear()
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
+
+    def record_layers(self, layer_ids: Sequence[int]) -> None:
+        """Make the captured step record the outputs of target layers ``layer_ids`` (a DFlash drafter's features):
+        hooks do not fire on a replayed graph, so the step's own hooks hold the replayed outputs."""
+        have = set(self.hooks.layer_ids) if self.hooks is not None else set()
+        if set(layer_ids) <= have:
+            return
+        if self.hooks is not None:
+            self.hooks.remove()
+        self.hooks = TargetFeatureHooks(self.target, sorted(have | set(layer_ids)))
+        self.graphs.clear()  # steps captured without these hooks would not refresh them
+
+    def share_features(self, drafter_hooks: Sequence[TargetFeatureHooks]) -> None:
+        """Hand the latest verification's layer outputs to the drafters' hooks (as if theirs had fired)."""
+        if self.hooks is not None:
+            for h in drafter_hooks:
+                h._out.update({i: self.hooks._out[i] for i in h.layer_ids if i in self.hooks._out})
+
+    def _step(self, key: Any) -> Any:
+        rows, width, depth = key
+        slots = self.cache.slots[:width]
+        nodes = width - 1
+        block = torch.zeros(rows, width, width, dtype=torch.bool, device=self.device)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        hidden_value = torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+
+        def step() -> torch.Tensor:
+            slots.copy_(self.ctx + self.ramp[:width])
+            block[:, :, 0] = True  # every row sees the root
+            if nodes:
+                block[:, 1:, 1:] = ancestor_visibility(self.parents[:rows, :nodes], depth)
+            visible = self.valid[:rows].unsqueeze(1).expand(rows, width, self.slots).clone()
+            visible.index_copy_(2, slots, block)
+            mask = torch.where(visible, zero, hidden_value).unsqueeze(1)
+            out = self.backbone(input_ids=self.ids[:rows, :width], position_ids=self.positions[:rows, :width],
+                                attention_mask=mask, use_cache=True, **hf_cache(self.cache))
+            return out.last_hidden_state
+
+        return step
+
+    def verify(self, rows: int, width: int, depth: int) -> torch.Tensor:
+        """The bucket's step on the filled buffers: ``[rows, width, H]`` hidden states (their K/V written at
+        slots ``ctx ..``)."""
+        return self.graphs.run((int(rows), int(width), int(depth)))
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+        """Left-padded prompts into the empty cache (eager: one call per prompt set); ``[B, V]`` logits of each
+        row's first new token and the pads."""
+        ids, positions, mask, valid, pads = prefill_inputs(prompts, self.device, self.dtype)
+        rows, width = int(ids.shape[0]), int(ids.shape[1])
+        if mask is None:
+            mask = torch.triu(torch.full((width, width), torch.finfo(self.dtype).min, dtype=self.dtype,
+                                         device=self.device), diagonal=1).expand(rows, 1, width, width)
+        full = torch.full((rows, 1, width, self.slots), torch.finfo(self.dtype).min, dtype=self.dtype,
+                          device=self.device)
+        full[..., :width] = mask
+        self.cache.slots[:width].copy_(self.ramp[:width])
+        self.valid.zero_()
+        self.valid[:rows, :width] = valid
+        self.ctx.fill_(width)
+        out = self.backbone(input_ids=ids, position_ids=positions, attention_mask=full, use_cache=True,
+                            **hf_cache(self.cache))
+        return self.lm_head(out.last_hidden_state[:, -1]), pads
+
+    def commit(self, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Move each row's kept verification rows (``keep [rows, W]``, root first; ``accepted [rows]``: kept
+        nodes) to the front of the round's window, mark them valid (shorter rows leave holes) and advance ``ctx``
+        by the longest (device tensors only)."""
+        width = int(keep.shape[1])
+        self.cache.move_window(self.ctx, keep, rows)
+        cols = self.ctx + self.ramp[:width]
+        self.valid[:rows].index_copy_(1, cols, self.ramp[:width].view(1, -1) <= accepted.view(-1, 1))
+        self.ctx.add_(accepted.max() + 1)
+
+    def keep_rows(self, kept: Sequence[int]) -> None:
+        """Only batch rows ``kept`` go on (moved to the front, in order)."""
+        self.cache.keep_rows(kept)
+        idx = torch.tensor(list(kept), dtype=torch.long, device=self.device)
+        self.valid[: len(kept)] = self.valid.index_select(0, idx)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` (a host-to-device copy: no synchronisation; nothing to do on a CPU)."""
+    return t if device.type == "cpu" else t.to(device, non_blocking=False)
+
+
+def device_tree(method: Method, config: DraftKnobs, draft: Draft | None) -> DeviceTree | None:
+    """The round's tree built on the device, or ``None`` when the method builds it on the host only."""
+    if draft is None or isinstance(draft, SelectorDraft):
+        return None
+    if isinstance(method, BestTree):
+        scores = tempered(draft, float(config.sampling.temperature))
+        return ddtree_device(torch.log_softmax(scores, dim=-1), int(config.budget))
+    if type(method) is Chain and not method.samples(config):
+        return chain_device(draft)
+    return None
+
+
+def _walks_on_device(rule: AcceptanceRule) -> bool:
+    """The coupled rule (and the rejection rule at T = 0, which is the coupled walk) walk on the device."""
+    if type(rule) is CoupledRule:
+        return True
+    return type(rule) is RejectionRule and float(rule.sampling.temperature) == 0
+
+
+class CapturedRounds:
+    """The rounds of :func:`~spiffy.arspec.batch.speculative_generate_batch` on a :class:`StaticTarget`.
+
+    Args:
+        static: the target's static target; methods, configs, rules: per live row; depth: the deepest draft of
+            any round (the walk's static step count).
+    """
+
+    def __init__(self, static: StaticTarget, methods: list[Method], configs: list[Any], rules: list[AcceptanceRule],
+                 depth: int) -> None:
+        self.static, self.methods, self.configs, self.rules = static, methods, configs, rules
+        self.depth = int(depth)
+
+    @classmethod
+    def start(cls, target: nn.Module, prompts: Sequence[Sequence[int]], configs: list[Any],
+              rules: list[AcceptanceRule], widths: Sequence[int], depth: int, capture: bool,
+              feature_layers: Sequence[int]) -> "CapturedRounds":
+        """The captured rounds of one generation (ConfigError when the target cannot run them)."""
+        why = static_unsupported(target)
+        if why is not None:
+            raise ConfigError(f"compile=True cannot run this target: {why}; fix: pass compile=False (eager)")
+        width = 1 + max(widths)
+        longest = max(len(p) for p in prompts)
+        # each round advances the shared context by the longest commit: at most the tokens of every row
+        slots = longest + sum(int(c.max_new_tokens) for c in configs) + width + 1
+        static = StaticTarget.for_target(target, len(prompts), slots, width, capture)
+        if feature_layers:
+            static.record_layers(feature_layers)
+        return cls(static, [c.spec for c in configs], list(configs), list(rules), depth)
+
+    def keep_rows(self, kept: Sequence[int]) -> None:
+        self.static.keep_rows(kept)
+        for name in ("methods", "configs", "rules"):
+            setattr(self, name, [getattr(self, name)[i] for i in kept])
+
+    def round(self, roots: Sequence[tuple[int, int]], drafts: Sequence[Draft | None], clock: StageClock,
+              drafter_hooks: Sequence[TargetFeatureHooks]) -> list[tuple[list[int], list[int], int]]:
+        """One round of every live row: per row ``(new tokens, kept verification rows, draft nodes)``."""
+        static, rows = self.static, len(roots)
+        trees = [device_tree(m, c, d) for m, c, d in zip(self.methods, self.configs, drafts)]
+        on_device = all(_walks_on_device(r) for r in self.rules) and all(
+            t is not None or d is None for t, d in zip(trees, drafts))
+        host_trees: list[DraftTree] = []
+        if not on_device:
+            host_trees = build_trees(self.methods, self.configs, drafts, roots)
+        clock.lap("tree_build")
+        counts = [t.num_nodes for t in host_trees] if host_trees else [0 if t is None else t.count for t in trees]
+        width = 1 + max(counts) if max(counts) == 0 else static.width
+        depth = 0 if width == 1 else self.depth
+        self._fill(roots, trees, host_trees, width)
+        clock.lap("compile")
+        hidden = static.verify(rows, width, depth)
+        static.share_features(drafter_hooks)
+        if on_device:
+            out = self._walk_device(roots, hidden, width, depth)
+        else:
+            out = self._walk_host(roots, hidden, host_trees, drafts, depth)
+        clock.lap("verify")
+        return [(new, keep, n) for (new, keep), n in zip(out, counts)]
+
+    def _fill(self, roots: Sequence[tuple[int, int]], trees: list[DeviceTree | None], host_trees: list[DraftTree],
+              width: int) -> None:
+        """Write the round's rows into the static buffers (host values as one copy each; device trees on device)."""
+        s, rows = self.static, len(roots)
+        root_t = _on(torch.tensor([[tok, pos] for tok, pos in roots], dtype=torch.long), s.device)
+        s.ids[:rows, 0] = root_t[:, 0]
+        s.positions[:rows, :width] = root_t[:, 1:2]
+        nodes = width - 1
+        if nodes == 0:
+            return
+        s.parents[:rows, :nodes] = -1
+        s.depths[:rows, :nodes] = 1
+        s.ids[:rows, 1:width] = 0
+        if host_trees:
+            s.counts[:rows] = _on(torch.tensor([t.num_nodes for t in host_trees], dtype=torch.long), s.device)
+            for b, t in enumerate(host_trees):
+                n = t.num_nodes
+                if n:
+                    packed = _on(torch.stack([t.tokens, t.parents, t.depths]), s.device)
+                    s.ids[b, 1 : 1 + n], s.parents[b, :n], s.depths[b, :n] = packed[0], packed[1], packed[2]
+        else:
+            s.counts[:rows] = _on(torch.tensor([0 if t is None else t.count for t in trees], dtype=torch.long), s.device)
+            for b, t in enumerate(trees):
+                if t is not None and t.tokens.numel():
+                    n = int(t.tokens.numel())
+                    s.ids[b, 1 : 1 + n], s.parents[b, :n], s.depths[b, :n] = t.tokens, t.parents, t.depths
+        s.positions[:rows, 1:width] += s.depths[:rows, :nodes]
+
+    def _walk_device(self, roots: Sequence[tuple[int, int]], hidden: torch.Tensor, width: int, depth: int
+                     ) -> list[tuple[list[int], list[int]]]:
+        s, rows = self.static, len(roots)
+        logits = s.lm_head(hidden)
+        samplings = [c.sampling for c in self.configs]
+        noise = position_noise(samplings, [pos for _tok, pos in roots], depth, int(logits.shape[-1]), s.device,
+                               torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        row_depths = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=s.device), s.depths[:rows, : width - 1]], 1)
+        drawn = target_tokens(logits, row_depths, samplings, noise)
+        walk = coupled_walk(s.ids[:rows, :width], s.parents[:rows, : width - 1], s.depths[:rows, : width - 1],
+                            s.counts[:rows], drawn, depth)
+        s.commit(rows, walk.keep, walk.accepted)
+        packed = torch.cat([walk.accepted.view(-1, 1), walk.bonus.view(-1, 1), walk.keep, walk.kept_tokens], 1)
+        out = []
+        for row in packed.tolist():  # the round's one host read
+            n, bonus, span = row[0], row[1], depth + 1
+            keep, toks = row[2 : 2 + span], row[2 + span :]
+            out.append((toks[1 : n + 1] + [bonus], keep[: n + 1]))
+        return out
+
+    def _walk_host(self, roots: Sequence[tuple[int, int]], hidden: torch.Tensor, trees: list[DraftTree],
+                   drafts: Sequence[Draft | None], depth: int) -> list[tuple[list[int], list[int]]]:
+        s, rows = self.static, len(roots)
+        outcomes = [rule.accept(t, TargetLogits(hidden[b, : 1 + t.num_nodes], s.lm_head), d, pos)
+                    for b, (rule, t, d, (_tok, pos)) in enumerate(zip(self.rules, trees, drafts, roots))]
+        keeps = [[0] + [a + 1 for a in o.accepted] for o in outcomes]
+        span = max(depth, max(len(k) for k in keeps) - 1) + 1
+        keep_t = _on(torch.tensor([k + [0] * (span - len(k)) for k in keeps], dtype=torch.long), s.device)
+        accepted = _on(torch.tensor([len(k) - 1 for k in keeps], dtype=torch.long), s.device)
+        s.commit(rows, keep_t, accepted)
+        out = []
+        for t, o, keep in zip(trees, outcomes, keeps):
+            node_tokens = t.tokens.tolist() if o.accepted else []
+            out.append(([node_tokens[a] for a in o.accepted] + [o.bonus], keep))
+        return out

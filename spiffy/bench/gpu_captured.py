@@ -1,0 +1,111 @@
+"""Eager against captured, through the public entry point (``scripts/gpu_run.py``, section ``captured``).
+
+For each real-size target (random weights, the published ``config.json``): ``ddtree_generate`` with ``compile=False``
+and ``compile=True`` for plain AR, DFlash and DDTree at several budgets (a random DFlash drafter: tau near 1, so a
+round's cost is what is measured), each timed on its second call (the first captures the buckets; its time is
+reported as the capture cost), beside transformers' ``generate(cache_implementation="static")`` and the memory
+bandwidth limit of a decode (the target's weight bytes over a measured read bandwidth). ms per round and ms per
+token are measurements at the measured tau; nothing here is projected.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+
+from spiffy.arspec import ddtree_generate
+from spiffy.arspec.captured import static_target_of
+from spiffy.bench import gpu_costs
+
+__all__ = ["captured_timings", "read_bandwidth"]
+
+
+def read_bandwidth(device: torch.device, gib: float = 2.0, reps: int = 5) -> float:
+    """Bytes per second of a streaming read (``sum`` over a ``gib`` GiB tensor), median of ``reps``."""
+    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.float16, device=device)
+    seconds = gpu_costs.time_ms(lambda: x.sum(), device, warmup=1, reps=reps) / 1e3
+    return x.numel() * x.element_size() / seconds
+
+
+def _timed(device: torch.device, fn: Any) -> tuple[Any, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
+
+
+def _row(target: torch.nn.Module, drafter: Any, prompt: list[int], method: str, budget: int | None, new: int,
+         mode: bool, device: torch.device) -> dict[str, Any]:
+    kw = {"method": method, "budget": budget, "max_new_tokens": new, "compile": mode}
+    first, first_s = _timed(device, lambda: ddtree_generate(target, drafter, prompt, **kw))
+    res, _s = _timed(device, lambda: ddtree_generate(target, drafter, prompt, **kw))
+    decode = res.seconds - res.prefill_seconds
+    row = {"method": method, "budget": budget, "compile": mode, "tokens": len(res.tokens), "rounds": res.rounds,
+           "tau": res.tau, "ms_per_round": 1e3 * decode / max(res.rounds, 1),
+           "ms_per_token": 1e3 * decode / max(len(res.tokens) - 1, 1), "first_call_s": first_s,
+           "same_tokens_as_first_call": first.tokens == res.tokens}
+    if mode:
+        static = static_target_of(target)
+        row["capture"] = None if static is None else static.graphs.stats.as_dict()
+    return row
+
+
+def captured_timings(device: torch.device, dtype: torch.dtype, small: bool,
+                     budgets: Sequence[int] = (16, 64, 256)) -> dict[str, Any]:
+    """Per target: the eager and captured rows, transformers' static-cache generate, the bandwidth limit."""
+    size = gpu_costs.shrink_config if small else (lambda c: c)
+    prompt_len, new = (16, 8) if small else (512, 64)
+    budgets = budgets[:1] if small else budgets
+    out: dict[str, Any] = {"prompt_tokens": prompt_len, "new_tokens": new,
+                           "label": "MEASURED: random weights (tau near 1: the cost of a round)"}
+    bandwidth = read_bandwidth(device, 0.0625 if small else 2.0)
+    out["read_bandwidth_gb_s"] = bandwidth / 1e9
+    for name, fixture in (("Qwen3-8B", "Qwen--Qwen3-8B"), ("Qwen3-30B-A3B", "Qwen--Qwen3-30B-A3B")):
+        config = size(gpu_costs.real_config(fixture))
+        target = gpu_costs.build_random(config, device, dtype)
+        vocab = int(target.config.vocab_size)
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+        weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in target.parameters()}.values())
+        entry: dict[str, Any] = {"parameters": gpu_costs.count_parameters(target),
+                                 "bandwidth_limit_ms_per_token": 1e3 * weight_bytes / bandwidth, "rows": []}
+        drafter = None
+        if name == "Qwen3-8B":  # the one shipped drafter config (z-lab's Qwen3-8B DFlash)
+            drafter = gpu_costs.build_random(size(gpu_costs.real_config("z-lab--Qwen3-8B-DFlash-b16")), device, dtype)
+        runs: list[tuple[str, int | None]] = [("ar", None)]
+        if drafter is not None:
+            runs += [("dflash", None)] + [("ddtree", b) for b in budgets]
+        for method, budget in runs:
+            for mode in (False, True):
+                try:
+                    entry["rows"].append(_row(target, drafter, prompt, method, budget, new, mode, device))
+                except Exception as exc:  # noqa: BLE001  (a failed row is a result to report)
+                    entry["rows"].append({"method": method, "budget": budget, "compile": mode,
+                                          "error": f"{type(exc).__name__}: {exc}"[:300]})
+        entry["transformers_static"] = _transformers_static(target, prompt, new, device, small)
+        out[name] = entry
+        del target, drafter
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _transformers_static(target: torch.nn.Module, prompt: list[int], new: int, device: torch.device,
+                         small: bool) -> dict[str, Any]:
+    """transformers' own ``generate(cache_implementation="static")`` (its automatic compile on CUDA): ms/token of
+    the second call, and the first call's seconds."""
+    ids = torch.tensor([prompt], device=device)
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "cache_implementation": "static"}
+    if small:
+        kw["disable_compile"] = True
+    try:
+        _o, first = _timed(device, lambda: target.generate(ids, **kw))
+        short, t_short = _timed(device, lambda: target.generate(ids, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1}))
+        _o, t_full = _timed(device, lambda: target.generate(ids, **kw))
+        return {"ms_per_token": 1e3 * (t_full - t_short) / max(new - 1, 1), "first_call_s": first}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}

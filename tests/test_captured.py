@@ -1,0 +1,217 @@
+"""The captured path (``compile=True``) returns the eager path's tokens, and its rounds stay on the device.
+
+On a CPU the captured path runs its static-shape code eagerly (:mod:`spiffy.capture`): the same static cache,
+buckets, device trees, device walk and commit a GPU captures in CUDA graphs. So these tests check the code a GPU
+replays: token for token against the eager loop (the reference) in float32 and float64, greedy and sampled, coupled
+and rejection rules, single prompts and batches, with a drafter that agrees with the target often (deep accepted
+paths, branching trees) built from the eager AR output of each drawn prompt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
+from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
+from spiffy.arspec.captured import static_target_of
+from spiffy.arspec.device_tree import ddtree_device
+from spiffy.arspec.drafter import DFlashDrafter
+from spiffy.arspec.tree import build_ddtree
+from spiffy.bench.syncs import SyncCounter
+from spiffy.capture import StepGraphs, resolve_compile
+from spiffy.errors import ConfigError
+from spiffy.models import load_target
+from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_target
+from spiffy.models.dflash import DFlashDraftModel, load_drafter
+from spiffy.topk import top_ranked, top_ranked_static
+
+torch.set_num_threads(1)
+BLOCK = 6
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("captured")
+    target_dir = make_tiny_target(root / "target", seed=3, num_layers=2, with_tokenizer=False)
+    drafter_dir = make_tiny_dflash(root / "drafter", target_dir, seed=4, num_layers=1, block_size=BLOCK)
+    return target_dir, drafter_dir
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.float64], ids=["f32", "f64"])
+def pair(dirs, request):
+    return load_target(dirs[0], request.param, "cpu"), load_drafter(dirs[1], dtype=request.param)
+
+
+class GuessingDrafter(DFlashDraftModel):
+    """The real DFlash computation (features, cache) with logits that rank a known continuation's token first at
+    most positions and second (behind a wrong one) at the positions in ``second``: deep accepted paths for the
+    chain and branching ones for DDTree."""
+
+    def __init__(self, base: DFlashDraftModel, prompt_len: int, continuation: list[int], second: set[int]):
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+        self.to(base.dtype)
+        self.rotary_emb = base.rotary_emb
+        self.prompt_len, self.continuation, self.second = prompt_len, continuation, second
+        self._positions: list[int] = []
+
+    def forward(self, target_hidden, noise_embedding, position_ids, past_key_values=None, **kw):  # noqa: ANN001
+        self._positions = position_ids[0, target_hidden.shape[1]:].tolist()
+        return super().forward(target_hidden, noise_embedding, position_ids, past_key_values=past_key_values, **kw)
+
+    def compute_logits(self, hidden, lm_head):  # noqa: ANN001
+        real = super().compute_logits(hidden, lm_head)
+        out = real * 0.1  # the drafter's own (random) preferences below the guesses
+        vocab = int(real.shape[-1])
+        for depth, pos in enumerate(self._positions[1:], start=1):
+            i = pos - self.prompt_len
+            if 0 <= i < len(self.continuation):
+                tok = self.continuation[i]
+                out[depth - 1, tok] = 8.0 if i not in self.second else 6.0
+                if i in self.second:
+                    out[depth - 1, (tok + 1) % vocab] = 8.0
+        return out
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 250, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _guessing(pair, prompt: list[int], n: int, second: set[int], seed: int, temperature: float) -> GuessingDrafter:
+    target, base = pair
+    ar = ddtree_generate(target, None, prompt, method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
+    return GuessingDrafter(base, len(prompt), ar.tokens, second)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, database=None)
+@given(seed=st.integers(0, 10**6), length=st.integers(1, 12), temperature=st.sampled_from([0.0, 0.9]),
+       method=st.sampled_from(["ar", "dflash", "ddtree"]), budget=st.sampled_from([3, 8, 24]),
+       second=st.sets(st.integers(0, 15), max_size=5))
+def test_captured_equals_eager_and_ar(pair, seed, length, temperature, method, budget, second):
+    """Captured == eager == plain AR, token for token, with deep accepted paths."""
+    prompt = _prompt(seed, length)
+    n = 16
+    model = _guessing(pair, prompt, n, second, seed, temperature)
+    kw = {"method": method, "budget": budget, "max_new_tokens": n, "temperature": temperature, "seed": seed}
+    eager = ddtree_generate(pair[0], model, prompt, compile=False, **kw)
+    captured = ddtree_generate(pair[0], model, prompt, compile=True, **kw)
+    ar = ddtree_generate(pair[0], None, prompt, method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
+    assert captured.tokens == eager.tokens == ar.tokens
+    assert captured.acceptance_lengths == eager.acceptance_lengths
+    if method != "ar":
+        assert max(captured.acceptance_lengths) > 1  # the walk accepted drafted nodes
+
+
+@pytest.mark.parametrize("accept,temperature", [("rejection", 0.9), ("rejection", 0.0), ("coupled", 0.7)])
+def test_captured_batches_and_rules(pair, accept, temperature):
+    """Ragged batches (left padding, holes, rows leaving) under both rules: captured rows == eager rows."""
+    target, base = pair
+    prompts = [_prompt(1, 7), _prompt(2, 3), _prompt(3, 10)]
+    lengths = [12, 5, 9]
+    configs = [ARSpecConfig(method="ddtree", budget=6, max_new_tokens=m, accept=accept,
+                            sampling=SamplingConfig(temperature=temperature, seed=s)) for m, s in zip(lengths, (1, 2, 3))]
+    drafters = [[DFlashDrafter(GuessingDrafter(base, len(p), _guessing(pair, p, m, set(), 0, 0.0).continuation,
+                                               {2}), BLOCK) for p, m in zip(prompts, lengths)] for _ in range(2)]
+    eager = speculative_generate_batch(target, drafters[0], prompts, configs, compile=False)
+    captured = speculative_generate_batch(target, drafters[1], prompts, configs, compile=True)
+    assert [r.tokens for r in captured] == [r.tokens for r in eager]
+    assert [len(r.tokens) for r in captured] == lengths
+
+
+def test_buckets_are_reused_across_prompts_and_calls(pair):
+    """One static target per model: a second prompt and a second call replay the buckets the first one made."""
+    target, base = pair
+    kw = {"method": "ddtree", "budget": 8, "max_new_tokens": 10, "compile": True}
+    ddtree_generate(target, base, _prompt(5, 6), **kw)
+    static = static_target_of(target)
+    buckets = dict(static.graphs.stats.capture_seconds)
+    ddtree_generate(target, base, _prompt(6, 9), **kw)
+    assert static_target_of(target) is static
+    assert static.graphs.stats.capture_seconds == buckets  # no bucket made again
+    assert static.graphs.stats.runs[(1, 9, BLOCK - 1)] > 2
+
+
+@pytest.mark.parametrize("budget", [4, 16, 64])
+def test_ddtree_round_syncs_at_most_twice(pair, budget):
+    """A captured DDTree round outside the forwards (the draft's readout, tree build, mask, walk, commit) reads the
+    device once: the accepted lengths, kept rows and tokens in one packed copy."""
+    import spiffy.arspec.batch as batch_module
+    from spiffy.arspec import captured as captured_module
+
+    target, base = pair
+    counter = _RoundCounter()
+    per_round: list[int] = []
+
+    def counting(fn, closes_round: bool):
+        def run(*a, **k):
+            with counter:
+                out = fn(*a, **k)
+            if closes_round:
+                per_round.append(counter.total)
+                counter.reset()
+            return out
+        return run
+
+    def paused(fn):  # the forwards themselves are not the round's bookkeeping
+        def run(*a, **k):
+            counter.paused = True
+            try:
+                return fn(*a, **k)
+            finally:
+                counter.paused = False
+        return run
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(type(base), "forward", paused(type(base).forward))
+        mp.setattr(type(target.model), "forward", paused(type(target.model).forward))
+        mp.setattr(batch_module, "draft", counting(batch_module.draft, False))
+        mp.setattr(captured_module.CapturedRounds, "round", counting(captured_module.CapturedRounds.round, True))
+        res = ddtree_generate(target, base, _prompt(9, 8), method="ddtree", budget=budget, max_new_tokens=12,
+                              compile=True)
+    finally:
+        mp.undo()
+    assert len(res.tokens) == 12 and len(per_round) == res.rounds
+    assert max(per_round) <= 2, per_round
+
+
+class _RoundCounter(SyncCounter):
+    """A :class:`SyncCounter` that does not count while ``paused`` (inside the model forwards)."""
+
+    paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if self.paused:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(depth=st.integers(1, 6), vocab=st.integers(1, 40), budget=st.integers(1, 60), ties=st.booleans(),
+       seed=st.integers(0, 10**6), double=st.booleans())
+def test_device_ddtree_is_the_host_tree(depth, vocab, budget, ties, seed, double):
+    """Same nodes, parents, depths, scores and order as the host builder, ties included."""
+    g = torch.Generator().manual_seed(seed)
+    raw = (torch.randint(-3, 1, (depth, vocab), generator=g).double() if ties
+           else torch.randn(depth, vocab, generator=g, dtype=torch.float64))
+    logprobs = torch.log_softmax(raw if double else raw.float(), dim=-1)
+    host, dev = build_ddtree(logprobs, budget), ddtree_device(logprobs, budget)
+    n = dev.count
+    assert host.num_nodes == n
+    for name in ("tokens", "parents", "depths", "scores"):
+        assert torch.equal(getattr(host, name), getattr(dev, name)[:n]), name
+    k = min(budget, vocab)
+    assert all(torch.equal(a, b) for a, b in zip(top_ranked(logprobs, k), top_ranked_static(logprobs, k)))
+
+
+def test_switch_and_refusals(dirs):
+    assert resolve_compile(None, torch.device("cpu")) is False and resolve_compile("on", torch.device("cpu"))
+    assert resolve_compile(False, torch.device("cuda")) is False
+    with pytest.raises(ConfigError, match="compile="):
+        resolve_compile("fast", torch.device("cpu"))
+    graphs = StepGraphs(lambda key: (lambda: torch.ones(key)), torch.device("cpu"))
+    assert graphs.run(3).shape == (3,) and graphs.run(3).shape == (3,)
+    assert graphs.stats.as_dict()["buckets"] == 1 and graphs.stats.runs[3] == 2 and not graphs.stats.captured
