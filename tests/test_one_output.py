@@ -1,5 +1,5 @@
 """One command, one output: a switch that changes speed (``--graph``, ``--budget``, ``--method``, ``--tree-budget``,
-batching, ``--threads``, ``--device``) never changes the tokens a command prints, and the settings a graph or a model
+``--compile``, batching, ``--threads``, ``--device``) never changes the tokens a command prints, and the settings a graph or a model
 card supplies are one default per model, named on stderr where they differ from spiffy's own.
 
 Run through the command line exactly as a user types it (``spiffy.cli.main.main``), on the README's own sequence and
@@ -148,6 +148,8 @@ def _ar_switches(rng: random.Random) -> list[str]:
         argv += ["--chain-length", str(rng.randint(1, 6))]
     if method == "specdiff" and rng.random() < 0.6:
         argv += ["--drafts", str(rng.randint(1, 4))]
+    if rng.random() < 0.5:  # the captured static-shape path (eager on a CPU) against the eager reference
+        argv += ["--compile", rng.choice(["on", "off", "auto"])]
     if rng.random() < 0.5:
         argv += ["--threads", str(rng.randint(1, 2))]
     if rng.random() < 0.3:
