@@ -23,7 +23,7 @@ from spiffy.api import generate
 from spiffy.cli import generate_ar
 from spiffy.cli.flags import AR_FLAGS, DLLM_DECODING_FLAGS, refuse
 from spiffy.cli.graph_defaults import differences, difference_note, pick_defaults_graph, recorded_settings, requested_decoding
-from spiffy.cli.placement import placement_kwargs
+from spiffy.cli.placement import placement_kwargs, quantization_kwargs
 from spiffy.cli.runtime import decode_config, default_device, set_threads
 from spiffy.embedded import compatible_shipped_graph, default_dllm_path, resolve_graph_argument, shipped_graphs
 from spiffy.errors import ConfigError
@@ -88,7 +88,7 @@ def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
     cfg, extra = decode_config(args, recorded.get("decode_config"))
     device = default_device(args.device)
     placement = placement_kwargs(args)
-    model = load_model(model_dir, dtype=args.dtype, device=device, **placement)
+    model = load_model(model_dir, dtype=args.dtype, device=device, **placement, **quantization_kwargs(args))
     if placement:  # inputs go where the model's embedding computes
         device = str(model_device(model))
     set_threads(args.threads, model)

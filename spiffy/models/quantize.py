@@ -368,10 +368,11 @@ def quantization_label(model: Any) -> str:
     if config is None:
         return "none"
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    method = str(data.get("quant_method", "?"))
+    method = data.get("quant_method", "?")
+    method = str(getattr(method, "value", method))  # an enum in memory, a string in config.json
     if method == "torchao":
-        kind = data.get("quant_type")
-        if isinstance(kind, Mapping):
+        kind = getattr(config, "quant_type", None) or data.get("quant_type")
+        if isinstance(kind, Mapping):  # as config.json stores it: {"default": {"_type": NAME, ...}}
             kind = (kind.get("default") or {}).get("_type", kind)
         return f"torchao {kind if isinstance(kind, str) else type(kind).__name__}"
     if method == "bitsandbytes":
