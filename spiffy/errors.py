@@ -25,6 +25,13 @@ class UnsupportedTargetError(ConfigError):
     recurrent state a tree mask does not reach, sliding-window layers); the message names the architecture and why."""
 
 
+class QuantizationError(ConfigError):
+    """A quantization that cannot run as asked: its kernels do not run on the chosen device (FP8 on a CPU), a
+    package or kernel it needs is missing, or it does not fit the model (a group size that does not divide a layer).
+    The message names the method, the device or layer, and what to do. spiffy never falls back to a silent
+    dequantize: the model that runs is the quantized model that was asked for, or none."""
+
+
 class MissingTokenError(ConfigError):
     """A required special token (mask, EOS, ...) is absent from the config and the tokenizer."""
 

@@ -362,7 +362,8 @@ def run_ar_bench(
         "all_divergences_near_ties": all(x.get("near_tie") is True for m in methods for x in m["mismatches"]),
         "per_prompt": per_prompt,
         "samples": [{"id": r["id"], "text": t[:400]} for r, t in zip(per_prompt[:3], acc[AR.name]["texts"][:3])],
-        "environment": {**environment_info(target, device if device is not None else getattr(target, "device", None)),
+        "environment": {**environment_info(target, device if device is not None else getattr(target, "device", None),
+                                           drafter),
                         "processes": dp.world_size},
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import resource
 import sys
 import warnings
 from typing import Any, Callable, Iterable, Sequence
@@ -13,6 +14,7 @@ from tqdm.auto import tqdm
 
 from spiffy._version import __version__
 from spiffy.errors import ConfigError, PromptTooLongError
+from spiffy.models.quantize import quantization_label, weight_bytes
 from spiffy.torch_utils import dtype_name, model_dtype
 
 
@@ -34,8 +36,21 @@ def parse_budgets(text: str | Sequence[int], *, minimum: int = 0) -> list[int]:
     return out
 
 
-def environment_info(model: Any = None, device: Any = None) -> dict[str, Any]:
-    """Library, torch, transformers and Python versions, platform, device, dtype and CPU threads."""
+def peak_memory(device: Any = None) -> dict[str, Any]:
+    """The run's peak memory so far: on CUDA ``torch.cuda.max_memory_allocated`` (tensors on that GPU), else the
+    process's peak resident set (``getrusage`` ``ru_maxrss``: everything the process held, libraries included)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated(dev)),
+                "peak_memory_method": "torch.cuda.max_memory_allocated"}
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return {"peak_memory_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale,
+            "peak_memory_method": "process peak resident set (getrusage ru_maxrss)"}
+
+
+def environment_info(model: Any = None, device: Any = None, drafter: Any = None) -> dict[str, Any]:
+    """Library, torch, transformers and Python versions, platform, device, dtype, CPU threads, the model's (and
+    drafter's) quantization and weight bytes as stored, and the run's peak memory (:func:`peak_memory`)."""
     model_dtype_ = model_dtype(model) if model is not None else None
     dtype = None if model_dtype_ is None else dtype_name(model_dtype_)
     dev = str(device) if device is not None else None
@@ -54,6 +69,10 @@ def environment_info(model: Any = None, device: Any = None) -> dict[str, Any]:
         "device_name": device_name,
         "dtype": dtype,
         "torch_threads": torch.get_num_threads(),
+        "quantization": quantization_label(model) if model is not None else None,
+        "weight_bytes": weight_bytes(model) if hasattr(model, "parameters") else None,
+        **({"drafter_quantization": quantization_label(drafter)} if drafter is not None else {}),
+        **peak_memory(dev),
     }
 
 

@@ -96,7 +96,21 @@ def _env_lines(env: dict[str, Any]) -> list[str]:
         f"{env.get('transformers_version')}, Python {env.get('python_version')}",
         f"- device: {env.get('device_name') or env.get('device')}, dtype: {env.get('dtype')}, "
         f"torch threads: {env.get('torch_threads')}",
+        *_memory_lines(env),
     ]
+
+
+def _mib(value: Any) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f} MiB"
+
+
+def _memory_lines(env: dict[str, Any]) -> list[str]:
+    """The quantization and memory line of a report header (absent from reports written before they were recorded)."""
+    if "quantization" not in env:
+        return []
+    drafter = f" (drafter: {env['drafter_quantization']})" if env.get("drafter_quantization") else ""
+    return [f"- quantization: {env.get('quantization')}{drafter}; weights {_mib(env.get('weight_bytes'))} as "
+            f"stored; peak memory {_mib(env.get('peak_memory_bytes'))} ({env.get('peak_memory_method')})"]
 
 
 def divergence_verdict(entry: dict[str, Any]) -> str:

@@ -26,7 +26,7 @@ from spiffy.cli.graph_defaults import (
     recorded_settings,
     settle_settings,
 )
-from spiffy.cli.placement import placement_kwargs
+from spiffy.cli.placement import placement_kwargs, quantization_kwargs
 from spiffy.cli.runtime import check_output_path, decode_config, default_device, quiet_loading, set_threads
 from spiffy.distributed import join_data_parallel
 from spiffy.embedded import (
@@ -159,7 +159,7 @@ def run_dllm(args: argparse.Namespace) -> int:
     dp = join_data_parallel(args.device)  # under torchrun: prompts shared by rank; alone: one process
     args.is_main_rank, device = dp.is_main, str(dp.device)
     placement = placement_kwargs(args)
-    model = load_model(model_dir, dtype=args.dtype, device=device, **placement)
+    model = load_model(model_dir, dtype=args.dtype, device=device, **placement, **quantization_kwargs(args))
     device = str(model_device(model)) if placement else device  # inputs go where the embedding computes
     set_threads(args.threads, model)
     if graph_path is None:  # the graph shipped with the model for these decoding flags
@@ -222,14 +222,15 @@ def run_ar(args: argparse.Namespace) -> int:
     args.is_main_rank, device = dp.is_main, str(dp.device)
     placement = placement_kwargs(args)
     quiet_loading()
-    target = load_model(target_dir, dtype=args.dtype, device=device, **placement)
+    target = load_model(target_dir, dtype=args.dtype, device=device, **placement, **quantization_kwargs(args))
     device = str(model_device(target)) if placement else device  # drafters and inputs: the embedding's device
     dtype = next(target.parameters()).dtype
     if drafter_kind(drafter_dir) == DLLM_DRAFTER.name:
         raise ConfigError(f"--drafter {drafter_dir} is a dLLM; fix: pass it as --dllm-drafter (--drafter takes a DFlash "
                           "or DFlash2 drafter)")
-    drafter = load_ar_drafter(drafter_dir, dtype=dtype, device=device)
-    dllm = load_ar_drafter(dllm_dir, dtype=dtype, device=device) if dllm_dir is not None else None
+    quant = quantization_kwargs(args, drafter=True)
+    drafter = load_ar_drafter(drafter_dir, dtype=dtype, device=device, **quant)
+    dllm = load_ar_drafter(dllm_dir, dtype=dtype, device=device, **quant) if dllm_dir is not None else None
     set_threads(args.threads, target, drafter, dllm)
     tokenizer = load_tokenizer(target_dir)
     if _batch_sizes(args):

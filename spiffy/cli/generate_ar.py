@@ -25,7 +25,7 @@ from spiffy.arspec import ARGenerationResult, ARSpecConfig, as_drafter
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.methods import AR, DEFAULT_METHOD, Chain, Method, get_method
 from spiffy.cli.flags import refuse
-from spiffy.cli.placement import placement_kwargs
+from spiffy.cli.placement import placement_kwargs, quantization_kwargs
 from spiffy.cli.runtime import default_device, quiet_loading, set_threads
 from spiffy.embedded import embedded_model_path
 from spiffy.errors import CheckpointError, ConfigError
@@ -121,12 +121,13 @@ def run_generate(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(getattr(args, "dtype", None), raw, device)
     placement = placement_kwargs(args)
     quiet_loading()
-    target = load_target(target_dir, dtype, device, **placement)
+    target = load_target(target_dir, dtype, device, **placement, **quantization_kwargs(args))
     if placement:  # the drafter and the inputs go where the target's embedding computes
         device = str(model_device(target))
     drafter_model = None
     if drafter_dir is not None:
-        drafter_model = load_ar_drafter(drafter_dir, dtype=dtype, device=device)
+        drafter_model = load_ar_drafter(drafter_dir, dtype=dtype, device=device,
+                                        **quantization_kwargs(args, drafter=True))
         as_drafter(drafter_model).check(target)  # a mismatched pair fails before any prompt is encoded
     set_threads(getattr(args, "threads", None), target, drafter_model)
     try:

@@ -24,7 +24,7 @@ from spiffy.api import generate
 from spiffy.cli import generate_ar
 from spiffy.cli.flags import AR_FLAGS, DLLM_DECODING_FLAGS, refuse
 from spiffy.cli.graph_defaults import card_note, differences, difference_note, recorded_settings, settle_settings
-from spiffy.cli.placement import placement_kwargs
+from spiffy.cli.placement import placement_kwargs, quantization_kwargs
 from spiffy.cli.runtime import default_device, set_threads
 from spiffy.embedded import (check_graph_fits, compatible_shipped_graph, default_dllm_path, resolve_graph_argument,
                              shipped_graphs)
@@ -83,7 +83,7 @@ def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
         print(note, file=sys.stderr)
     args.dtype, args.chat, cfg, extra = settings.dtype, settings.chat, settings.config, settings.extra
     placement = placement_kwargs(args)
-    model = load_model(model_dir, dtype=args.dtype, device=device, **placement)
+    model = load_model(model_dir, dtype=args.dtype, device=device, **placement, **quantization_kwargs(args))
     if placement:  # inputs go where the model's embedding computes
         device = str(model_device(model))
     set_threads(args.threads, model)

@@ -35,6 +35,9 @@ D2A_RECIPES: tuple[str, ...] = ("d2a-stage1", "d2a-stage2", "streak")
 #: DDTree budgets of ``spiffy bench overheads`` (home: ``spiffy.bench.overheads.DEFAULT_BUDGETS``)
 OVERHEAD_BUDGETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
 
+#: --quantize names (home: ``spiffy.models.quantize.QUANTIZATIONS``; int4 also takes :G, its group size)
+QUANTIZE_NAMES: tuple[str, ...] = ("int8", "int4", "fp8", "bnb-int8", "bnb-nf4", "bnb-fp4")
+
 __all__ = [
     "ACCEPT_RULES",
     "AR_METHODS",
@@ -42,6 +45,7 @@ __all__ = [
     "DEFAULT_SPIFFY_BUDGET",
     "DEFAULT_TREE_BUDGET",
     "OVERHEAD_BUDGETS",
+    "QUANTIZE_NAMES",
     "SCORES",
     "SCORE_HELP",
     "TINY_FAMILIES",

@@ -1,5 +1,6 @@
-"""``--device-map``, ``--offload-folder`` and ``--max-memory``: the placement flags of ``spiffy generate`` and
-``spiffy bench`` (models larger than one device; see docs/SCALING.md)."""
+"""``--device-map``, ``--offload-folder``, ``--max-memory`` and ``--quantize``: the placement and memory flags of
+``spiffy generate`` and ``spiffy bench`` (models larger than one device, docs/SCALING.md; quantized weights,
+docs/MODELS.md)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from spiffy.cli.names import QUANTIZE_NAMES
 from spiffy.errors import ConfigError
 
-__all__ = ["add_placement_arguments", "placement_kwargs", "parse_device_map", "parse_max_memory"]
+__all__ = ["add_placement_arguments", "placement_kwargs", "parse_device_map", "parse_max_memory",
+           "quantization_kwargs"]
 
 DEVICE_MAP_HELP = (
     "place the model across devices with accelerate (pip install 'spiffy-decoding[placement]'): 'auto' (fill the "
@@ -22,6 +25,26 @@ DEVICE_MAP_HELP = (
 )
 
 
+QUANTIZE_HELP = (
+    "quantize the weights on load (pip install 'spiffy-decoding[quant]'): int8 (torchao int8 weight-only), int4 or "
+    "int4:G (torchao 4-bit weight-only, groups of G input columns, default 128), fp8 (torchao; CUDA GPUs of compute "
+    "capability >= 8.9 only), bnb-int8 / bnb-nf4 / bnb-fp4 (bitsandbytes; AR targets). Applies to every model the "
+    "command loads (a dLLM; an AR target and its drafters: bitsandbytes quantizes the target, the drafters stay as "
+    "they are). A checkpoint saved quantized (its config's quantization_config: FP8, AWQ, GPTQ, compressed-tensors, "
+    "torchao, bitsandbytes) loads quantized without this flag. Speculative outputs equal the quantized model's own "
+    "baseline; what cannot run on the device is refused, never dequantized silently"
+)
+
+
+def quantization_kwargs(args: argparse.Namespace, drafter: bool = False) -> dict[str, Any]:
+    """``{"quantization": NAME}`` for ``--quantize NAME`` (empty without it). ``drafter=True``: the drafters'
+    share (bitsandbytes quantizes AR targets only: the drafters then load as they are)."""
+    name = getattr(args, "quantize", None)
+    if not name or (drafter and str(name).lower().startswith("bnb-")):
+        return {}
+    return {"quantization": str(name)}
+
+
 def add_placement_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--device-map``, ``--offload-folder`` and ``--max-memory`` (one argument group)."""
     g = parser.add_argument_group("placement (models larger than one device)")
@@ -30,6 +53,8 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                    help="where weights mapped to 'disk' are written (default: a temporary directory)")
     g.add_argument("--max-memory", default=None, metavar="DEV=SIZE,...",
                    help="caps for --device-map auto, e.g. 0=20GiB,1=20GiB,cpu=64GiB (device index or cpu)")
+    g.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE_NAMES),
+                   help=QUANTIZE_HELP)
     return parser
 
 

@@ -19,6 +19,10 @@ stores the new K/V, ``"read"`` only reads (SDAR's ``store_kv=True/False`` is the
 
 from __future__ import annotations
 
+from spiffy.models.backends import quiet_quantizer_import
+
+quiet_quantizer_import()  # before the first transformers model import below (see spiffy.models.backends)
+
 from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_dflash2, make_tiny_target, save_drafter
 from spiffy.models.ar_drafters import drafter_kind, load_ar_drafter, make_tiny_dllm_drafter
 from spiffy.models.cache import KVCache, as_kv_cache

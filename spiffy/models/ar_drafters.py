@@ -32,6 +32,7 @@ from spiffy.models.dflash import is_dflash_config, load_drafter
 from spiffy.models.dflash2 import is_dflash2_config, load_dflash2_drafter
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.loading import family_of, load_model, load_tokenizer, mask_token_id, save_checkpoint
+from spiffy.models.quantize import quantize_model
 from spiffy.models.registry import family_spec
 from spiffy.models.sdar import SDARConfig, SDARForCausalLM
 
@@ -148,21 +149,24 @@ def check_dllm_compatible(drafter: nn.Module, target: nn.Module) -> None:
         raise DrafterMismatchError(f"the drafter's mask id {mask} is outside its vocabulary of {v_draft}")
 
 
-def load_ar_drafter(path: str | os.PathLike, dtype: Any = None, device: Any = None, **placement: Any) -> nn.Module:
+def load_ar_drafter(path: str | os.PathLike, dtype: Any = None, device: Any = None, quantization: Any = None,
+                    **placement: Any) -> nn.Module:
     """Load a drafter checkpoint of any kind (a directory or a Hub id): a
     :class:`~spiffy.models.dflash.DFlashDraftModel`, a :class:`~spiffy.models.dflash2.DFlash2DraftModel` or a dLLM
     (eval mode). The kind comes from ``config.json``
     (:func:`drafter_kind`). ``placement``: ``device_map`` / ``offload_folder`` / ``max_memory`` (accelerate
-    placement, see :func:`spiffy.models.loading.load_model`)."""
+    placement, see :func:`spiffy.models.loading.load_model`). ``quantization``: its linear layers quantized on load
+    (``"int8"``, ``"int4:G"``, a torchao config; :func:`spiffy.models.quantize.quantize_model`); the target's
+    embedding and head it borrows stay as the target holds them."""
     root = checkpoint_dir(path)
     if not (root / "config.json").is_file():
         raise CheckpointError(f"no config.json in {root}; fix: --drafter must be a drafter checkpoint directory")
     kind = drafter_kind(root)
     if kind == "dflash2":
-        return load_dflash2_drafter(root, dtype=dtype, device=device, **placement)
+        return quantize_model(load_dflash2_drafter(root, dtype=dtype, device=device, **placement), quantization)
     if kind == "dflash":
-        return load_drafter(root, dtype=dtype, device=device, **placement)
-    return load_model(root, dtype=dtype, device=device, **placement)
+        return quantize_model(load_drafter(root, dtype=dtype, device=device, **placement), quantization)
+    return load_model(root, dtype=dtype, device=device, quantization=quantization, **placement)
 
 
 def make_tiny_dllm_drafter(

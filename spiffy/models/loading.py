@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerFast
 
-from spiffy.errors import CheckpointError, ConfigError, MissingTokenError, UnknownModelTypeError
+from spiffy.errors import CheckpointError, ConfigError, MissingTokenError, QuantizationError, UnknownModelTypeError
 from spiffy.io import replace_dir
 from spiffy.models.checkpoint import (
     CONFIG_FILE,
@@ -47,6 +47,7 @@ from spiffy.models.layers import ATTN_IMPLEMENTATIONS
 from spiffy.models.dflash import is_dflash_config
 from spiffy.models.dflash2 import is_dflash2_config
 from spiffy.models.placement import DeviceMap, dispatch_checkpoint, placement_device
+from spiffy.models.quantize import checkpoint_quantization, quantize_model
 from spiffy.models.registry import FAMILIES, family_of_model_type, family_spec, model_types, variant_family
 from spiffy.models.target import load_native, load_target
 from spiffy.torch_utils import resolve_dtype
@@ -125,6 +126,7 @@ def load_model(
     device_map: DeviceMap | None = None,
     offload_folder: str | os.PathLike | None = None,
     max_memory: Mapping[Any, Any] | None = None,
+    quantization: Any = None,
 ) -> torch.nn.Module:
     """Load a checkpoint directory or Hub id into its model class, in eval mode.
 
@@ -144,6 +146,11 @@ def load_model(
             ``device``) or a dict ``{module name: device | "cpu" | "disk"}``. ``device`` is ignored then.
         offload_folder: where weights mapped to ``"disk"`` are written (default: a temporary directory).
         max_memory: per-device caps for the automatic maps, e.g. ``{0: "20GiB", "cpu": "64GiB"}``.
+        quantization: quantize on load (:mod:`spiffy.models.quantize`): ``"int8"``, ``"int4"`` / ``"int4:G"``,
+            ``"fp8"`` (CUDA), ``"bnb-int8"`` / ``"bnb-nf4"`` / ``"bnb-fp4"`` (AR targets), a torchao config or a
+            transformers quantization config. An AR target goes through transformers' quantizer (its checkpoint's
+            own ``quantization_config`` too); spiffy's own classes (dLLMs, drafters) through torchao's ``quantize_``
+            on their linear layers (the output head stays as it is).
 
     ``model.name_or_path`` is the directory, or ``ORG/NAME@COMMIT`` for a Hub snapshot (what graph files record).
 
@@ -152,7 +159,10 @@ def load_model(
             that is not cached while offline.
         CheckpointKeyError: strict key matching failed (names the keys).
         UnknownModelTypeError: unsupported ``model_type``.
-        MissingDependencyError: ``device_map`` without accelerate, ``flash_attention_2`` without flash-attn.
+        MissingDependencyError: ``device_map`` without accelerate, ``flash_attention_2`` without flash-attn,
+            a quantization without torchao / bitsandbytes.
+        QuantizationError: a quantization whose kernels do not run on ``device`` (FP8 on a CPU), a checkpoint of
+            spiffy's own classes saved quantized, an ``int4:G`` group that does not divide a layer.
     """
     resolved = resolve_checkpoint(path, revision)
     path = resolved.path
@@ -162,13 +172,19 @@ def load_model(
     native = not spec.own_classes  # transformers' own class (an AR target)
     device, device_map = placement_device(device, device_map)
     torch_dtype = resolve_dtype(dtype, data, device)
+    if spec.own_classes and checkpoint_quantization(data) is not None:
+        raise QuantizationError(
+            f"{str(path)!r} is a {family} checkpoint saved quantized "
+            f"({checkpoint_quantization(data).get('quant_method')}); spiffy's own classes load unquantized weights and "
+            "quantize them on load; fix: load the unquantized checkpoint with quantization='int8' (--quantize int8)")
     if spec.drafter:
-        return spec.loader(path, dtype=torch_dtype, device=device, device_map=device_map,
-                           offload_folder=offload_folder, max_memory=max_memory)
+        drafter = spec.loader(path, dtype=torch_dtype, device=device, device_map=device_map,
+                              offload_folder=offload_folder, max_memory=max_memory)
+        return quantize_model(drafter, quantization)
     if native:  # transformers' own class: its from_pretrained maps the stored layout (e.g. per-expert MoE weights);
         # flex_attention is spiffy's kernel registered with transformers
         model = load_native(spec, path, torch_dtype, device, device_map, offload_folder, max_memory,
-                            target_attention(attn_implementation))
+                            target_attention(attn_implementation), quantization=quantization)
         return _finish(model, resolved.reference, attn_implementation)
     if attn_implementation == FLASH:
         require_flash_attn()  # at load time, naming the fix, rather than at the first forward
@@ -179,14 +195,14 @@ def load_model(
     cls = spec.model_class
     if device_map is not None:
         model = dispatch_checkpoint(lambda: cls(config), path, device_map, torch_dtype, offload_folder, max_memory)
-        return _finish(model, resolved.reference, attn_implementation)
+        return _finish(quantize_model(model, quantization), resolved.reference, attn_implementation)
     state = load_state_dict(path)
     with torch.device("meta"):
         model = cls(config)
     check_keys(model, state, path)
     converted = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
     model.load_state_dict(converted, strict=True, assign=True)
-    return _finish(model.eval(), resolved.reference, attn_implementation)
+    return _finish(quantize_model(model.eval(), quantization), resolved.reference, attn_implementation)
 
 
 def _finish(model: torch.nn.Module, reference: str, attn_implementation: str) -> torch.nn.Module:

@@ -24,11 +24,24 @@ from typing import Any, Mapping
 
 import torch
 
-from spiffy.errors import CheckpointError, ConfigError, UnknownModelTypeError, UnsupportedTargetError
+from spiffy.errors import (
+    CheckpointError,
+    ConfigError,
+    QuantizationError,
+    UnknownModelTypeError,
+    UnsupportedTargetError,
+)
 from spiffy.models.checkpoint import CONFIG_FILE, check_loading_info, load_failure, loading_report, read_config_dict
 from spiffy.models.flex import target_attention
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.placement import DeviceMap, native_from_pretrained, native_tensor_parallel, placement_device
+from spiffy.models.quantize import (
+    check_checkpoint_quantization,
+    check_runs_on,
+    checkpoint_quantization,
+    hf_quantization_config,
+    parse_quantization,
+)
 from spiffy.models.recurrent import RECURRENT_KINDS
 from spiffy.models.registry import FAMILIES, FamilySpec
 
@@ -138,25 +151,30 @@ def load_target(
     max_memory: Mapping[Any, Any] | None = None,
     attn_implementation: str = "sdpa",
     tp_plan: Any = None,
+    quantization: Any = None,
 ) -> torch.nn.Module:
     """Load an AR target checkpoint directory (or Hub id) with its transformers class, in eval mode.
 
     ``device_map`` / ``offload_folder`` / ``max_memory`` place it across devices (see :func:`load_model`);
     ``tp_plan="auto"`` shards it over the ranks of a ``torchrun`` launch (tensor parallel; docs/SCALING.md);
     ``attn_implementation`` is ``"sdpa"`` (default), ``"eager"`` or ``"flex_attention"`` (the tree masks of
-    verification become flex block masks); flash-attn cannot take tree masks.
+    verification become flex block masks); flash-attn cannot take tree masks. ``quantization`` quantizes it on load
+    (``"int8"``, ``"int4:G"``, ``"bnb-nf4"``, a torchao or transformers config: :mod:`spiffy.models.quantize`); a
+    checkpoint saved quantized (its ``quantization_config``) loads quantized by itself.
 
     Raises:
         CheckpointError: no ``config.json`` or unreadable weights; UnsupportedTargetError: an architecture whose
             layers cannot be verified exactly (sliding windows); UnknownModelTypeError: an
-            architecture without a target entry; ConfigError: an attention implementation that cannot take tree masks.
+            architecture without a target entry; ConfigError: an attention implementation that cannot take tree masks;
+        QuantizationError: a quantization whose kernels do not run on ``device`` (FP8 on a CPU), given twice.
     """
     root = checkpoint_dir(path)  # a directory, or a Hub id such as Qwen/Qwen3-8B
     if not (root / CONFIG_FILE).is_file():
         raise CheckpointError(f"no config.json in {root}; fix: --target must be a checkpoint directory")
     spec = target_spec(read_config_dict(root), f"--target {root}")
     impl = target_attention(attn_implementation)
-    return load_native(spec, root, dtype, device, device_map, offload_folder, max_memory, impl, tp_plan)
+    return load_native(spec, root, dtype, device, device_map, offload_folder, max_memory, impl, tp_plan,
+                       quantization)
 
 
 def load_native(
@@ -169,12 +187,31 @@ def load_native(
     max_memory: Mapping[Any, Any] | None = None,
     attn_implementation: str = "sdpa",
     tp_plan: Any = None,
+    quantization: Any = None,
 ) -> torch.nn.Module:
     """A checkpoint of a family with transformers' own class (``spec.model_class``) through its ``from_pretrained``
     (which maps the stored layout, e.g. per-expert MoE weights, onto the class), in eval mode, with strict keys
-    (CheckpointKeyError names missing, unexpected and shape-mismatched ones); no target checks."""
+    (CheckpointKeyError names missing, unexpected and shape-mismatched ones); no target checks. A checkpoint's own
+    ``quantization_config`` and ``quantization`` (on load) go through transformers' quantizers, after
+    :func:`~spiffy.models.quantize.check_checkpoint_quantization` / ``check_runs_on`` refuse what would not run."""
     cls = spec.model_class
-    extra = experts_implementation(dtype)
+    extra: dict[str, Any] = dict(experts_implementation(dtype))
+    where = f"the checkpoint {root}"
+    raw = read_config_dict(root)
+    # with a device_map the weights go to the GPUs when there are any (accelerate's choice), else the CPU
+    runs_on = device if device_map is None else ("cuda" if torch.cuda.is_available() else "cpu")
+    check_checkpoint_quantization(raw, runs_on, where)
+    quant = parse_quantization(quantization)
+    if quant is not None:
+        if checkpoint_quantization(raw) is not None:
+            raise QuantizationError(f"{where} is saved quantized ({checkpoint_quantization(raw).get('quant_method')})"
+                                    f"; fix: drop quantization={quant.name!r} (--quantize) or load its unquantized "
+                                    "release")
+        check_runs_on(quant, runs_on, where)
+        extra["quantization_config"] = hf_quantization_config(quant)
+        if quant.library == "bitsandbytes" and device_map is None and tp_plan is None:
+            # bitsandbytes weights are placed by the loader (transformers refuses to move them after)
+            device_map = {"": str(torch.device(device if device is not None else "cpu"))}
     if tp_plan is not None:
         if device_map is not None:
             raise ConfigError("tp_plan and device_map are two different placements; fix: pass one of them")
