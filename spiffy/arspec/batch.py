@@ -59,6 +59,7 @@ from spiffy.arspec.stages import (
     verify,
 )
 from spiffy.arspec.tree import empty_tree
+from spiffy.batch_invariance import batch_invariant as invariant_mode
 from spiffy.errors import ConfigError
 from spiffy.sampling import SamplingConfig
 
@@ -277,6 +278,7 @@ class GenerateKeywords(TypedDict, total=False):
     stop_token_ids: int | Sequence[int] | None
     block_size: int | None
     progress: bool
+    batch_invariant: bool
 
 
 def ddtree_generate_batch(
@@ -294,6 +296,7 @@ def ddtree_generate_batch(
     stop_token_ids: int | Sequence[int] | None = None,
     block_size: int | None = None,
     progress: bool = False,
+    batch_invariant: bool = False,
 ) -> list[ARGenerationResult]:
     """Keyword-argument entry point: ``prompts`` a list of token-id lists, ``seed`` one integer for every row or one
     per row; row ``b`` equals ``ddtree_generate(..., prompts[b], seed=seeds[b])``.
@@ -304,7 +307,9 @@ def ddtree_generate_batch(
             without a drafter).
         method: a name of :data:`spiffy.arspec.methods.METHODS`; budget: tree nodes per round (default
             :data:`spiffy.arspec.config.DEFAULT_BUDGET`); the rest as :class:`ARSpecConfig` and
-            :class:`~spiffy.sampling.SamplingConfig` name them.
+            :class:`~spiffy.sampling.SamplingConfig` name them; batch_invariant: decode in
+            :func:`spiffy.batch_invariant` mode (tree nodes and batched rows bitwise equal to AR's one-row forwards in
+            every dtype; AR itself decoded in the same mode).
     """
     rows = prompt_lists(prompts)
     seeds = _per_row(list(seed) if isinstance(seed, (list, tuple)) else int(seed), len(rows), "seed")
@@ -319,4 +324,5 @@ def ddtree_generate_batch(
     drafters: list[Drafter | None] | None = None
     if drafter is not None and get_method(method).needs_drafter:
         drafters = list(drafter) if isinstance(drafter, (list, tuple)) else [as_drafter(drafter, block_size) for _ in rows]
-    return speculative_generate_batch(target, drafters, rows, configs, progress=progress)
+    with invariant_mode(batch_invariant, model=target):
+        return speculative_generate_batch(target, drafters, rows, configs, progress=progress)
