@@ -17,7 +17,11 @@ section writes its rows to ``results.json`` as soon as it ends (a run cut short 
 3. ``costs``: random-weight LLaDA-8B and SDAR-8B (one ``forward_states`` over 1..8 states per cache mode),
    Qwen3-8B and Qwen3-30B-A3B (1-token decode against tree verification of 16..1024 nodes over a 1,024-token
    context, eager and captured in a CUDA graph), the Qwen3-8B DFlash drafter (one block).
-4. ``projections``: measured acceptance x measured costs. Labelled projections: a real model's acceptance is not
+4. ``exactness``: random-weight LLaDA-8B, SDAR-8B and Qwen3-8B + DFlash drafter in float32 (TF32 off), bfloat16 and
+   bfloat16 in batch-invariant mode: Spiffy vs baseline, DFlash / DDTree vs AR, batched rows vs alone; float32 and
+   the batch-invariant mode must be bitwise, every bfloat16 divergence a proven near tie
+   (:mod:`spiffy.bench.exactness`); the mode's cost per token.
+5. ``projections``: measured acceptance x measured costs. Labelled projections: a real model's acceptance is not
    the tiny models'.
 
 ``--self-check`` runs every section at toy sizes on the CPU in under a minute (the suite runs it so the script
@@ -46,6 +50,7 @@ import transformers
 
 import spiffy
 from spiffy.arspec import ddtree_generate
+from spiffy.bench import exactness as exact
 from spiffy.bench import gpu_costs as gc_costs
 from spiffy.decoding import DecodeConfig
 from spiffy.io import atomic_write_json, atomic_write_text
@@ -302,6 +307,14 @@ def markdown(data: dict[str, Any]) -> str:
                                      f"{d['block_size']} (the projections use it for both targets: no 30B-A3B drafter "
                                      "config is shipped).")
                 lines.append("")
+        elif name == "exactness":
+            lines += ["| model | mode | identical | unproven | first divergences |", "|---|---|---|---|---|"]
+            for model, modes in res.items():
+                for label, r in modes.items():
+                    if label != "batch_invariant_cost":
+                        firsts = ", ".join(f"{x['pair']}: {x['first_divergence']}" for x in r["rows"] if not x["identical"])
+                        lines.append(f"| {model} | {label} | {r['identical']} | {r['unproven'] or '-'} | {firsts or '-'} |")
+                lines.append(f"| {model} | batch-invariant cost (x bfloat16 per token) | {modes.get('batch_invariant_cost')} | | |")
         elif name == "projections":
             lines += [f"**{res['label']}**", ""]
             for key, rows in res.items():
@@ -326,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--self-check", action="store_true", help="toy sizes on the CPU (what the suite runs)")
     parser.add_argument("--time-budget", type=float, default=510.0, help="seconds; later sections are skipped when "
                         "too little is left (default 510 = 8.5 minutes)")
-    parser.add_argument("--sections", default="lossless,bench,costs,projections", help="comma-separated subset")
+    parser.add_argument("--sections", default="lossless,bench,costs,exactness,projections", help="comma-separated subset")
     args = parser.parse_args(argv)
     small = args.self_check or not torch.cuda.is_available()
     device = torch.device("cpu" if small else "cuda")
@@ -341,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = [("costs", lambda: costs(device, dtype, small), 0),
                 ("bench", lambda: bench(device, dtype, args.out, small), 90),
                 ("lossless", lambda: lossless(device, dtype, Path(tmp), small), 60),
+                ("exactness", lambda: exact.real_size_exactness(device, small), 120),
                 ("projections", lambda: projections(run.data), 0)]
         for name, fn, need in plan:
             if name in wanted:
@@ -349,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [n for n, s in run.data["sections"].items() if "error" in s]
     failed += [f"bench {k}" for k, b in run.data["sections"].get("bench", {}).get("result", {}).items()
                if b["returncode"] != 0]
+    failed += exact.failures(run.data["sections"].get("exactness", {}).get("result", {}))
     print(f"[gpu_run] wrote {args.out}/results.json and GPU_RESULTS.md; failed sections: {failed or 'none'}")
     return 1 if failed else 0
 
