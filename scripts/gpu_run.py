@@ -20,7 +20,11 @@ section writes its rows to ``results.json`` as soon as it ends (a run cut short 
 4. ``captured``: the public entry point eager against ``compile=True`` (Qwen3-8B with a random DFlash drafter: AR,
    DFlash, DDTree at 16 / 64 / 256; Qwen3-30B-A3B: AR), ms per round and per token, capture time, beside
    transformers' static-cache ``generate`` and the bandwidth limit (:mod:`spiffy.bench.gpu_captured`).
-5. ``projections``: measured acceptance x measured costs. Labelled projections: a real model's acceptance is not
+5. ``exactness``: random-weight LLaDA-8B, SDAR-8B and Qwen3-8B + DFlash drafter in float32 (TF32 off), bfloat16 and
+   bfloat16 in batch-invariant mode: Spiffy vs baseline, DFlash / DDTree vs AR, batched rows vs alone; float32 and
+   the batch-invariant mode must be bitwise, every bfloat16 divergence a proven near tie
+   (:mod:`spiffy.bench.exactness`); the mode's cost per token.
+6. ``projections``: measured acceptance x measured costs. Labelled projections: a real model's acceptance is not
    the tiny models'.
 
 ``--self-check`` runs every section at toy sizes on the CPU in under a minute (the suite runs it so the script
@@ -49,6 +53,7 @@ import transformers
 
 import spiffy
 from spiffy.arspec import ddtree_generate
+from spiffy.bench import exactness as exact
 from spiffy.bench import gpu_costs as gc_costs
 from spiffy.bench.gpu_captured import captured_timings
 from spiffy.decoding import DecodeConfig
@@ -324,6 +329,14 @@ def markdown(data: dict[str, Any]) -> str:
                     lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['compile']} | {r['ms_per_round']:.2f} | "
                                  f"{r['ms_per_token']:.2f} | {r['tau']:.2f} | {cap} |")
                 lines.append("")
+        elif name == "exactness":
+            lines += ["| model | mode | identical | unproven | first divergences |", "|---|---|---|---|---|"]
+            for model, modes in res.items():
+                for label, r in modes.items():
+                    if label != "batch_invariant_cost":
+                        firsts = ", ".join(f"{x['pair']}: {x['first_divergence']}" for x in r["rows"] if not x["identical"])
+                        lines.append(f"| {model} | {label} | {r['identical']} | {r['unproven'] or '-'} | {firsts or '-'} |")
+                lines.append(f"| {model} | batch-invariant cost (x bfloat16 per token) | {modes.get('batch_invariant_cost')} | | |")
         elif name == "projections":
             lines += [f"**{res['label']}**", ""]
             for key, rows in res.items():
@@ -348,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--self-check", action="store_true", help="toy sizes on the CPU (what the suite runs)")
     parser.add_argument("--time-budget", type=float, default=510.0, help="seconds; later sections are skipped when "
                         "too little is left (default 510 = 8.5 minutes)")
-    parser.add_argument("--sections", default="captured,lossless,bench,costs,projections",
+    parser.add_argument("--sections", default="captured,lossless,bench,costs,exactness,projections",
                         help="comma-separated subset")
     args = parser.parse_args(argv)
     small = args.self_check or not torch.cuda.is_available()
@@ -365,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("costs", lambda: costs(device, dtype, small), 0),
                 ("bench", lambda: bench(device, dtype, args.out, small), 90),
                 ("lossless", lambda: lossless(device, dtype, Path(tmp), small), 60),
+                ("exactness", lambda: exact.real_size_exactness(device, small), 120),
                 ("projections", lambda: projections(run.data), 0)]
         for name, fn, need in plan:
             if name in wanted:
@@ -373,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [n for n, s in run.data["sections"].items() if "error" in s]
     failed += [f"bench {k}" for k, b in run.data["sections"].get("bench", {}).get("result", {}).items()
                if b["returncode"] != 0]
+    failed += exact.failures(run.data["sections"].get("exactness", {}).get("result", {}))
     print(f"[gpu_run] wrote {args.out}/results.json and GPU_RESULTS.md; failed sections: {failed or 'none'}")
     return 1 if failed else 0
 

@@ -37,6 +37,7 @@ _LAZY: dict[str, str] = {
     "load_tokenizer": "spiffy.models",
     "make_tiny": "spiffy.models.tiny",
     "generate": "spiffy.api",
+    "batch_invariant": "spiffy.batch_invariance",
     "DecodeConfig": "spiffy.decoding",
     "SpiffyConfig": "spiffy.selfspec.config",
     "ddtree_generate": "spiffy.arspec",

@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from spiffy.batch_invariance import batch_invariant as invariant_mode
+from spiffy.batch_invariance import is_batch_invariant
 from spiffy.decoding.batch import row_generators, run_baseline_batch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.factory import make_row_sessions, make_session
@@ -105,6 +107,7 @@ def generate(
     progress: bool = False,
     generator: torch.Generator | None = None,
     seeds: Sequence[int] | None = None,
+    batch_invariant: bool = False,
     **config_overrides: Any,
 ) -> DiffusionResult:
     """Decode ``input_ids`` with ``model`` (LLaDA, Dream or SDAR).
@@ -133,9 +136,17 @@ def generate(
             scripts' batched sampling (one generator for the whole batch) is the batch session's own rule:
             ``run_baseline(make_session(model, ids, ...))``.
         seeds: ``B`` seeds, row ``r`` seeded exactly like a single-prompt call with ``seed=seeds[r]``.
+        batch_invariant: decode in :func:`spiffy.batch_invariant` mode (exact sums: a row's numbers do not depend on
+            the other rows, states or padding of a forward, so Spiffy and batched rows equal the baseline bitwise in
+            every dtype and on every device; compare with a baseline decoded in the same mode).
     Returns:
         :class:`DiffusionResult`.
     """
+    if batch_invariant and not is_batch_invariant():
+        with invariant_mode(model=model):
+            return generate(model, input_ids, config, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph,
+                            budget=budget, score=score, observer=observer, progress=progress, generator=generator,
+                            seeds=seeds, **config_overrides)
     if isinstance(input_ids, dict) or hasattr(input_ids, "keys"):
         if attention_mask is None and "attention_mask" in input_ids:
             attention_mask = input_ids["attention_mask"]

@@ -111,3 +111,17 @@ def test_cpu_size_study_self_check() -> None:
         assert r["budget"] == 1 and r["projected_speedup"] == pytest.approx(measured[1] / r["cost_ratio"])
     table = study.markdown(res)
     assert table.startswith("PROJECTION") and table.count("| SDAR |") == 1 and table.count("| LLaDA |") == 3
+
+
+@pytest.mark.slow  # about a minute: three architectures x three modes at toy size, with the proofs
+def test_self_check_exactness(tmp_path: Path) -> None:
+    """The real-size exactness section (issue 38) at toy size on the CPU: float32 and the batch-invariant mode
+    bitwise for Spiffy, batched rows, DFlash and DDTree; every bfloat16 divergence proven; the mode's cost reported."""
+    data = _run(tmp_path, "exactness")
+    res = data["sections"]["exactness"]["result"]
+    assert set(res) == {"LLaDA-8B", "SDAR-8B", "Qwen3-8B + DFlash"}
+    for model, modes in res.items():
+        for label in ("float32", "bfloat16 batch-invariant"):
+            assert all(r["identical"] for r in modes[label]["rows"]), (model, label, modes[label]["rows"])
+        assert not modes["bfloat16"]["unproven"]
+        assert all(v > 0 for v in modes["batch_invariant_cost"].values())

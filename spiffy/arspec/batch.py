@@ -61,6 +61,7 @@ from spiffy.arspec.stages import (
 )
 from spiffy.arspec.tree import empty_tree
 from spiffy.capture import CompileSetting, resolve_compile
+from spiffy.batch_invariance import batch_invariant as invariant_mode
 from spiffy.errors import ConfigError
 from spiffy.torch_utils import execution_device
 from spiffy.sampling import SamplingConfig
@@ -321,6 +322,7 @@ class GenerateKeywords(TypedDict, total=False):
     block_size: int | None
     progress: bool
     compile: CompileSetting
+    batch_invariant: bool
 
 
 def ddtree_generate_batch(
@@ -339,6 +341,7 @@ def ddtree_generate_batch(
     block_size: int | None = None,
     progress: bool = False,
     compile: CompileSetting = None,
+    batch_invariant: bool = False,
 ) -> list[ARGenerationResult]:
     """Keyword-argument entry point: ``prompts`` a list of token-id lists, ``seed`` one integer for every row or one
     per row; row ``b`` equals ``ddtree_generate(..., prompts[b], seed=seeds[b])``.
@@ -349,7 +352,9 @@ def ddtree_generate_batch(
             without a drafter).
         method: a name of :data:`spiffy.arspec.methods.METHODS`; budget: tree nodes per round (default
             :data:`spiffy.arspec.config.DEFAULT_BUDGET`); the rest as :class:`ARSpecConfig` and
-            :class:`~spiffy.sampling.SamplingConfig` name them.
+            :class:`~spiffy.sampling.SamplingConfig` name them; batch_invariant: decode in
+            :func:`spiffy.batch_invariant` mode (tree nodes and batched rows bitwise equal to AR's one-row forwards in
+            every dtype; AR itself decoded in the same mode).
     """
     rows = prompt_lists(prompts)
     seeds = _per_row(list(seed) if isinstance(seed, (list, tuple)) else int(seed), len(rows), "seed")
@@ -364,4 +369,5 @@ def ddtree_generate_batch(
     drafters: list[Drafter | None] | None = None
     if drafter is not None and get_method(method).needs_drafter:
         drafters = list(drafter) if isinstance(drafter, (list, tuple)) else [as_drafter(drafter, block_size) for _ in rows]
-    return speculative_generate_batch(target, drafters, rows, configs, progress=progress, compile=compile)
+    with invariant_mode(batch_invariant, model=target):
+        return speculative_generate_batch(target, drafters, rows, configs, progress=progress, compile=compile)

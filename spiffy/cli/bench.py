@@ -29,6 +29,7 @@ from typing import Any
 from spiffy.cli.flags import (
     add_decoding_arguments,
     add_sampling_arguments,
+    add_batch_invariant_argument,
     add_threads_argument,
     plain_text,
     threshold_or_none,
@@ -65,6 +66,7 @@ def _common(p: argparse.ArgumentParser, default_budgets: str, what: str) -> None
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     add_placement_arguments(p)
     add_threads_argument(p)
+    add_batch_invariant_argument(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--batch-sizes", default=None, metavar="LIST",
                    help="throughput report instead: tokens/s and latency per token of every method at each batch size "

@@ -10,6 +10,7 @@ from typing import Any
 
 from spiffy.arspec import ACCEPT_RULES
 from spiffy.arspec.methods import DFLASH2_DRAFTER, DFLASH_DRAFTER, DLLM_DRAFTER
+from spiffy.batch_invariance import batch_invariant
 from spiffy.bench.ar import plan_entries, run_ar_bench
 from spiffy.bench.common import parse_budgets
 from spiffy.bench.datasets import held_out_from, load_benchmark_prompts
@@ -308,10 +309,11 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_mode in ("dllm", "ar"):
         _batch_sizes(args)  # bad --batch-sizes fail before any model is loaded
         _plots_possible(args)
-    if args.bench_mode == "dllm":
-        return run_dllm(args)
-    if args.bench_mode == "ar":
-        return run_ar(args)
+    with batch_invariant(bool(getattr(args, "batch_invariant", False))):
+        if args.bench_mode == "dllm":
+            return run_dllm(args)
+        if args.bench_mode == "ar":
+            return run_ar(args)
     if args.bench_mode == "overheads":
         return run_overheads_cli(args)
     return _no_mode(args)

@@ -24,6 +24,7 @@ __all__ = [
     "add_ar_arguments",
     "add_decoding_arguments",
     "add_sampling_arguments",
+    "add_batch_invariant_argument",
     "add_threads_argument",
     "flag_of",
     "given",
@@ -40,6 +41,14 @@ THREADS_HELP = (
     "verification forwards gain more, so on an idle machine try --threads 0 for the speculative methods), torch's "
     "default otherwise. The output does not depend on it"
 )
+
+
+def add_batch_invariant_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--batch-invariant``: decode in :func:`spiffy.batch_invariant` mode."""
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="batch-invariant mode: exact sums, so speculative and batched rows equal the baseline "
+                             "bitwise in every dtype and on every device (baseline decoded in the same mode; slower)")
+    return parser
 
 
 def add_threads_argument(parser: argparse.ArgumentParser, help_text: str = THREADS_HELP) -> argparse.ArgumentParser:

@@ -10,7 +10,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from spiffy.cli.flags import add_ar_arguments, add_decoding_arguments, add_threads_argument
+from spiffy.cli.flags import (
+    add_ar_arguments,
+    add_batch_invariant_argument,
+    add_decoding_arguments,
+    add_threads_argument,
+)
 from spiffy.cli.names import DEFAULT_SPIFFY_BUDGET, SCORE_HELP, SCORES
 from spiffy.cli.placement import add_placement_arguments
 
@@ -63,6 +68,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_threads_argument(parser)
+    add_batch_invariant_argument(parser)
     d = parser.add_argument_group("dLLM mode (diffusion LMs: LLaDA, Dream, SDAR)")
     d.add_argument("--model", default=None, metavar="DIR|ID",
                    help="diffusion LM checkpoint (LLaDA, Dream or SDAR): a directory or a Hub id ORG/NAME[@REVISION] "

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from spiffy.api import generate
+from spiffy.batch_invariance import batch_invariant
 from spiffy.cli import generate_ar
 from spiffy.cli.flags import AR_FLAGS, DLLM_DECODING_FLAGS, refuse
 from spiffy.cli.graph_defaults import card_note, differences, difference_note, recorded_settings, settle_settings
@@ -44,7 +45,12 @@ NO_GRAPH, AUTO_GRAPH = "none", "auto"
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``spiffy generate``; returns the exit status."""
+    """Run ``spiffy generate``; returns the exit status (``--batch-invariant``: in :func:`spiffy.batch_invariant`)."""
+    with batch_invariant(bool(getattr(args, "batch_invariant", False))):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     args.prompt = _prompts(args)
     asked = set(getattr(args, "given", set()))
     parser = getattr(args, "command_parser", None)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from spiffy.batch_invariance import is_batch_invariant
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.session import DecodeSession, StepInfo, check_state_rows, gather_cache_rows
 from spiffy.errors import ConfigError
@@ -118,12 +119,17 @@ class BidirectionalSession(DecodeSession):
         return None  # nothing hidden: same as no mask
 
     def _positions(self, device: torch.device) -> torch.Tensor:
-        """Absolute positions ``[1, T]`` (families that derive positions from the mask override this)."""
+        """Absolute positions ``[1, T]`` (families that derive positions from the mask override this). In
+        batch-invariant mode (:mod:`spiffy.batch_invariant`) a left-padded row counts from its first real token, as
+        Dream's official code does, so that it is its prompt alone bitwise (the official LLaDA code counts the
+        padding: a shifted rotation, equal to the lone row's only up to rounding)."""
+        if self.attention_mask is not None and is_batch_invariant():
+            return mask_positions(self.attention_mask)
         return torch.arange(self.x.shape[1], device=device)[None]
 
     def full_position_ids(self) -> torch.Tensor | None:
         """Position ids passed to full-sequence forwards (``None`` = the model's default ``arange``)."""
-        return None
+        return self.position_ids if self.attention_mask is not None and is_batch_invariant() else None
 
     # ------------------------------------------------------------------ model calls
     def _model(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
@@ -301,6 +307,13 @@ class BidirectionalSession(DecodeSession):
     def block_has_mask(self, block: int, x: torch.Tensor) -> bool:
         start, end = self.block_bounds(block)
         return bool((x[:, start:end] == self.mask_id).any())
+
+
+def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` positions counted from each row's first real token (``attention_mask`` ``[B, T]``, 0 = left
+    padding; padded positions get 1, as Dream's official code gives them)."""
+    tok_idx = attention_mask.long().cumsum(-1) - 1
+    return tok_idx.masked_fill(attention_mask == 0, 1)
 
 
 def _pick_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spiffy.decoding.base import BidirectionalSession
+from spiffy.decoding.base import BidirectionalSession, mask_positions
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.sampling import dream_sample_tokens
 from spiffy.decoding.schedules import dream_num_transfer, dream_timesteps, threshold_transfer
@@ -81,8 +81,7 @@ class DreamSession(BidirectionalSession):
     def _positions(self, device: torch.device) -> torch.Tensor:
         if self.attention_mask is None:
             return torch.arange(self.x.shape[1], device=device)[None]
-        tok_idx = self.attention_mask.long().cumsum(-1) - 1
-        return tok_idx.masked_fill(self.attention_mask == 0, 1)
+        return mask_positions(self.attention_mask)
 
     def full_position_ids(self) -> torch.Tensor | None:
         return None if self.attention_mask is None else self.position_ids

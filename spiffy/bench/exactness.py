@@ -1,0 +1,170 @@
+"""Exactness at real size (issue 38): random-weight LLaDA-8B, SDAR-8B and Qwen3-8B with a DFlash drafter, per mode.
+
+For each model and mode (``float32`` with TF32 off; ``bfloat16``; ``bfloat16`` in :func:`spiffy.batch_invariant`
+mode) it decodes one prompt with the baseline and the speculative path (Spiffy on FreeDave's chain graph, 3 states;
+DDTree@16 and DFlash against AR), and a batch of two ragged prompts against each prompt alone, and reports per pair:
+identical or not, the first differing position, and for a differing batched row the near-tie proof of
+:mod:`spiffy.bench.batch_fidelity` (``near_tie``), for DFlash / DDTree against AR the greedy proof of :mod:`spiffy.bench.fidelity` (``None`` where no
+proof applies yet: a single prompt's Spiffy divergence, counted as unproven). The mode's cost is the ratio of its seconds per generated token to bfloat16's. ``scripts/gpu_run.py`` runs it
+on a GPU (section ``exactness``); ``small=True`` builds the same architectures at toy size (its CPU self-check).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from spiffy.api import generate
+from spiffy.arspec import ARSpecConfig, DFlashDrafter, SamplingConfig, ddtree_generate
+from spiffy.batch_invariance import batch_invariant
+from spiffy.bench import gpu_costs
+from spiffy.bench.batch_fidelity import explain_dllm_batch_row
+from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
+from spiffy.bench.common import first_mismatch
+from spiffy.bench.fidelity import explain_ar_divergence
+from spiffy.decoding import DecodeConfig
+from spiffy.selfspec.freedave import chain_graph_for
+
+#: (label, dtype, batch-invariant mode)
+MODES = (("float32", torch.float32, False), ("bfloat16", torch.bfloat16, False),
+         ("bfloat16 batch-invariant", torch.bfloat16, True))
+DLLMS = (("LLaDA-8B", "GSAI-ML--LLaDA-8B-Instruct", "prefix"), ("SDAR-8B", "JetLM--SDAR-8B-Chat", "prefix"))
+
+
+def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
+
+
+def _pair(name: str, a: list[int], b: list[int], proof: Any = None) -> dict[str, Any]:
+    first = first_mismatch(list(a), list(b))
+    row: dict[str, Any] = {"pair": name, "identical": first is None, "first_divergence": first}
+    if first is not None:
+        row["near_tie"] = None if proof is None else bool(proof.near_tie)
+        row["proof"] = None if proof is None else proof.to_dict()
+    return row
+
+
+def _prompts(vocab: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, min(vocab, 30000), (n,), generator=g).tolist() for n in lengths]
+
+
+def dllm_exactness(model: torch.nn.Module, device: torch.device, small: bool, invariant: bool) -> dict[str, Any]:
+    """Spiffy vs baseline (one prompt), batched rows vs alone (two prompts), both with and without a graph."""
+    gen = 16 if small else 64
+    cfg = DecodeConfig(gen_length=gen, block_length=gen // 2, steps=gen, cache="prefix")
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    prompts = _prompts(vocab, (6, 9) if small else (48, 64))
+    graph = chain_graph_for(model, cfg, 3)
+    rows = []
+    with batch_invariant(invariant, model=model):
+        one = torch.tensor([prompts[0]], device=device)
+        base, t_base = _timed(device, lambda: generate(model, one, cfg))
+        spec, t_spec = _timed(device, lambda: generate(model, one, cfg, graph=graph, budget=3))
+        rows.append(_pair("spiffy vs baseline", base.tokens[0], spec.tokens[0]))
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        batched = generate(model, ids, cfg, attention_mask=mask, seeds=[0, 0])
+        for r, p in enumerate(prompts):
+            alone = generate(model, torch.tensor([p], device=device), cfg).tokens[0]
+            proof = None
+            if alone != batched.tokens[r]:
+                proof = explain_dllm_batch_row(model, prompts, r, cfg)
+            rows.append(_pair(f"batched row {r} vs alone", alone, batched.tokens[r], proof))
+    return {"rows": rows, "seconds_per_token": {"baseline": t_base / gen, "spiffy": t_spec / gen}}
+
+
+def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torch.device, small: bool,
+                 invariant: bool) -> dict[str, Any]:
+    """DFlash and DDTree@16 vs AR (one prompt, greedy), and DFlash batched rows vs alone."""
+    new = 16 if small else 32
+    vocab = int(target.get_input_embeddings().weight.shape[0])
+    prompts = _prompts(vocab, (5, 8) if small else (48, 64), seed=1)
+    kw = {"max_new_tokens": new, "temperature": 0.0}
+    rows, seconds = [], {}
+    with batch_invariant(invariant, model=target):
+        ar, seconds["ar"] = _timed(device, lambda: ddtree_generate(target, None, prompts[0], method="ar", **kw))
+        for method, budget in (("dflash", None), ("ddtree", 16)):
+            got, seconds[method] = _timed(device, lambda: ddtree_generate(target, drafter, prompts[0], method=method,
+                                                                         budget=budget, **kw))
+            div = explain_ar_divergence(target, prompts[0], list(ar.tokens), list(got.tokens))  # None: identical
+            rows.append(_pair(f"{method} vs ar", list(ar.tokens), list(got.tokens), div))
+        cfg = ARSpecConfig(method="dflash", max_new_tokens=new, sampling=SamplingConfig(temperature=0.0))
+        for r in range(len(prompts)):
+            proof = explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), prompts, r, cfg)
+            rows.append({"pair": f"dflash batched row {r} vs alone", "identical": proof is None,
+                         "first_divergence": None if proof is None else proof.position,
+                         **({} if proof is None else {"near_tie": bool(proof.near_tie), "proof": proof.to_dict()})})
+    return {"rows": rows, "seconds_per_token": {k: v / new for k, v in seconds.items()}}
+
+
+def real_size_exactness(device: torch.device, small: bool) -> dict[str, Any]:
+    """Every model in every mode (see the module docstring); ``small``: toy sizes."""
+    size = gpu_costs.shrink_config if small else (lambda c: c)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 products
+    out: dict[str, Any] = {}
+    try:
+        for name, fixture, _ in DLLMS:
+            config = gpu_costs.real_config(fixture)
+            config.setdefault("mask_token_id", 151669)  # SDAR's <|MASK|> lives in its tokenizer, not its config
+            for label, dtype, invariant in MODES:
+                model = gpu_costs.build_random(size(config), device, dtype)
+                out.setdefault(name, {})[label] = dllm_exactness(model, device, small, invariant)
+                del model
+                _free(device)
+        for label, dtype, invariant in MODES:
+            target = gpu_costs.build_random(size(gpu_costs.real_config("Qwen--Qwen3-8B")), device, dtype)
+            drafter = gpu_costs.build_random(size(gpu_costs.real_config("z-lab--Qwen3-8B-DFlash-b16")), device, dtype)
+            out.setdefault("Qwen3-8B + DFlash", {})[label] = ar_exactness(target, drafter, device, small, invariant)
+            del target, drafter
+            _free(device)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return summarize(out)
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def summarize(out: dict[str, Any]) -> dict[str, Any]:
+    """Adds per model and mode ``identical`` (``k/n``), ``unproven`` (differing pairs whose proof failed or does
+    not apply) and the batch-invariant mode's cost (its seconds per token / bfloat16's, per path)."""
+    for modes in out.values():
+        for label, res in modes.items():
+            rows = res["rows"]
+            res["identical"] = f"{sum(r['identical'] for r in rows)}/{len(rows)}"
+            res["unproven"] = [r["pair"] for r in rows if not r["identical"] and not r.get("near_tie")]
+        base, inv = modes.get("bfloat16"), modes.get("bfloat16 batch-invariant")
+        if base and inv:
+            modes["batch_invariant_cost"] = {k: round(v / base["seconds_per_token"][k], 2)
+                                             for k, v in inv["seconds_per_token"].items() if base["seconds_per_token"][k]}
+    return out
+
+
+def failures(result: dict[str, Any]) -> list[str]:
+    """What the run must not show: float32 or batch-invariant pairs that differ, bfloat16 divergences unproven."""
+    bad = []
+    for model, modes in result.items():
+        for label, res in modes.items():
+            if label == "batch_invariant_cost":
+                continue
+            if label != "bfloat16" and res["identical"].split("/")[0] != res["identical"].split("/")[1]:
+                bad.append(f"{model} {label}: {res['identical']} identical")
+            elif label == "bfloat16" and res["unproven"]:
+                bad.append(f"{model} bfloat16: unproven {res['unproven']}")
+    return bad
+
+
+__all__ = ["MODES", "ar_exactness", "dllm_exactness", "failures", "real_size_exactness", "summarize"]

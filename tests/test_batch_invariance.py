@@ -1,0 +1,148 @@
+"""Batch-invariant mode (issue 38, :mod:`spiffy.batch_invariance`): exact sums make a row's numbers independent of
+the other rows, of padding and of the summation order, so batched rows, Spiffy states and tree nodes equal the
+baseline bitwise in bfloat16 too.
+
+The primitives are checked on random inputs (hypothesis): an exact sum does not move under permutation or inserted
+zeros and stays within its error bound of the true sum; a linear layer's row and an attention query do not move
+when other rows, queries or masked keys join the call. End to end, batched rows that diverge in bfloat16 by default
+(a dLLM case and an AR case) are identical under the mode; breaking the mode on purpose (default attention kernel
+back in, or the padded row's positions counting its padding) brings the divergence back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spiffy
+from spiffy import batch_invariance
+from spiffy.arspec import ARSpecConfig, DFlashDrafter, SamplingConfig
+from spiffy.batch_invariance import SUM_BITS, batch_invariant, exact_sum, is_batch_invariant
+from spiffy.bench.batch_fidelity import explain_dllm_batch_row
+from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
+from spiffy.errors import ConfigError
+from spiffy.models import load_drafter, load_target, make_tiny_dflash, make_tiny_target
+from spiffy.models.loading import load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
+
+_values = st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_values, st.randoms(use_true_random=False), st.integers(0, 5))
+def test_exact_sum_ignores_order_and_zeros(values, rnd, zeros) -> None:
+    t = torch.tensor(values, dtype=torch.float64)
+    base = exact_sum(t, 0)
+    shuffled = list(values) + [0.0] * zeros
+    rnd.shuffle(shuffled)
+    assert torch.equal(exact_sum(torch.tensor(shuffled, dtype=torch.float64), 0), base)
+    bound = len(values) * 2.0 ** -(SUM_BITS - 1) * max(abs(v) for v in values)  # grid 2**(e - SUM_BITS) <= 2 max
+    assert abs(float(base) - math.fsum(values)) <= bound
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 40), st.integers(1, 24), st.sampled_from([torch.bfloat16, torch.float16]),
+       st.integers(0, 2**31 - 1))
+def test_linear_row_does_not_depend_on_other_rows(rows, k, n, dtype, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    with batch_invariant():
+        whole = F.linear(x, w, b)
+        alone = torch.cat([F.linear(x[r : r + 1], w, b) for r in range(rows)])
+        assert torch.equal(whole, alone)
+    ref = (x.double() @ w.double().t() + b.double()).to(dtype)
+    assert torch.allclose(whole.double(), ref.double(), rtol=2e-2, atol=2e-2)  # as accurate as the dtype
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 5), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_attention_query_ignores_masked_keys_and_other_queries(keys, pad, queries, seed) -> None:
+    """A query's output is the same when masked keys are inserted (left padding, other tree branches) and when
+    other queries share the call; and it is attention (close to torch's own kernel)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, queries, 8, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, keys, 8, generator=g).bfloat16() for _ in range(2))
+    junk = torch.randn(1, 2, pad, 8, generator=g).bfloat16() * 50
+    pos = torch.randperm(keys + pad, generator=g)[:keys].sort().values  # where the real keys land among the junk
+    k2, v2 = (torch.cat([t, junk], dim=2) for t in (k, v))
+    order = torch.cat([pos, torch.tensor([i for i in range(keys + pad) if i not in set(pos.tolist())], dtype=torch.long)])
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(keys + pad)
+    k2, v2 = k2[:, :, inv], v2[:, :, inv]
+    mask = torch.zeros(keys + pad, dtype=torch.bool)
+    mask[pos] = True
+    with batch_invariant():
+        plain = F.scaled_dot_product_attention(q, k, v)
+        padded = F.scaled_dot_product_attention(q, k2, v2, attn_mask=mask[None, None, None, :])
+        single = torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + 1], k, v) for i in range(queries)], dim=2)
+    assert torch.equal(plain, padded) and torch.equal(plain, single)
+    assert torch.allclose(plain.float(), F.scaled_dot_product_attention(q, k, v).float(), atol=3e-2)
+
+
+def test_mode_is_scoped_and_checks_attention(tiny_llada) -> None:
+    assert not is_batch_invariant()
+    with batch_invariant():
+        assert is_batch_invariant()
+    assert not is_batch_invariant()
+    model = load_model(tiny_llada, dtype=torch.bfloat16, attn_implementation="flex_attention")
+    with pytest.raises(ConfigError, match="sdpa"):
+        spiffy.generate(model, torch.tensor([[5, 6, 7]]), gen_length=4, block_length=4, steps=2, batch_invariant=True)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def _prompts(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9, (3,), generator=g).tolist()
+    return [torch.randint(5, 250, (n,), generator=g).tolist() for n in lengths]
+
+
+#: a bfloat16 batched LLaDA row that leaves its prompt alone by default (tests/test_batch_near_ties.py: DLLM_CASES)
+DLLM_KW = dict(gen_length=8, block_length=4, temperature=0.0, steps=4, cache="prefix")
+
+
+@pytest.fixture(scope="module")
+def llada_bf16(tiny_llada):
+    return load_model(tiny_llada, dtype=torch.bfloat16)
+
+
+def test_dllm_batched_row_is_bitwise_in_the_mode(llada_bf16) -> None:
+    assert explain_dllm_batch_row(llada_bf16, _prompts(1), 2, None, overrides=DLLM_KW) is not None  # diverges
+    with batch_invariant():
+        assert explain_dllm_batch_row(llada_bf16, _prompts(1), 2, None, overrides=DLLM_KW) is None
+    ids = torch.tensor([[0, 0, 11, 25, 47], [5, 9, 13, 17, 21]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    kw = dict(DLLM_KW, gen_length=8)
+    batched = spiffy.generate(llada_bf16, ids, attention_mask=mask, batch_invariant=True, **kw).tokens
+    assert batched[0] == spiffy.generate(llada_bf16, torch.tensor([[11, 25, 47]]), batch_invariant=True, **kw).tokens[0]
+
+
+@pytest.mark.parametrize("broken", ["attention", "positions"])
+def test_a_broken_mode_diverges_again(llada_bf16, monkeypatch, broken) -> None:
+    """Break the mode on purpose: torch's own attention kernel back in, or the padded row's positions counting its
+    padding (the official LLaDA batch); the row then leaves its prompt alone again."""
+    if broken == "attention":
+        monkeypatch.setattr(batch_invariance, "_sdpa", F.scaled_dot_product_attention)
+    else:
+        monkeypatch.setattr("spiffy.decoding.base.is_batch_invariant", lambda: False)
+    with batch_invariant():
+        div = explain_dllm_batch_row(llada_bf16, _prompts(1), 2, None, overrides=DLLM_KW)
+    assert div is not None and div.near_tie  # still rounding, proven, but no longer bitwise
+
+
+@pytest.mark.slow  # about 50 s: the proof re-runs the decodes, in the mode's float64 arithmetic
+def test_ar_batched_row_is_bitwise_in_the_mode(tmp_path) -> None:
+    t = make_tiny_target(tmp_path / "target", seed=3, num_layers=3, with_tokenizer=False)
+    d = make_tiny_dflash(tmp_path / "drafter", t, seed=4, num_layers=2, block_size=8)
+    target, drafter = load_target(t, torch.bfloat16, "cpu"), load_drafter(d, dtype=torch.bfloat16)
+    prompts = [[211, 38, 28, 43, 146, 239], [21, 7, 33, 145, 32], [171, 90, 219, 173]]  # row 2 diverges by default
+    cfg = ARSpecConfig(method="dflash", budget=8, max_new_tokens=24, sampling=SamplingConfig(temperature=0.0, seed=2))
+    assert explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), prompts, 2, cfg) is not None
+    with batch_invariant():
+        assert explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), prompts, 2, cfg) is None
