@@ -141,8 +141,13 @@ def test_ar_batched_row_is_bitwise_in_the_mode(tmp_path) -> None:
     t = make_tiny_target(tmp_path / "target", seed=3, num_layers=3, with_tokenizer=False)
     d = make_tiny_dflash(tmp_path / "drafter", t, seed=4, num_layers=2, block_size=8)
     target, drafter = load_target(t, torch.bfloat16, "cpu"), load_drafter(d, dtype=torch.bfloat16)
-    prompts = [[211, 38, 28, 43, 146, 239], [21, 7, 33, 145, 32], [171, 90, 219, 173]]  # row 2 diverges by default
     cfg = ARSpecConfig(method="dflash", budget=8, max_new_tokens=24, sampling=SamplingConfig(temperature=0.0, seed=2))
-    assert explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), prompts, 2, cfg) is not None
+    # row 2 of the pinned batch diverges by default on an AVX2 CPU; which rows diverge is the CPU's business, so
+    # a bounded search over further ragged batches finds one where it does not
+    pinned = [[211, 38, 28, 43, 146, 239], [21, 7, 33, 145, 32], [171, 90, 219, 173]]
+    candidates = [(pinned, 2)] + [(_prompts(seed), row) for seed in range(20) for row in range(3)]
+    found = next(((prompts, row) for prompts, row in candidates
+                  if explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), prompts, row, cfg) is not None), None)
+    assert found is not None, "no batched AR row diverges by default on this machine: the mode is not exercised"
     with batch_invariant():
-        assert explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), prompts, 2, cfg) is None
+        assert explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), *found, cfg) is None
