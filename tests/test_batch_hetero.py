@@ -6,7 +6,10 @@ tokens, seed, prompt length, acceptance rule and sampling rule (T = 0, T > 0 wit
 different rounds and leave the batch; rows draft windows of different lengths and commit different amounts (holes);
 rows that draft nothing share rounds with rows that draft. For every batch drawn, in float32 and float64:
 
-* every row equals the same row decoded alone (tokens and the length of every round);
+* every row equals the same row decoded alone: tokens, the length of every round, and every draft its drafter
+  proposed (:class:`DraftSpy` on the drafting stage: a random tiny drafter's drafts are rarely accepted, so a row
+  fed another row's features, grouped with rows of other settings or shown their padding changes its drafts long
+  before its tokens);
 * every row under the coupled rule (and every row at T = 0) equals plain AR decoding;
 * no emitted token lies outside the support of the row's own sampling rule (greedy: the argmax; otherwise the
   top-k / top-p filter of the target's distribution, judged on one full forward of the prompt and the output).
@@ -83,7 +86,8 @@ def models(paths: dict[str, Path], dtype: str) -> dict[str, nn.Module]:
     """The target and the three drafter models in ``dtype`` (loaded once per dtype)."""
     if dtype not in _MODELS:
         loaded = {"target": load_model(paths["target"], dtype=dtype)}
-        loaded.update({k: load_ar_drafter(paths[k], dtype=getattr(torch, dtype)) for k in ("dflash", "dflash2", "dllm")})
+        for kind in ("dflash", "dflash2", "dllm"):
+            loaded[kind] = load_ar_drafter(paths[kind], dtype=getattr(torch, dtype))
         _MODELS[dtype] = loaded
     return _MODELS[dtype]
 
@@ -223,13 +227,14 @@ class DraftSpy:
 
 
 def same_draft(a: Any, b: Any, tol: float) -> bool:
-    """``[depth, V]`` logits equal to rounding; a DFlash2 selector's proposal: the same candidates, scores to rounding."""
+    """``[depth, V]`` logits equal to rounding; a DFlash2 selector's proposal: equal candidates, scores to rounding."""
     def close(x: torch.Tensor, y: torch.Tensor) -> bool:
         return x.shape == y.shape and torch.allclose(x.double(), y.double(), rtol=tol, atol=tol)
 
     if isinstance(a, SelectorDraft) or isinstance(b, SelectorDraft):
-        return (isinstance(a, SelectorDraft) and isinstance(b, SelectorDraft) and torch.equal(a.candidates, b.candidates)
-                and close(a.first, b.first) and close(a.following, b.following))
+        return (isinstance(a, SelectorDraft) and isinstance(b, SelectorDraft)
+                and torch.equal(a.candidates, b.candidates) and close(a.first, b.first)
+                and close(a.following, b.following))
     return close(a, b)
 
 
@@ -300,8 +305,9 @@ def test_reproducer_mixed_drafters_top_p(paths, dtype):
     dllm, dfl = loaded["dllm"], loaded["dflash"]
 
     def drafters() -> list[Any]:
-        return [DLLMDrafter(dllm, 2, denoise_steps=3), DFlashDrafter(dfl, None), DFlashDrafter(dfl, None),  # type: ignore[arg-type]
-                DLLMDrafter(dllm, 3, denoise_steps=2), DFlashDrafter(dfl, 1)]  # type: ignore[arg-type]
+        return [DLLMDrafter(dllm, 2, denoise_steps=3), DFlashDrafter(dfl, None),  # type: ignore[arg-type]
+                DFlashDrafter(dfl, None), DLLMDrafter(dllm, 3, denoise_steps=2),  # type: ignore[arg-type]
+                DFlashDrafter(dfl, 1)]  # type: ignore[arg-type]
 
     _check_reproducer(loaded, REPRO_2_PROMPTS, cfgs, drafters, dtype)
 
