@@ -24,14 +24,16 @@ drawn here), ``test_tiny_drafter_maker.py``, ``test_batch_near_ties.py`` and ``t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given, seed
 from hypothesis import strategies as st
+from property_tiers import fast_settings as _settings
+from property_tiers import long_run
+from property_tiers import long_settings as _long_settings
 
 from spiffy.api import generate
 from spiffy.arspec import ARSpecConfig, DFlashDrafter, SamplingConfig, speculative_generate, speculative_generate_batch
@@ -49,22 +51,7 @@ from spiffy.selfspec.oracle import random_formulas
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = int(os.environ.get("SPIFFY_PROPERTY_EXAMPLES", "0"))
 GEN, BLOCK = 8, 4
-
-
-def _settings(default: int) -> settings:
-    return settings(max_examples=EXAMPLES or default, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-
-
-#: the longer run: only on request (it would add about a minute to the default tier)
-long_run = pytest.mark.skipif(not os.environ.get("SPIFFY_PROPERTY_LONG"), reason="set SPIFFY_PROPERTY_LONG=1 to run")
-
-
-def _long_settings(default: int) -> settings:
-    return settings(max_examples=EXAMPLES or 10 * default, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 # ------------------------------------------------------------------------------------------------------ dLLM

@@ -300,13 +300,17 @@ def tree_columns(trees: Sequence[DraftTree]) -> list[list[int]]:
 def decode_inputs(runner: TargetRunner, roots: Sequence[tuple[int, int]], valid: torch.Tensor) -> CompiledDraft:
     """A round with nothing drafted (plain AR, or a last token): each row's root alone, ``[B, 1]``, and the mask
     over ``[cache ; root]`` that :func:`compile_round` would build for empty trees (the same values, so the forward
-    is bit for bit the same), without the tree machinery: a batch of one has no holes and sees all of its cache."""
+    is bit for bit the same), without the tree machinery.
+
+    Every row's hidden columns (left padding, holes of uneven commits) are masked, in a batch of one too: a row
+    that stays alone after the others left the batch (:func:`drop_rows`) keeps its padding and holes."""
     batch, context_len = int(valid.shape[0]), int(valid.shape[1])
     ids = torch.tensor([[tok for tok, _pos in roots], [pos for _tok, pos in roots]], dtype=torch.long)
     ids = ids.to(runner.device) if runner.device.type != "cpu" else ids
     mask = torch.zeros(batch, 1, 1, context_len + 1, dtype=runner.dtype, device=valid.device)
-    if batch > 1:  # left padding and the holes of uneven commits
-        mask[:, 0, 0, :context_len].masked_fill_(~valid, torch.finfo(runner.dtype).min)
+    # no "batch of one sees everything" shortcut: valid lives on the device (checking it would synchronise) and
+    # the fill is one small kernel; a single prompt's valid is all True, so its mask stays zero
+    mask[:, 0, 0, :context_len].masked_fill_(~valid, torch.finfo(runner.dtype).min)
     return CompiledDraft(ids[0].view(batch, 1), ids[1].view(batch, 1), mask, None)
 
 
