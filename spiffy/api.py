@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from spiffy.capture import CompileSetting, resolve_compile
 from spiffy.decoding.batch import row_generators, run_baseline_batch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.factory import make_row_sessions, make_session
@@ -105,6 +106,7 @@ def generate(
     progress: bool = False,
     generator: torch.Generator | None = None,
     seeds: Sequence[int] | None = None,
+    compile: CompileSetting = None,
     **config_overrides: Any,
 ) -> DiffusionResult:
     """Decode ``input_ids`` with ``model`` (LLaDA, Dream or SDAR).
@@ -133,6 +135,10 @@ def generate(
             scripts' batched sampling (one generator for the whole batch) is the batch session's own rule:
             ``run_baseline(make_session(model, ids, ...))``.
         seeds: ``B`` seeds, row ``r`` seeded exactly like a single-prompt call with ``seed=seeds[r]``.
+        compile: the static path of every step's forward (``True`` / ``"on"``): static buffers, one CUDA graph per
+            (states, window) bucket on a GPU, the same code eagerly on a CPU; ``False`` / ``"off"``: eager (the
+            reference); ``None`` / ``"auto"``: :func:`spiffy.capture.resolve_compile`. Same tokens either way;
+            ``result.stats["capture"]`` reports the buckets. Families without a static path refuse ``True``.
     Returns:
         :class:`DiffusionResult`.
     """
@@ -153,6 +159,8 @@ def generate(
         rows = make_row_sessions(model, input_ids, attention_mask, cfg, gens, tokenizer=tokenizer)
     if settings is not None:
         check_graph(settings.graph, model, rows[0])
+    if resolve_compile(compile, session.x.device):
+        session.use_static(capture=True)
     return _decode(model, session, rows, settings, tokenizer=tokenizer, observer=observer, progress=progress)
 
 
@@ -194,6 +202,12 @@ def _decode(model: Any, session: DecodeSession, rows: list[DecodeSession], setti
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - t0
+    if session.static is not None:  # the static path's buckets: built, run, capture seconds
+        capture = session.static.graphs.stats.as_dict()
+        if alone:
+            per_row[0] = {**per_row[0], "capture": capture}
+        else:
+            stats["capture"] = capture
     seqs = session.x if alone else session.x.clone()
     # SDAR aligns blocks to absolute positions, so an unaligned prompt decodes a few positions past gen_length (as
     # the reference does); ``sequences`` keeps them, ``tokens``/``text`` report the gen_length requested.

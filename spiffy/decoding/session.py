@@ -117,6 +117,8 @@ class DecodeSession(ABC):
     mask_id: int
     nfe: int
     generator: torch.Generator | None
+    #: the static forward path (:meth:`use_static`), ``None`` = eager (the reference)
+    static: Any = None
 
     @classmethod
     def for_model(
@@ -210,6 +212,14 @@ class DecodeSession(ABC):
         so a session whose :meth:`block_finished` never ends a block stops instead of hanging.
         Default: ``max(steps_per_block, 4 * block_length)``; the families override it with their own bound."""
         return max(int(getattr(self, "steps_per_block", 0) or 0), 4 * int(self.block_length))
+
+    def use_static(self, capture: bool = True) -> None:
+        """Run :meth:`forward_states` with static shapes per bucket, captured in CUDA graphs on a GPU (the
+        ``compile=`` switch). Default: refused, the family has no static path yet."""
+        raise ConfigError(
+            f"compile=True cannot run {type(self).__name__} (cache={getattr(self, 'cache_mode', None)!r}): its forward "
+            "has no static path yet; fix: pass compile=False (eager, same tokens)"
+        )
 
     def end_block(self, block: int) -> None:
         """Block-end work (counted in :attr:`nfe` if it calls the model). Default: nothing."""
