@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from batch_cases import dream, llada, left_pad, ragged_prompts, sdar  # noqa: F401 - module fixtures
 from spiffy.api import generate
+from spiffy.bench.overheads import spiffy_sync_counts
+from spiffy.bench.syncs import SyncCounter
 from spiffy.cli.main import main
 from spiffy.decoding import make_session
 from spiffy.decoding.captured import static_states_of
@@ -138,3 +140,37 @@ def test_cli_compile_in_dllm_mode(capsys, tiny_llada) -> None:
         out.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     assert out[0]["tokens"] == out[1]["tokens"] and out[0]["nfe"] == out[1]["nfe"]
     assert out[0]["stats"]["capture"]["buckets"] >= 1 and "capture" not in out[1]["stats"]
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_static_forward_makes_no_host_sync(request, family: str, cache: str) -> None:
+    """A built bucket's forward (the inputs copied in, the model's call) asks the host for nothing, left padding
+    and batch rows or not: a CUDA graph can hold it. ``to_cpu`` is left out: on a CPU run the model's ``.to(device)`` moves are counted
+    (to the CPU), on a GPU they stay on the device and are no-ops."""
+    model = request.getfixturevalue(family)
+    for ids, am in ((torch.tensor([[5, 6, 7, 8]]), None), left_pad(ragged_prompts([4, 2]))):
+        s = make_session(model, ids, attention_mask=am, **_kw(cache, 0.0, 0))
+        s.use_static()
+        s.begin_block(0)
+        rows = None if am is None else torch.tensor([0, 1, 1])
+        states = s.x.repeat(3, 1) if am is None else s.x[rows]
+        s.forward_states(states, rows)  # builds the bucket
+        with SyncCounter() as counter:
+            s.forward_states(states, rows)
+        counts = {k: v for k, v in counter.counts.items() if k != "to_cpu"}
+        # with batch rows: the one check that they index the batch (before the step, not inside it)
+        assert counts == ({} if rows is None else {"__bool__": 1}), (family, cache, am is not None)
+
+
+def test_spiffy_step_syncs_bound() -> None:
+    """Host synchronisations per Spiffy step on the never-accepting synthetic model (V = 4096, every step one
+    forward with the full drafting work), D* = 1 and 5: at most 4.75 on the static path (ranking with
+    top_ranked_static), 8.5 eager (12.25 before issue 37); the baseline's own rule takes 1."""
+    for budget in (1, 5):
+        eager = spiffy_sync_counts(4096, 16, 10, budget)
+        static = spiffy_sync_counts(4096, 16, 10, budget, static=True)
+        assert static["spiffy"]["steps"] == static["spiffy"]["forwards"] == 16
+        assert static["spiffy"]["per_step"] <= 4.75 and eager["spiffy"]["per_step"] <= 8.5, (static, eager)
+        assert static["baseline"]["per_step"] == eager["baseline"]["per_step"] == 1.0
+        assert "nonzero" not in static["spiffy"]["by_call"] or static["spiffy"]["by_call"]["nonzero"] <= 16
