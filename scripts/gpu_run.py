@@ -20,6 +20,9 @@ section writes its rows to ``results.json`` as soon as it ends (a run cut short 
 4. ``captured``: the public entry point eager against ``compile=True`` (Qwen3-8B with a random DFlash drafter: AR,
    DFlash, DDTree at 16 / 64 / 256; Qwen3-30B-A3B: AR), ms per round and per token, capture time, beside
    transformers' static-cache ``generate`` and the bandwidth limit (:mod:`spiffy.bench.gpu_captured`).
+   ``dllm_captured``: ``spiffy.generate`` eager against ``compile=True`` for LLaDA-8B, SDAR-8B and LLaDA2.0-mini
+   (baseline, Spiffy, FreeDave, SSD at 4 states per forward; ms per forward and per token beside the bandwidth
+   limit; LLaDA-8B's prefix-cache forward alone at 1 and 4 states) (:mod:`spiffy.bench.gpu_dllm`).
 5. ``projections``: measured acceptance x measured costs. Labelled projections: a real model's acceptance is not
    the tiny models'.
 
@@ -51,6 +54,7 @@ import spiffy
 from spiffy.arspec import ddtree_generate
 from spiffy.bench import gpu_costs as gc_costs
 from spiffy.bench.gpu_captured import captured_timings
+from spiffy.bench.gpu_dllm import dllm_captured_markdown, dllm_captured_timings
 from spiffy.decoding import DecodeConfig
 from spiffy.io import atomic_write_json, atomic_write_text
 from spiffy.models import load_model
@@ -324,6 +328,8 @@ def markdown(data: dict[str, Any]) -> str:
                     lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['compile']} | {r['ms_per_round']:.2f} | "
                                  f"{r['ms_per_token']:.2f} | {r['tau']:.2f} | {cap} |")
                 lines.append("")
+        elif name == "dllm_captured":
+            lines += dllm_captured_markdown(res)
         elif name == "projections":
             lines += [f"**{res['label']}**", ""]
             for key, rows in res.items():
@@ -348,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--self-check", action="store_true", help="toy sizes on the CPU (what the suite runs)")
     parser.add_argument("--time-budget", type=float, default=510.0, help="seconds; later sections are skipped when "
                         "too little is left (default 510 = 8.5 minutes)")
-    parser.add_argument("--sections", default="captured,lossless,bench,costs,projections",
+    parser.add_argument("--sections", default="captured,dllm_captured,lossless,bench,costs,projections",
                         help="comma-separated subset")
     args = parser.parse_args(argv)
     small = args.self_check or not torch.cuda.is_available()
@@ -362,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # real-size costs first: they are what only a GPU can give; a section starts only with enough time left
         plan = [("captured", lambda: captured_timings(device, dtype, small), 0),
+                ("dllm_captured", lambda: dllm_captured_timings(device, dtype, small), 0),
                 ("costs", lambda: costs(device, dtype, small), 0),
                 ("bench", lambda: bench(device, dtype, args.out, small), 90),
                 ("lossless", lambda: lossless(device, dtype, Path(tmp), small), 60),

@@ -216,10 +216,9 @@ class DecodeSession(ABC):
     def use_static(self, capture: bool = True) -> None:
         """Run :meth:`forward_states` with static shapes per bucket, captured in CUDA graphs on a GPU (the
         ``compile=`` switch). Default: refused, the family has no static path yet."""
-        raise ConfigError(
-            f"compile=True cannot run {type(self).__name__} (cache={getattr(self, 'cache_mode', None)!r}): its forward "
-            "has no static path yet; fix: pass compile=False (eager, same tokens)"
-        )
+        cache = getattr(getattr(self, "config", None), "cache", None)
+        raise ConfigError(f"compile=True cannot run {type(self).__name__} (cache={cache!r}): its forward has no static "
+                          "path yet; fix: pass compile=False (eager, same tokens)")
 
     def end_block(self, block: int) -> None:
         """Block-end work (counted in :attr:`nfe` if it calls the model). Default: nothing."""
