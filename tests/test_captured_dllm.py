@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batch_cases import dream, llada, left_pad, ragged_prompts, sdar  # noqa: F401 - module fixtures
+from batch_cases import dream, fast_dllm_v2, llada, llada2, left_pad, ragged_prompts, sdar  # noqa: F401 - fixtures
 from spiffy.api import generate
 from spiffy.bench.overheads import spiffy_sync_counts
 from spiffy.bench.syncs import SyncCounter
@@ -31,6 +31,10 @@ from spiffy.selfspec.ssd import ssd_graph
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 GEN, BLOCK = 16, 8
+#: every (family, cache mode) with a static path: LLaDA and Dream (no cache, prefix, dual), SDAR's committed cache,
+#: LLaDA2.0 (the official recompute and the committed cache)
+FAMILY_CACHES = [(f, c) for f in ("llada", "dream") for c in ("none", "prefix", "dual")] + [
+    ("sdar", "prefix"), ("llada2", "none"), ("llada2", "prefix")]
 
 
 def _kw(cache: str, temp: float, seed: int) -> dict:
@@ -51,13 +55,13 @@ def _graph(model, method: str, prompt: torch.Tensor, kw: dict):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2"])
 def test_forward_states_bitwise(request, family: str, dtype: torch.dtype) -> None:
     """Logits of N = 3 states equal eager's bit for bit, per cache mode and block (the inputs are copies: a
     static path reading the session's own tensors, or padding the states, would not be checked by this)."""
     model = load_model(request.getfixturevalue(f"tiny_{family}"), dtype=dtype)
     prompt = ragged_prompts([5])[0]
-    for cache in ("none", "prefix", "dual"):
+    for cache in [c for f, c in FAMILY_CACHES if f == family]:
         eager = make_session(model, prompt[None], **_kw(cache, 0.0, 0))
         static = make_session(model, prompt[None], **_kw(cache, 0.0, 0))
         static.use_static()
@@ -66,7 +70,8 @@ def test_forward_states_bitwise(request, family: str, dtype: torch.dtype) -> Non
             eager.begin_block(block)
             static.begin_block(block)
             states = eager.x.repeat(3, 1)
-            states[1:, eager.prompt_len:] = torch.randint(5, 250, (2, GEN), generator=g)
+            width = states.shape[1] - eager.prompt_len
+            states[1:, eager.prompt_len:] = torch.randint(5, 250, (2, width), generator=g)
             a, b = eager.forward_states(states), static.forward_states(states)
             assert a.dtype == dtype and torch.equal(a, b), f"{family} cache={cache} block={block}"
             eager.end_block(block)
@@ -74,12 +79,13 @@ def test_forward_states_bitwise(request, family: str, dtype: torch.dtype) -> Non
         assert static.nfe == eager.nfe
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(family=st.sampled_from(["llada", "dream"]), cache=st.sampled_from(["none", "prefix", "dual"]),
-       method=st.sampled_from(["baseline", "spiffy", "freedave", "ssd"]), temp=st.sampled_from([0.0, 1.0]),
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(family_cache=st.sampled_from(FAMILY_CACHES), method=st.sampled_from(["baseline", "spiffy", "freedave", "ssd"]),
+       temp=st.sampled_from([0.0, 1.0]),
        seed=st.integers(0, 50), length=st.integers(2, 9))
-def test_captured_tokens_equal_eager(request, family: str, cache: str, method: str, temp: float, seed: int,
+def test_captured_tokens_equal_eager(request, family_cache: tuple[str, str], method: str, temp: float, seed: int,
                                      length: int) -> None:
+    family, cache = family_cache
     model = request.getfixturevalue(family)
     prompt = torch.randint(5, 250, (length,), generator=torch.Generator().manual_seed(seed))
     kw = _kw(cache, temp, seed)
@@ -122,11 +128,22 @@ def test_buckets_are_reused_across_prompts_and_calls(dream) -> None:
     assert third.tokens == first.tokens
 
 
-def test_compile_refused_where_no_static_path(sdar) -> None:
+def test_compile_refused_where_no_static_path(fast_dllm_v2) -> None:
+    """Fast-dLLM v2 (its sub-block cache) has no static path yet: compile=True is refused, never ignored."""
     with pytest.raises(ConfigError, match="compile=False"):
-        generate(sdar, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=4, compile=True)
+        generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, compile=True)
     with pytest.raises(ConfigError, match="--compile on\\|off\\|auto"):
-        generate(sdar, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=4, compile="maybe")
+        generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, compile="maybe")
+
+
+def test_sdar_capture_refused_on_cuda(sdar, monkeypatch) -> None:
+    """SDAR's forward reads its mask on the host, so a CUDA capture is refused (on a CPU the static code runs)."""
+    import spiffy.decoding.sdar as sdar_module
+
+    session = make_session(sdar, torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0))
+    monkeypatch.setattr(sdar_module, "model_device", lambda model: torch.device("cuda"))
+    with pytest.raises(ConfigError, match="CUDA graph.*compile=False"):
+        session.use_static(capture=True)
 
 
 def test_cli_compile_in_dllm_mode(capsys, tiny_llada) -> None:
@@ -142,8 +159,7 @@ def test_cli_compile_in_dllm_mode(capsys, tiny_llada) -> None:
     assert out[0]["stats"]["capture"]["buckets"] >= 1 and "capture" not in out[1]["stats"]
 
 
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("family,cache", [(f, c) for f, c in FAMILY_CACHES if f in ("llada", "dream")])
 def test_static_forward_makes_no_host_sync(request, family: str, cache: str) -> None:
     """A built bucket's forward (the inputs copied in, the model's call) asks the host for nothing, left padding
     and batch rows or not: a CUDA graph can hold it. ``to_cpu`` is left out: on a CPU run the model's ``.to(device)`` moves are counted

@@ -19,6 +19,11 @@ are copied into the buffers, and the bucket's step calls the session's own
 CPU (where the step runs eagerly) the static path is the eager computation on copies of its inputs. A bucket is built
 once per model and reused by every later forward, block, prompt and call with the same layout.
 
+Sessions plug in with ``forward_inputs()`` (the tensors a forward reads, :class:`~spiffy.decoding.base.ForwardInputs`),
+``window_logits(states, rows, inputs, window)`` (the forward on explicit tensors) and ``static_layout()``: LLaDA,
+LLaDA-MoE and Dream (:class:`~spiffy.decoding.base.BidirectionalSession`), SDAR, SDAR-MoE and LLaDA2.0
+(:class:`~spiffy.decoding.sdar.SDARSession`, which refuses a CUDA capture: its forwards still read host values).
+
 The cache K/V live in one buffer per layer of ``T`` slots (grown, and the graphs dropped, only when a longer state
 comes); a block's cache of ``C`` positions is the view of its first ``C`` slots, so buckets of every block share it.
 The block-start refresh forward (one per block with a cache) stays eager.
@@ -106,6 +111,10 @@ class StaticStates:
         ``C`` slots of the static per-layer buffers, copied only when its tensors changed since the last load."""
         if cache is None:
             return None
+        if isinstance(cache, KVCache) and all(k is None for k in cache.keys):  # nothing cached yet (no tensor)
+            empty = KVCache(cache.num_layers)
+            empty.insert_at = cache.insert_at
+            return empty
         keys, values = list(cache.keys), list(cache.values)
         if not isinstance(cache, KVCache) or any(k is None for k in keys):
             raise ConfigError(f"compile=True holds spiffy's KVCache only, the model returned {type(cache).__name__}; "
@@ -157,9 +166,9 @@ class StaticStates:
                                static.prompt_index, cache)
         key = (type(session).__name__, session.static_layout(), n, t, tuple(window), rbuf is not None,
                _shape(static.attention_mask), _shape(static.position_ids), inp.full_positions is not None,
-               None if cache is None else (tuple(cache.keys[0].shape), cache.insert_at))
+               None if cache is None else (_shape(cache.keys[0]), cache.insert_at))
         if key not in self.graphs:
-            win = (int(window[0]), int(window[1]))
+            win = tuple(int(w) for w in window)
             self._step = lambda: self.current.window_logits(sbuf, rbuf, static, win)
         self.current = session
         try:
