@@ -136,14 +136,18 @@ def test_compile_refused_where_no_static_path(fast_dllm_v2) -> None:
         generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, compile="maybe")
 
 
-def test_sdar_capture_refused_on_cuda(sdar, monkeypatch) -> None:
-    """SDAR's forward reads its mask on the host, so a CUDA capture is refused (on a CPU the static code runs)."""
+def test_moe_capture_refused_on_cuda(llada2, sdar, monkeypatch) -> None:
+    """LLaDA2.0's MoE dispatch reads host values, so a CUDA capture is refused (on a CPU the static code runs);
+    dense SDAR is not refused (its forward makes no host read: test_static_forward_makes_no_host_sync)."""
     import spiffy.decoding.sdar as sdar_module
 
-    session = make_session(sdar, torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0))
+    moe = make_session(llada2, torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0))
+    dense = make_session(sdar, torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0))
     monkeypatch.setattr(sdar_module, "model_device", lambda model: torch.device("cuda"))
-    with pytest.raises(ConfigError, match="CUDA graph.*compile=False"):
-        session.use_static(capture=True)
+    with pytest.raises(ConfigError, match="MoE.*compile=False"):
+        moe.use_static(capture=True)
+    dense.use_static(capture=True)
+    assert dense.static is not None and dense.static.captured
 
 
 def test_cli_compile_in_dllm_mode(capsys, tiny_llada) -> None:
@@ -159,7 +163,7 @@ def test_cli_compile_in_dllm_mode(capsys, tiny_llada) -> None:
     assert out[0]["stats"]["capture"]["buckets"] >= 1 and "capture" not in out[1]["stats"]
 
 
-@pytest.mark.parametrize("family,cache", [(f, c) for f, c in FAMILY_CACHES if f in ("llada", "dream")])
+@pytest.mark.parametrize("family,cache", [(f, c) for f, c in FAMILY_CACHES if f != "llada2"])  # llada2: MoE
 def test_static_forward_makes_no_host_sync(request, family: str, cache: str) -> None:
     """A built bucket's forward (the inputs copied in, the model's call) asks the host for nothing, left padding
     and batch rows or not: a CUDA graph can hold it. ``to_cpu`` is left out: on a CPU run the model's ``.to(device)`` moves are counted

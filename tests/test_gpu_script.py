@@ -116,7 +116,7 @@ def test_cpu_size_study_self_check() -> None:
 @pytest.mark.slow
 def test_self_check_dllm_captured(tmp_path: Path) -> None:
     """The dLLM section times spiffy.generate eager and compile=True (toy sizes, CPU): the static path gives eager's
-    tokens for every method and model (on a GPU, SDAR and LLaDA2.0 report their capture refusal as row errors)."""
+    tokens for every method and model (on a GPU, LLaDA2.0 reports its capture refusal, MoE, as row errors)."""
     data = _run(tmp_path, "dllm_captured")
     res = data["sections"]["dllm_captured"]["result"]
     for name in ("LLaDA-8B", "SDAR-8B", "LLaDA2.0-mini"):

@@ -22,7 +22,8 @@ once per model and reused by every later forward, block, prompt and call with th
 Sessions plug in with ``forward_inputs()`` (the tensors a forward reads, :class:`~spiffy.decoding.base.ForwardInputs`),
 ``window_logits(states, rows, inputs, window)`` (the forward on explicit tensors) and ``static_layout()``: LLaDA,
 LLaDA-MoE and Dream (:class:`~spiffy.decoding.base.BidirectionalSession`), SDAR, SDAR-MoE and LLaDA2.0
-(:class:`~spiffy.decoding.sdar.SDARSession`, which refuses a CUDA capture: its forwards still read host values).
+(:class:`~spiffy.decoding.sdar.SDARSession`; a CUDA capture is refused for the MoE ones: their expert dispatch
+reads host values).
 
 The cache K/V live in one buffer per layer of ``T`` slots (grown, and the graphs dropped, only when a longer state
 comes); a block's cache of ``C`` positions is the view of its first ``C`` slots, so buckets of every block share it.

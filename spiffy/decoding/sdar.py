@@ -262,8 +262,12 @@ class SDARSession(DecodeSession):
         if cache.get_seq_length() != q_start:
             raise RuntimeError(f"SDAR cache holds {cache.get_seq_length()} rows but the query starts at row {q_start}")
         mask = block_causal_mask(L, self.block_length, start=q_start, device=rows.device)
+        # the block-causal mask hides nothing iff every query row lies in the last block (known here, so the model
+        # need not read the mask back to pick its attention layout); key padding: unknown here
+        all_visible: bool | None = q_start // self.block_length == (q_start + L - 1) // self.block_length
         positions = torch.arange(q_start, q_start + L, device=rows.device)[None, :].expand(rows.shape[0], L)
         if inputs.attention_mask is not None and inputs.position_ids is not None:
+            all_visible = None
             keys = inputs.attention_mask[:, : q_start + L]
             offsets = inputs.position_ids
             if batch_rows is not None:
@@ -281,6 +285,7 @@ class SDARSession(DecodeSession):
                 past_key_values=cache if batch_rows is None else gather_cache_rows(cache, batch_rows),
                 use_cache=True,
                 store_kv=store,
+                mask_all_visible=all_visible,
             )
         return _logits_of(out)
 
@@ -295,15 +300,14 @@ class SDARSession(DecodeSession):
     def use_static(self, capture: bool = True) -> None:
         """Run :meth:`forward_states` on the model's static buffers (:class:`~spiffy.decoding.captured.StaticStates`).
 
-        Refused where a CUDA graph would be captured: SDAR's forward still reads values on the host (the official
-        mask layout's all-visible check, and the MoE expert dispatch of SDAR-MoE and LLaDA2.0), which a capture
-        cannot hold. Elsewhere the static code runs eagerly (what the CPU suite checks against eager)."""
+        A CUDA capture is refused for MoE models (SDAR-MoE, LLaDA2.0): their expert dispatch reads values on the
+        host, which a capture cannot hold. Elsewhere (and on a CPU) the static code runs as a GPU would capture it."""
         device = model_device(self.model)
-        if capture and device.type == "cuda":
+        if capture and device.type == "cuda" and int(getattr(self.model.config, "num_experts", 0) or 0) > 0:
             raise ConfigError(
-                f"compile=True cannot capture {type(self).__name__}'s forward in a CUDA graph yet: the model reads "
-                "values on the host (SDAR's official mask layout checks whether every key is visible; MoE layers "
-                "dispatch per expert); fix: pass compile=False (eager, same tokens)")
+                f"compile=True cannot capture {type(self).__name__}'s forward on {type(self.model).__name__} in a "
+                "CUDA graph yet: its MoE layers dispatch tokens per expert on the host; fix: pass compile=False "
+                "(eager, same tokens)")
         self.static = StaticStates.for_model(self.model, device, capture)
 
     def query_start(self) -> int:
