@@ -20,6 +20,9 @@ section writes its rows to ``results.json`` as soon as it ends (a run cut short 
 4. ``captured``: the public entry point eager against ``compile=True`` (Qwen3-8B with a random DFlash drafter: AR,
    DFlash, DDTree at 16 / 64 / 256; Qwen3-30B-A3B: AR), ms per round and per token, capture time, beside
    transformers' static-cache ``generate`` and the bandwidth limit (:mod:`spiffy.bench.gpu_captured`).
+   ``dllm_captured``: ``spiffy.generate`` eager against ``compile=True`` for LLaDA-8B, SDAR-8B and LLaDA2.0-mini
+   (baseline, Spiffy, FreeDave, SSD at 4 states per forward; ms per forward and per token beside the bandwidth
+   limit; LLaDA-8B's prefix-cache forward alone at 1 and 4 states) (:mod:`spiffy.bench.gpu_dllm`).
 5. ``exactness``: random-weight LLaDA-8B, SDAR-8B and Qwen3-8B + DFlash drafter in float32 (TF32 off), bfloat16 and
    bfloat16 in batch-invariant mode: Spiffy vs baseline, DFlash / DDTree vs AR, batched rows vs alone; float32 and
    the batch-invariant mode must be bitwise, every bfloat16 divergence a proven near tie
@@ -56,6 +59,7 @@ from spiffy.arspec import ddtree_generate
 from spiffy.bench import exactness as exact
 from spiffy.bench import gpu_costs as gc_costs
 from spiffy.bench.gpu_captured import captured_timings
+from spiffy.bench.gpu_dllm import dllm_captured_markdown, dllm_captured_timings
 from spiffy.decoding import DecodeConfig
 from spiffy.io import atomic_write_json, atomic_write_text
 from spiffy.models import load_model
@@ -337,6 +341,8 @@ def markdown(data: dict[str, Any]) -> str:
                         firsts = ", ".join(f"{x['pair']}: {x['first_divergence']}" for x in r["rows"] if not x["identical"])
                         lines.append(f"| {model} | {label} | {r['identical']} | {r['unproven'] or '-'} | {firsts or '-'} |")
                 lines.append(f"| {model} | batch-invariant cost (x bfloat16 per token) | {modes.get('batch_invariant_cost')} | | |")
+        elif name == "dllm_captured":
+            lines += dllm_captured_markdown(res)
         elif name == "projections":
             lines += [f"**{res['label']}**", ""]
             for key, rows in res.items():
@@ -361,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--self-check", action="store_true", help="toy sizes on the CPU (what the suite runs)")
     parser.add_argument("--time-budget", type=float, default=510.0, help="seconds; later sections are skipped when "
                         "too little is left (default 510 = 8.5 minutes)")
-    parser.add_argument("--sections", default="captured,lossless,bench,costs,exactness,projections",
+    parser.add_argument("--sections", default="captured,dllm_captured,lossless,bench,costs,exactness,projections",
                         help="comma-separated subset")
     args = parser.parse_args(argv)
     small = args.self_check or not torch.cuda.is_available()
@@ -375,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # real-size costs first: they are what only a GPU can give; a section starts only with enough time left
         plan = [("captured", lambda: captured_timings(device, dtype, small), 0),
+                ("dllm_captured", lambda: dllm_captured_timings(device, dtype, small), 0),
                 ("costs", lambda: costs(device, dtype, small), 0),
                 ("bench", lambda: bench(device, dtype, args.out, small), 90),
                 ("lossless", lambda: lossless(device, dtype, Path(tmp), small), 60),

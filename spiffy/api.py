@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from spiffy.batch_invariance import batch_invariant as invariant_mode
 from spiffy.batch_invariance import is_batch_invariant
+from spiffy.capture import CompileSetting, resolve_compile
 from spiffy.decoding.batch import row_generators, run_baseline_batch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.factory import make_row_sessions, make_session
@@ -108,6 +109,7 @@ def generate(
     generator: torch.Generator | None = None,
     seeds: Sequence[int] | None = None,
     batch_invariant: bool = False,
+    compile: CompileSetting = None,
     **config_overrides: Any,
 ) -> DiffusionResult:
     """Decode ``input_ids`` with ``model`` (LLaDA, Dream or SDAR).
@@ -139,6 +141,10 @@ def generate(
         batch_invariant: decode in :func:`spiffy.batch_invariant` mode (exact sums: a row's numbers do not depend on
             the other rows, states or padding of a forward, so Spiffy and batched rows equal the baseline bitwise in
             every dtype and on every device; compare with a baseline decoded in the same mode).
+        compile: the static path of every step's forward (``True`` / ``"on"``): static buffers, one CUDA graph per
+            (states, window) bucket on a GPU, the same code eagerly on a CPU; ``False`` / ``"off"``: eager (the
+            reference); ``None`` / ``"auto"``: :func:`spiffy.capture.resolve_compile`. Same tokens either way;
+            ``result.stats["capture"]`` reports the buckets. Families without a static path refuse ``True``.
     Returns:
         :class:`DiffusionResult`.
     """
@@ -146,7 +152,7 @@ def generate(
         with invariant_mode(model=model):
             return generate(model, input_ids, config, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph,
                             budget=budget, score=score, observer=observer, progress=progress, generator=generator,
-                            seeds=seeds, **config_overrides)
+                            seeds=seeds, compile=compile, **config_overrides)
     if isinstance(input_ids, dict) or hasattr(input_ids, "keys"):
         if attention_mask is None and "attention_mask" in input_ids:
             attention_mask = input_ids["attention_mask"]
@@ -164,6 +170,8 @@ def generate(
         rows = make_row_sessions(model, input_ids, attention_mask, cfg, gens, tokenizer=tokenizer)
     if settings is not None:
         check_graph(settings.graph, model, rows[0])
+    if resolve_compile(compile, session.x.device):
+        session.use_static(capture=True)
     return _decode(model, session, rows, settings, tokenizer=tokenizer, observer=observer, progress=progress)
 
 
@@ -205,6 +213,12 @@ def _decode(model: Any, session: DecodeSession, rows: list[DecodeSession], setti
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - t0
+    if session.static is not None:  # the static path's buckets: built, run, capture seconds
+        capture = session.static.graphs.stats.as_dict()
+        if alone:
+            per_row[0] = {**per_row[0], "capture": capture}
+        else:
+            stats["capture"] = capture
     seqs = session.x if alone else session.x.clone()
     # SDAR aligns blocks to absolute positions, so an unaligned prompt decodes a few positions past gen_length (as
     # the reference does); ``sequences`` keeps them, ``tokens``/``text`` report the gen_length requested.

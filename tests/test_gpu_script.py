@@ -125,3 +125,20 @@ def test_self_check_exactness(tmp_path: Path) -> None:
             assert all(r["identical"] for r in modes[label]["rows"]), (model, label, modes[label]["rows"])
         assert not modes["bfloat16"]["unproven"]
         assert all(v > 0 for v in modes["batch_invariant_cost"].values())
+
+
+@pytest.mark.slow
+def test_self_check_dllm_captured(tmp_path: Path) -> None:
+    """The dLLM section times spiffy.generate eager and compile=True (toy sizes, CPU): the static path gives eager's
+    tokens for every method and model (on a GPU, LLaDA2.0 reports its capture refusal, MoE, as row errors)."""
+    data = _run(tmp_path, "dllm_captured")
+    res = data["sections"]["dllm_captured"]["result"]
+    for name in ("LLaDA-8B", "SDAR-8B", "LLaDA2.0-mini"):
+        rows = res[name]["rows"]
+        assert {(r["method"], r["compile"]) for r in rows} == {(m, c) for m in ("baseline", "spiffy", "freedave", "ssd")
+                                                              for c in (0, 1)}
+        assert all("error" not in r and r["ms_per_forward"] > 0 and r["same_tokens_as_eager"] for r in rows), rows
+        assert all(r["capture"]["buckets"] >= 1 for r in rows if r["compile"])
+        assert res[name]["bandwidth_limit_ms_per_forward"] > 0
+    assert [r["states"] for r in res["LLaDA-8B"]["forward_alone"]] == [1, 4, 1, 4]
+    assert "### LLaDA-8B (cache prefix)" in (tmp_path / "GPU_RESULTS.md").read_text()

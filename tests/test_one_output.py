@@ -15,6 +15,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from spiffy.cli.main import main
 from spiffy.embedded import embedded_model_path, shipped_graphs
@@ -25,6 +26,15 @@ README_FLAGS = ["--gen-length", "64", "--block-length", "32", "--steps", "64"]
 #: smaller runs for the random combinations (the same flags on both sides of every comparison)
 DRAW_FLAGS = ["--gen-length", "32", "--block-length", "16", "--steps", "32"]
 OTHER_PROMPTS = ["Write a function that reverses a list.", "x = 1"]
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """``--threads`` (and the one-thread default for small models) sets torch's process-wide thread count: restore it,
+    so later tests run with the thread count they were written for."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[list[list[int]], str]:
@@ -136,6 +146,8 @@ def _dllm_switches(rng: random.Random, graph_file: Path | None) -> list[str]:
         argv += ["--threads", str(rng.randint(1, 2))]
     if rng.random() < 0.3:
         argv += ["--device", "cpu"]
+    if rng.random() < 0.4:  # the static-shape forward path (captured on a GPU, the same code eagerly here)
+        argv += ["--compile", rng.choice(["on", "off", "auto"])]
     return argv
 
 

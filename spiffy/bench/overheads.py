@@ -164,14 +164,17 @@ def measure_spiffy(vocab: int = LLADA_VOCAB, block: int = 32, nodes: int = 10, b
     return out
 
 
-def spiffy_sync_counts(vocab: int, block: int, nodes: int, budget: int) -> dict[str, Any]:
+def spiffy_sync_counts(vocab: int, block: int, nodes: int, budget: int, static: bool = False) -> dict[str, Any]:
     """Would-be device syncs of one generation on the never-accepting model: baseline and Spiffy, per step and per
-    verification forward (exact integers)."""
+    verification forward (exact integers). ``static``: the forwards on the static path (``compile=True``), whose
+    step ranks tokens without a synchronisation."""
     graph, models = spiffy_models(vocab, block, nodes)
     model = models["nothing accepted"]
     res: dict[str, Any] = {}
     for name, g in (("baseline", None), ("spiffy", graph)):
         session = synthetic_session(model, PROMPT_LEN, block, block)
+        if static:
+            session.use_static(capture=True)
         with SyncCounter() as counter:
             stats: Any = run_baseline(session) if g is None else speculative_generate(session, g, budget)
         forwards = int(stats.nfe) if g is None else int(stats.forwards)

@@ -169,7 +169,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 #: the AR-mode flags (dest names), refused in dLLM mode
 AR_FLAGS: tuple[str, ...] = ("target", "drafter", "method", "drafts", "accept", "max_new_tokens", "tree_budget",
-                             "chain_length", "compile")
+                             "chain_length")
 
 
 def add_ar_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -202,9 +202,10 @@ def add_ar_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help="generated tokens at most (default 128)")
     g.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                   help="the captured path: a static cache, verification captured in CUDA graphs per bucket on a "
-                        "GPU, trees built and walked on the device (same tokens as eager); auto: off until a GPU run "
-                        "shows it never slower (default auto)")
+                   help="the captured path (AR and dLLM mode): static shapes per bucket, forwards captured in CUDA "
+                        "graphs on a GPU (AR: a static cache, trees built and walked on the device; dLLM: every "
+                        "forward_states over its (states, window) bucket); same tokens as eager; auto: off until a "
+                        "GPU run shows it never slower (default auto)")
     return parser
 
 

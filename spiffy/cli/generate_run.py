@@ -104,7 +104,8 @@ def run_dllm(args: argparse.Namespace, asked: set[str]) -> int:
     budget = _check_budget(args.budget, graph)
     input_ids, attention_mask = _left_pad(batch, tokenizer)
     res = generate(model, input_ids, cfg, attention_mask=attention_mask, tokenizer=tokenizer, graph=graph,
-                   budget=budget, score=args.score, progress=not args.no_progress and len(batch) == 1, **extra)
+                   budget=budget, score=args.score, progress=not args.no_progress and len(batch) == 1,
+                   compile=getattr(args, "compile", "auto"), **extra)
     args.model, args.graph = str(model_dir), graph_path
     for r, ids in enumerate(batch):
         _print_row(args, res, r, ids, model, device, graph, budget)

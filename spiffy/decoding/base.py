@@ -19,16 +19,31 @@ computes each of ``N`` states exactly as the baseline would in one call (Spiffy'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from spiffy.batch_invariance import is_batch_invariant
+from spiffy.decoding.captured import StaticStates
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.session import DecodeSession, StepInfo, check_state_rows, gather_cache_rows
 from spiffy.errors import ConfigError
 from spiffy.models.cache import HF_CACHE_NAME
 from spiffy.torch_utils import model_device
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """The tensors a window forward reads besides the states: ``attention_mask [B, T]`` (0 = left padding) or
+    ``None``; ``position_ids [B|1, T]`` (cached calls); ``full_positions`` (full-sequence calls; ``None``: the
+    model's ``arange``); ``prompt_index [B, T]`` (classifier-free guidance); ``cache`` (the block's K/V) or ``None``."""
+
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor
+    full_positions: torch.Tensor | None
+    prompt_index: torch.Tensor
+    cache: Any
 
 
 class BidirectionalSession(DecodeSession):
@@ -136,14 +151,20 @@ class BidirectionalSession(DecodeSession):
         with torch.no_grad():
             return self.model(input_ids, **kwargs)
 
+    def forward_inputs(self) -> ForwardInputs:
+        """The tensors this session's window forwards read (its own; the static path passes copies)."""
+        return ForwardInputs(self.attention_mask, self.position_ids, self.full_position_ids(), self.prompt_index,
+                             self._cache)
+
+    @staticmethod
     def _mask_rows(
-        self, n: int, cols: torch.Tensor | None = None, rows: torch.Tensor | None = None
+        am: torch.Tensor | None, cols: torch.Tensor | None = None, rows: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """The ``[B|N, K]`` key mask (``cols`` = key order; ``rows`` = the batch row of each of ``n`` states),
-        broadcast-compatible with ``n`` query rows."""
-        if self.attention_mask is None:
+        """The ``[B|N, K]`` key mask ``am`` (``cols`` = key order; ``rows`` = the batch row of each state),
+        broadcast-compatible with the query rows."""
+        if am is None:
             return None
-        am = self.attention_mask if rows is None else self.attention_mask[rows]
+        am = am if rows is None else am[rows]
         return am if cols is None else am[:, cols]
 
     def _check_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -151,16 +172,18 @@ class BidirectionalSession(DecodeSession):
         return states, rows
 
     def full_logits(
-        self, states: torch.Tensor, use_cache: bool = False, rows: torch.Tensor | None = None
+        self, states: torch.Tensor, use_cache: bool = False, rows: torch.Tensor | None = None,
+        inputs: ForwardInputs | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """Raw logits ``[N, T, V]`` of full sequences (CFG combined), and the K/V cache when ``use_cache``.
-        ``rows``: ``[N]`` batch row of each state (padding mask and positions of that row)."""
-        n = states.shape[0]
-        am = self._mask_rows(n, rows=rows)
-        pos = _pick_rows(self.full_position_ids(), rows)
+        ``rows``: ``[N]`` batch row of each state (padding mask and positions of that row); ``inputs``: the
+        tensors to read (default: :meth:`forward_inputs`)."""
+        inp = self.forward_inputs() if inputs is None else inputs
+        am = self._mask_rows(inp.attention_mask, rows=rows)
+        pos = _pick_rows(inp.full_positions, rows)
         cfg = self.config.cfg_scale
         if cfg > 0:
-            prompt_index = _pick_rows(self.prompt_index, rows)
+            prompt_index = _pick_rows(inp.prompt_index, rows)
             un = torch.where(prompt_index, torch.full_like(states, self.mask_id), states)
             both = torch.cat([states, un], dim=0)
             am2 = None if am is None else (am if am.shape[0] == 1 else torch.cat([am, am], dim=0))
@@ -227,39 +250,53 @@ class BidirectionalSession(DecodeSession):
 
     def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, T]`` states -> ``[N, W, V]`` aligned window logits of the current block (one NFE).
-        ``rows``: ``[N]`` batch row of each state (its padding, positions and cache rows); see the contract."""
+        ``rows``: ``[N]`` batch row of each state (its padding, positions and cache rows); see the contract.
+        With :meth:`use_static` the same computation runs on static buffers (a CUDA graph per bucket on a GPU)."""
         states, rows = self._check_states(states, rows)
-        if self.cache_mode == "none":
-            logits, _ = self.full_logits(states, rows=rows)
-            self.nfe += 1
-            return self._slice_full(logits, self.prompt_len, self.x.shape[1])
-        if self._cache is None:
+        if self.cache_mode != "none" and self._cache is None:
             raise ConfigError("forward_states called before begin_block; fix: call session.begin_block(block) first")
-        batch_rows = rows
-        block = self._cache_block
-        start, end = self.block_bounds(block)
-        t = self.x.shape[1]
-        dev = self.x.device
-        if self.cache_mode == "prefix":
-            rows = torch.arange(start, t, device=dev)
-            key_cols = torch.arange(0, t, device=dev)
+        start, end = self.window_start(self._cache_block), self.window_end(self._cache_block)
+        if self.static is not None:
+            logits = self.static.forward(self, states, rows, (start, end))
         else:
-            rows = torch.arange(start, end, device=dev)
-            key_cols = torch.arange(0, t, device=dev)  # the dual cache inserts the block at its place
-        am = self._mask_rows(states.shape[0], key_cols, rows=batch_rows)
-        pos = _pick_rows(self.position_ids, batch_rows)
+            logits = self.window_logits(states, rows, self.forward_inputs(), (start, end))
+        self.nfe += 1
+        return logits
+
+    def window_logits(self, states: torch.Tensor, rows: torch.Tensor | None, inputs: ForwardInputs,
+                      window: tuple[int, int]) -> torch.Tensor:
+        """The forward of :meth:`forward_states` on explicit tensors (no NFE counted): ``states [N, T]``, ``rows
+        [N]`` or ``None``, ``inputs`` (mask, positions, cache), ``window = (start, end)`` absolute rows. Reads no
+        other tensor of the session, so the static path can run it on its own buffers."""
+        if self.cache_mode == "none":
+            logits, _ = self.full_logits(states, rows=rows, inputs=inputs)
+            return self._slice_full(logits, self.prompt_len, self.x.shape[1])
+        start, end = window
+        dev = states.device
+        query = torch.arange(start, end, device=dev)
+        key_cols = torch.arange(0, self.x.shape[1], device=dev)  # the dual cache inserts the block at its place
+        am = self._mask_rows(inputs.attention_mask, key_cols, rows=rows)
+        pos = _pick_rows(inputs.position_ids, rows)
         out = self._model(
-            states[:, rows],
+            states[:, query],
             attention_mask=am,
-            position_ids=pos[:, rows],
-            past_key_values=gather_cache_rows(self._cache, batch_rows),
+            position_ids=pos[:, query],
+            past_key_values=gather_cache_rows(inputs.cache, rows),
             cache_policy="read",
         )
-        self.nfe += 1
         return self._align_partial(out.logits)
 
     def begin_block_calls(self, block: int) -> int:
         return 0 if self.cache_mode == "none" else 1
+
+    def static_layout(self) -> tuple:
+        """The Python values :meth:`window_logits` reads from the session itself (a static bucket's key holds them)."""
+        return (self.cache_mode, self.prompt_len, float(self.config.cfg_scale), self.mask_id, self.shifted_logits)
+
+    def use_static(self, capture: bool = True) -> None:
+        """Run :meth:`forward_states` on the model's static buffers, one step per ``(states, window)`` bucket,
+        captured in a CUDA graph on a GPU when ``capture`` (:class:`spiffy.decoding.captured.StaticStates`)."""
+        self.static = StaticStates.for_model(self.model, model_device(self.model), capture)
 
     def begin_block_rule(self, block: int) -> None:
         self.on_block_start(block)
@@ -323,4 +360,4 @@ def _pick_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tenso
     return t[rows]
 
 
-__all__ = ["BidirectionalSession", "model_device"]
+__all__ = ["BidirectionalSession", "ForwardInputs", "model_device"]

@@ -45,7 +45,7 @@ from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.sdar import SDARSession
 from spiffy.decoding.sdar_config import SDARDecodeConfig
 from spiffy.decoding.sdar_rule import sdar_sample, select_transfer
-from spiffy.decoding.session import StepInfo, check_state_rows
+from spiffy.decoding.session import StepInfo
 from spiffy.errors import ConfigError, UnsupportedDecodingError
 from spiffy.models.loading import SpecialTokenIds
 
@@ -199,17 +199,10 @@ class LLaDA2Session(SDARSession):
     def begin_block_calls(self, block: int) -> int:
         return 0 if self.recompute else super().begin_block_calls(block)
 
-    def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``F`` for ``N`` candidate states ``[N, T]``: ``[N, block_length, V]`` logits of the current block.
-        ``cache="none"``: the official call, the whole window ``[0, block_end)`` of each state under the
-        block-causal mask; ``"prefix"``: the block's rows against the committed K/V (SDAR)."""
-        if not self.recompute:
-            return super().forward_states(states, rows)
-        start, end = self.block_bounds(self._block)
-        if rows is not None:
-            states, rows = check_state_rows(states, rows, self.x)
-        logits = self._forward(states[:, :end], 0, store=False, batch_rows=rows)
-        return logits[:, start:end]
+    def query_start(self) -> int:
+        """``cache="none"``: the official call computes the whole window ``[0, block_end)`` of each state under the
+        block-causal mask (logits of the block kept); ``"prefix"``: the block's rows against the committed K/V."""
+        return 0 if self.recompute else super().query_start()
 
     # ------------------------------------------------------------------ the rule
     def transition(self, x: torch.Tensor, logits: torch.Tensor, info: StepInfo) -> torch.Tensor:

@@ -61,6 +61,8 @@ from typing import Any
 
 import torch
 
+from spiffy.decoding.base import ForwardInputs
+from spiffy.decoding.captured import StaticStates
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.sdar_config import DEFAULT_CONFIDENCE_THRESHOLD, DEFAULT_EB_THRESHOLD, STRATEGIES, SDARDecodeConfig
 from spiffy.decoding.sdar_rule import entropy_of, num_transfer_tokens, sdar_sample, select_transfer
@@ -238,17 +240,36 @@ class SDARSession(DecodeSession):
         self, rows: torch.Tensor, q_start: int, store: bool, batch_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """One model call on ``rows`` ``[N, L]`` (absolute rows ``[q_start, q_start + L)``) against the cache
-        (``batch_rows``: ``[N]`` the cache's batch entry of each query row; read-only calls only)."""
+        (``batch_rows``: ``[N]`` the cache's batch entry of each query row; read-only calls only). One NFE."""
+        logits = self._call(rows, q_start, store, batch_rows, self.forward_inputs())
+        self.nfe += 1
+        return logits
+
+    def forward_inputs(self) -> ForwardInputs:
+        """The tensors a call reads: the key-padding mask ``[B, T]`` (as ``attention_mask``), the per-row position
+        offsets ``[B]`` (as ``position_ids``), the committed cache."""
+        return ForwardInputs(self.key_mask, self.position_offsets, None, None, self.cache)  # type: ignore[arg-type]
+
+    def static_layout(self) -> tuple:
+        """The Python values :meth:`window_logits` reads from the session (a static bucket's key holds them)."""
+        return (self.block_length, self.mask_id)
+
+    def _call(self, rows: torch.Tensor, q_start: int, store: bool, batch_rows: torch.Tensor | None,
+              inputs: ForwardInputs) -> torch.Tensor:
+        """:meth:`_forward` on explicit ``inputs`` (no NFE counted; no other tensor of the session read)."""
         L = int(rows.shape[1])
-        if self.cache.get_seq_length() != q_start:
-            raise RuntimeError(
-                f"SDAR cache holds {self.cache.get_seq_length()} rows but the query starts at row {q_start}"
-            )
+        cache = inputs.cache
+        if cache.get_seq_length() != q_start:
+            raise RuntimeError(f"SDAR cache holds {cache.get_seq_length()} rows but the query starts at row {q_start}")
         mask = block_causal_mask(L, self.block_length, start=q_start, device=rows.device)
+        # the block-causal mask hides nothing iff every query row lies in the last block (known here, so the model
+        # need not read the mask back to pick its attention layout); key padding: unknown here
+        all_visible: bool | None = q_start // self.block_length == (q_start + L - 1) // self.block_length
         positions = torch.arange(q_start, q_start + L, device=rows.device)[None, :].expand(rows.shape[0], L)
-        if self.key_mask is not None and self.position_offsets is not None:
-            keys = self.key_mask[:, : q_start + L]
-            offsets = self.position_offsets
+        if inputs.attention_mask is not None and inputs.position_ids is not None:
+            all_visible = None
+            keys = inputs.attention_mask[:, : q_start + L]
+            offsets = inputs.position_ids
             if batch_rows is not None:
                 keys, offsets = keys[batch_rows], offsets[batch_rows]
             # padding keys hidden; every query sees itself, so a padding query's (discarded) output stays finite
@@ -261,12 +282,37 @@ class SDARSession(DecodeSession):
                 rows,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=self.cache if batch_rows is None else gather_cache_rows(self.cache, batch_rows),
+                past_key_values=cache if batch_rows is None else gather_cache_rows(cache, batch_rows),
                 use_cache=True,
                 store_kv=store,
+                mask_all_visible=all_visible,
             )
-        self.nfe += 1
         return _logits_of(out)
+
+    def window_logits(self, states: torch.Tensor, rows: torch.Tensor | None, inputs: ForwardInputs,
+                      window: tuple[int, int, int]) -> torch.Tensor:
+        """The read-only forward of :meth:`forward_states` on explicit tensors: ``states [N, T]``, ``window =
+        (q_start, start, end)``: rows ``[q_start, end)`` are computed against the ``q_start`` cached ones and the
+        logits of ``[start, end)`` returned. No NFE counted."""
+        q_start, start, end = window
+        return self._call(states[:, q_start:end], q_start, False, rows, inputs)[:, start - q_start :]
+
+    def use_static(self, capture: bool = True) -> None:
+        """Run :meth:`forward_states` on the model's static buffers (:class:`~spiffy.decoding.captured.StaticStates`).
+
+        A CUDA capture is refused for MoE models (SDAR-MoE, LLaDA2.0): their expert dispatch reads values on the
+        host, which a capture cannot hold. Elsewhere (and on a CPU) the static code runs as a GPU would capture it."""
+        device = model_device(self.model)
+        if capture and device.type == "cuda" and int(getattr(self.model.config, "num_experts", 0) or 0) > 0:
+            raise ConfigError(
+                f"compile=True cannot capture {type(self).__name__}'s forward on {type(self.model).__name__} in a "
+                "CUDA graph yet: its MoE layers dispatch tokens per expert on the host; fix: pass compile=False "
+                "(eager, same tokens)")
+        self.static = StaticStates.for_model(self.model, device, capture)
+
+    def query_start(self) -> int:
+        """First row a denoising forward computes: the block start (the rows before it are in the cache)."""
+        return self.block_bounds(self._block)[0]
 
     def _commit(self, start: int, end: int) -> None:
         """Append the K/V of rows ``[start, end)`` of :attr:`x` (prefill or block commit): one NFE."""
@@ -308,17 +354,25 @@ class SDARSession(DecodeSession):
     def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``F`` for ``N`` candidate states: the current block's rows of each state, attending to the committed
         K/V (read-only; a batch-1 cache is broadcast to ``N``) and bidirectionally to their own block rows.
+        With :meth:`use_static` the same call runs on static buffers (a CUDA graph per bucket on a GPU).
 
         Args:
             states: ``[N, T]``. rows: ``[N]`` batch row of each state (``None``: broadcast a batch-1 cache).
         Returns: ``[N, block_length, V]`` logits (row ``i`` predicts ``block_start + i``).
         """
         start, end = self.block_bounds(self._block)
-        if self._committed != start:
+        q_start = self.query_start()
+        if self._committed != q_start:
             raise RuntimeError(f"forward_states for block {self._block} before its prefix was committed; call begin_block first")
         if rows is not None:
             states, rows = check_state_rows(states, rows, self.x)
-        return self._forward(states[:, start:end], start, store=False, batch_rows=rows)
+        window = (q_start, start, end)
+        if self.static is not None:
+            logits = self.static.forward(self, states, rows, window)
+        else:
+            logits = self.window_logits(states, rows, self.forward_inputs(), window)
+        self.nfe += 1
+        return logits
 
     # ------------------------------------------------------------------ the rule
     def transition(self, x: torch.Tensor, logits: torch.Tensor, info: StepInfo) -> torch.Tensor:

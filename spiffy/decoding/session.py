@@ -117,6 +117,8 @@ class DecodeSession(ABC):
     mask_id: int
     nfe: int
     generator: torch.Generator | None
+    #: the static forward path (:meth:`use_static`), ``None`` = eager (the reference)
+    static: Any = None
 
     @classmethod
     def for_model(
@@ -211,6 +213,13 @@ class DecodeSession(ABC):
         Default: ``max(steps_per_block, 4 * block_length)``; the families override it with their own bound."""
         return max(int(getattr(self, "steps_per_block", 0) or 0), 4 * int(self.block_length))
 
+    def use_static(self, capture: bool = True) -> None:
+        """Run :meth:`forward_states` with static shapes per bucket, captured in CUDA graphs on a GPU (the
+        ``compile=`` switch). Default: refused, the family has no static path yet."""
+        cache = getattr(getattr(self, "config", None), "cache", None)
+        raise ConfigError(f"compile=True cannot run {type(self).__name__} (cache={cache!r}): its forward has no static "
+                          "path yet; fix: pass compile=False (eager, same tokens)")
+
     def end_block(self, block: int) -> None:
         """Block-end work (counted in :attr:`nfe` if it calls the model). Default: nothing."""
 
@@ -293,13 +302,18 @@ def check_state_rows(
                 f"forward_states got {states.shape[0]} states for a batch-{b} session; fix: pass rows= (the batch "
                 "row of each state) or use a batch-1 session"
             )
-        return states.to(x.device), None
-    rows = rows.to(device=x.device, dtype=torch.long)
+        return _on(states, x.device), None
+    rows = _on(rows, x.device).long()
     if rows.dim() != 1 or rows.shape[0] != states.shape[0]:
         raise ConfigError(f"rows must be [N] = [{states.shape[0]}], got {tuple(rows.shape)}")
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= b):
+    if rows.numel() and not bool(((rows >= 0) & (rows < b)).all()):  # one host read per forward
         raise ConfigError(f"rows must index the session's {b} batch rows, got values in [{int(rows.min())}, {int(rows.max())}]")
-    return states.to(x.device), rows
+    return _on(states, x.device), rows
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (no call at all when it is there already: the sync counter sees no move)."""
+    return t if t.device == device else t.to(device)
 
 
 def gather_cache_rows(cache: Any, rows: torch.Tensor | None) -> Any:

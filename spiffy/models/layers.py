@@ -248,11 +248,11 @@ def normalize_attention_mask(
 
 
 def _open_hidden_rows(visible: torch.Tensor) -> torch.Tensor:
-    """Make every query row of a bool mask see at least one key (a fully hidden row is opened entirely)."""
+    """Make every query row of a bool mask see at least one key (a fully hidden row is opened entirely).
+    Unconditional (or-ing an all-false ``dead`` changes nothing), so no host synchronisation: a captured forward
+    runs it too."""
     dead = ~visible.any(dim=-1, keepdim=True)
-    if bool(dead.any()):
-        visible = visible | dead
-    return visible
+    return visible | dead
 
 
 def prepare_forward(

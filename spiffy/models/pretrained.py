@@ -38,8 +38,10 @@ class SpiffyForwardMixin:
     def _num_layers(self) -> int:
         return int(self.config.num_hidden_layers)  # type: ignore[attr-defined]
 
-    def _context(self, input_ids: torch.Tensor, **kw: Any) -> ForwardContext:
-        """:func:`prepare_forward` for this model (layers, embedding dtype, mask default, attention backend)."""
+    def _context(self, input_ids: torch.Tensor, mask_all_visible: bool | None = None, **kw: Any) -> ForwardContext:
+        """:func:`prepare_forward` for this model (layers, embedding dtype, mask default, attention backend).
+        ``mask_all_visible``: the caller's host-side knowledge of whether its mask hides nothing (a family whose
+        attention depends on that reads it instead of the mask's values: no host synchronisation)."""
         return prepare_forward(
             input_ids,
             self._num_layers(),
@@ -66,6 +68,7 @@ class SpiffyForwardMixin:
         cache_policy: str | None = None,
         output_hidden_states: bool = False,
         return_dict: bool = True,
+        mask_all_visible: bool | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """``input_ids [B, L]`` -> ``logits [B, L, V]`` (raw; whether logits are shifted is the family's business).
@@ -75,6 +78,8 @@ class SpiffyForwardMixin:
         (``store_kv`` True/False is an alias; otherwise ``use_cache`` decides). ``position_ids`` default to
         ``cache_len + arange(L)``. ``attention_mask``: None (all visible, or causal for SDAR), 2-D key padding,
         3-D/4-D bool, 0/1 float (SDAR's reference block-causal mask ``[B|1, 1, L, C+L]``) or additive float.
+        ``mask_all_visible``: whether ``attention_mask`` hides no key, when the caller knows it on the host (``None``:
+        a family that needs the fact reads it from the mask, a host synchronisation).
         """
         ctx = self._context(
             input_ids,
@@ -84,6 +89,7 @@ class SpiffyForwardMixin:
             use_cache=use_cache,
             store_kv=store_kv,
             cache_policy=cache_policy,
+            mask_all_visible=mask_all_visible,
         )
         logits, hiddens = self._logits(input_ids, ctx, output_hidden_states)
         out = CausalLMOutputWithPast(logits=logits, hidden_states=hiddens, **hf_cache(ctx.cache_out))

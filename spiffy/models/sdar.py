@@ -147,24 +147,25 @@ class SDARPreTrainedModel(SpiffyForwardMixin, PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         init_weights(module, float(getattr(self.config, "initializer_range", 0.02)))
 
-    def _context(self, input_ids: torch.Tensor, **kw: Any) -> ForwardContext:
+    def _context(self, input_ids: torch.Tensor, mask_all_visible: bool | None = None, **kw: Any) -> ForwardContext:
         ctx = super()._context(input_ids, **kw)  # type: ignore[misc]
-        ctx.mask = official_mask_layout(ctx.mask)
+        ctx.mask = official_mask_layout(ctx.mask, mask_all_visible)
         return ctx
 
 
-def official_mask_layout(mask: torch.Tensor | None) -> torch.Tensor | None:
+def official_mask_layout(mask: torch.Tensor | None, all_visible: bool | None = None) -> torch.Tensor | None:
     """The visibility mask in the layout the official SDAR model hands to attention.
 
     Official SDAR attends with no mask when every key is visible (its decoding branch) and otherwise passes
     SDPA the ``[1, L, S]`` mask its ``generate`` builds. The CPU SDPA kernels it selects depend on that (none vs
     4-D mask vs 3-D mask), and they round differently in half precision, so spiffy keeps the same layout: an
     all-visible bool mask becomes ``None`` and a batch-broadcast bool ``[1, 1, L, S]`` becomes ``[1, L, S]``
-    (SDPA and the eager path broadcast it the same way). Other masks are returned unchanged.
+    (SDPA and the eager path broadcast it the same way). Other masks are returned unchanged. ``all_visible``: whether
+    the mask hides nothing, when the caller knows it (``None``: read from the mask, a host synchronisation).
     """
     if mask is None or mask.dtype != torch.bool:
         return mask
-    if bool(mask.all()):
+    if bool(mask.all()) if all_visible is None else all_visible:
         return None
     if mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[1] == 1:
         return mask[0]

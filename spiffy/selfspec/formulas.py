@@ -24,7 +24,7 @@ import torch
 
 from spiffy.decoding.session import TransitionProbs
 from spiffy.errors import ConfigError
-from spiffy.topk import top_ranked
+from spiffy.topk import top_ranked, top_ranked_static
 
 Pair = tuple[int, int]
 
@@ -68,7 +68,7 @@ class Ranking:
     def probs_list(self) -> list[list[float]]:
         """``token_probs`` as nested Python floats (computed once; one device sync)."""
         if self._probs_list is None:
-            self._probs_list = self.token_probs.detach().to("cpu", torch.float64).tolist()
+            self._probs_list = self.token_probs.detach().to(torch.float64).tolist()  # tolist reads it back itself
         return self._probs_list
 
 
@@ -88,6 +88,7 @@ def rank_state(
     *,
     mask_id: int,
     probs: TransitionProbs | torch.Tensor | None = None,
+    sync_free: bool | None = None,
 ) -> Ranking:
     """Rank the masked positions of a block and their tokens under ``P``.
 
@@ -105,6 +106,9 @@ def rank_state(
             softmax here; with its ``top1``, the block's rows are not read again either; with its ``selection``
             (the confidences the transition's ``torch.topk`` chose from), positions are ordered as the baseline would
             pick them (:func:`selection_order`), ties and half-precision roundings included.
+        sync_free: rank the tokens with :func:`~spiffy.topk.top_ranked_static` (same values and order, no host
+            synchronisation, a full ``torch.topk`` per row) instead of the streaming
+            :func:`~spiffy.topk.top_ranked` (four synchronisations, cheaper on a CPU); ``None``: on a GPU only.
     Returns:
         :class:`Ranking` with ``I = min(i_max, masked count)`` positions and ``J = min(j_max, V)`` tokens each.
         Probabilities are ``probs`` when given, else a softmax of the logits in float64 (float64 logits) or float32
@@ -167,7 +171,10 @@ def rank_state(
     else:
         assert top1 is not None
         order = torch.sort(top1, descending=True, stable=True).indices[: min(i_max, m)]  # ties -> lower row
-    vals, ids = top_ranked(block_probs.index_select(0, rows_of.index_select(0, order)), j)  # ties -> lower id
+    if sync_free is None:
+        sync_free = dev.type == "cuda"
+    top = top_ranked_static if sync_free else top_ranked
+    vals, ids = top(block_probs.index_select(0, rows_of.index_select(0, order)), j)  # ties -> lower id
     return Ranking(
         rows=masked.index_select(0, order),
         token_ids=ids,

@@ -159,6 +159,7 @@ class _SpiffyRow(DecodeRow):
         ranking = rank_state(
             P[0], x[0], info.block_start, info.block_end, self.P_start, plan.i_max, plan.j_max,
             mask_id=sess.mask_id, probs=sess.transition_probs(P),  # the transition's own softmax
+            sync_free=True if sess.static is not None else None,  # the static path: no sync (CUDA: always)
         )
         t1 = time.perf_counter()
         kept = prune(plan.graph, ranking, plan.budget, plan.score)
@@ -283,7 +284,8 @@ def _distinct_states(
         return None, {}
     same = (states.unsqueeze(1) == states.unsqueeze(0)).all(dim=-1)  # [K, K]
     is_x = (states == x).all(dim=-1)  # [K]
-    same_l, is_x_l = same.tolist(), is_x.tolist()
+    both = torch.cat([is_x.unsqueeze(1), same], dim=1).tolist()  # one host read: [K, 1 + K]
+    is_x_l, same_l = [r[0] for r in both], [r[1:] for r in both]
     row_of_state: list[int] = []
     keep_rows: list[int] = []
     for k in range(states.shape[0]):
@@ -338,14 +340,16 @@ class _DraftWalk:
         if row.session.block_finished(row.block(self.block), row.step, state):
             return None
         node = wnode[0]
-        if torch.equal(state, self.x_before):
-            return (node, wnode[1] + 1)
         kids = [c for c in self.plan.children(node) if c in self.row_of]
-        if not kids:
-            return None
-        index = torch.tensor([self.row_of[c] for c in kids], dtype=torch.long, device=self.states.device)
-        hit = (self.states[index] == state).all(dim=-1).tolist()
-        for c, h in zip(kids, hit):
+        # one comparison, one host read: [state unchanged, state == kid 1, ...]
+        candidates = self.x_before.reshape(1, -1)
+        if kids:
+            index = torch.tensor([self.row_of[c] for c in kids], dtype=torch.long, device=self.states.device)
+            candidates = torch.cat([candidates, self.states.index_select(0, index)], dim=0)
+        hit = (candidates == state.reshape(1, -1)).all(dim=-1).tolist()
+        if hit[0]:
+            return (node, wnode[1] + 1)
+        for c, h in zip(kids, hit[1:]):
             if h:
                 return (c, 0)
         return None

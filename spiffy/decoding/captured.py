@@ -1,0 +1,183 @@
+"""The static (captured on a GPU) path of a dLLM session's :meth:`~spiffy.decoding.session.DecodeSession.forward_states`.
+
+Spiffy's verification forward runs ``1 + D`` states at once; on a GPU an eager forward over one 32-row block is
+launch-bound, so the forward is replayed from a CUDA graph instead. This module plugs the dLLM sessions into the one
+capture home, :class:`spiffy.capture.StepGraphs` (no second capture machinery): :class:`StaticStates` keeps, per
+model, static buffers and one step per bucket, keyed by
+
+* the session's Python-level layout (family, cache mode, prompt rows, state length, window ``[start, end)``, CFG
+  scale, mask id: :meth:`StaticStates.forward` reads them from the session) and
+* the number of states ``N`` itself and the shapes of the tensors the forward reads. States are *not* padded to a
+  larger bucket: a matrix product over more rows may block its reduction differently (measured: the float64 logits
+  of 3 states computed in a batch of 4 differ from a batch of 3 by ~3e-15 on a CPU; cuBLAS picks kernels by row
+  count too), and the static path must equal eager bit for bit. ``N`` takes few values (``1 + D`` for Spiffy's
+  budget ``D``, the chain length for FreeDave / SSD), so a window has a handful of buckets.
+
+Before each run the session's states, batch rows, key-padding mask, positions and (once per block) its cache K/V
+are copied into the buffers, and the bucket's step calls the session's own
+:meth:`~spiffy.decoding.base.BidirectionalSession.window_logits` on them: the same code the eager path runs, so on a
+CPU (where the step runs eagerly) the static path is the eager computation on copies of its inputs. A bucket is built
+once per model and reused by every later forward, block, prompt and call with the same layout.
+
+Sessions plug in with ``forward_inputs()`` (the tensors a forward reads, :class:`~spiffy.decoding.base.ForwardInputs`),
+``window_logits(states, rows, inputs, window)`` (the forward on explicit tensors) and ``static_layout()``: LLaDA,
+LLaDA-MoE and Dream (:class:`~spiffy.decoding.base.BidirectionalSession`), SDAR, SDAR-MoE and LLaDA2.0
+(:class:`~spiffy.decoding.sdar.SDARSession`; a CUDA capture is refused for the MoE ones: their expert dispatch
+reads host values).
+
+The cache K/V live in one buffer per layer of ``T`` slots (grown, and the graphs dropped, only when a longer state
+comes); a block's cache of ``C`` positions is the view of its first ``C`` slots, so buckets of every block share it.
+The block-start refresh forward (one per block with a cache) stays eager.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Hashable
+
+import torch
+from torch import nn
+
+from spiffy.capture import StepGraphs
+from spiffy.errors import ConfigError
+from spiffy.models.cache import KVCache
+
+__all__ = ["StaticStates", "static_states_of"]
+
+#: the static buffers of live models (one per model; replaced when the capture setting changes)
+_STATIC: "weakref.WeakKeyDictionary[nn.Module, StaticStates]" = weakref.WeakKeyDictionary()
+
+
+def static_states_of(model: nn.Module) -> "StaticStates | None":
+    """The static buffers ``model``'s captured dLLM forwards run on now (buckets, capture times), if any."""
+    return _STATIC.get(model)
+
+
+class StaticStates:
+    """A model's static forward buffers and its steps per bucket (see the module docstring).
+
+    Args:
+        device: where the model runs; capture: capture CUDA graphs there when it is a GPU.
+    """
+
+    def __init__(self, device: torch.device, capture: bool) -> None:
+        self.device = torch.device(device)
+        self.graphs = StepGraphs(self._build, self.device, capture)
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._cache_buf: KVCache | None = None
+        self._cache_src: list[Any] = []  # weak references to the source tensors the buffer holds now
+        self._step: Callable[[], Any] | None = None  # the step the bucket being built gets
+        self.current: Any = None  # the session whose forward runs now (Python values only; never kept)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, device: torch.device, capture: bool) -> "StaticStates":
+        """``model``'s static buffers (made on first use; replaced when the capture setting differs)."""
+        have = _STATIC.get(model)
+        if have is not None and have.graphs.capture == (bool(capture) and torch.device(device).type == "cuda"):
+            return have
+        if have is not None:
+            have.graphs.clear()
+        made = _STATIC[model] = cls(device, capture)
+        return made
+
+    @property
+    def captured(self) -> bool:
+        """Whether the buckets are CUDA graphs (else the same static code runs eagerly)."""
+        return self.graphs.capture
+
+    def _build(self, key: Hashable) -> Callable[[], Any]:
+        step, self._step = self._step, None
+        assert step is not None, "a bucket is built only from forward()"
+        return step
+
+    # ------------------------------------------------------------------ buffers
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The persistent buffer ``name`` of ``shape`` / ``dtype`` (zeros when first made; same address after)."""
+        key = (name, tuple(int(s) for s in shape), dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.zeros(key[1], dtype=dtype, device=self.device)
+        return buf
+
+    def load(self, name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` copied into the buffer ``name`` of its shape (``None`` stays ``None``)."""
+        if t is None:
+            return None
+        buf = self.buffer(name, tuple(t.shape), t.dtype)
+        buf.copy_(t)
+        return buf
+
+    def load_cache(self, cache: Any, slots: int) -> KVCache | None:
+        """``cache`` (a :class:`KVCache`, every layer ``[Bc, H, C, D]`` with ``C <= slots``) as views of the first
+        ``C`` slots of the static per-layer buffers, copied only when its tensors changed since the last load."""
+        if cache is None:
+            return None
+        if isinstance(cache, KVCache) and all(k is None for k in cache.keys):  # nothing cached yet (no tensor)
+            empty = KVCache(cache.num_layers)
+            empty.insert_at = cache.insert_at
+            return empty
+        keys, values = list(cache.keys), list(cache.values)
+        if not isinstance(cache, KVCache) or any(k is None for k in keys):
+            raise ConfigError(f"compile=True holds spiffy's KVCache only, the model returned {type(cache).__name__}; "
+                              "fix: load the model with spiffy.load_model, or pass compile=False")
+        buf = self._cache_buf
+        first = keys[0]
+        fits = (buf is not None and buf.num_layers == len(keys) and buf.keys[0] is not None
+                and buf.keys[0].shape[0] == first.shape[0] and buf.keys[0].shape[1] == first.shape[1]
+                and buf.keys[0].shape[3] == first.shape[3] and buf.keys[0].dtype == first.dtype
+                and int(buf.keys[0].shape[2]) >= int(first.shape[2]))
+        if not fits:
+            slots = max(int(slots), int(first.shape[2]))
+            buf = KVCache(len(keys))
+            for i, (k, v) in enumerate(zip(keys, values)):
+                buf.keys[i] = torch.zeros(k.shape[0], k.shape[1], slots, k.shape[3], dtype=k.dtype, device=self.device)
+                buf.values[i] = torch.zeros(v.shape[0], v.shape[1], slots, v.shape[3], dtype=v.dtype, device=self.device)
+            self.graphs.clear()  # steps captured on the old buffers would read freed memory
+            self._cache_buf, self._cache_src = buf, []
+        length = int(first.shape[2])
+        fresh = len(self._cache_src) == 2 * len(keys) and all(
+            ref() is t for ref, t in zip(self._cache_src, keys + values))
+        if not fresh:
+            for i, (k, v) in enumerate(zip(keys, values)):
+                buf.keys[i][:, :, :length].copy_(k)  # type: ignore[index]
+                buf.values[i][:, :, :length].copy_(v)  # type: ignore[index]
+            self._cache_src = [weakref.ref(t) for t in keys + values]
+        view = KVCache(len(keys))
+        view.insert_at = cache.insert_at
+        view.keys = [k[:, :, :length] for k in buf.keys]  # type: ignore[index]
+        view.values = [v[:, :, :length] for v in buf.values]  # type: ignore[index]
+        return view
+
+    # ------------------------------------------------------------------ the forward
+    def forward(self, session: Any, states: torch.Tensor, rows: torch.Tensor | None,
+                window: tuple[int, int]) -> torch.Tensor:
+        """``session.window_logits`` of ``states [N, T]`` (``rows [N]`` or ``None``) over ``window`` on the
+        static buffers of bucket ``N``: ``[N, W, V]`` logits (a copy when captured: the graph's outputs are overwritten by the next
+        replay). The session's inputs (:meth:`~spiffy.decoding.base.BidirectionalSession.forward_inputs`) are
+        copied in first."""
+        n, t = int(states.shape[0]), int(states.shape[1])
+        sbuf = self.load("states", states)
+        rbuf = self.load("rows", rows)
+        inp = session.forward_inputs()
+        cache = self.load_cache(inp.cache, t)
+        static = type(inp)(self.load("attention_mask", inp.attention_mask), self.load("positions", inp.position_ids),
+                           None, self.load("prompt_index", inp.prompt_index), cache)
+        if inp.full_positions is not None:  # the session's positions (the only full-call positions there are)
+            static = type(inp)(static.attention_mask, static.position_ids, static.position_ids,
+                               static.prompt_index, cache)
+        key = (type(session).__name__, session.static_layout(), n, t, tuple(window), rbuf is not None,
+               _shape(static.attention_mask), _shape(static.position_ids), inp.full_positions is not None,
+               None if cache is None else (_shape(cache.keys[0]), cache.insert_at))
+        if key not in self.graphs:
+            win = tuple(int(w) for w in window)
+            self._step = lambda: self.current.window_logits(sbuf, rbuf, static, win)
+        self.current = session
+        try:
+            out = self.graphs.run(key)
+        finally:
+            self.current = None
+        return out.clone() if self.captured else out
+
+
+def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if t is None else tuple(t.shape)
