@@ -191,7 +191,9 @@ def _check_dllm_draws(capsys: pytest.CaptureFixture[str], tmp_path: Path, model:
         assert main(["calibrate", *model, "--prompts", "default", "--max-prompts", "2", "--out", str(graph_file),
                      *DRAW_FLAGS, "--dtype", "float32", "--no-progress"]) == 0
         capsys.readouterr()
-    base = ["generate", *model, "--prompt", PROMPT, *DRAW_FLAGS, "--dtype", "float32", "--json", "--no-progress"]
+    # the embedded model's shipped graphs (--graph auto) fit the README's flags; a user's model takes smaller runs
+    flags = DRAW_FLAGS if model else README_FLAGS
+    base = ["generate", *model, "--prompt", PROMPT, *flags, "--dtype", "float32", "--json", "--no-progress"]
     for _ in range(draws):
         sampling = _sampling(rng)
         plain, _ = _run(capsys, [*base, *sampling, "--graph", "none"])
