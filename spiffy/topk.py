@@ -27,6 +27,19 @@ __all__ = ["top_ranked", "top_ranked_static"]
 _CHUNKS: tuple[int, ...] = (256, 128, 64, 32, 16)
 
 
+def _checked_empty(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Validate ``scores`` ``[R, V]`` and ``k``; the empty ``[R, k]`` result when ``k`` or ``R`` is 0, else ``None``."""
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [R, V], got shape {tuple(scores.shape)}")
+    rows, width = int(scores.shape[0]), int(scores.shape[1])
+    if not 0 <= k <= width:
+        raise ValueError(f"k must be in [0, {width}], got {k}")
+    if k == 0 or rows == 0:
+        dev = scores.device
+        return torch.zeros(rows, k, dtype=scores.dtype, device=dev), torch.zeros(rows, k, dtype=torch.long, device=dev)
+    return None
+
+
 def _chunk_width(width: int, k: int) -> int | None:
     """The widest chunk leaving at least ``2 k`` whole chunks in a row of ``width`` columns (``None``: sort whole)."""
     for s in _CHUNKS:
@@ -53,14 +66,10 @@ def top_ranked(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     Raises:
         ValueError: ``scores`` is not 2-D or ``k`` is out of range.
     """
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be [R, V], got shape {tuple(scores.shape)}")
+    empty = _checked_empty(scores, k)
+    if empty is not None:
+        return empty
     rows, width = int(scores.shape[0]), int(scores.shape[1])
-    if not 0 <= k <= width:
-        raise ValueError(f"k must be in [0, {width}], got {k}")
-    if k == 0 or rows == 0:
-        dev = scores.device
-        return torch.zeros(rows, k, dtype=scores.dtype, device=dev), torch.zeros(rows, k, dtype=torch.long, device=dev)
     s = _chunk_width(width, k)
     if s is None:
         return _sorted_prefix(scores, k)
@@ -105,14 +114,10 @@ def top_ranked_static(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     entries equal to ``t`` fill the rest by column (a running count); the ``k`` chosen columns, read in column
     order and stably sorted by value, give value descending, ties by column ascending.
     """
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be [R, V], got shape {tuple(scores.shape)}")
+    empty = _checked_empty(scores, k)
+    if empty is not None:
+        return empty
     rows, width = int(scores.shape[0]), int(scores.shape[1])
-    if not 0 <= k <= width:
-        raise ValueError(f"k must be in [0, {width}], got {k}")
-    if k == 0 or rows == 0:
-        dev = scores.device
-        return torch.zeros(rows, k, dtype=scores.dtype, device=dev), torch.zeros(rows, k, dtype=torch.long, device=dev)
     kth = torch.topk(scores, k, dim=-1).values[:, k - 1 :]  # [R, 1]
     above = scores > kth
     tied = scores == kth

@@ -11,8 +11,7 @@ on a GPU (section ``exactness``); ``small=True`` builds the same architectures a
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -32,15 +31,6 @@ MODES = (("float32", torch.float32, False), ("bfloat16", torch.bfloat16, False),
          ("bfloat16 batch-invariant", torch.bfloat16, True))
 DLLMS = (("LLaDA-8B", "GSAI-ML--LLaDA-8B-Instruct", "prefix"), ("SDAR-8B", "JetLM--SDAR-8B-Chat", "prefix"))
 
-
-def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t0
 
 
 def _pair(name: str, a: list[int], b: list[int], proof: Any = None) -> dict[str, Any]:
@@ -67,8 +57,8 @@ def dllm_exactness(model: torch.nn.Module, device: torch.device, small: bool, in
     rows = []
     with batch_invariant(invariant, model=model):
         one = torch.tensor([prompts[0]], device=device)
-        base, t_base = _timed(device, lambda: generate(model, one, cfg))
-        spec, t_spec = _timed(device, lambda: generate(model, one, cfg, graph=graph, budget=3))
+        base, t_base = gpu_costs.timed(device, lambda: generate(model, one, cfg))
+        spec, t_spec = gpu_costs.timed(device, lambda: generate(model, one, cfg, graph=graph, budget=3))
         rows.append(_pair("spiffy vs baseline", base.tokens[0], spec.tokens[0]))
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
@@ -92,9 +82,9 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
     kw = {"max_new_tokens": new, "temperature": 0.0}
     rows, seconds = [], {}
     with batch_invariant(invariant, model=target):
-        ar, seconds["ar"] = _timed(device, lambda: ddtree_generate(target, None, prompts[0], method="ar", **kw))
+        ar, seconds["ar"] = gpu_costs.timed(device, lambda: ddtree_generate(target, None, prompts[0], method="ar", **kw))
         for method, budget in (("dflash", None), ("ddtree", 16)):
-            got, seconds[method] = _timed(device, lambda: ddtree_generate(target, drafter, prompts[0], method=method,
+            got, seconds[method] = gpu_costs.timed(device, lambda: ddtree_generate(target, drafter, prompts[0], method=method,
                                                                          budget=budget, **kw))
             div = explain_ar_divergence(target, prompts[0], list(ar.tokens), list(got.tokens))  # None: identical
             rows.append(_pair(f"{method} vs ar", list(ar.tokens), list(got.tokens), div))

@@ -10,7 +10,6 @@ token are measurements at the measured tau; nothing here is projected.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Sequence
 
 import torch
@@ -29,21 +28,12 @@ def read_bandwidth(device: torch.device, gib: float = 2.0, reps: int = 5) -> flo
     return x.numel() * x.element_size() / seconds
 
 
-def _timed(device: torch.device, fn: Any) -> tuple[Any, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t0
-
 
 def _row(target: torch.nn.Module, drafter: Any, prompt: list[int], method: str, budget: int | None, new: int,
          mode: bool, device: torch.device) -> dict[str, Any]:
     kw = {"method": method, "budget": budget, "max_new_tokens": new, "compile": mode}
-    first, first_s = _timed(device, lambda: ddtree_generate(target, drafter, prompt, **kw))
-    res, _s = _timed(device, lambda: ddtree_generate(target, drafter, prompt, **kw))
+    first, first_s = gpu_costs.timed(device, lambda: ddtree_generate(target, drafter, prompt, **kw))
+    res, _s = gpu_costs.timed(device, lambda: ddtree_generate(target, drafter, prompt, **kw))
     decode = res.seconds - res.prefill_seconds
     row = {"method": method, "budget": budget, "compile": mode, "tokens": len(res.tokens), "rounds": res.rounds,
            "tau": res.tau, "ms_per_round": 1e3 * decode / max(res.rounds, 1),
@@ -103,9 +93,9 @@ def _transformers_static(target: torch.nn.Module, prompt: list[int], new: int, d
     if small:
         kw["disable_compile"] = True
     try:
-        _o, first = _timed(device, lambda: target.generate(ids, **kw))
-        short, t_short = _timed(device, lambda: target.generate(ids, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1}))
-        _o, t_full = _timed(device, lambda: target.generate(ids, **kw))
+        _o, first = gpu_costs.timed(device, lambda: target.generate(ids, **kw))
+        short, t_short = gpu_costs.timed(device, lambda: target.generate(ids, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1}))
+        _o, t_full = gpu_costs.timed(device, lambda: target.generate(ids, **kw))
         return {"ms_per_token": 1e3 * (t_full - t_short) / max(new - 1, 1), "first_call_s": first}
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}

@@ -38,6 +38,7 @@ from spiffy.models.cache import hf_cache
 from spiffy.models.registry import family_spec
 
 __all__ = [
+    "timed",
     "REAL_CONFIGS",
     "ar_verify_costs",
     "ar_verify_graph_costs",
@@ -116,6 +117,17 @@ def build_random(config: dict[str, Any], device: str | torch.device, dtype: torc
     finally:
         torch.set_default_dtype(previous)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``(fn(), seconds)`` of one call, the device synchronised before and after (a GPU runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
 
 
 def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 2, reps: int = 5) -> float:

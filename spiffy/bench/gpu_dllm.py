@@ -19,7 +19,8 @@ import torch
 
 from spiffy.api import generate
 from spiffy.bench import gpu_costs
-from spiffy.bench.gpu_captured import _timed, read_bandwidth
+from spiffy.bench.gpu_captured import read_bandwidth
+from spiffy.bench.gpu_costs import timed
 from spiffy.decoding import make_session
 from spiffy.models.registry import family_spec
 from spiffy.selfspec.freedave import freedave_graph
@@ -65,8 +66,8 @@ def _graphs(model: torch.nn.Module, prompt: torch.Tensor, kw: dict[str, Any]) ->
 def _row(model: torch.nn.Module, prompt: torch.Tensor, kw: dict[str, Any], method: str, graph: Any,
          budget: Any, mode: bool, device: torch.device) -> dict[str, Any]:
     call = dict(graph=graph, budget=budget, compile=mode, **kw)
-    first, first_s = _timed(device, lambda: generate(model, prompt, **call))
-    res, seconds = _timed(device, lambda: generate(model, prompt, **call))
+    first, first_s = timed(device, lambda: generate(model, prompt, **call))
+    res, seconds = timed(device, lambda: generate(model, prompt, **call))
     row = {"method": method, "compile": mode, "nfe": res.nfe, "steps": res.steps,
            "ms_per_forward": 1e3 * seconds / max(res.nfe, 1),
            "ms_per_token": 1e3 * seconds / max(len(res.tokens[0]), 1), "first_call_s": first_s,
