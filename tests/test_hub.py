@@ -312,7 +312,7 @@ def test_spiffy_generate_by_id_from_the_command_line(hub) -> None:
     by_id = _spiffy(["generate", "--model", LLADA, *args], env)
     assert by_id.returncode == 0, by_id.stderr
     model, tok = load_model(hub.sources["llada"]), load_tokenizer(hub.sources["llada"])  # float32, as the CLI on CPU
-    ids = torch.tensor([prompt_token_ids(tok, "def add(a, b):", chat=False)])
+    ids = torch.tensor([prompt_token_ids(tok, "def add(a, b):")])  # the chat template: the CLI's default
     local = generate(model, ids, DecodeConfig(gen_length=8, block_length=4), tokenizer=tok)
     assert json.loads(by_id.stdout)["tokens"] == local.tokens[0]
     missing = _spiffy(["generate", "--model", "GSAI-ML/LLaDA-1.5", *args], env)
