@@ -7,9 +7,11 @@ round **including the bonus token**, macro-averaged over responses (mean of each
 acceptance lengths (summed over rounds); time per output token **excluding prefill** (mean over responses); speedup
 = mean TPOT(AR) / mean TPOT(method) and the same against DFlash, τ against DFlash's, each with its 95% interval over
 prompts (paired bootstrap, :mod:`spiffy.bench.stats`); per-stage times; the fraction of outputs identical
-to AR (must be 1.0 for the coupled rule and at T = 0; mismatches listed with the position and the baseline's logit
-gap there, and whether that gap is a near tie within the dtype's rounding error, :mod:`spiffy.bench.fidelity`; the
-rejection rule at T > 0 equals AR in distribution only, so its identical rate is reported but not required); target
+to AR (must be 1.0 for the coupled rule and at T = 0; each mismatch is listed with the near-tie proof of
+:func:`spiffy.bench.spec_fidelity.prove_ar_divergence`, run by the rank that measured the prompt: the first differing
+position, whether both runs were in the same state, the rule replayed, the logit deviation and the flipped margin
+against their rounding bounds, and why it is not proven when it is not; the rejection rule at T > 0 equals AR in
+distribution only, so its identical rate is reported but not required); target
 NFE (forwards, prefill included) per generated token; distinct-token ratio and whitespace share of the outputs.
 """
 
@@ -46,7 +48,8 @@ from spiffy.bench.common import (
     warm_up,
 )
 from spiffy.bench.datasets import BenchPrompt
-from spiffy.bench.fidelity import NEAR_TIE_RULE, explain_ar_divergence
+from spiffy.bench.fidelity import NEAR_TIE_RULE, divergence_entry
+from spiffy.bench.spec_fidelity import prove_ar_divergence
 from spiffy.bench.stats import interval_method, mean_interval, ratio_of_means, ratio_of_means_interval
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
@@ -200,13 +203,25 @@ def run_ar_bench(
     def _expects_identical(e: BenchEntry) -> bool:
         return get_accept(e.accept).exact_tokens or float(temperature) == 0
 
+    def _config(e: BenchEntry) -> ARSpecConfig:
+        return ARSpecConfig(method=e.method, budget=int(e.budget or 0), drafts=e.drafts, accept=e.accept,
+                            max_new_tokens=int(max_new_tokens), stop_token_ids=tuple(stops), sampling=sampling)
+
     def _run_entry(ids: list[int], e: BenchEntry) -> Any:
-        cfg = ARSpecConfig(method=e.method, budget=int(e.budget or 0), drafts=e.drafts, accept=e.accept,
-                           max_new_tokens=int(max_new_tokens), stop_token_ids=tuple(stops), sampling=sampling)
-        return speculative_generate(target, wrapped[e.drafter], ids, cfg)
+        return speculative_generate(target, wrapped[e.drafter], ids, _config(e))
 
     def _run(ids: list[int], method: str, budget: int | None, name: str = "") -> Any:
         return _run_entry(ids, by_name[name])
+
+    def _proofs(ids: list[int], outs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The near-tie proof of every output that differs from AR where it must not (the proof re-runs both)."""
+        ref = list(outs[AR.name].tokens)
+        found = {}
+        for e in entries:
+            if list(outs[e.name].tokens) != ref and _expects_identical(e):
+                found[e.name] = divergence_entry(prove_ar_divergence(target, wrapped[e.drafter], ids, _config(e),
+                                                                     compared=f"{e.name} vs ar"))
+        return found
 
     def _warm(ids: list[int]) -> None:
         seen: set[tuple[str, str]] = set()
@@ -232,9 +247,9 @@ def run_ar_bench(
                         bar.update(1)
             except PromptTooLongError as exc:
                 skip_prompt([], prompt, exc, bar, len(keys) - len(outs))
-                measured.append((k, (prompt, ids, str(exc))))
+                measured.append((k, (prompt, ids, str(exc), {})))
                 continue
-            measured.append((k, (prompt, ids, outs)))
+            measured.append((k, (prompt, ids, outs, _proofs(ids, outs))))
     finally:
         if bar is not None:
             bar.close()
@@ -248,7 +263,7 @@ def run_ar_bench(
     per_prompt: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     # every rank's measurements in prompt order: the report does not depend on the number of processes
-    for prompt, ids, outs in dp.gather_in_order(measured, len(encoded)):
+    for prompt, ids, outs, proofs in dp.gather_in_order(measured, len(encoded)):
         if isinstance(outs, str):
             skipped.append({"id": prompt.id, "reason": outs})
             continue
@@ -280,9 +295,8 @@ def run_ar_bench(
             if same:
                 a["identical"] += 1
             elif _expects_identical(by_name[name]):
-                div = explain_ar_divergence(target, ids, ref, r.tokens, greedy=float(temperature) == 0)
                 a["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(ref, r.tokens),
-                                        **(div.to_dict() if div is not None else {})})
+                                        **proofs[name]})
             row["methods"][name] = {"tau": float(r.tau), "tpot": float(r.time_per_output_token),
                                     "rounds": int(r.rounds), "identical": same}
         per_prompt.append(row)

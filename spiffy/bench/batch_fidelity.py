@@ -1,116 +1,41 @@
-"""Near-tie proofs for a batched row that differs from its prompt decoded alone (half precision).
+"""Near-tie proofs for a batched dLLM row that differs from its prompt decoded alone, and the dLLM pieces every
+dLLM proof shares (recording transitions, judging the first differing one).
 
 In float32/float64 row ``r`` of a batch equals prompt ``r`` decoded alone, token for token. In bfloat16/float16 the
-batched forward computes a row with another reduction shape (left padding, more rows, a tree of other rows), so its
-logits differ from the lone forward's by a few units in the last place (ulps), and a choice between two almost
-equal alternatives may flip. Such a flip is numerics, not logic, exactly when the rule below holds.
-
-**The rule** (one for every decision kind). Run the row alone and in the batch, recording every decision step
-(dLLM: each baseline transition; AR: each verification round), and take the first step whose result differs:
-
-1. both runs were in the same state there (dLLM: the same ``x`` and the same generator state; AR: the same root
-   position after the same committed tokens);
-2. the step is a function of its logits alone: the row's own rule, replayed on the *batched* run's logits (same
-   state, same generator state / position-keyed noise), reproduces the batched result;
-3. those logits agree with the lone run's within :data:`DEVIATION_ULPS` ulps of each row's largest magnitude in the
-   model dtype (dLLM: the window logits; AR: the target's logits at every verified node and the drafter's logits);
-4. the choice that flipped is within that rounding, by its kind:
-
-   * ``greedy`` (an argmax): the lone logits of the two tokens differ by at most :func:`rounding_bound` (4 ulps);
-   * ``low-confidence`` (which positions a step unmasks, dLLM at ``T = 0``): the two positions' confidences (or a
-     confidence and the threshold) differ by at most ``2 (exp(2 d) - 1) (exp(2 d) + c)``, ``d`` the logits'
-     rounding bound and ``c`` the larger confidence: when every logit moves by at most ``d``, a softmax probability,
-     a margin of two probabilities and an entropy each move by at most ``(exp(2 d) - 1) (exp(2 d) + c)``;
-   * ``sampled`` (a draw, whose coins both runs share): position-keyed Gumbel noise (AR, coupled rule): the
-     perturbed scores of the two tokens differ by at most the tempered logits' rounding bound; an inverse-CDF draw
-     or acceptance test (AR, rejection rule): the coin lies within ``(exp(4 d) - 1)`` times the threshold, or
-     ``2 (exp(4 d) - 1) min(C, 1 - C)`` of the CDF value ``C``, from the boundary between the two tokens (how far
-     ``d`` on every tempered logit can move a probability ratio or a CDF value); a dLLM draw (Gumbel or
-     multinomial noise inside the family's rule): the draw flips within a logit change no larger than the rounding
-     bound (bisection along the straight path from the lone to the batched logits, with the same coins);
-   * ``draft`` (AR: the drafts differ): point 3 on the drafter's logits and the tree rebuilt from the batched
-     drafter logits equal to the batched tree.
-
-A step violating any point is reported ``near_tie = False`` (a bug). The dLLM proof lives here, the AR one in
-:mod:`spiffy.bench.batch_fidelity_ar`. The proofs re-run the two decodes (twice: once
-to find the step, once to record it), so they cost about four decodes per differing row; benchmarks run them only
-for rows that differ.
+batched forward computes a row with another reduction shape (left padding, more rows), so its logits differ from the
+lone forward's by a few ulps, and a choice between two almost equal alternatives may flip. The rule that tells such a
+flip (numerics) from a bug is the one of :mod:`spiffy.bench.fidelity` (the prompt alone is the reference, the batched
+row the other run); the AR half is :mod:`spiffy.bench.batch_fidelity_ar`, a speculative path against its baseline
+:mod:`spiffy.bench.spec_fidelity`. The proofs re-run the two decodes (twice: once to find the step, once to record
+it), so they cost about four decodes per differing row; benchmarks run them only for rows that differ.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
-from spiffy.bench.fidelity import NEAR_TIE_ULPS, rounding_bound, spacing
+from spiffy.bench.fidelity import (
+    DEVIATION_ULPS,
+    NEAR_TIE_RULE,
+    NearTieProof,
+    confidence_bound,
+    deviation_ulps,
+    dtype_name,
+    rounding_bound,
+)
 from spiffy.decoding.batch import row_generators, run_baseline, run_baseline_batch
 from spiffy.decoding.factory import make_row_sessions, make_session
 from spiffy.selfspec.runtime import speculative_generate as spiffy_single
 from spiffy.selfspec.runtime import speculative_generate_batch as spiffy_batch
 
-#: point 3 of the rule: the largest logit difference of the two runs, in ulps of the row's largest logit (measured on
-#: tiny LLaDA / Dream / SDAR / Qwen3 + DFlash pairs in bfloat16 and float16: at most 6 over every verified row and
-#: vocabulary entry; a logic error moves logits by far more)
-DEVIATION_ULPS = 16.0
-
-BATCH_NEAR_TIE_RULE = (
-    "a batched row's first differing step is a near tie when both runs were in the same state, the row's rule "
-    "replayed on the batched logits reproduces the batched result, the logits agree within "
-    f"{DEVIATION_ULPS:g} ulps of each row's largest magnitude, and the flipped choice (greedy top-2 gap within "
-    f"{NEAR_TIE_ULPS:g} ulps, two "
-    "confidences, or a sampled draw's perturbed scores / coin) lies within that rounding (spiffy.bench.batch_fidelity)"
-)
-
-
-@dataclass
-class BatchDivergence:
-    """The first step where a batched row leaves its prompt decoded alone, and the verdict of the rule.
-
-    Attributes:
-        row: the row in its batch. step: dLLM transition / AR round index of the first differing step.
-        position: generated-token index of the first differing token of that step.
-        kind: ``greedy``, ``low-confidence``, ``sampled`` or ``draft`` (see the module docstring).
-        gap, bound: the flipped choice's gap and its rounding bound (``None`` where the kind has none: a draw
-            whose coin the rule does not expose is proved by the replay and the logit agreement).
-        deviation_ulps: largest logit difference of the two runs at the step, in ulps of the row's largest logit.
-        same_state, replay: points 1 and 2 of the rule. near_tie: every point holds. dtype: the model dtype.
-    """
-
-    row: int
-    step: int
-    position: int | None
-    kind: str
-    gap: float | None
-    bound: float | None
-    deviation_ulps: float | None
-    same_state: bool
-    replay: bool
-    near_tie: bool
-    dtype: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def deviation_ulps(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
-    """``max |a - b|`` over ``[..., V]`` rows, each in ulps (``dtype``) of that row's largest ``|a|``."""
-    a64, b64 = a.double().reshape(-1, a.shape[-1]), b.double().reshape(-1, b.shape[-1])
-    worst = 0.0
-    for ra, rb in zip(a64, b64):
-        diff = float((ra - rb).abs().max())
-        worst = max(worst, diff / spacing(float(ra.abs().max()), dtype))
-    return worst
-
-
-def confidence_bound(values: Sequence[float], logit_scale: float, dtype: torch.dtype) -> float:
-    """The largest gap between two confidences among ``values`` that rounding can flip: each moves by at most
-    ``(exp(2 d) - 1) (exp(2 d) + max |values|)`` (a probability, a margin or an entropy; ``d`` the rounding bound of
-    logits of magnitude ``logit_scale``), so twice that."""
-    grow = math.exp(2.0 * rounding_bound(logit_scale, 0.0, dtype))
-    return 2.0 * (grow - 1.0) * (grow + max(abs(float(v)) for v in values))
+#: the rule's text, as batched-row reports quote it (one rule: :data:`spiffy.bench.fidelity.NEAR_TIE_RULE`)
+BATCH_NEAR_TIE_RULE = NEAR_TIE_RULE
+#: the proof of a batched row: :class:`spiffy.bench.fidelity.NearTieProof` (this name kept for its callers)
+BatchDivergence = NearTieProof
 
 
 # --------------------------------------------------------------------------------------------------- dLLM
@@ -222,9 +147,10 @@ def _dllm_run(model: Any, batch: Sequence[Sequence[int]], row: int, config: Any,
     return rec
 
 
-def judge_dllm_step(alone: _Step, batched: _Step, *, row: int, step: int, prompt_len: int, dtype: torch.dtype,
-                    temperature: float, threshold: float | None) -> BatchDivergence:
-    """The rule (module docstring) on the first differing transition of the two runs."""
+def judge_dllm_step(alone: _Step, batched: _Step, *, row: int | None, step: int, prompt_len: int, dtype: torch.dtype,
+                    temperature: float, threshold: float | None, compared: str = "batched row vs alone") -> NearTieProof:
+    """The rule (:mod:`spiffy.bench.fidelity`) on the first differing transition of two runs: ``alone`` is the
+    reference's step (with its rule replayed on the other run's logits), ``batched`` the other run's."""
     same = torch.equal(alone.x_before, batched.x_before) and (
         (alone.generator_state is None and batched.generator_state is None)
         or (alone.generator_state is not None and batched.generator_state is not None
@@ -267,9 +193,9 @@ def judge_dllm_step(alone: _Step, batched: _Step, *, row: int, step: int, prompt
         gap = alone.flip * float((batched.logits.double() - la[None]).abs().max())
         bound = rounding_bound(float(la.abs().max()), 0.0, dtype)
     near = same and replay and dev <= DEVIATION_ULPS and (gap is None or gap <= bound)  # type: ignore[operator]
-    return BatchDivergence(row=row, step=step, position=None if col is None else col - prompt_len, kind=kind,
-                           gap=gap, bound=bound, deviation_ulps=dev, same_state=same, replay=replay,
-                           near_tie=bool(near), dtype=str(dtype).replace("torch.", ""))
+    return NearTieProof(row=row, step=step, position=None if col is None else col - prompt_len, kind=kind, gap=gap,
+                        bound=bound, deviation_ulps=dev, same_state=same, replay=replay, near_tie=bool(near),
+                        dtype=dtype_name(dtype), compared=compared)
 
 
 def _first_difference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> int | None:
@@ -279,29 +205,44 @@ def _first_difference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> i
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+#: ``run(reference, keep, replay_logits)``: one recorded decode of a proof, the reference run or the other run
+#: (``keep``/``replay_logits`` as :class:`_TransitionRecorder` takes them)
+RecordedRun = Callable[[bool, "int | None", "torch.Tensor | None"], _TransitionRecorder]
+
+
+def prove_dllm_runs(run: RecordedRun, dtype: torch.dtype, *, row: int | None, compared: str) -> NearTieProof | None:
+    """The rule (:mod:`spiffy.bench.fidelity`) on two dLLM runs that must agree: find the first transition whose
+    result differs, re-run both recording it (the reference replaying its rule on the other run's logits from the
+    same generator state) and judge it. ``None`` when every transition agrees."""
+    runs = [run(reference, None, None) for reference in (True, False)]
+    k = _first_difference(runs[0].results, runs[1].results)
+    if k is None:
+        return None
+    other = run(False, k, None).step
+    mine = run(True, k, None if other is None else other.logits).step
+    if mine is None or other is None:  # one run took a step the other never took
+        return NearTieProof(row, k, None, "schedule", None, None, None, False, False, False, dtype_name(dtype),
+                            compared)
+    session = runs[0].session
+    cfg = session.config
+    return judge_dllm_step(mine, other, row=row, step=k, prompt_len=int(session.prompt_len), dtype=dtype,
+                           temperature=float(cfg.sampling.temperature), threshold=_threshold(session),
+                           compared=compared)
+
+
 def explain_dllm_batch_row(model: Any, batch: Sequence[Sequence[int]], row: int, config: Any = None, *,
                            graph: Any = None, budget: int | None = None, score: str | None = None,
-                           tokenizer: Any = None, overrides: dict[str, Any] | None = None) -> BatchDivergence | None:
+                           tokenizer: Any = None, overrides: dict[str, Any] | None = None) -> NearTieProof | None:
     """Prove (or refute) that row ``row`` of the dLLM ``batch`` (token-id lists, left padded as
     :func:`spiffy.api.generate` pads them; every row seeded from the config) leaves the prompt decoded alone only
     at a near tie. ``graph``: batched Spiffy against Spiffy alone. ``None`` when the two runs agree."""
     extra = dict(overrides or {})
-    args = (model, batch, row, config)
-    runs = [_dllm_run(*args, alone, graph, budget, score, tokenizer, extra) for alone in (True, False)]
-    k = _first_difference(runs[0].results, runs[1].results)
-    if k is None:
-        return None
-    batched = _dllm_run(*args, False, graph, budget, score, tokenizer, extra, keep=k).step
-    alone = _dllm_run(*args, True, graph, budget, score, tokenizer, extra, keep=k,
-                      replay_logits=None if batched is None else batched.logits).step
-    session = runs[0].session
-    dtype = next(model.parameters()).dtype
-    if alone is None or batched is None:  # one run took a step the other never took
-        return BatchDivergence(row, k, None, "schedule", None, None, None, False, False, False,
-                               str(dtype).replace("torch.", ""))
-    cfg = session.config
-    return judge_dllm_step(alone, batched, row=row, step=k, prompt_len=int(session.prompt_len), dtype=dtype,
-                           temperature=float(cfg.sampling.temperature), threshold=_threshold(session))
+
+    def run(reference: bool, keep: int | None, replay_logits: torch.Tensor | None) -> _TransitionRecorder:
+        return _dllm_run(model, batch, row, config, reference, graph, budget, score, tokenizer, extra, keep=keep,
+                         replay_logits=replay_logits)
+
+    return prove_dllm_runs(run, next(model.parameters()).dtype, row=row, compared="batched row vs alone")
 
 
 def _threshold(session: Any) -> float | None:
@@ -314,6 +255,6 @@ def _threshold(session: Any) -> float | None:
 
 
 __all__ = [
-    "BATCH_NEAR_TIE_RULE", "DEVIATION_ULPS", "BatchDivergence", "confidence_bound", "deviation_ulps",
-    "explain_dllm_batch_row", "judge_dllm_step",
+    "BATCH_NEAR_TIE_RULE", "DEVIATION_ULPS", "BatchDivergence", "RecordedRun", "confidence_bound", "deviation_ulps",
+    "explain_dllm_batch_row", "judge_dllm_step", "prove_dllm_runs",
 ]

@@ -1,7 +1,7 @@
 """AR half of :mod:`spiffy.bench.batch_fidelity`: the near-tie proof of a batched AR row (DFlash, DDTree, DEER,
 SpecDiff-2, plain AR; coupled and rejection rules) that differs from its prompt decoded alone.
 
-The rule is the module docstring of :mod:`spiffy.bench.batch_fidelity`, applied to verification rounds: both runs'
+The rule is the one of :mod:`spiffy.bench.fidelity`, applied to verification rounds: both runs'
 acceptance rules are wrapped in a :class:`RecordingRule` (every round's outcome, and the first differing round in
 full: the tree, the target's logits at every node, the drafter's logits), the round is replayed on the batched
 inputs, and the flipped choice is measured by its kind (greedy gap, keyed Gumbel scores, rejection coins, drafts).
@@ -23,8 +23,7 @@ from spiffy.arspec.rejection import RejectionRule, sample_from
 from spiffy.arspec.rules import Acceptance, TargetLogits
 from spiffy.arspec.sampling import gumbel_noise, keyed_seed, tempered
 from spiffy.arspec.tree import DraftTree
-from spiffy.bench.batch_fidelity import DEVIATION_ULPS, BatchDivergence, deviation_ulps
-from spiffy.bench.fidelity import rounding_bound
+from spiffy.bench.fidelity import DEVIATION_ULPS, NearTieProof, deviation_ulps, dtype_name, rounding_bound
 from spiffy.sampling import filter_logits
 
 
@@ -87,7 +86,7 @@ def _ar_runs(target: Any, make_drafter: Callable[[], Any] | None, batch: Sequenc
 
 
 def judge_ar_prefill(target: Any, prompt: Sequence[int], tokens: tuple[int, int], config: ARSpecConfig, *,
-                     row: int) -> BatchDivergence:
+                     row: int | None, compared: str = "batched row vs alone") -> NearTieProof:
     """The first generated token (drawn from the prefill's last row) differs: the lone prefill's logits of the two
     tokens, raw (greedy) or noise-perturbed (position-keyed draw of either rule), must lie within rounding. The
     state is the prompt itself and the draw has no other input, so points 1 and 2 of the rule hold by construction."""
@@ -96,13 +95,13 @@ def judge_ar_prefill(target: Any, prompt: Sequence[int], tokens: tuple[int, int]
         logits = target(torch.tensor([list(prompt)], device=param.device)).logits[0, -1].cpu()
     gap, bound = _token_gap(logits, tokens[0], tokens[1], config, len(prompt), param.dtype)
     kind = "greedy" if float(config.sampling.temperature) == 0 else "sampled"
-    return BatchDivergence(row=row, step=-1, position=0, kind=kind, gap=gap, bound=bound, deviation_ulps=None,
-                           same_state=True, replay=True, near_tie=bool(gap <= bound),
-                           dtype=str(param.dtype).replace("torch.", ""))
+    return NearTieProof(row=row, step=-1, position=0, kind=kind, gap=gap, bound=bound, deviation_ulps=None,
+                        same_state=True, replay=True, near_tie=bool(gap <= bound), dtype=dtype_name(param.dtype),
+                        compared=compared)
 
 
 def judge_ar_round(alone: _Round, batched: _Round, config: ARSpecConfig, *, row: int, step: int,
-                   generated_before: int, dtype: torch.dtype) -> BatchDivergence:
+                   generated_before: int, dtype: torch.dtype) -> NearTieProof:
     """The rule (module docstring) on the first differing verification round of the two runs."""
     same = alone.position == batched.position
     replay_out = make_rule(config).accept(batched.tree, _RecordedLogits(batched.target_logits), batched.draft_logits,
@@ -134,9 +133,9 @@ def judge_ar_round(alone: _Round, batched: _Round, config: ARSpecConfig, *, row:
             gap, bound = _token_gap(alone.target_logits[node + 1], int(ta_all[i]), int(tb_all[i]), config, pos,
                                     dtype)
     near = same and replay and dev <= DEVIATION_ULPS and (gap is None or gap <= bound)  # type: ignore[operator]
-    return BatchDivergence(row=row, step=step, position=generated_before + i, kind=kind, gap=gap, bound=bound,
-                           deviation_ulps=dev, same_state=same, replay=bool(replay), near_tie=bool(near),
-                           dtype=str(dtype).replace("torch.", ""))
+    return NearTieProof(row=row, step=step, position=generated_before + i, kind=kind, gap=gap, bound=bound,
+                        deviation_ulps=dev, same_state=same, replay=bool(replay), near_tie=bool(near),
+                        dtype=dtype_name(dtype))
 
 
 def _token_gap(logits: torch.Tensor, ta: int, tb: int, config: ARSpecConfig, position: int,
@@ -187,7 +186,7 @@ def _rejection_margin(alone: _Round, batched: _Round, config: ARSpecConfig,
 
 
 def explain_ar_batch_row(target: Any, make_drafter: Callable[[], Any] | None, batch: Sequence[Sequence[int]],
-                         row: int, config: ARSpecConfig) -> BatchDivergence | None:
+                         row: int, config: ARSpecConfig) -> NearTieProof | None:
     """Prove (or refute) that row ``row`` of the AR ``batch`` leaves its prompt decoded alone only at a near tie.
     ``make_drafter``: a fresh drafter per call (``None``: plain AR). ``None`` when the two runs agree."""
     alone, batched, (lone, rowed) = _ar_runs(target, make_drafter, batch, row, config, None)
@@ -200,8 +199,8 @@ def explain_ar_batch_row(target: Any, make_drafter: Callable[[], Any] | None, ba
     if k is None:
         if len(alone.outcomes) == len(batched.outcomes):
             return None
-        return BatchDivergence(row, min(len(alone.outcomes), len(batched.outcomes)), None, "schedule", None, None,
-                               None, False, False, False, str(dtype).replace("torch.", ""))
+        return NearTieProof(row, min(len(alone.outcomes), len(batched.outcomes)), None, "schedule", None, None,
+                            None, False, False, False, dtype_name(dtype))
     alone_k, batched_k, _ = _ar_runs(target, make_drafter, batch, row, config, k)
     before = 1 + sum(len(t) for _, t in alone.outcomes[:k])  # the prefill's token, then each round's tokens
     assert alone_k.round is not None and batched_k.round is not None

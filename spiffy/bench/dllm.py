@@ -6,7 +6,10 @@ NFE per generated token for both paths, NFE reduction, tokens/s and speedup (rat
 this run), each ratio with its 95% interval over prompts (paired bootstrap, :mod:`spiffy.bench.stats`; a Spiffy row
 also against the FreeDave and SSD rows of the same width), the histogram of accepted drafts per verification forward,
 accepted drafts per graph level, per-stage times, the fraction of outputs identical to the baseline (must be 1.0;
-every mismatch is listed), and the degenerate-output checks (distinct-token ratio, whitespace share).
+every mismatch is listed with its near-tie proof, :func:`spiffy.bench.spec_fidelity.prove_dllm_divergence`, run by
+the rank that measured the prompt: in half precision on a GPU the verification forward over ``1 + D`` states rounds
+differently from the baseline's forward over one, and a divergence is accepted only as a proven rounding-level near
+tie), and the degenerate-output checks (distinct-token ratio, whitespace share).
 
 "Generated tokens" are the ``gen_length`` positions each prompt decodes (EOS padding included), the unit in which
 diffusion decoders spend their steps.
@@ -34,6 +37,8 @@ from spiffy.bench.common import (
     warm_up,
 )
 from spiffy.bench.datasets import BenchPrompt
+from spiffy.bench.fidelity import NEAR_TIE_RULE, divergence_entry
+from spiffy.bench.spec_fidelity import prove_dllm_divergence
 from spiffy.bench.stats import interval_method, ratio_of_means, ratio_of_means_interval
 from spiffy.distributed import DataParallel
 from spiffy.errors import ConfigError, PromptTooLongError
@@ -176,6 +181,14 @@ def run_dllm_bench(
             **extra,
         )
 
+    def _prove(ids: list[int], seed: int, key: Any, row_graph: Any, budget: int) -> dict[str, Any]:
+        """The near-tie proof of a speculative output that differs from the baseline (untimed; re-runs both)."""
+        label = f"spiffy D*={key}" if row_graph is graph else str(key).replace(":", " ")
+        return divergence_entry(prove_dllm_divergence(
+            model, ids, config.replace(seed=seed), graph=row_graph, budget=budget,
+            score=score if row_graph is graph else None, tokenizer=tokenizer, overrides=extra,
+            compared=f"{label} vs baseline"))
+
     # ---------------------------------------------------------------- warm-up (untimed)
     def _warm(ids: list[int]) -> None:
         _run(ids, base_seed, None)
@@ -201,7 +214,9 @@ def run_dllm_bench(
                 bar.update(1)
             spiffy_runs: dict[Any, SimpleNamespace] = {}
             for key, row_graph, b in rows_spec:
-                spiffy_runs[key] = _slim(_run(ids, seed, b, row_graph))
+                s_res = _slim(_run(ids, seed, b, row_graph))
+                s_res.proof = {} if s_res.tokens[0] == b_res.tokens[0] else _prove(ids, seed, key, row_graph, b)
+                spiffy_runs[key] = s_res
                 if bar is not None:
                     bar.update(1)
             measured.append((k, (prompt, ids, ("ok", b_res, spiffy_runs))))
@@ -260,7 +275,8 @@ def run_dllm_bench(
             if same:
                 acc["identical"] += 1
             else:
-                acc["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(toks, s_toks)})
+                acc["mismatches"].append({"id": prompt.id, "first_mismatch": first_mismatch(toks, s_toks),
+                                          **s_res.proof})
             row["spiffy"][str(key)] = {"nfe": s_res.nfe, "seconds": s_res.seconds, "identical": same,
                                      "accepted": int(st.get("accepted_total", 0))}
         per_prompt.append(row)
@@ -339,6 +355,8 @@ def run_dllm_bench(
         "runs": runs,
         "all_identical": all(r["identical_fraction"] == 1.0 for r in runs),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "near_tie_rule": NEAR_TIE_RULE,
+        "all_divergences_near_ties": all(m.get("near_tie") is True for r in runs for m in r["mismatches"]),
         "per_prompt": per_prompt,
         "samples": [{"id": r["id"], "text": t[:400]} for r, t in zip(per_prompt[:3], base_texts[:3])],
         "environment": {**environment_info(model, device if device is not None else getattr(model, "device", None)),

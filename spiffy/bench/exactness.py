@@ -3,9 +3,11 @@
 For each model and mode (``float32`` with TF32 off; ``bfloat16``; ``bfloat16`` in :func:`spiffy.batch_invariant`
 mode) it decodes one prompt with the baseline and the speculative path (Spiffy on FreeDave's chain graph, 3 states;
 DDTree@16 and DFlash against AR), and a batch of two ragged prompts against each prompt alone, and reports per pair:
-identical or not, the first differing position, and for a differing batched row the near-tie proof of
-:mod:`spiffy.bench.batch_fidelity` (``near_tie``), for DFlash / DDTree against AR the greedy proof of :mod:`spiffy.bench.fidelity` (``None`` where no
-proof applies yet: a single prompt's Spiffy divergence, counted as unproven). The mode's cost is the ratio of its seconds per generated token to bfloat16's. ``scripts/gpu_run.py`` runs it
+identical or not, the first differing position, and for every differing pair the near-tie proof of the one rule of
+:mod:`spiffy.bench.fidelity` (``near_tie``, ``proof``): a batched row against its prompt alone
+(:mod:`spiffy.bench.batch_fidelity`), Spiffy against the baseline and DFlash / DDTree against AR
+(:mod:`spiffy.bench.spec_fidelity`). The mode's cost is the ratio of its seconds per generated token to bfloat16's.
+``scripts/gpu_run.py`` runs it
 on a GPU (section ``exactness``); ``small=True`` builds the same architectures at toy size (its CPU self-check).
 """
 
@@ -22,7 +24,7 @@ from spiffy.bench import gpu_costs
 from spiffy.bench.batch_fidelity import explain_dllm_batch_row
 from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
 from spiffy.bench.common import first_mismatch
-from spiffy.bench.fidelity import explain_ar_divergence
+from spiffy.bench.spec_fidelity import prove_ar_divergence, prove_dllm_divergence
 from spiffy.decoding import DecodeConfig
 from spiffy.selfspec.freedave import chain_graph_for
 
@@ -59,7 +61,10 @@ def dllm_exactness(model: torch.nn.Module, device: torch.device, small: bool, in
         one = torch.tensor([prompts[0]], device=device)
         base, t_base = gpu_costs.timed(device, lambda: generate(model, one, cfg))
         spec, t_spec = gpu_costs.timed(device, lambda: generate(model, one, cfg, graph=graph, budget=3))
-        rows.append(_pair("spiffy vs baseline", base.tokens[0], spec.tokens[0]))
+        proof = None
+        if base.tokens[0] != spec.tokens[0]:
+            proof = prove_dllm_divergence(model, prompts[0], cfg, graph=graph, budget=3)
+        rows.append(_pair("spiffy vs baseline", base.tokens[0], spec.tokens[0], proof))
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -86,7 +91,11 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
         for method, budget in (("dflash", None), ("ddtree", 16)):
             got, seconds[method] = gpu_costs.timed(device, lambda: ddtree_generate(target, drafter, prompts[0], method=method,
                                                                          budget=budget, **kw))
-            div = explain_ar_divergence(target, prompts[0], list(ar.tokens), list(got.tokens))  # None: identical
+            div = None
+            if list(ar.tokens) != list(got.tokens):
+                spec_cfg = ARSpecConfig(method=method, max_new_tokens=new, sampling=SamplingConfig(temperature=0.0),
+                                        **({} if budget is None else {"budget": budget}))
+                div = prove_ar_divergence(target, DFlashDrafter(drafter), prompts[0], spec_cfg)
             rows.append(_pair(f"{method} vs ar", list(ar.tokens), list(got.tokens), div))
         cfg = ARSpecConfig(method="dflash", max_new_tokens=new, sampling=SamplingConfig(temperature=0.0))
         for r in range(len(prompts)):

@@ -1,26 +1,52 @@
-"""Near-tie proof of a divergence between a speculative AR path and plain AR decoding in low precision.
+"""The near-tie rule: when two runs that must agree token for token differ, is the difference rounding or a bug?
 
-DFlash/DDTree verify every draft row of a round in one target forward over a tree of rows; plain AR runs one row
-per forward. In float32/float64 the two agree token for token; in bfloat16/float16 the matrix products of the two
-shapes reduce in different orders, so the logits differ by a few units in the last place (ulps) and a greedy
-decision between two almost equal logits may flip. Such a flip is numerics, not logic, exactly when the two
-candidates' logits are closer than that rounding error; anything else is a bug.
+Two kinds of pairs must agree: a batched row and its prompt decoded alone, and a speculative path and its baseline
+(single-prompt Spiffy / FreeDave / SSD against the dLLM baseline; DFlash / DDTree / DEER / SpecDiff-2 against plain
+AR). In float32/float64 they agree on every tested machine. In bfloat16/float16 (and on a GPU, where the matrix-product
+kernel depends on how many rows a call has) the two runs compute the same logits with another reduction shape (left
+padding, more rows, the 1 + D states of a verification forward, a tree of draft rows), so the logits differ by a few
+units in the last place (ulps), and a choice between two almost equal alternatives may flip. Such a flip is numerics,
+not logic, exactly when the rule below holds.
 
-The rule (greedy decoding): at the first position where the speculative output differs from the baseline, the
-baseline's logits there (one full forward of the target over ``prompt + baseline[:i]`` in the model's dtype) must
-give the baseline token and the speculative token logits ``l_b`` and ``l_s`` with
+**The rule** (one for every pair and decision kind). Run both, recording every decision step (dLLM: each baseline
+transition; AR: each verification round, or the decision of each generated token), and take the first step whose
+result differs. Call the run that defines the output the *reference* (the prompt alone; the baseline; plain AR) and
+the other one the *other run*:
 
-    ``|l_b - l_s| <= NEAR_TIE_ULPS * spacing(max(|l_b|, |l_s|))``
+1. both runs were in the same state there (dLLM: the same ``x`` and the same generator state; AR: the same root
+   position after the same committed tokens);
+2. the step is a function of its logits alone: the reference's own rule, replayed on the *other run's* logits
+   (same state, same generator state / position-keyed noise), reproduces the other run's result;
+3. those logits agree with the reference's within :data:`DEVIATION_ULPS` ulps of each row's largest magnitude in
+   the model dtype (:func:`deviation_ulps`);
+4. the choice that flipped is within that rounding, by its kind:
 
-where ``spacing(x) = finfo(dtype).eps * 2 ** floor(log2 x)`` is the distance between adjacent representable
-numbers at ``x`` (bfloat16: ``2**-7`` relative, float16: ``2**-10``). Why 4 ulps: each path rounds each logit to
-the dtype (a difference of two rounded values is off by up to 1 ulp), and the hidden states carry the rounding of
-different reduction orders; measured on the shipped tiny Qwen3 target (6 HumanEval prompts x 48 positions), the
-top-2 gap of a cached one-row decode and of a full-sequence forward differ by at most 2.5 ulps of the top logit in
-bfloat16 and 2.0 in float16. 4 ulps covers that with margin and stays far below any gap a logic error produces.
+   * ``greedy`` (an argmax): the reference's logits of the two tokens differ by at most :func:`rounding_bound`
+     (:data:`NEAR_TIE_ULPS` ulps);
+   * ``low-confidence`` (which positions a dLLM step unmasks): the two positions' confidences (or a confidence and
+     the threshold) differ by at most :func:`confidence_bound`;
+   * ``sampled`` (a draw whose coins both runs share): position-keyed Gumbel noise (AR, coupled rule): the perturbed
+     scores of the two tokens differ by at most the tempered logits' rounding bound; an acceptance test or an
+     inverse-CDF draw (AR, rejection rule): the coin lies within ``(exp(4 d) - 1)`` times the threshold, or
+     ``2 (exp(4 d) - 1) min(C, 1 - C)`` of the CDF value ``C``, from the boundary; a dLLM draw: the draw flips
+     within a logit change no larger than the rounding bound (bisection along the straight path between the two
+     runs' logits, same coins);
+   * ``draft`` (batched AR rows: the drafts differ): point 3 on the drafter's logits and the tree rebuilt from the
+     other run's drafter logits equal to its tree.
 
-With sampling (temperature > 0) the decision compares perturbed scores; no gap is computed there (``near_tie``
-is ``None``), the identical rate is still reported.
+A step violating any point is reported ``near_tie = False`` with the reason (:attr:`NearTieProof.reason`): a bug.
+Where the rule is applied: :mod:`spiffy.bench.batch_fidelity` (batched dLLM rows, and the dLLM recording and
+judging every dLLM proof shares), :mod:`spiffy.bench.batch_fidelity_ar` (batched AR rows, and the AR pieces),
+:mod:`spiffy.bench.spec_fidelity` (a speculative path against its baseline, dLLM and AR). The proofs re-run the two
+decodes to find and record the step (about four decodes per differing output), so callers run them only for
+outputs that differ.
+
+Why these bounds: each run rounds each logit to the dtype (a difference of two rounded values is off by up to
+1 ulp), and the hidden states carry the rounding of different reduction orders; measured on the shipped tiny Qwen3
+target the top-2 gap of a cached one-row decode and of a full-sequence forward differ by at most 2.5 ulps of the
+top logit in bfloat16 (2.0 in float16), hence 4 ulps for a flipped choice; over every verified row and vocabulary
+entry of tiny LLaDA / Dream / SDAR / Qwen3 + DFlash pairs the logits differ by at most 6 ulps, hence 16 for point 3.
+A logic error moves logits and gaps by far more.
 """
 
 from __future__ import annotations
@@ -31,13 +57,18 @@ from typing import Any, Sequence
 
 import torch
 
-from spiffy.bench.common import first_mismatch
-
+#: point 4, greedy: the largest logit gap rounding can flip, in ulps of the larger logit
 NEAR_TIE_ULPS = 4.0
+#: point 3: the largest logit difference of the two runs, in ulps of the row's largest logit
+DEVIATION_ULPS = 16.0
 
 NEAR_TIE_RULE = (
-    f"greedy divergence is a near tie when the baseline's logits of the baseline and speculative tokens differ by at "
-    f"most {NEAR_TIE_ULPS:g} ulps of the larger one in the model dtype (spiffy.bench.fidelity)"
+    "a divergence (a batched row from its prompt alone, or a speculative path from its baseline) is a near tie when "
+    "at the first differing step both runs were in the same state, the reference's rule replayed on the other run's "
+    f"logits reproduces the other run's result, the logits agree within {DEVIATION_ULPS:g} ulps of each row's "
+    f"largest magnitude, and the flipped choice (greedy top-2 gap within {NEAR_TIE_ULPS:g} ulps, two confidences, or "
+    "a sampled draw's perturbed scores / coin) lies within that rounding (spiffy.bench.fidelity; batched rows: "
+    "spiffy.bench.batch_fidelity)"
 )
 
 
@@ -53,67 +84,97 @@ def rounding_bound(logit_a: float, logit_b: float, dtype: torch.dtype, ulps: flo
     return ulps * spacing(max(abs(logit_a), abs(logit_b)), dtype)
 
 
+def deviation_ulps(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
+    """``max |a - b|`` over ``[..., V]`` rows, each in ulps (``dtype``) of that row's largest ``|a|``."""
+    a64, b64 = a.double().reshape(-1, a.shape[-1]), b.double().reshape(-1, b.shape[-1])
+    worst = 0.0
+    for ra, rb in zip(a64, b64):
+        diff = float((ra - rb).abs().max())
+        worst = max(worst, diff / spacing(float(ra.abs().max()), dtype))
+    return worst
+
+
+def confidence_bound(values: Sequence[float], logit_scale: float, dtype: torch.dtype) -> float:
+    """The largest gap between two confidences among ``values`` that rounding can flip: each moves by at most
+    ``(exp(2 d) - 1) (exp(2 d) + max |values|)`` (a probability, a margin or an entropy; ``d`` the rounding bound of
+    logits of magnitude ``logit_scale``), so twice that."""
+    grow = math.exp(2.0 * rounding_bound(logit_scale, 0.0, dtype))
+    return 2.0 * (grow - 1.0) * (grow + max(abs(float(v)) for v in values))
+
+
 @dataclass
-class Divergence:
-    """The first differing position of a speculative output and what the baseline's logits say about it.
+class NearTieProof:
+    """The first step where two runs that must agree differ, and the verdict of the rule (module docstring).
 
     Attributes:
-        position: index in the generated tokens (prompt excluded).
-        baseline_token, speculative_token: the two tokens there (``None`` where one output ended).
-        gap: ``|l_baseline - l_speculative|`` of the baseline's logits at that position (``None``: not computed).
-        bound: :func:`rounding_bound` of the two logits in the model dtype.
-        speculative_rank: rank of the speculative token in the baseline's logits (0 = top).
-        dtype: the model dtype.
-        near_tie: ``gap <= bound`` (``None`` when not computed: sampling, or one output is a prefix of the other).
+        row: the row in its batch (``None``: a single prompt, a speculative path against its baseline).
+        step: dLLM transition / AR round index of the first differing step (AR against plain AR: the other run's
+            round; ``-1``: the prefill).
+        position: generated-token index of the first differing token of that step.
+        kind: ``greedy``, ``low-confidence``, ``sampled``, ``draft`` or ``schedule`` (one run took a step the other
+            never took).
+        gap, bound: the flipped choice's margin and its rounding bound (``None`` where the kind has none: a draw
+            whose coin the rule does not expose is proved by the replay and the logit agreement).
+        deviation_ulps: largest logit difference of the two runs at the step, in ulps of the row's largest logit.
+        same_state, replay: points 1 and 2 of the rule. near_tie: every point holds. dtype: the model dtype.
+        compared: which two runs (``"batched row vs alone"``, ``"spiffy vs baseline"``, ``"ddtree vs ar"``, ...).
     """
 
-    position: int
-    baseline_token: int | None
-    speculative_token: int | None
-    gap: float | None = None
-    bound: float | None = None
-    speculative_rank: int | None = None
-    dtype: str | None = None
-    near_tie: bool | None = None
+    row: int | None
+    step: int
+    position: int | None
+    kind: str
+    gap: float | None
+    bound: float | None
+    deviation_ulps: float | None
+    same_state: bool
+    replay: bool
+    near_tie: bool
+    dtype: str
+    compared: str = "batched row vs alone"
+
+    @property
+    def reason(self) -> str:
+        """Why the divergence is not proven a near tie (every failed point of the rule); ``""`` when it is."""
+        if self.near_tie:
+            return ""
+        if self.kind == "schedule":
+            return "one run took a decision step the other never took (their schedules differ)"
+        why = []
+        if not self.same_state:
+            why.append("the runs were in different states at the first differing step (other tokens, positions or "
+                       "random coins)")
+        if not self.replay:
+            why.append("the reference's rule replayed on the other run's logits does not reproduce its result")
+        if self.deviation_ulps is not None and self.deviation_ulps > DEVIATION_ULPS:
+            why.append(f"the logits differ by {self.deviation_ulps:.3g} ulps, beyond the {DEVIATION_ULPS:g}-ulp "
+                       "rounding bound")
+        if self.gap is not None and self.bound is not None and self.gap > self.bound:
+            why.append(f"the flipped {self.kind} choice's margin {self.gap:.4g} exceeds its rounding bound "
+                       f"{self.bound:.4g}")
+        return "; ".join(why) or "no point of the rule could be checked"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "reason": self.reason}
 
 
-@torch.no_grad()
-def explain_ar_divergence(
-    target: Any,
-    prompt_ids: Sequence[int],
-    baseline: Sequence[int],
-    speculative: Sequence[int],
-    *,
-    greedy: bool = True,
-) -> Divergence | None:
-    """:class:`Divergence` of ``speculative`` from ``baseline`` (``None`` when identical).
-
-    Args:
-        target: the causal LM both outputs came from (``target(ids [1, L]).logits [1, L, V]``).
-        prompt_ids: the prompt token ids; baseline, speculative: generated token ids (prompt excluded).
-        greedy: the outputs were decoded greedily (otherwise no gap is computed).
-    """
-    pos = first_mismatch(list(baseline), list(speculative))
-    if pos is None:
-        return None
-    b_tok = int(baseline[pos]) if pos < len(baseline) else None
-    s_tok = int(speculative[pos]) if pos < len(speculative) else None
-    param = next(target.parameters())
-    div = Divergence(position=pos, baseline_token=b_tok, speculative_token=s_tok,
-                     dtype=str(param.dtype).replace("torch.", ""))
-    if not greedy or b_tok is None or s_tok is None:
-        return div
-    ids = torch.tensor([list(prompt_ids) + list(baseline[:pos])], dtype=torch.long, device=param.device)
-    logits = target(ids).logits[0, -1].float()  # [V], computed in the model dtype, exact in float32
-    lb, ls = float(logits[b_tok]), float(logits[s_tok])
-    div.gap = abs(lb - ls)
-    div.bound = rounding_bound(lb, ls, param.dtype)
-    div.speculative_rank = int((logits > ls).sum())
-    div.near_tie = div.gap <= div.bound
-    return div
+def divergence_entry(proof: NearTieProof | None) -> dict[str, Any]:
+    """What a report records of a divergence its caller saw: the proof's fields (``near_tie``, ``reason``, ...), or,
+    when the proof's own re-run of both paths agreed (``None``: the divergence did not reproduce, so nothing about
+    it is proven), an unproven entry saying so."""
+    if proof is not None:
+        return proof.to_dict()
+    return {"near_tie": False, "kind": "unreproduced",
+            "reason": "the proof's re-run of both paths did not reproduce the divergence (a run that depends on more "
+                      "than its inputs: not rounding)"}
 
 
-__all__ = ["NEAR_TIE_ULPS", "NEAR_TIE_RULE", "Divergence", "spacing", "rounding_bound", "explain_ar_divergence"]
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16``: how proofs and reports name a dtype."""
+    return str(dtype).replace("torch.", "")
+
+
+__all__ = [
+    "DEVIATION_ULPS", "NEAR_TIE_RULE", "NEAR_TIE_ULPS", "NearTieProof", "confidence_bound", "deviation_ulps",
+    "divergence_entry", "dtype_name", "rounding_bound", "spacing",
+]

@@ -115,7 +115,7 @@ def _memory_lines(env: dict[str, Any]) -> list[str]:
 
 def divergence_verdict(entry: dict[str, Any]) -> str:
     """``""`` when every output of a method row equals its baseline; ``"near tie"`` when each divergence was proven
-    a rounding-level near tie (:mod:`spiffy.bench.fidelity`: half precision); ``"MISMATCH"`` otherwise."""
+    a rounding-level near tie (:mod:`spiffy.bench.fidelity`); ``"MISMATCH"`` otherwise."""
     if entry["identical_fraction"] >= 1.0:
         return ""
     mism = entry.get("mismatches") or []
@@ -129,11 +129,19 @@ def _identical_cell(entry: dict[str, Any], num_prompts: Any) -> str:
 
 
 def _gap_note(m: dict[str, Any]) -> str:
-    """``, baseline logit gap G (bound B): near tie`` for a mismatch explained by :mod:`spiffy.bench.fidelity`."""
-    if m.get("gap") is None:
+    """What the near-tie proof (:mod:`spiffy.bench.fidelity`) found about a mismatch: the flipped choice's margin
+    against its rounding bound, how far apart the two runs' logits were, and the verdict (with the reason when the
+    divergence is not proven); ``""`` for a mismatch without a proof."""
+    if "near_tie" not in m:
         return ""
-    verdict = "near tie (numerics)" if m.get("near_tie") else "NOT a near tie (a bug)"
-    return f", baseline logit gap {m['gap']:.4g} (rounding bound {m['bound']:.4g} in {m.get('dtype')}): {verdict}"
+    parts = []
+    if m.get("gap") is not None:
+        kind = f"{m['kind']} " if m.get("kind") else ""
+        parts.append(f"{kind}margin {m['gap']:.4g} (rounding bound {m['bound']:.4g} in {m.get('dtype')})")
+    if m.get("deviation_ulps") is not None:
+        parts.append(f"logits {m['deviation_ulps']:.3g} ulps apart")
+    verdict = "near tie (numerics)" if m.get("near_tie") else f"NOT a near tie (a bug): {m.get('reason') or 'unproven'}"
+    return ", " + ", ".join(parts + [verdict])
 
 
 def _tail_sections(

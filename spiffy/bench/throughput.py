@@ -49,7 +49,8 @@ from spiffy.arspec.methods import (
     DLLM_DRAFTER,
     SPECDIFF,
 )
-from spiffy.bench.batch_fidelity import BATCH_NEAR_TIE_RULE, BatchDivergence, explain_dllm_batch_row
+from spiffy.bench.batch_fidelity import BATCH_NEAR_TIE_RULE, explain_dllm_batch_row
+from spiffy.bench.fidelity import NearTieProof
 from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
 from spiffy.bench.common import environment_info
 from spiffy.bench.datasets import BenchPrompt
@@ -62,7 +63,7 @@ from spiffy.sampling import SamplingConfig
 #: one batched call: prompts (token-id lists) -> (token lists per row, forwards or rounds of the call)
 BatchCall = Callable[[list[list[int]]], tuple[list[list[int]], int]]
 #: the near-tie proof of one row: (the batch's prompts, the row that differs from its batch-1 run) -> divergence
-Explain = Callable[[list[list[int]], int], "BatchDivergence | None"]
+Explain = Callable[[list[list[int]], int], "NearTieProof | None"]
 
 
 @dataclass
@@ -167,7 +168,7 @@ def dllm_methods(model: Any, tokenizer: Any, config: Any, graph: Any, budgets: S
                            graph=None if budget is None else graph, budget=budget, score=score, **extra)
             return res.tokens, int(res.nfe)
 
-        def explain(batch: list[list[int]], row: int) -> BatchDivergence | None:
+        def explain(batch: list[list[int]], row: int) -> NearTieProof | None:
             return explain_dllm_batch_row(model, batch, row, config, graph=None if budget is None else graph,
                                           budget=budget, score=score, tokenizer=tokenizer, overrides=extra)
         return BatchMethod(call, explain)
@@ -194,7 +195,7 @@ def ar_methods(target: Any, drafter: Any, budgets: Sequence[int], *, max_new_tok
             res = speculative_generate_batch(target, drafters, batch, config)
             return [list(r.tokens) for r in res], sum(int(r.rounds) for r in res)
 
-        def explain(batch: list[list[int]], row: int) -> BatchDivergence | None:
+        def explain(batch: list[list[int]], row: int) -> NearTieProof | None:
             return explain_ar_batch_row(target, None if model is None else (lambda: as_drafter(model)), batch, row,
                                         config)
         return BatchMethod(call, explain)
