@@ -105,7 +105,7 @@ def _ar_runs(target, drafter, prompts, new_tokens):  # noqa: ANN001
             if spec != ar:
                 cfg = ARSpecConfig(method=method, max_new_tokens=new_tokens, sampling=SamplingConfig(temperature=0.0),
                                    **({} if budget is None else {"budget": budget}))
-                proof = prove_ar_divergence(target, as_drafter(drafter), ids, cfg)
+                proof = prove_ar_divergence(target, as_drafter(drafter), ids, cfg, outputs=(ar, spec))
                 assert proof is not None, f"{method}: the divergence from AR did not reproduce in the proof's re-run"
             out.append((method, ids, proof))
     return out

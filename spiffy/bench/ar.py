@@ -219,8 +219,9 @@ def run_ar_bench(
         found = {}
         for e in entries:
             if list(outs[e.name].tokens) != ref and _expects_identical(e):
-                found[e.name] = divergence_entry(prove_ar_divergence(target, wrapped[e.drafter], ids, _config(e),
-                                                                     compared=f"{e.name} vs ar"))
+                found[e.name] = divergence_entry(prove_ar_divergence(
+                    target, wrapped[e.drafter], ids, _config(e), outputs=(ref, list(outs[e.name].tokens)),
+                    compared=f"{e.name} vs ar"))
         return found
 
     def _warm(ids: list[int]) -> None:

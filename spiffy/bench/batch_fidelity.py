@@ -55,10 +55,10 @@ class _Step:
     selection: torch.Tensor | None
     selection_start: int
     replayed: torch.Tensor | None = None
-    flip: float | None = None  # see _TransitionRecorder._flip_fraction
+    flip: float | None = None  # see TransitionRecorder._flip_fraction
 
 
-class _TransitionRecorder:
+class TransitionRecorder:
     """Wraps ``session.transition``: records every result, and the full step at index ``keep`` (then, with
     ``replay_logits``, also the rule replayed on those logits from the same generator state) and stops the run."""
 
@@ -121,9 +121,9 @@ def _left_pad(batch: Sequence[Sequence[int]], device: Any) -> tuple[torch.Tensor
     return ids, None if bool(mask.all()) else mask
 
 
-def _dllm_run(model: Any, batch: Sequence[Sequence[int]], row: int, config: Any, alone: bool, graph: Any,
-              budget: int | None, score: str | None, tokenizer: Any, overrides: dict[str, Any],
-              keep: int | None = None, replay_logits: torch.Tensor | None = None) -> _TransitionRecorder:
+def dllm_run(model: Any, batch: Sequence[Sequence[int]], row: int, config: Any, alone: bool, graph: Any,
+             budget: int | None, score: str | None, tokenizer: Any, overrides: dict[str, Any],
+             keep: int | None = None, replay_logits: torch.Tensor | None = None) -> TransitionRecorder:
     """Decode prompt ``row`` alone or the whole batch (as :func:`spiffy.api.generate` does, every row seeded from
     the config) and record row ``row``'s transitions."""
     device = next(model.parameters()).device
@@ -132,14 +132,14 @@ def _dllm_run(model: Any, batch: Sequence[Sequence[int]], row: int, config: Any,
     cfg = fwd.config  # type: ignore[attr-defined]
     if alone:
         session = make_session(model, ids[row : row + 1, ids.shape[1] - len(batch[row]):], cfg, tokenizer=tokenizer)
-        rec = _TransitionRecorder(session, keep, replay_logits)
+        rec = TransitionRecorder(session, keep, replay_logits)
         try:
             run_baseline(session) if graph is None else spiffy_single(session, graph, budget, score=score)
         except _Enough:
             pass
         return rec
     rows = make_row_sessions(model, ids, mask, cfg, row_generators(len(batch), device), tokenizer=tokenizer)
-    rec = _TransitionRecorder(rows[row], keep, replay_logits)
+    rec = TransitionRecorder(rows[row], keep, replay_logits)
     try:
         run_baseline_batch(fwd, rows) if graph is None else spiffy_batch(fwd, rows, graph, budget, score=score)
     except _Enough:
@@ -206,8 +206,8 @@ def _first_difference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> i
 
 
 #: ``run(reference, keep, replay_logits)``: one recorded decode of a proof, the reference run or the other run
-#: (``keep``/``replay_logits`` as :class:`_TransitionRecorder` takes them)
-RecordedRun = Callable[[bool, "int | None", "torch.Tensor | None"], _TransitionRecorder]
+#: (``keep``/``replay_logits`` as :class:`TransitionRecorder` takes them)
+RecordedRun = Callable[[bool, "int | None", "torch.Tensor | None"], TransitionRecorder]
 
 
 def prove_dllm_runs(run: RecordedRun, dtype: torch.dtype, *, row: int | None, compared: str) -> NearTieProof | None:
@@ -238,8 +238,8 @@ def explain_dllm_batch_row(model: Any, batch: Sequence[Sequence[int]], row: int,
     at a near tie. ``graph``: batched Spiffy against Spiffy alone. ``None`` when the two runs agree."""
     extra = dict(overrides or {})
 
-    def run(reference: bool, keep: int | None, replay_logits: torch.Tensor | None) -> _TransitionRecorder:
-        return _dllm_run(model, batch, row, config, reference, graph, budget, score, tokenizer, extra, keep=keep,
+    def run(reference: bool, keep: int | None, replay_logits: torch.Tensor | None) -> TransitionRecorder:
+        return dllm_run(model, batch, row, config, reference, graph, budget, score, tokenizer, extra, keep=keep,
                          replay_logits=replay_logits)
 
     return prove_dllm_runs(run, next(model.parameters()).dtype, row=row, compared="batched row vs alone")
@@ -255,6 +255,6 @@ def _threshold(session: Any) -> float | None:
 
 
 __all__ = [
-    "BATCH_NEAR_TIE_RULE", "DEVIATION_ULPS", "BatchDivergence", "RecordedRun", "confidence_bound", "deviation_ulps",
-    "explain_dllm_batch_row", "judge_dllm_step", "prove_dllm_runs",
+    "BATCH_NEAR_TIE_RULE", "DEVIATION_ULPS", "BatchDivergence", "RecordedRun", "TransitionRecorder",
+    "confidence_bound", "deviation_ulps", "dllm_run", "explain_dllm_batch_row", "judge_dllm_step", "prove_dllm_runs",
 ]

@@ -28,15 +28,21 @@ from spiffy.sampling import filter_logits
 
 
 @dataclass
-class _Round:
+class RecordedRound:
+    """One recorded verification round: the root position, the draft tree, the target's logits at the root and
+    every node, the drafter's logits, the rule's outcome, the round's index in its run and the generated-token
+    index of the first token it commits."""
+
     position: int
     tree: DraftTree
     target_logits: torch.Tensor  # [1 + N, V]: root, then node i
     draft_logits: torch.Tensor | None
     outcome: Acceptance
+    index: int = -1
+    first_token: int = -1
 
 
-class _RecordedLogits(TargetLogits):
+class RecordedLogits(TargetLogits):
     """Target logits of a recorded round (``[1 + N, V]``), served like :class:`TargetLogits`."""
 
     def __init__(self, rows: torch.Tensor) -> None:  # noqa: D107 - no head: the rows are known
@@ -49,23 +55,32 @@ class _RecordedLogits(TargetLogits):
 
 
 class RecordingRule:
-    """An acceptance rule that records each round's outcome, and round ``keep`` in full (tree, every node's
-    target logits, the drafter's logits)."""
+    """An acceptance rule that records each round's outcome, and in full (tree, every node's target logits, the
+    drafter's logits) round ``keep`` or, with ``keep_token``, the round that commits generated token ``keep_token``
+    (token 0 is the prefill's, so rounds commit tokens 1, 2, ...)."""
 
-    def __init__(self, inner: Any, keep: int | None = None) -> None:
-        self.inner, self.keep = inner, keep
+    def __init__(self, inner: Any, keep: int | None = None, *, keep_token: int | None = None) -> None:
+        self.inner, self.keep, self.keep_token = inner, keep, keep_token
         self.outcomes: list[tuple[int, list[int]]] = []
-        self.round: _Round | None = None
+        self.round: RecordedRound | None = None
+        self.generated = 1  # tokens committed so far: the prefill's, then each round's
+
+    def _wanted(self, committed: int) -> bool:
+        if self.keep_token is not None:
+            return self.generated <= self.keep_token < self.generated + committed
+        return len(self.outcomes) - 1 == self.keep
 
     def accept(self, tree: DraftTree, target: TargetLogits, draft_logits: torch.Tensor | None,
                root_position: int) -> Acceptance:
         out = self.inner.accept(tree, target, draft_logits, root_position)
         tokens = tree.tokens.tolist()
         self.outcomes.append((int(root_position), [tokens[n] for n in out.accepted] + [int(out.bonus)]))
-        if len(self.outcomes) - 1 == self.keep:
+        if self._wanted(len(out.accepted) + 1):
             rows = torch.cat([target.logits(n) for n in range(-1, tree.num_nodes)]).detach().cpu()
             drafts = None if draft_logits is None else draft_logits.detach().cpu()
-            self.round = _Round(int(root_position), tree, rows, drafts, out)
+            self.round = RecordedRound(int(root_position), tree, rows, drafts, out, len(self.outcomes) - 1,
+                                       self.generated)
+        self.generated += len(out.accepted) + 1
         return out
 
 
@@ -93,18 +108,18 @@ def judge_ar_prefill(target: Any, prompt: Sequence[int], tokens: tuple[int, int]
     param = next(target.parameters())
     with torch.no_grad():
         logits = target(torch.tensor([list(prompt)], device=param.device)).logits[0, -1].cpu()
-    gap, bound = _token_gap(logits, tokens[0], tokens[1], config, len(prompt), param.dtype)
+    gap, bound = token_gap(logits, tokens[0], tokens[1], config, len(prompt), param.dtype)
     kind = "greedy" if float(config.sampling.temperature) == 0 else "sampled"
     return NearTieProof(row=row, step=-1, position=0, kind=kind, gap=gap, bound=bound, deviation_ulps=None,
                         same_state=True, replay=True, near_tie=bool(gap <= bound), dtype=dtype_name(param.dtype),
                         compared=compared)
 
 
-def judge_ar_round(alone: _Round, batched: _Round, config: ARSpecConfig, *, row: int, step: int,
+def judge_ar_round(alone: RecordedRound, batched: RecordedRound, config: ARSpecConfig, *, row: int, step: int,
                    generated_before: int, dtype: torch.dtype) -> NearTieProof:
     """The rule (module docstring) on the first differing verification round of the two runs."""
     same = alone.position == batched.position
-    replay_out = make_rule(config).accept(batched.tree, _RecordedLogits(batched.target_logits), batched.draft_logits,
+    replay_out = make_rule(config).accept(batched.tree, RecordedLogits(batched.target_logits), batched.draft_logits,
                                           batched.position)
     replay = replay_out == batched.outcome
     devs = []
@@ -130,7 +145,7 @@ def judge_ar_round(alone: _Round, batched: _Round, config: ARSpecConfig, *, row:
             gap, bound = _rejection_margin(alone, batched, config, dtype)
         elif i < len(ta_all) and i < len(tb_all):
             pos = alone.position + (0 if node < 0 else int(alone.tree.depths[node])) + 1
-            gap, bound = _token_gap(alone.target_logits[node + 1], int(ta_all[i]), int(tb_all[i]), config, pos,
+            gap, bound = token_gap(alone.target_logits[node + 1], int(ta_all[i]), int(tb_all[i]), config, pos,
                                     dtype)
     near = same and replay and dev <= DEVIATION_ULPS and (gap is None or gap <= bound)  # type: ignore[operator]
     return NearTieProof(row=row, step=step, position=generated_before + i, kind=kind, gap=gap, bound=bound,
@@ -138,7 +153,7 @@ def judge_ar_round(alone: _Round, batched: _Round, config: ARSpecConfig, *, row:
                         dtype=dtype_name(dtype))
 
 
-def _token_gap(logits: torch.Tensor, ta: int, tb: int, config: ARSpecConfig, position: int,
+def token_gap(logits: torch.Tensor, ta: int, tb: int, config: ARSpecConfig, position: int,
                dtype: torch.dtype) -> tuple[float, float]:
     """Gap and bound of a choice between tokens ``ta`` and ``tb`` drawn from ``logits`` ``[V]`` (the model dtype):
     greedy, the raw logits; at ``T > 0``, the position-keyed Gumbel-perturbed scores (as
@@ -154,7 +169,7 @@ def _token_gap(logits: torch.Tensor, ta: int, tb: int, config: ARSpecConfig, pos
     return abs(float(noisy[ta] - noisy[tb])), bound / temperature
 
 
-def _rejection_margin(alone: _Round, batched: _Round, config: ARSpecConfig,
+def _rejection_margin(alone: RecordedRound, batched: RecordedRound, config: ARSpecConfig,
                       dtype: torch.dtype) -> tuple[float | None, float | None]:
     """The rejection rule's first decision that differs between the two rounds (same tree): the coin's distance to
     the threshold (an acceptance test ``coin < r/q``) or to the CDF boundary between the two drawn tokens, and how
@@ -164,7 +179,7 @@ def _rejection_margin(alone: _Round, batched: _Round, config: ARSpecConfig,
     for rnd in (alone, batched):
         rule = RejectionRule(config.sampling)
         rule.trace = []
-        rule.accept(rnd.tree, _RecordedLogits(rnd.target_logits), rnd.draft_logits, rnd.position)
+        rule.accept(rnd.tree, RecordedLogits(rnd.target_logits), rnd.draft_logits, rnd.position)
         traces.append(rule.trace)
     scale = float(alone.target_logits.double().abs().max())
     if alone.draft_logits is not None:
@@ -209,4 +224,5 @@ def explain_ar_batch_row(target: Any, make_drafter: Callable[[], Any] | None, ba
 
 
 
-__all__ = ["RecordingRule", "explain_ar_batch_row", "judge_ar_prefill", "judge_ar_round"]
+__all__ = ["RecordedLogits", "RecordedRound", "RecordingRule", "explain_ar_batch_row", "judge_ar_prefill",
+           "judge_ar_round", "token_gap"]

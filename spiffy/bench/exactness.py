@@ -95,7 +95,8 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
             if list(ar.tokens) != list(got.tokens):
                 spec_cfg = ARSpecConfig(method=method, max_new_tokens=new, sampling=SamplingConfig(temperature=0.0),
                                         **({} if budget is None else {"budget": budget}))
-                div = prove_ar_divergence(target, DFlashDrafter(drafter), prompts[0], spec_cfg)
+                div = prove_ar_divergence(target, DFlashDrafter(drafter), prompts[0], spec_cfg,
+                                          outputs=(list(ar.tokens), list(got.tokens)))
             rows.append(_pair(f"{method} vs ar", list(ar.tokens), list(got.tokens), div))
         cfg = ARSpecConfig(method="dflash", max_new_tokens=new, sampling=SamplingConfig(temperature=0.0))
         for r in range(len(prompts)):

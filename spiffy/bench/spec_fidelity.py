@@ -18,7 +18,8 @@
   and the two tokens' raw (greedy) or noise-perturbed (sampled) scores under plain AR's logits must lie within
   rounding. The rejection rule at ``T > 0`` equals AR in distribution only, so no token proof applies to it.
 
-Each proof decodes both paths twice (to find the step, then to record it): about four decodes per differing output.
+Each proof decodes both paths twice (to find the step, then to record it): about four decodes per differing output;
+an AR proof given the two outputs it explains decodes each path once.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from spiffy.arspec.config import ARSpecConfig
 from spiffy.arspec.generate import speculative_generate
 from spiffy.arspec.methods import AR, DEFAULT_ACCEPT, get_accept, make_rule
 from spiffy.arspec.tree import empty_tree
-from spiffy.bench.batch_fidelity import _dllm_run, _TransitionRecorder, prove_dllm_runs
-from spiffy.bench.batch_fidelity_ar import RecordingRule, _RecordedLogits, _Round, _token_gap, judge_ar_prefill
+from spiffy.bench.batch_fidelity import TransitionRecorder, dllm_run, prove_dllm_runs
+from spiffy.bench.batch_fidelity_ar import RecordedLogits, RecordedRound, RecordingRule, judge_ar_prefill, token_gap
 from spiffy.bench.fidelity import DEVIATION_ULPS, NearTieProof, deviation_ulps, dtype_name
 from spiffy.errors import ConfigError
 
@@ -58,8 +59,8 @@ def prove_dllm_divergence(model: Any, prompt: Sequence[int], config: Any = None,
     extra = dict(overrides or {})
     ids = [int(t) for t in prompt]
 
-    def run(reference: bool, keep: int | None, replay_logits: torch.Tensor | None) -> _TransitionRecorder:
-        return _dllm_run(model, [ids], 0, config, True, None if reference else graph, budget,
+    def run(reference: bool, keep: int | None, replay_logits: torch.Tensor | None) -> TransitionRecorder:
+        return dllm_run(model, [ids], 0, config, True, None if reference else graph, budget,
                          None if reference else score, tokenizer, extra, keep=keep, replay_logits=replay_logits)
 
     return prove_dllm_runs(run, next(model.parameters()).dtype, row=None, compared=compared)
@@ -70,17 +71,7 @@ def plain_ar(config: ARSpecConfig) -> ARSpecConfig:
     return replace(config, method=AR.name, budget=0, chain_length=None, drafts=1, accept=DEFAULT_ACCEPT)
 
 
-def _round_of(outcomes: Sequence[tuple[int, list[int]]], index: int) -> tuple[int, int] | None:
-    """``(round, offset in its tokens)`` of generated token ``index`` (token 0 comes from the prefill)."""
-    before = 1
-    for k, (_position, tokens) in enumerate(outcomes):
-        if index < before + len(tokens):
-            return k, index - before
-        before += len(tokens)
-    return None
-
-
-def _decision(rnd: _Round, offset: int) -> tuple[torch.Tensor, int, int]:
+def _decision(rnd: RecordedRound, offset: int) -> tuple[torch.Tensor, int, int]:
     """The ``[V]`` logits row that drew token ``offset`` of a recorded round, the absolute position of the last
     committed token before it (the keyed noise draws at that position + 1), and the token."""
     node = -1 if offset == 0 else int(rnd.outcome.accepted[offset - 1])
@@ -89,7 +80,7 @@ def _decision(rnd: _Round, offset: int) -> tuple[torch.Tensor, int, int]:
     return rnd.target_logits[node + 1], position, tokens[offset]
 
 
-def judge_ar_token(reference: _Round, ref_offset: int, other: _Round, other_offset: int, config: ARSpecConfig, *,
+def judge_ar_token(reference: RecordedRound, ref_offset: int, other: RecordedRound, other_offset: int, config: ARSpecConfig, *,
                    step: int, index: int, dtype: torch.dtype, compared: str) -> NearTieProof:
     """The rule on the decision of generated token ``index``: token ``ref_offset`` of plain AR's recorded round
     ``reference`` against token ``other_offset`` of the speculative run's round ``other`` (its ``step``-th)."""
@@ -97,9 +88,9 @@ def judge_ar_token(reference: _Round, ref_offset: int, other: _Round, other_offs
     row_a, pos_a, tok_a = _decision(reference, ref_offset)
     row_b, pos_b, tok_b = _decision(other, other_offset)
     same = pos_a == pos_b
-    replayed = make_rule(base).accept(empty_tree(), _RecordedLogits(row_b[None]), None, pos_a).bonus
+    replayed = make_rule(base).accept(empty_tree(), RecordedLogits(row_b[None]), None, pos_a).bonus
     dev = deviation_ulps(row_a[None], row_b[None], dtype)
-    gap, bound = _token_gap(row_a, tok_a, tok_b, base, pos_a + 1, dtype)
+    gap, bound = token_gap(row_a, tok_a, tok_b, base, pos_a + 1, dtype)
     kind = "greedy" if float(config.sampling.temperature) == 0 else "sampled"
     near = same and replayed == tok_b and dev <= DEVIATION_ULPS and gap <= bound
     return NearTieProof(row=None, step=step, position=index, kind=kind, gap=gap, bound=bound, deviation_ulps=dev,
@@ -108,17 +99,19 @@ def judge_ar_token(reference: _Round, ref_offset: int, other: _Round, other_offs
 
 
 def _ar_runs(target: Any, drafter: Any, prompt: list[int], config: ARSpecConfig,
-             keep: tuple[int | None, int | None] = (None, None)) -> tuple[RecordingRule, RecordingRule, list[list[int]]]:
-    """Plain AR and the speculative path on ``prompt``, each with a recording rule; also both runs' tokens."""
+             keep_token: int | None = None) -> tuple[RecordingRule, RecordingRule, list[list[int]]]:
+    """Plain AR and the speculative path on ``prompt``, each with a recording rule (keeping the round that commits
+    generated token ``keep_token`` in full); also both runs' tokens."""
     base = plain_ar(config)
-    reference = RecordingRule(make_rule(base), keep[0])
+    reference = RecordingRule(make_rule(base), keep_token=keep_token)
     ar = speculative_generate(target, None, prompt, base, rule=reference)
-    other = RecordingRule(make_rule(config), keep[1])
+    other = RecordingRule(make_rule(config), keep_token=keep_token)
     spec = speculative_generate(target, drafter, prompt, config, rule=other)
     return reference, other, [list(ar.tokens), list(spec.tokens)]
 
 
 def prove_ar_divergence(target: Any, drafter: Any, prompt: Sequence[int], config: ARSpecConfig, *,
+                        outputs: tuple[Sequence[int], Sequence[int]] | None = None,
                         compared: str | None = None) -> NearTieProof | None:
     """Prove (or refute) that the speculative path ``config`` (DFlash, DDTree, DEER, SpecDiff-2, ...) leaves plain
     AR on ``prompt`` only at a near tie.
@@ -126,9 +119,13 @@ def prove_ar_divergence(target: Any, drafter: Any, prompt: Sequence[int], config
     Args:
         target: the Qwen3 target; drafter: the method's :class:`~spiffy.arspec.Drafter` (``None`` without one).
         prompt: the prompt's token ids; config: the speculative configuration (plain AR: :func:`plain_ar` of it).
+        outputs: the two runs' generated tokens ``(plain AR, speculative)`` when the caller has them (the proof
+            then decodes each path once, recording the decision of the first differing token; else twice).
         compared: how the proof names the pair (default ``"METHOD vs ar"``).
     Returns:
-        ``None`` when both outputs agree, else the :class:`NearTieProof` of the first differing token.
+        ``None`` when both outputs agree (or the recording re-run does not reproduce ``outputs``: nothing is
+        proven, :func:`~spiffy.bench.fidelity.divergence_entry`), else the :class:`NearTieProof` of the first
+        differing token.
     Raises:
         ConfigError: the rejection rule at ``T > 0`` (equal to AR in distribution only: no token proof applies).
     """
@@ -137,25 +134,26 @@ def prove_ar_divergence(target: Any, drafter: Any, prompt: Sequence[int], config
                           "token-level near-tie proof applies; fix: prove a coupled-rule or greedy run")
     name = compared or f"{config.method} vs ar"
     ids = [int(t) for t in prompt]
-    reference, other, (ar, spec) = _ar_runs(target, drafter, ids, config)
+    if outputs is None:
+        _, _, (ar, spec) = _ar_runs(target, drafter, ids, config)
+    else:
+        ar, spec = [int(t) for t in outputs[0]], [int(t) for t in outputs[1]]
     index = next((i for i, (a, b) in enumerate(zip(ar, spec)) if a != b), None)
     dtype = next(target.parameters()).dtype
     if index is None:
         if len(ar) == len(spec):
             return None
-        index = min(len(ar), len(spec))
-    elif index == 0:  # both drew it from the same prefill forward
-        return judge_ar_prefill(target, ids, (ar[0], spec[0]), config, row=None, compared=name)
-    where = [_round_of(rec.outcomes, index) for rec in (reference, other)]
-    if where[0] is None or where[1] is None:  # one output ended (or stopped) before the other
-        return NearTieProof(None, -1, index, "schedule", None, None, None, False, False, False, dtype_name(dtype),
-                            name)
-    reference_k, other_k, _ = _ar_runs(target, drafter, ids, config, (where[0][0], where[1][0]))
-    if reference_k.round is None or other_k.round is None:  # a re-run took other rounds: not reproducible
-        return NearTieProof(None, where[1][0], index, "schedule", None, None, None, False, False, False,
+        # one output ended (or stopped) before the other without a differing token
+        return NearTieProof(None, -1, min(len(ar), len(spec)), "schedule", None, None, None, False, False, False,
                             dtype_name(dtype), name)
-    return judge_ar_token(reference_k.round, where[0][1], other_k.round, where[1][1], config, step=where[1][0],
-                          index=index, dtype=dtype, compared=name)
+    if index == 0:  # both drew it from the same prefill forward
+        return judge_ar_prefill(target, ids, (ar[0], spec[0]), config, row=None, compared=name)
+    reference, other, rerun = _ar_runs(target, drafter, ids, config, keep_token=index)
+    if rerun != [ar, spec] or reference.round is None or other.round is None:
+        return None  # the re-run did not reproduce the outputs: nothing to prove (the caller reports it unproven)
+    ref_round, other_round = reference.round, other.round
+    return judge_ar_token(ref_round, index - ref_round.first_token, other_round, index - other_round.first_token,
+                          config, step=other_round.index, index=index, dtype=dtype, compared=name)
 
 
 __all__ = ["judge_ar_token", "plain_ar", "prove_ar_divergence", "prove_dllm_divergence"]

@@ -61,7 +61,8 @@ def _unproven(res: dict[str, Any]) -> list[str]:
             for r in res.get("runs", [])] + [(m["name"], m) for m in res.get("methods", [])]
     lines = [f"{name} prompt {m['id']} at position {m['first_mismatch']}: {m.get('reason') or 'no proof ran'}"
              for name, row in rows for m in row.get("mismatches", []) if m.get("near_tie") is not True]
-    return lines + [f"threshold companion: {line}" for line in _unproven(res.get("companion") or {})]
+    companion = res.get("companion")
+    return lines + ([f"threshold companion: {line}" for line in _unproven(companion)] if companion else [])
 
 
 def _finish(args: argparse.Namespace, res: dict[str, Any], mismatch_warning: str) -> int:
