@@ -7,7 +7,8 @@ would: the forward over ``1 + D`` states (dLLM) or over a tree of draft rows (AR
 one-state / one-row forward's
 
 * by rounding (every top-2 pair within 2 ulps of each other swapped by lifting the second 1 ulp above the first):
-  the outputs diverge at a near tie and the proof accepts it;
+  the outputs diverge at a near tie and the proof accepts it (Spiffy, FreeDave, SSD on LLaDA; Spiffy on SDAR;
+  DFlash, DDTree, DEER, SpecDiff-2);
 * by more than rounding (one token's logit lifted by half the row's largest magnitude, 64 ulps in bfloat16; or the
   logits of another state served for the real one): the proof refuses, naming the logit deviation;
 * or the speculative run draws other coins (another seed): the proof refuses (other generator state; AR's rule
@@ -26,7 +27,7 @@ from typing import Callable
 import pytest
 import torch
 
-from spiffy.arspec import ARSpecConfig, DFlashDrafter, SamplingConfig
+from spiffy.arspec import ARSpecConfig, DFlashDrafter, SamplingConfig, as_drafter
 from spiffy.arspec import batch as ar_batch
 from spiffy.arspec.rules import TargetLogits
 from spiffy.bench import batch_fidelity, spec_fidelity
@@ -36,7 +37,14 @@ from spiffy.bench.spec_fidelity import prove_ar_divergence, prove_dllm_divergenc
 from spiffy.cli.main import main
 from spiffy.decoding import DecodeConfig
 from spiffy.errors import ConfigError
-from spiffy.models import load_drafter, load_target, make_tiny_dflash, make_tiny_target
+from spiffy.models import (
+    load_ar_drafter,
+    load_drafter,
+    load_target,
+    make_tiny_dflash,
+    make_tiny_dllm_drafter,
+    make_tiny_target,
+)
 from spiffy.models.loading import load_model
 from spiffy.selfspec import runtime
 from spiffy.selfspec.oracle import random_graph
@@ -136,7 +144,8 @@ def _first_dllm_proof(model: torch.nn.Module, path: str, config: DecodeConfig = 
     """The proof of the first prompt (of :data:`SEEDS`) whose ``path`` output leaves the baseline."""
     graph = _graph(model, path, config)
     for seed in SEEDS:
-        proof = prove_dllm_divergence(model, _prompt(seed), config, graph=graph, budget=2, compared=f"{path} vs baseline")
+        proof = prove_dllm_divergence(model, _prompt(seed), config, graph=graph, budget=2,
+                                      compared=f"{path} vs baseline")
         if proof is not None:
             return proof
     pytest.fail(f"{path} never left the baseline under the broken verification forward ({len(SEEDS)} prompts)")
@@ -191,18 +200,30 @@ def test_a_speculative_run_with_other_coins_is_no_near_tie(request, monkeypatch)
 
 # ------------------------------------------------------------------------------------------------------------ AR
 @pytest.fixture(scope="module")
-def ar_pair(tmp_path_factory):  # noqa: ANN001, ANN201
-    root = tmp_path_factory.mktemp("spec_near_tie_ar")
-    t = make_tiny_target(root / "target", seed=3, num_layers=3, with_tokenizer=False)
-    d = make_tiny_dflash(root / "drafter", t, seed=4, num_layers=2, block_size=8)
-    return load_target(t, torch.bfloat16, "cpu"), load_drafter(d, dtype=torch.bfloat16)
+def ar_target(tmp_path_factory) -> Path:  # noqa: ANN001
+    return make_tiny_target(tmp_path_factory.mktemp("spec_near_tie_ar") / "target", seed=3, num_layers=3,
+                            with_tokenizer=False)
 
 
-def _first_ar_proof(ar_pair, config: ARSpecConfig) -> NearTieProof:  # noqa: ANN001
-    target, drafter = ar_pair
+@pytest.fixture(scope="module")
+def ar_pair(ar_target: Path):  # noqa: ANN201
+    d = make_tiny_dflash(ar_target.parent / "drafter", ar_target, seed=4, num_layers=2, block_size=8)
+    return load_target(ar_target, torch.bfloat16, "cpu"), load_drafter(d, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def dllm_drafter(ar_target: Path):  # noqa: ANN201
+    """A tiny dLLM drafter of the AR pair's target (DEER, SpecDiff-2)."""
+    path = make_tiny_dllm_drafter(ar_target.parent / "dllm", ar_target, seed=1, block_size=8)
+    return load_ar_drafter(path, dtype=torch.bfloat16)
+
+
+def _first_ar_proof(ar_pair, config: ARSpecConfig, drafter=None) -> NearTieProof:  # noqa: ANN001
+    target, dflash = ar_pair
     for seed in SEEDS:
         prompt = torch.randint(0, 250, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
-        proof = prove_ar_divergence(target, DFlashDrafter(drafter), prompt, config)
+        wrapped = DFlashDrafter(dflash) if drafter is None else as_drafter(drafter)
+        proof = prove_ar_divergence(target, wrapped, prompt, config)
         if proof is not None:
             return proof
     pytest.fail(f"{config.method} never left AR under the broken verification forward ({len(SEEDS)} prompts)")
@@ -220,6 +241,14 @@ def test_a_rounding_flip_in_the_tree_forward_is_a_proven_near_tie(ar_pair, monke
     assert proof.kind == "greedy" and proof.same_state and proof.replay and proof.near_tie, proof
     assert proof.position > 0 and proof.step >= 0 and proof.compared == f"{method} vs ar"
     assert proof.gap is not None and proof.gap <= proof.bound and proof.deviation_ulps <= 3
+
+
+@pytest.mark.parametrize("method", ["deer", "specdiff"])
+def test_a_rounding_flip_under_a_dllm_drafter_is_a_proven_near_tie(ar_pair, dllm_drafter, monkeypatch,
+                                                                    method) -> None:
+    _break_ar_verification(monkeypatch, rounding_flip)
+    proof = _first_ar_proof(ar_pair, replace(_ar_config(method), drafts=2), dllm_drafter)
+    assert proof.kind == "greedy" and proof.same_state and proof.replay and proof.near_tie, proof
 
 
 def test_a_tree_forward_off_by_more_than_rounding_is_no_near_tie(ar_pair, monkeypatch) -> None:

@@ -147,8 +147,9 @@ def dllm_run(model: Any, batch: Sequence[Sequence[int]], row: int, config: Any, 
     return rec
 
 
-def judge_dllm_step(alone: _Step, batched: _Step, *, row: int | None, step: int, prompt_len: int, dtype: torch.dtype,
-                    temperature: float, threshold: float | None, compared: str = "batched row vs alone") -> NearTieProof:
+def judge_dllm_step(alone: _Step, batched: _Step, *, row: int | None, step: int, prompt_len: int,
+                    dtype: torch.dtype, temperature: float, threshold: float | None,
+                    compared: str = "batched row vs alone") -> NearTieProof:
     """The rule (:mod:`spiffy.bench.fidelity`) on the first differing transition of two runs: ``alone`` is the
     reference's step (with its rule replayed on the other run's logits), ``batched`` the other run's."""
     same = torch.equal(alone.x_before, batched.x_before) and (

@@ -80,8 +80,8 @@ def _decision(rnd: RecordedRound, offset: int) -> tuple[torch.Tensor, int, int]:
     return rnd.target_logits[node + 1], position, tokens[offset]
 
 
-def judge_ar_token(reference: RecordedRound, ref_offset: int, other: RecordedRound, other_offset: int, config: ARSpecConfig, *,
-                   step: int, index: int, dtype: torch.dtype, compared: str) -> NearTieProof:
+def judge_ar_token(reference: RecordedRound, ref_offset: int, other: RecordedRound, other_offset: int,
+                   config: ARSpecConfig, *, step: int, index: int, dtype: torch.dtype, compared: str) -> NearTieProof:
     """The rule on the decision of generated token ``index``: token ``ref_offset`` of plain AR's recorded round
     ``reference`` against token ``other_offset`` of the speculative run's round ``other`` (its ``step``-th)."""
     base = plain_ar(config)
