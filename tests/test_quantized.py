@@ -157,9 +157,10 @@ def test_quantized_dllms_decode_as_their_baseline(request, family: str) -> None:
     check_dllm_methods(model, family)
 
 
-def test_quantized_dllm_batch_rows_equal_alone(tiny_llada) -> None:
-    model = load_model(tiny_llada, dtype="float32", quantization="int8")
-    kw = dict(gen_length=16, block_length=8, steps=8, temperature=1.0)
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_quantized_dllm_batch_rows_equal_alone(request, family: str) -> None:
+    model = load_model(request.getfixturevalue(f"tiny_{family}"), dtype="float32", quantization="int8")
+    kw = dict(gen_length=16, block_length=8, temperature=1.0, **DLLM_KW[family])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
     session = make_session(model, torch.tensor([prompts[0]]), **kw)
     graph = rival_graph(model, session.config, "freedave", 3)
@@ -169,7 +170,7 @@ def test_quantized_dllm_batch_rows_equal_alone(tiny_llada) -> None:
         assert batch.tokens[row] == alone.tokens[0]
 
 
-def test_saved_quantized_target_loads_by_path_and_hub_id(pair, tmp_path, monkeypatch) -> None:
+def test_saved_quantized_target_loads_by_path_and_hub_id(pair, tmp_path, monkeypatch, capsys) -> None:
     """``save_pretrained`` of a torchao-int8 target writes its ``quantization_config``; the directory and the same
     files under a Hub id in an offline cache load quantized (``Int8Tensor`` weights) and decode the same tokens."""
     target = load_target(pair.target, torch.float32, "cpu", quantization="int8")
@@ -187,6 +188,11 @@ def test_saved_quantized_target_loads_by_path_and_hub_id(pair, tmp_path, monkeyp
         for loaded in (load_model(source, dtype="float32"), load_target(source, torch.float32, "cpu")):
             assert type(loaded.model.layers[1].mlp.gate_proj.weight).__name__ == "Int8Tensor"
             assert speculative_generate(loaded, None, PROMPTS[0], ar_config("ar", 10, 0.0)).tokens == expected
+    common = ["--prompt", "a b", "--max-new-tokens", "6", "--no-progress", "--json", "--no-chat", "--dtype", "float32"]
+    assert main(["generate", "--target", "Qwen/Qwen3-8B-int8", *common]) == 0  # --target by Hub id
+    assert main(["generate", "--target", str(saved), *common]) == 0
+    by_id, by_path = (json.loads(line)["tokens"] for line in capsys.readouterr().out.strip().splitlines())
+    assert by_id == by_path and by_id
     with pytest.raises(QuantizationError, match="saved quantized"):  # quantizing twice is refused, not stacked
         load_target(saved, torch.float32, "cpu", quantization="int8")
 

@@ -46,6 +46,7 @@ __all__ = [
     "QUANTIZATIONS",
     "Quantization",
     "check_checkpoint_quantization",
+    "decompressed",
     "check_runs_on",
     "checkpoint_quantization",
     "hf_quantization_config",
@@ -358,6 +359,20 @@ def check_checkpoint_quantization(raw: Mapping[str, Any], device: Any, where: st
 # -------------------------------------------------------------------------------------------- what a model holds
 
 
+def decompressed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with a compressed-tensors checkpoint's packed weights decompressed now, not on its first forward.
+
+    transformers loads a compressed-tensors checkpoint (W4A16 / W8A16 releases) with its weights still packed and a
+    pre-hook on the whole model's ``forward`` that decompresses them on the first call. spiffy calls the decoder
+    stack (``model.model``) and the head apart, which that hook never sees: the layers would have no ``weight``.
+    Decompressing at load is what the hook would do (transformers has no kernel for packed integer weights, so the
+    model runs decompressed either way); the ``quantization_config`` stays on the config. Other models: unchanged."""
+    compressor = getattr(getattr(model, "hf_quantizer", None), "compressor", None)
+    if compressor is not None and hasattr(model, "ct_decompress_hook"):  # the attribute compressed-tensors sets
+        compressor.decompress_model(model)  # removes the hook too
+    return model
+
+
 def quantization_label(model: Any) -> str:
     """One line saying how ``model`` is quantized (``"none"`` when it is not): spiffy's on-load quantization, or
     the checkpoint's ``quantization_config`` (method and its main fields)."""
@@ -377,7 +392,20 @@ def quantization_label(model: Any) -> str:
         return f"torchao {kind if isinstance(kind, str) else type(kind).__name__}"
     if method == "bitsandbytes":
         return "bitsandbytes " + ("int8" if data.get("load_in_8bit") else str(data.get("bnb_4bit_quant_type")))
+    if method == "compressed-tensors":
+        return f"compressed-tensors {_compressed_scheme(data)}"
     return method
+
+
+def _compressed_scheme(data: Mapping[str, Any]) -> str:
+    """A compressed-tensors config in a few words: its format and each group's weights (``int4 group 128``)."""
+    q = data.get("quantization_config", data)  # transformers' wrapper nests it; config.json does not
+    words = []
+    for group in (q.get("config_groups") or {}).values():
+        w = group.get("weights") or {}
+        size = f" {w.get('group_size')}" if w.get("strategy") == "group" else ""
+        words.append(f"{w.get('type', '?')}{w.get('num_bits', '?')} {w.get('strategy', '?')}{size}")
+    return f"{q.get('format', '?')} ({', '.join(words) or 'no weight scheme'})"
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

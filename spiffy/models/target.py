@@ -37,6 +37,7 @@ from spiffy.models.hub import checkpoint_dir
 from spiffy.models.placement import DeviceMap, native_from_pretrained, native_tensor_parallel, placement_device
 from spiffy.models.quantize import (
     check_checkpoint_quantization,
+    decompressed,
     check_runs_on,
     checkpoint_quantization,
     hf_quantization_config,
@@ -215,11 +216,11 @@ def load_native(
     if tp_plan is not None:
         if device_map is not None:
             raise ConfigError("tp_plan and device_map are two different placements; fix: pass one of them")
-        return native_tensor_parallel(cls, root, dtype, attn_implementation, tp_plan, **extra)
+        return decompressed(native_tensor_parallel(cls, root, dtype, attn_implementation, tp_plan, **extra))
     device, device_map = placement_device(device, device_map)
     if device_map is not None:
-        return native_from_pretrained(cls, root, dtype, attn_implementation, device_map, offload_folder, max_memory,
-                                      **extra)
+        return decompressed(native_from_pretrained(cls, root, dtype, attn_implementation, device_map, offload_folder,
+                                                   max_memory, **extra))
     with loading_report() as report:
         try:
             model, info = cls.from_pretrained(str(root), dtype=dtype, attn_implementation=attn_implementation,
@@ -229,4 +230,4 @@ def load_native(
         except RuntimeError as exc:  # transformers' weight conversion (e.g. fusing per-expert weights) failed
             raise load_failure(exc, root, report) from exc
     check_loading_info(info, root)
-    return model.to(device).eval()
+    return decompressed(model).to(device).eval()
