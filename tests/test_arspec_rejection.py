@@ -307,6 +307,7 @@ def _exact_generation(target) -> dict[tuple[int, ...], float]:  # noqa: ANN001
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["deer", "ddtree", "specdiff"])
 def test_rejection_generation_matches_the_exact_distribution(tiny_pair, method):
     target, drafter = tiny_pair

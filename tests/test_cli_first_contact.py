@@ -108,6 +108,7 @@ def test_every_command_takes_threads() -> None:
             assert "--threads" in p._option_string_actions, p.prog  # noqa: SLF001
 
 
+@pytest.mark.slow
 @needs_embedded
 def test_threads_default_one_for_the_small_embedded_model_and_explicit_otherwise(capsys) -> None:
     before = torch.get_num_threads()
@@ -158,6 +159,7 @@ def test_cli_names_equal_their_library_homes() -> None:
     assert names.OVERHEAD_BUDGETS == DEFAULT_BUDGETS
 
 
+@pytest.mark.slow
 def test_import_spiffy_still_registers_the_families_with_transformers() -> None:
     code = """
 import sys, spiffy
@@ -231,6 +233,7 @@ def test_written_files_keep_the_umask_mode(tmp_path: Path, tiny_qwen3: Path) -> 
 
 
 # ---------------------------------------------------------------------------------------------------- 6. budget
+@pytest.mark.slow
 @needs_embedded
 def test_budget_beyond_the_graph_is_said_once_and_reported_as_run(capsys) -> None:
     nodes = len(load_graph(embedded_graph_path(embedded_model_path("dllm"))))
@@ -261,6 +264,7 @@ def test_sdar_context_fix_names_a_length_that_fits() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- 8. noise
+@pytest.mark.slow
 @needs_embedded
 def test_no_deprecation_warning_from_our_own_calls() -> None:
     for argv in (["generate", "--prompt", PROMPT, "--no-progress"],

@@ -30,6 +30,7 @@ def _run(out: Path, sections: str) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.slow
 def test_self_check_costs_and_projections(tmp_path: Path) -> None:
     data = _run(tmp_path, "costs,projections")
     costs = data["sections"]["costs"]["result"]

@@ -73,6 +73,7 @@ def test_spiffy_sdar_lossless_in_half_precision(request, rule, dtype):
     _check(model, kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "graph_name"), [("dllm", "tiny-sdar-s1"), ("dllm-llada", "tiny-llada-s1")])
 def test_spiffy_shipped_model_and_graph_in_bfloat16(kind, graph_name):
     """The shipped trained dLLMs (tiny-sdar, tiny-llada) with their shipped graphs: Spiffy == baseline on code

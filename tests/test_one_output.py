@@ -79,6 +79,7 @@ def test_the_readme_sequence_prints_the_same_tokens(capsys: pytest.CaptureFixtur
     assert "differ from the calibration" not in err  # calibrate and generate agree on every default
 
 
+@pytest.mark.slow
 def test_the_readme_sequence_on_the_embedded_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plain, fast, err = _readme_sequence(capsys, [], tmp_path / "graph.json", README_FLAGS, "1")
     assert fast == plain and len(plain) == 64

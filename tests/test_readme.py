@@ -109,6 +109,7 @@ def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_command_line_and_python_blocks_run_as_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -125,6 +126,7 @@ def test_command_line_and_python_blocks_run_as_written(
     assert namespace["fast"].nfe <= namespace["base"].nfe and len(namespace["out"].tokens) > 0
 
 
+@pytest.mark.slow
 def test_half_precision_block_runs_as_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -137,6 +139,7 @@ def test_half_precision_block_runs_as_written(
         assert (tmp_path / "results" / name / "results.json").is_file(), name
 
 
+@pytest.mark.slow
 def test_setup_block_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
     demos = [argv for argv in commands(SETUP) if argv[0] == "spiffy"]
     assert demos == [["spiffy", "demo"]]
@@ -152,6 +155,7 @@ def test_retrain_block_scripts_exist_and_parse() -> None:
         subprocess.run([*check, str(script)], check=True)
 
 
+@pytest.mark.slow
 def test_diffusion_drafter_block_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
@@ -165,6 +169,7 @@ def test_diffusion_drafter_block_runs_as_written(tmp_path: Path, monkeypatch: py
     assert (tmp_path / "runs" / "d2a1" / "model" / "MODEL_CARD.md").is_file()
 
 
+@pytest.mark.slow
 def test_overheads_block_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)

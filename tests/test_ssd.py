@@ -169,6 +169,7 @@ def tiny_sdar_bf16():
     return load_model(path, dtype="bfloat16"), load_tokenizer(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("temperature", "seed"), [(0.0, 0), (0.8, 3)])
 def test_ssd_on_shipped_tiny_sdar_bfloat16_is_bitwise_lossless(tiny_sdar_bf16, temperature: float, seed: int) -> None:
     """The shipped tiny-sdar in the dtype its weights ship in: SSD's tokens are the baseline's, bit for bit, for
