@@ -156,11 +156,13 @@ class _SpiffyRow(DecodeRow):
             return x, {}
         times = self.stats.stage_times
         t0 = time.perf_counter()
-        ranking = rank_state(
-            P[0], x[0], info.block_start, info.block_end, self.P_start, plan.i_max, plan.j_max,
-            mask_id=sess.mask_id, probs=sess.transition_probs(P),  # the transition's own softmax
-            sync_free=True,  # one host read for the whole ranking, the tables pruning and deduplication read
-        )
+        probs = sess.transition_probs(P)  # the transition's own softmax
+        # one host read for the whole ranking (and the tables pruning and deduplication read) on a device or the
+        # static path; an eager CPU run without published probabilities keeps the host ranking, whose softmax covers
+        # only the masked rows (the static one takes every row of the block: up to twice the work there)
+        sync_free = sess.static is not None or P.device.type != "cpu" or (probs is not None and probs.probs is not None)
+        ranking = rank_state(P[0], x[0], info.block_start, info.block_end, self.P_start, plan.i_max, plan.j_max,
+                             mask_id=sess.mask_id, probs=probs, sync_free=sync_free)
         t1 = time.perf_counter()
         kept = prune(plan.graph, ranking, plan.budget, plan.score)
         t2 = time.perf_counter()
