@@ -245,7 +245,8 @@ def _rank_static(logits: torch.Tensor, state: torch.Tensor, block_start: int, bl
         known = published.top1 if published is not None and given is not None else None
         top1 = known.reshape(-1)[lo:hi] if known is not None else block_probs.amax(dim=-1)  # [L]
         order = torch.sort(top1, descending=True, stable=True).indices
-        order = order.index_select(0, torch.sort((~is_masked).index_select(0, order).to(torch.uint8), stable=True).indices)
+        unmasked_last = (~is_masked).index_select(0, order).to(torch.uint8)
+        order = order.index_select(0, torch.sort(unmasked_last, stable=True).indices)
         rows = order[:n] + block_start  # [n]
     count = is_masked.sum()  # [] M, on the device
     rows = torch.where(torch.arange(n, device=dev) < count, rows, block_start)  # padding ranks: a row of the block

@@ -32,6 +32,13 @@ The walk never crosses a block end (with a cache the baseline refreshes at block
 simply the exact and simple rule). Drafts for a block's first step are ranked from the previous distribution only
 when its logits window covers the new block (never for block-causal SDAR, whose windows are single blocks).
 
+Host synchronisations (SPEC section 14: at most two per step): a drafting step reads its ranking back once
+(:func:`~spiffy.selfspec.formulas.rank_state` with ``sync_free``: the masked count and the ``[I, J]`` probability and
+token tables), and pruning, instantiation and deduplication (:func:`_distinct_states`) work from that host copy; each
+walk step reads its match flags once (:meth:`_DraftWalk.child_matching`). What the family's rule reads besides is its
+own (LLaDA: its schedule, once per block). An eager CPU step whose transition published no softmax keeps the host
+ranking (a few more reads, less work on a CPU).
+
 Not implemented (on purpose): the paper's approximate "simplified shared-context mask"; every path here is exact.
 """
 
