@@ -110,14 +110,45 @@ def top_ranked_static(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     """:func:`top_ranked` (same values, same order, same tie rule) without a host synchronisation: static shapes
     only, so a captured step can run it. ``scores [R, V]`` -> ``(values [R, k], columns [R, k] long)``.
 
-    The ``k``-th largest value ``t`` (one ``torch.topk``) splits each row: every entry above ``t`` is in, and the
-    entries equal to ``t`` fill the rest by column (a running count); the ``k`` chosen columns, read in column
-    order and stably sorted by value, give value descending, ties by column ascending.
+    Wide rows take the same first pass as :func:`top_ranked` (each ``s``-column chunk's maximum) but keep a fixed
+    number of chunks: the ``k`` best by maximum, ties to the lower chunk (:func:`_static_whole` on the ``[R, C]``
+    maxima), plus the short tail. Every top-``k`` entry lies in them: the ``a`` entries above the ``k``-th value
+    ``t`` sit in at most ``a`` chunks, all of whose maxima exceed ``t`` and are kept; the remaining ``k - a`` picks
+    are the lowest columns equal to ``t``, and the kept chunks of maximum ``t`` (at least ``k - a``, the lowest by
+    index, each holding an entry equal to ``t``) come before any dropped one. The ``k * s`` (+ tail) candidates,
+    laid out in ascending column order, are ranked whole by :func:`_static_whole`. About one read of the row plus
+    a top-``k`` of a few thousand entries, close to :func:`top_ranked` on a CPU.
     """
     empty = _checked_empty(scores, k)
     if empty is not None:
         return empty
     rows, width = int(scores.shape[0]), int(scores.shape[1])
+    s = _chunk_width(width, k)
+    if s is None:
+        return _static_whole(scores, k)
+    x = scores.contiguous()
+    n_chunks = width // s
+    head_len = n_chunks * s
+    chunks = x.as_strided((rows, n_chunks, s), (width, s, 1))  # [R, C, s] view of the first C * s columns
+    _, best = _static_whole(chunks.amax(dim=-1), k)  # [R, k] chunk indices
+    best = torch.sort(best, dim=-1).values  # ascending: the candidates below stay in column order
+    picked = chunks.gather(1, best.unsqueeze(-1).expand(rows, k, s)).reshape(rows, k * s)  # [R, k * s]
+    offsets = torch.arange(s, device=x.device)
+    cols = (best.unsqueeze(-1) * s + offsets).reshape(rows, k * s)  # [R, k * s] their columns
+    if head_len < width:  # the tail (fewer than s columns) is always a candidate, after every chunk
+        tail_cols = torch.arange(head_len, width, device=x.device).expand(rows, width - head_len)
+        picked = torch.cat([picked, x[:, head_len:]], dim=1)
+        cols = torch.cat([cols, tail_cols], dim=1)
+    vals, at = _static_whole(picked, k)
+    return vals, cols.gather(-1, at)
+
+
+def _static_whole(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_ranked_static` over whole rows (``scores [R, V]``, ``1 <= k <= V``): the ``k``-th largest value
+    ``t`` (one ``torch.topk``) splits each row: every entry above ``t`` is in, and the entries equal to ``t`` fill
+    the rest by column (a running count); the ``k`` chosen columns, read in column order and stably sorted by
+    value, give value descending, ties by column ascending."""
+    width = int(scores.shape[1])
     kth = torch.topk(scores, k, dim=-1).values[:, k - 1 :]  # [R, 1]
     above = scores > kth
     tied = scores == kth

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spiffy.decoding.session import TransitionProbs
 from spiffy.errors import ConfigError
 from spiffy.selfspec.formulas import instantiate, instantiate_many, pair_probs, rank_state, window_covers
 
@@ -134,3 +135,45 @@ def test_instantiate_many_matches_single() -> None:
         else:
             assert torch.equal(states[k], single[0])
     assert instantiate_many(x, [], r) is None
+
+
+def _rank_inputs(seed: int):
+    """A random ranking problem with exact ties: quantised logits (equal rows and equal tokens), a random mask and
+    block, and every form of published probabilities a session hands over."""
+    g = torch.Generator().manual_seed(seed)
+    v = int(torch.randint(3, 700, (1,), generator=g))
+    w = int(torch.randint(4, 24, (1,), generator=g))
+    dtype = (torch.float32, torch.float64, torch.bfloat16)[seed % 3]
+    logits = (torch.randint(0, 4, (w, v), generator=g).to(torch.float64) * 0.5).to(dtype)
+    logits[torch.randint(0, w, (2,), generator=g)] = logits[0].clone()  # identical rows: position ties
+    ws = int(torch.randint(0, 3, (1,), generator=g))
+    bs = ws + int(torch.randint(0, 2, (1,), generator=g))
+    be = int(torch.randint(bs, ws + w + 1, (1,), generator=g))
+    x = torch.randint(0, MASK, (ws + w + 2,), generator=g)
+    x[torch.rand(x.shape, generator=g) < (0.2, 0.7, 1.0)[seed % 3]] = MASK
+    probs = torch.softmax(logits.to(torch.float32 if dtype != torch.float64 else dtype), dim=-1)
+    conf = torch.where(x[ws : ws + w] == MASK, probs.amax(dim=-1), -torch.inf).to(dtype)  # [W] the rule's frame
+    pad = int(torch.randint(0, 3, (1,), generator=g))  # the frame may start before the window
+    selection = torch.cat([torch.full((pad,), -torch.inf, dtype=dtype), conf])
+    forms = [None, probs, TransitionProbs(probs=probs, top1=probs.amax(dim=-1)[None]),
+             TransitionProbs(selection=selection[None], selection_start=ws - pad),
+             TransitionProbs(probs=probs, selection=selection[None], selection_start=ws - pad)]
+    return logits, x, bs, be, ws, forms, g
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_static_ranking_equals_the_host_ranking(seed: int) -> None:
+    """The sync-free ranking (static shapes, one host read) is the host ranking: rows, tokens, probabilities, the
+    masked count and the host tables, for every published form, position ties, token ties and an empty block."""
+    logits, x, bs, be, ws, forms, g = _rank_inputs(seed)
+    for probs in forms:
+        for i_max, j_max in ((1, 1), (3, 2), (40, 5), (int(torch.randint(1, 9, (1,), generator=g)), 900)):
+            host = rank_state(logits, x, bs, be, ws, i_max, j_max, mask_id=MASK, probs=probs, sync_free=False)
+            static = rank_state(logits, x, bs, be, ws, i_max, j_max, mask_id=MASK, probs=probs, sync_free=True)
+            where = (seed, type(probs).__name__, i_max, j_max)
+            assert static.num_masked == host.num_masked and static.num_positions == host.num_positions, where
+            assert torch.equal(static.rows, host.rows) and torch.equal(static.token_ids, host.token_ids), where
+            if host.num_positions:
+                assert torch.equal(static.token_probs, host.token_probs), where
+            assert static.probs_list() == host.probs_list() and static.ids_list() == host.ids_list(), where
+            assert host.ids_list() == host.token_ids.tolist()

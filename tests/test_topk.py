@@ -1,11 +1,12 @@
-"""spiffy.topk.top_ranked: the top k of every row, value descending then column ascending, on both paths."""
+"""spiffy.topk.top_ranked / top_ranked_static: the top k of every row, value descending then column ascending, on
+both paths (streaming with host reads, and static shapes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spiffy.topk import top_ranked
+from spiffy.topk import top_ranked, top_ranked_static
 
 
 def _oracle(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,20 +24,24 @@ def test_top_ranked_equals_stable_sort_with_ties_and_infinities(width):
         spread = torch.randn(5, width, generator=g, dtype=torch.float64)
         spread[0, ::3] = float("-inf")
         spread[1] = float("-inf")  # a row with nothing finite: every entry ties
-        for scores in (tied, spread):
-            vals, cols = top_ranked(scores, k)
+        clustered = torch.zeros(5, width)  # the k-th value tied across many chunks, above-k entries in a later one
+        clustered[:, -min(width, 3):] = 1.0
+        for scores in (tied, spread, clustered):
             want_vals, want_cols = _oracle(scores, k)
-            assert vals.dtype == scores.dtype and cols.dtype == torch.long
-            assert torch.equal(vals, want_vals) and torch.equal(cols, want_cols), (width, k)
+            for top in (top_ranked, top_ranked_static):
+                vals, cols = top(scores, k)
+                assert vals.dtype == scores.dtype and cols.dtype == torch.long
+                assert torch.equal(vals, want_vals) and torch.equal(cols, want_cols), (top.__name__, width, k)
 
 
-def test_top_ranked_edges():
+@pytest.mark.parametrize("top", [top_ranked, top_ranked_static])
+def test_top_ranked_edges(top):
     x = torch.randn(3, 50)
-    v, c = top_ranked(x, 0)
+    v, c = top(x, 0)
     assert v.shape == (3, 0) and c.shape == (3, 0)
-    v, c = top_ranked(x[:0], 4)
+    v, c = top(x[:0], 4)
     assert v.shape == (0, 4)
     with pytest.raises(ValueError, match="k must be"):
-        top_ranked(x, 51)
+        top(x, 51)
     with pytest.raises(ValueError, match=r"\[R, V\]"):
-        top_ranked(x[0], 1)
+        top(x[0], 1)

@@ -164,12 +164,13 @@ def measure_spiffy(vocab: int = LLADA_VOCAB, block: int = 32, nodes: int = 10, b
     return out
 
 
-def spiffy_sync_counts(vocab: int, block: int, nodes: int, budget: int, static: bool = False) -> dict[str, Any]:
-    """Would-be device syncs of one generation on the never-accepting model: baseline and Spiffy, per step and per
-    verification forward (exact integers). ``static``: the forwards on the static path (``compile=True``), whose
-    step ranks tokens without a synchronisation."""
+def spiffy_sync_counts(vocab: int, block: int, nodes: int, budget: int, static: bool = False,
+                       scenario: str = "nothing accepted") -> dict[str, Any]:
+    """Would-be device syncs of one generation on a synthetic model (``scenario``: ``"nothing accepted"``, every
+    step one forward with the full drafting work, or ``"drafts accepted"``): baseline and Spiffy, per step and per
+    verification forward (exact integers). ``static``: the forwards on the static path (``compile=True``)."""
     graph, models = spiffy_models(vocab, block, nodes)
-    model = models["nothing accepted"]
+    model = models[scenario]
     res: dict[str, Any] = {}
     for name, g in (("baseline", None), ("spiffy", graph)):
         session = synthetic_session(model, PROMPT_LEN, block, block)

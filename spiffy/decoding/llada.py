@@ -88,7 +88,8 @@ class LLaDASession(BidirectionalSession):
         super().__init__(model, input_ids, config, mask_id=mask_id, attention_mask=attention_mask, generator=generator)
         self.eos_id = eos_id
         self.eot_id = eot_id
-        self.num_transfer_tokens: torch.Tensor | None = None
+        self.num_transfer_tokens: torch.Tensor | None = None  # [B, steps] this block's schedule
+        self._transfer_counts: list[list[int]] = []  # the same on the host, read once per block
         # Fast-dLLM's generators (every cache mode, and the threshold rule) rank softmax(logits.to(float64));
         # ML-GSAI's generate ranks the softmax in the logits' dtype (bf16 ties and roundings differ)
         self.float64_confidence = config.cache != "none" or config.threshold is not None
@@ -96,6 +97,9 @@ class LLaDASession(BidirectionalSession):
     def on_block_start(self, block: int) -> None:
         start, end = self.block_bounds(block)
         self.num_transfer_tokens = get_num_transfer_tokens(self.x[:, start:end] == self.mask_id, self.steps_per_block)
+        # one host read per block: each step's torch.topk needs its count on the host, and reading it here instead
+        # of at every step leaves the transition free of synchronisations
+        self._transfer_counts = self.num_transfer_tokens.tolist()
 
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         if self.config.threshold is not None:
@@ -142,7 +146,7 @@ class LLaDASession(BidirectionalSession):
             transfer = threshold_transfer(conf, mask_w.sum(dim=1), float(cfg.threshold))
         else:
             assert self.num_transfer_tokens is not None, "begin_block was not called"
-            transfer = topk_transfer(conf, self.num_transfer_tokens[:, info.step])
+            transfer = topk_transfer(conf, [counts[info.step] for counts in self._transfer_counts])
         x0_frame = x[:, lo:hi].clone()
         x0_frame[:, off : off + w] = torch.where(mask_w, x0, x[:, ws : ws + w])
         out = x.clone()

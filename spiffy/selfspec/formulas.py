@@ -48,7 +48,7 @@ class Ranking:
     num_masked: int
     block_start: int
     block_end: int
-    _probs_list: list[list[float]] | None = field(default=None, repr=False, compare=False)
+    _host: tuple[list[list[float]], list[list[int]]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_positions(self) -> int:
@@ -66,10 +66,27 @@ class Ranking:
         return 1 <= i <= self.num_positions and 1 <= j <= self.num_tokens
 
     def probs_list(self) -> list[list[float]]:
-        """``token_probs`` as nested Python floats (computed once; one device sync)."""
-        if self._probs_list is None:
-            self._probs_list = self.token_probs.detach().to(torch.float64).tolist()  # tolist reads it back itself
-        return self._probs_list
+        """``token_probs`` as nested Python floats (``[I][J]``; read with :meth:`ids_list` in one device sync)."""
+        return self._host_tables()[0]
+
+    def ids_list(self) -> list[list[int]]:
+        """``token_ids`` as nested Python ints (``[I][J]``; read with :meth:`probs_list` in one device sync)."""
+        return self._host_tables()[1]
+
+    def _host_tables(self) -> tuple[list[list[float]], list[list[int]]]:
+        if self._host is None:  # one read of both tables (float64 holds every token id exactly)
+            i, j = self.num_positions, self.num_tokens
+            flat = torch.cat([self.token_probs.detach().to(torch.float64).reshape(-1),
+                              self.token_ids.to(torch.float64).reshape(-1)]).tolist()
+            self._host = _split_tables(flat, i, j)
+        return self._host
+
+
+def _split_tables(flat: list[float], i: int, j: int) -> tuple[list[list[float]], list[list[int]]]:
+    """``flat`` = ``i x j`` probabilities then ``i x j`` token ids, row-major -> the two nested tables."""
+    probs = [flat[r * j : (r + 1) * j] for r in range(i)]
+    ids = [[int(v) for v in flat[(i + r) * j : (i + r + 1) * j]] for r in range(i)]
+    return probs, ids
 
 
 def window_covers(window_start: int, window_len: int, block_start: int, block_end: int) -> bool:
@@ -106,9 +123,11 @@ def rank_state(
             softmax here; with its ``top1``, the block's rows are not read again either; with its ``selection``
             (the confidences the transition's ``torch.topk`` chose from), positions are ordered as the baseline would
             pick them (:func:`selection_order`), ties and half-precision roundings included.
-        sync_free: rank the tokens with :func:`~spiffy.topk.top_ranked_static` (same values and order, no host
-            synchronisation, a full ``torch.topk`` per row) instead of the streaming
-            :func:`~spiffy.topk.top_ranked` (four synchronisations, cheaper on a CPU); ``None``: on a GPU only.
+        sync_free: rank with static shapes (:func:`_rank_static`: every rank of ``min(i_max, block)`` computed,
+            tokens by :func:`~spiffy.topk.top_ranked_static`) and read back, in **one** host synchronisation, the
+            masked count with both tables (:meth:`Ranking.probs_list`, :meth:`Ranking.ids_list`), instead of the
+            streaming :func:`~spiffy.topk.top_ranked` on the masked rows found with ``nonzero`` (five
+            synchronisations, then one more for the tables). Same ranking either way; ``None``: on a GPU only.
     Returns:
         :class:`Ranking` with ``I = min(i_max, masked count)`` positions and ``J = min(j_max, V)`` tokens each.
         Probabilities are ``probs`` when given, else a softmax of the logits in float64 (float64 logits) or float32
@@ -129,10 +148,20 @@ def rank_state(
             f"logits window [{window_start}, {window_start + w}) does not cover block [{block_start}, {block_end}); "
             "fix: rank only from a distribution whose window contains the current block"
         )
-    masked = (state[block_start:block_end] == mask_id).nonzero().squeeze(1) + block_start  # [M] ascending rows
-    m = int(masked.shape[0])
     j = min(j_max, v)
     dev = logits.device
+    published = probs if isinstance(probs, TransitionProbs) else None
+    tensor = published.probs if published is not None else probs
+    given = None if tensor is None else (tensor[0] if tensor.dim() == 3 else tensor)
+    if given is not None and tuple(given.shape) != (w, v):
+        raise ConfigError(f"probs must match P_window's [W, V] = [{w}, {v}], got {tuple(tensor.shape)}")
+    if sync_free is None:
+        sync_free = dev.type == "cuda"
+    if sync_free:
+        return _rank_static(logits, state, block_start, block_end, window_start, min(i_max, block_end - block_start),
+                            j, mask_id, given, published)
+    masked = (state[block_start:block_end] == mask_id).nonzero().squeeze(1) + block_start  # [M] ascending rows
+    m = int(masked.shape[0])
     if m == 0:
         empty = torch.zeros(0, dtype=torch.long, device=dev)
         return Ranking(
@@ -143,15 +172,10 @@ def rank_state(
             block_start=block_start,
             block_end=block_end,
         )
-    published = probs if isinstance(probs, TransitionProbs) else None
-    tensor = published.probs if published is not None else probs
     selection, selection_start = (published.selection, published.selection_start) if published else (None, 0)
     top1: torch.Tensor | None = None  # [M] confidences to sort by, needed only without the baseline's selection
-    if tensor is not None:
+    if given is not None:
         known_top1 = published.top1 if published is not None else None
-        given = tensor[0] if tensor.dim() == 3 else tensor
-        if tuple(given.shape) != (w, v):
-            raise ConfigError(f"probs must match P_window's [W, V] = [{w}, {v}], got {tuple(tensor.shape)}")
         block_probs = given[block_start - window_start : block_end - window_start]  # [block, V] view, no copy
         if selection is None and known_top1 is not None:
             top1 = known_top1.reshape(-1).index_select(0, masked - window_start)  # [M], no pass over V
@@ -171,10 +195,7 @@ def rank_state(
     else:
         assert top1 is not None
         order = torch.sort(top1, descending=True, stable=True).indices[: min(i_max, m)]  # ties -> lower row
-    if sync_free is None:
-        sync_free = dev.type == "cuda"
-    top = top_ranked_static if sync_free else top_ranked
-    vals, ids = top(block_probs.index_select(0, rows_of.index_select(0, order)), j)  # ties -> lower id
+    vals, ids = top_ranked(block_probs.index_select(0, rows_of.index_select(0, order)), j)  # ties -> lower id
     return Ranking(
         rows=masked.index_select(0, order),
         token_ids=ids,
@@ -183,6 +204,71 @@ def rank_state(
         block_start=block_start,
         block_end=block_end,
     )
+
+
+def _rank_static(logits: torch.Tensor, state: torch.Tensor, block_start: int, block_end: int, window_start: int,
+                 n: int, j: int, mask_id: int, given: torch.Tensor | None,
+                 published: TransitionProbs | None) -> Ranking:
+    """:func:`rank_state`'s ranking with static shapes and one host read (``sync_free``).
+
+    The masked count ``M`` is data, so every one of the ``n = min(i_max, L)`` ranks of the block's ``L`` rows is
+    computed: the first ``min(n, M)`` are the masked rows in the host path's order, the rest point at the block's
+    first row and are cut after the read. Orders, exactly as the host path: without a selection, top-1 probability
+    descending with ties to the lower row (a stable sort of the block's rows, then a stable sort putting the masked
+    rows first keeps their relative order); with the baseline's selection, the successive ``torch.topk`` picks of
+    :func:`selection_order` on the same vector (masked rows at their clamped confidences, the rest ``-inf``), whose
+    first ``M`` picks are the masked rows. Row probabilities: the published ``given [W, V]``, else a softmax of the
+    block's rows (each row's softmax is its own: the same values as over the masked rows alone).
+
+    Returns:
+        A :class:`Ranking` of ``I = min(n, M)`` ranks with its host tables filled by the one read (``M``, the
+        ``[n, J]`` probabilities and token ids, in float64).
+    """
+    length = block_end - block_start
+    dev = logits.device
+    is_masked = state[block_start:block_end] == mask_id  # [L]
+    lo, hi = block_start - window_start, block_end - window_start
+    if given is not None:
+        block_probs = given[lo:hi]  # [L, V] view, no copy
+    else:
+        cdtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        block_probs = torch.softmax(logits[lo:hi].to(cdtype), dim=-1)  # [L, V]
+    selection = published.selection if published is not None else None
+    if selection is not None:
+        scores = selection[0] if selection.dim() == 2 else selection  # [F] the baseline's confidence frame
+        start = block_start - published.selection_start  # type: ignore[union-attr]
+        candidate = torch.zeros_like(scores, dtype=torch.bool)
+        candidate[start : start + length] = is_masked
+        vec = torch.where(candidate, scores.clamp_min(torch.finfo(scores.dtype).min), -torch.inf)
+        rows = _topk_picks(vec, n) - start + block_start  # [n]: after the M candidates, arbitrary frame columns
+    else:
+        known = published.top1 if published is not None and given is not None else None
+        top1 = known.reshape(-1)[lo:hi] if known is not None else block_probs.amax(dim=-1)  # [L]
+        order = torch.sort(top1, descending=True, stable=True).indices
+        unmasked_last = (~is_masked).index_select(0, order).to(torch.uint8)
+        order = order.index_select(0, torch.sort(unmasked_last, stable=True).indices)
+        rows = order[:n] + block_start  # [n]
+    count = is_masked.sum()  # [] M, on the device
+    rows = torch.where(torch.arange(n, device=dev) < count, rows, block_start)  # padding ranks: a row of the block
+    vals, ids = top_ranked_static(block_probs.index_select(0, rows - block_start), j)  # [n, J] each
+    flat = torch.cat([count.to(torch.float64).reshape(1), vals.detach().to(torch.float64).reshape(-1),
+                      ids.to(torch.float64).reshape(-1)]).tolist()  # the one host read of the step's ranking
+    m = int(flat[0])
+    i = min(n, m)
+    probs_table, ids_table = _split_tables(flat[1:], n, j)
+    return Ranking(rows=rows[:i], token_ids=ids[:i], token_probs=vals[:i], num_masked=m, block_start=block_start,
+                   block_end=block_end, _host=(probs_table[:i], ids_table[:i]))
+
+
+def _topk_picks(vec: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` successive ``torch.topk(vec, 1)`` picks, each removed (set to ``-inf``) before the next: int64
+    ``[count]`` indices into ``vec`` (modified in place). The order a one-per-step ``torch.topk`` baseline picks."""
+    picks = torch.empty(count, dtype=torch.long, device=vec.device)
+    for k in range(count):
+        idx = torch.topk(vec, 1).indices
+        picks[k : k + 1] = idx
+        vec.index_fill_(0, idx, -torch.inf)
+    return picks
 
 
 def selection_order(scores: torch.Tensor, cols: torch.Tensor, count: int) -> torch.Tensor:
@@ -205,12 +291,7 @@ def selection_order(scores: torch.Tensor, cols: torch.Tensor, count: int) -> tor
     vec = torch.full_like(scores, -torch.inf)
     # a candidate at -inf stays pickable (after every finite one), never a removed or non-candidate entry
     vec[cols] = scores.index_select(0, cols).clamp_min(lowest)
-    picks = torch.empty(count, dtype=torch.long, device=scores.device)
-    for k in range(count):
-        idx = torch.topk(vec, 1).indices
-        picks[k : k + 1] = idx
-        vec.index_fill_(0, idx, -torch.inf)
-    return torch.searchsorted(cols, picks)
+    return torch.searchsorted(cols, _topk_picks(vec, count))
 
 
 def pairs_available(pairs: Iterable[Pair], ranking: Ranking) -> bool:

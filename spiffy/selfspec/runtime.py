@@ -32,6 +32,13 @@ The walk never crosses a block end (with a cache the baseline refreshes at block
 simply the exact and simple rule). Drafts for a block's first step are ranked from the previous distribution only
 when its logits window covers the new block (never for block-causal SDAR, whose windows are single blocks).
 
+Host synchronisations (SPEC section 14: at most two per step): a drafting step reads its ranking back once
+(:func:`~spiffy.selfspec.formulas.rank_state` with ``sync_free``: the masked count and the ``[I, J]`` probability and
+token tables), and pruning, instantiation and deduplication (:func:`_distinct_states`) work from that host copy; each
+walk step reads its match flags once (:meth:`_DraftWalk.child_matching`). What the family's rule reads besides is its
+own (LLaDA: its schedule, once per block). An eager CPU step whose transition published no softmax keeps the host
+ranking (a few more reads, less work on a CPU).
+
 Not implemented (on purpose): the paper's approximate "simplified shared-context mask"; every path here is exact.
 """
 
@@ -156,15 +163,18 @@ class _SpiffyRow(DecodeRow):
             return x, {}
         times = self.stats.stage_times
         t0 = time.perf_counter()
-        ranking = rank_state(
-            P[0], x[0], info.block_start, info.block_end, self.P_start, plan.i_max, plan.j_max,
-            mask_id=sess.mask_id, probs=sess.transition_probs(P),  # the transition's own softmax
-            sync_free=True if sess.static is not None else None,  # the static path: no sync (CUDA: always)
-        )
+        probs = sess.transition_probs(P)  # the transition's own softmax
+        # one host read for the whole ranking (and the tables pruning and deduplication read) on a device or the
+        # static path; an eager CPU run without published probabilities keeps the host ranking, whose softmax covers
+        # only the masked rows (the static one takes every row of the block: up to twice the work there)
+        sync_free = sess.static is not None or P.device.type != "cpu" or (probs is not None and probs.probs is not None)
+        ranking = rank_state(P[0], x[0], info.block_start, info.block_end, self.P_start, plan.i_max, plan.j_max,
+                             mask_id=sess.mask_id, probs=probs, sync_free=sync_free)
         t1 = time.perf_counter()
         kept = prune(plan.graph, ranking, plan.budget, plan.score)
         t2 = time.perf_counter()
-        drafts, row_of = _distinct_states(x, [plan.nodes[k].pairs for k in kept], kept, ranking) if kept else (None, {})
+        drafts, row_of = (_distinct_states(x, [plan.nodes[k].pairs for k in kept], kept, ranking, sess.mask_id)
+                          if kept else (None, {}))
         times["rank"] += t1 - t0
         times["prune"] += t2 - t1
         times["instantiate"] += time.perf_counter() - t2
@@ -270,9 +280,14 @@ def record_walk(stats: SpeculativeStats, path: list, plan: _Plan) -> None:
 
 
 def _distinct_states(
-    x: torch.Tensor, formulas: list, kept: list[int], ranking: Any
+    x: torch.Tensor, formulas: list, kept: list[int], ranking: Any, mask_id: int
 ) -> tuple[torch.Tensor | None, dict[int, int]]:
     """Instantiate the kept nodes; identical states share one forward row, states equal to ``x`` use row 0.
+
+    Which states are identical is decided on the host, from the ranking's token table (read with its probabilities
+    in the ranking's one synchronisation): a formula writes token ``c_ij`` at the masked row of rank ``i``, so its
+    state differs from ``x [1, T]`` exactly at its ``(i, c_ij)`` writes with ``c_ij != mask_id``; distinct ranks
+    ``i`` are distinct rows and one row's token ranks are distinct tokens, so that set of writes *is* the state.
 
     Returns ``(distinct draft states [K', T] or None, {node id: row in [x; drafts]})``.
     """
@@ -282,22 +297,20 @@ def _distinct_states(
     states, index = res
     if states.shape[0] == 0:
         return None, {}
-    same = (states.unsqueeze(1) == states.unsqueeze(0)).all(dim=-1)  # [K, K]
-    is_x = (states == x).all(dim=-1)  # [K]
-    both = torch.cat([is_x.unsqueeze(1), same], dim=1).tolist()  # one host read: [K, 1 + K]
-    is_x_l, same_l = [r[0] for r in both], [r[1:] for r in both]
+    tokens = ranking.ids_list()  # [I][J] host ints
+    writes: list[frozenset] = [frozenset()] * int(states.shape[0])
+    for pairs, k in zip(formulas, index):
+        if k >= 0:
+            final = {i: tokens[i - 1][j - 1] for i, j in pairs}  # a repeated rank: the last write stays, as scattered
+            writes[k] = frozenset((i, t) for i, t in final.items() if t != mask_id)
+    row_of_write: dict[frozenset, int] = {frozenset(): 0}  # no write: x itself
     row_of_state: list[int] = []
     keep_rows: list[int] = []
-    for k in range(states.shape[0]):
-        if is_x_l[k]:
-            row_of_state.append(0)
-            continue
-        dup = next((row_of_state[q] for q in range(k) if same_l[k][q] and row_of_state[q] > 0), None)
-        if dup is not None:
-            row_of_state.append(dup)
-            continue
-        keep_rows.append(k)
-        row_of_state.append(len(keep_rows))
+    for k, key in enumerate(writes):
+        if key not in row_of_write:
+            keep_rows.append(k)
+            row_of_write[key] = len(keep_rows)
+        row_of_state.append(row_of_write[key])
     row_of = {nid: row_of_state[idx] for nid, idx in zip(kept, index) if idx >= 0}
     if not keep_rows:
         return None, row_of
