@@ -253,6 +253,7 @@ def test_rejection_round_matches_the_exact_distribution(kind, exact_round):
     assert _pearson(counts, exact_round, N_ROUND) >= ALPHA, kind
 
 
+@pytest.mark.slow
 def test_biased_self_selection_is_caught(exact_round):
     counts = _round_samples("specdiff", BiasedSelfSelectRule, N_ROUND)
     assert _pearson(counts, exact_round, N_ROUND) < ALPHA  # not AR sampling ...
@@ -352,6 +353,7 @@ def tiny_hybrid_pair(tmp_path_factory, tiny_pair):
 HYBRID_N = 500
 
 
+@pytest.mark.slow
 def test_rejection_on_a_hybrid_target_matches_the_exact_distribution(tiny_hybrid_pair):
     """DDTree (branching trees: the linear-attention layer runs branch by branch and is re-advanced over the accepted
     path) under the rejection rule on a hybrid target: the whole-generation outcomes follow the exact AR distribution

@@ -183,8 +183,8 @@ def _ar_prompts(trial: int) -> list[list[int]]:
 AR_CASES = [
     (6, 2, "dflash", "coupled", 0.0, "greedy"),
     (8, 0, "dflash", "coupled", 0.7, "sampled"),
-    (4, 1, "dflash", "rejection", 0.7, "sampled"),
-    (13, 0, "ddtree", "coupled", 0.0, "draft"),
+    pytest.param(4, 1, "dflash", "rejection", 0.7, "sampled", marks=pytest.mark.slow),  # the heaviest two: slow tier
+    pytest.param(13, 0, "ddtree", "coupled", 0.0, "draft", marks=pytest.mark.slow),
 ]
 
 

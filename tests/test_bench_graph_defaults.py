@@ -134,6 +134,7 @@ def test_the_default_run_adds_the_threshold_regime_with_its_shipped_graph() -> N
         _args("--also-threshold", "1.5")
 
 
+@pytest.mark.slow
 def test_the_threshold_regime_is_reported_beside_the_main_one(tmp_path: Path) -> None:
     from spiffy.cli.main import main
 

@@ -55,7 +55,7 @@ def official_layout(c: dict) -> dict[str, tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("name", [
-    "inclusionAI--LLaDA2.0-mini",
+    pytest.param("inclusionAI--LLaDA2.0-mini", marks=pytest.mark.slow),
     # ~8,000 expert modules: about 40 s to build even on the meta device, so only in the slow tier
     pytest.param("inclusionAI--LLaDA2.0-flash", marks=pytest.mark.slow),
 ])

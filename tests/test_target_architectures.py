@@ -141,7 +141,7 @@ def test_ar_equals_transformers_generate(arch):
         assert ours.tokens == ref
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])  # T > 0: slow tier
 def test_every_method_equals_ar_with_real_drafters(arch, temperature):
     """DFlash drafters (target features through forward hooks on this architecture's layers) and dLLM drafters."""
     _, target, _, dflash_dir, dllm_dir = arch
@@ -154,7 +154,7 @@ def test_every_method_equals_ar_with_real_drafters(arch, temperature):
             assert res.tokens == ar.tokens, (kind, method)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_every_method_equals_ar_when_drafts_are_accepted(arch, temperature):
     """Oracle drafts: long accepted runs (and with wrong drafts, acceptance through DDTree's side branches, so kept
     K/V rows are not a prefix of the verified window)."""
@@ -172,7 +172,7 @@ def test_every_method_equals_ar_when_drafts_are_accepted(arch, temperature):
                 assert res.tau > 2.0, (method, res.tau)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])  # T = 0: slow tier
 def test_batched_rows_equal_prompts_alone(arch, temperature):
     _, target, _, dflash_dir, _ = arch
     vocab = int(target.config.vocab_size)

@@ -202,6 +202,7 @@ def test_the_graph_file_keeps_the_test_and_old_files_still_load(tmp_path: Path) 
     assert "(clearly more than the chain)" in old.summary() and "p =" not in old.summary()
 
 
+@pytest.mark.slow
 def test_rival_headroom_replays_spend_what_real_runs_spend() -> None:
     """scripts/dllm_rival_headroom.py on one held-out prompt of the shipped tiny-sdar (16 positions): its replays of
     FreeDave's chain and of the shipped graph spend exactly the forwards that real runs spend at the same budget,
