@@ -111,13 +111,17 @@ class NearTieProof:
         step: dLLM transition / AR round index of the first differing step (AR against plain AR: the other run's
             round; ``-1``: the prefill).
         position: generated-token index of the first differing token of that step.
-        kind: ``greedy``, ``low-confidence``, ``sampled``, ``draft`` or ``schedule`` (one run took a step the other
-            never took).
+        kind: ``greedy``, ``low-confidence``, ``sampled``, ``draft``, ``router`` (a mixture-of-experts router near
+            tie, :mod:`spiffy.bench.router_fidelity`: proves points 3 and 4 instead) or ``schedule`` (one run took a
+            step the other never took).
         gap, bound: the flipped choice's margin and its rounding bound (``None`` where the kind has none: a draw
-            whose coin the rule does not expose is proved by the replay and the logit agreement).
+            whose coin the rule does not expose is proved by the replay and the logit agreement); ``router``: the
+            flipped experts' (or groups') margin at the router's boundary and its bound.
         deviation_ulps: largest logit difference of the two runs at the step, in ulps of the row's largest logit.
         same_state, replay: points 1 and 2 of the rule. near_tie: every point holds. dtype: the model dtype.
         compared: which two runs (``"batched row vs alone"``, ``"spiffy vs baseline"``, ``"ddtree vs ar"``, ...).
+        layer: ``router``: the first MoE layer (forward order) whose routing differs. note: ``router``: why the
+            router near tie is not proven (``""`` when it is, or for another kind).
     """
 
     row: int | None
@@ -132,6 +136,8 @@ class NearTieProof:
     near_tie: bool
     dtype: str
     compared: str = "batched row vs alone"
+    layer: int | None = None
+    note: str = ""
 
     @property
     def reason(self) -> str:
@@ -146,12 +152,15 @@ class NearTieProof:
                        "random coins)")
         if not self.replay:
             why.append("the reference's rule replayed on the other run's logits does not reproduce its result")
-        if self.deviation_ulps is not None and self.deviation_ulps > DEVIATION_ULPS:
-            why.append(f"the logits differ by {self.deviation_ulps:.3g} ulps, beyond the {DEVIATION_ULPS:g}-ulp "
-                       "rounding bound")
-        if self.gap is not None and self.bound is not None and self.gap > self.bound:
-            why.append(f"the flipped {self.kind} choice's margin {self.gap:.4g} exceeds its rounding bound "
-                       f"{self.bound:.4g}")
+        if self.kind == "router":  # the router kind replaces points 3 and 4 (its own note says what failed)
+            why.append(self.note)
+        else:
+            if self.deviation_ulps is not None and self.deviation_ulps > DEVIATION_ULPS:
+                why.append(f"the logits differ by {self.deviation_ulps:.3g} ulps, beyond the {DEVIATION_ULPS:g}-ulp "
+                           "rounding bound")
+            if self.gap is not None and self.bound is not None and self.gap > self.bound:
+                why.append(f"the flipped {self.kind} choice's margin {self.gap:.4g} exceeds its rounding bound "
+                           f"{self.bound:.4g}")
         return "; ".join(why) or "no point of the rule could be checked"
 
     def to_dict(self) -> dict[str, Any]:
