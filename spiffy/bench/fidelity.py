@@ -34,6 +34,14 @@ the other one the *other run*:
    * ``draft`` (batched AR rows: the drafts differ): point 3 on the drafter's logits and the tree rebuilt from the
      other run's drafter logits equal to its tree.
 
+In a mixture-of-experts model (LLaDA-MoE, SDAR-MoE, LLaDA2.0) rounding can also flip a *router* near tie: a token
+then runs through another expert and the logits move far beyond point 3's bound. The ``router`` kind
+(:mod:`spiffy.bench.router_fidelity`) proves such a step in place of points 3 and 4 (points 1 and 2 still hold): in
+the forward that computed the step's logits, at the first MoE layer where a token's expert set differs, the router
+inputs agree within :data:`DEVIATION_ULPS` ulps, and every flipped token's experts (LLaDA2.0: or groups) lie within
+rounding (:data:`NEAR_TIE_ULPS` ulps of the largest router logit, carried through the score the router ranks) of the
+boundary the router uses, in both runs' scores.
+
 A step violating any point is reported ``near_tie = False`` with the reason (:attr:`NearTieProof.reason`): a bug.
 Where the rule is applied: :mod:`spiffy.bench.batch_fidelity` (batched dLLM rows, and the dLLM recording and
 judging every dLLM proof shares), :mod:`spiffy.bench.batch_fidelity_ar` (batched AR rows, and the AR pieces),
@@ -67,8 +75,10 @@ NEAR_TIE_RULE = (
     "at the first differing step both runs were in the same state, the reference's rule replayed on the other run's "
     f"logits reproduces the other run's result, the logits agree within {DEVIATION_ULPS:g} ulps of each row's "
     f"largest magnitude, and the flipped choice (greedy top-2 gap within {NEAR_TIE_ULPS:g} ulps, two confidences, or "
-    "a sampled draw's perturbed scores / coin) lies within that rounding (spiffy.bench.fidelity; batched rows: "
-    "spiffy.bench.batch_fidelity)"
+    "a sampled draw's perturbed scores / coin) lies within that rounding; in a mixture-of-experts model, logits moved "
+    "further are proven by a router near tie instead (at the first layer routing a token differently the router "
+    "inputs agree within rounding and the flipped experts lie within rounding of the router's top-k boundary) "
+    "(spiffy.bench.fidelity, spiffy.bench.router_fidelity; batched rows: spiffy.bench.batch_fidelity)"
 )
 
 
