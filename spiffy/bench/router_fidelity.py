@@ -176,15 +176,15 @@ def find_step_forward(forwards: list[RecordedForward], logits: torch.Tensor) -> 
 
 
 def choice_scores(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """``logits [N, E]`` -> ``[N, E]`` float64 scores the router ranks: the logits themselves for a softmax router
-    (softmax is monotone), ``softmax + expert_bias`` with a bias, ``sigmoid + expert_bias`` for LLaDA2.0."""
-    lg = logits.double()
+    """``logits [N, E]`` -> ``[N, E]`` scores the router ranks, computed as the router computes them (so ties and
+    group choices come out as in the model): the logits themselves for a softmax router (softmax is monotone),
+    ``softmax`` in float32 ``+ expert_bias`` with a bias, float32 ``sigmoid + expert_bias`` for LLaDA2.0."""
     if isinstance(router, LLaDA2MoeGate):
-        return torch.sigmoid(lg) + router.expert_bias.detach().double().cpu()
+        return torch.sigmoid(logits) + router.expert_bias.detach().to(logits.device)
     bias = getattr(router, "expert_bias", None)
     if bias is None:
-        return lg
-    return torch.softmax(lg, dim=-1) + bias.detach().double().cpu()
+        return logits
+    return F.softmax(logits, dim=-1, dtype=torch.float32) + bias.detach().to(logits.device)
 
 
 def router_bound(router: nn.Module, logits: torch.Tensor, flipped: list[int], dtype: torch.dtype,
@@ -195,7 +195,7 @@ def router_bound(router: nn.Module, logits: torch.Tensor, flipped: list[int], dt
     float32 ulp of the scores added where the router ranks float32 values it computed. ``groups``: a gap between
     LLaDA2.0 group scores (the sum of two experts' scores)."""
     lg = logits.double()
-    d = rounding_bound(float(lg.abs().max()), 0.0, dtype)
+    d = rounding_bound(float(lg.abs().max()), 0.0, dtype)  # the rule's bound on one router logit
     if isinstance(router, LLaDA2MoeGate):
         scores = choice_scores(router, logits[None])[0]
         per = d / 4.0 + spacing(float(scores.abs().max()), torch.float32)
