@@ -3,8 +3,9 @@ logits move beyond rounding is proven only when it starts at a router near tie.
 
 A real case first: on the tiny MoE checkpoints in bfloat16, batched rows whose divergence starts at a router flip
 (their logits differ by 18 to 118 ulps) are pinned (found on one machine; which rows flip is the CPU's business, so
-a bounded search over further prompt seeds follows) and proven. The forced cases tie two experts' router rows on purpose (equal gate weights and bias: equal scores for every token,
-so which of the two a top-k keeps is a pure tie-break) and, in the batched forward only, break each straddling tie
+a bounded search over further prompt seeds follows) and proven. The forced cases tie two experts' router rows on
+purpose (equal gate weights and bias: equal scores for every token, so which of the two a top-k keeps is a pure
+tie-break) and, in the batched forward only, break each straddling tie
 the other way, exactly as a rounding difference would; the token then runs through another expert and its logits
 move far beyond rounding, yet the proof holds (kind ``router``, margin 0 or within its bound). Broken on purpose, the
 proof refuses: a batched router that sends every token's first choice to its worst-scored expert (a large gap at the
