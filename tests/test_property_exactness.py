@@ -158,19 +158,9 @@ def check_dllm_case(paths: dict[str, Path], case: dict[str, Any]) -> None:
             continue
         assert case["dtype"] == "bfloat16", f"row {r} differs from its prompt alone in {case['dtype']} for {case}"
         div = explain_dllm_batch_row(model, prompts, r, None, overrides=kw)
-        if case["family"] in ROUTED_FAMILIES and div is not None and not div.near_tie:
-            # a mixture-of-experts layer routes each token by a top-k over router scores: rounding that flips a
-            # router near tie sends the token to another expert and moves its logits by more than rounding (seen:
-            # LLaDA2.0 bfloat16, 84 ulps, on one CPU and allocator state). The rule does not prove router ties
-            # yet; what must still hold: the same state, and the row's own rule replayed on the batched logits
-            # gives the batched result (nothing but the logits differs)
-            assert div.same_state and div.replay, f"row {r}: {div} for {case}"
-            continue
+        # a mixture-of-experts family's divergence is proven too: by the logit rule, or (a router near tie flipped
+        # by rounding sends a token to another expert, moving the logits beyond rounding) by the router kind
         assert div is not None and div.near_tie, f"row {r}: not a proven near tie ({div}) for {case}"
-
-
-#: families whose layers route tokens to experts (a router near tie is not covered by the near-tie rule yet)
-ROUTED_FAMILIES = frozenset({"llada_moe", "sdar_moe", "llada2"})
 
 
 @given(case=dllm_cases)

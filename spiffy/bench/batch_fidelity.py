@@ -13,7 +13,7 @@ it), so they cost about four decodes per differing row; benchmarks run them only
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,6 +27,7 @@ from spiffy.bench.fidelity import (
     dtype_name,
     rounding_bound,
 )
+from spiffy.bench.router_fidelity import RouterRecorder, judge_router_flip, routers_of
 from spiffy.decoding.batch import row_generators, run_baseline, run_baseline_batch
 from spiffy.decoding.factory import make_row_sessions, make_session
 from spiffy.selfspec.runtime import speculative_generate as spiffy_single
@@ -211,24 +212,37 @@ def _first_difference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> i
 RecordedRun = Callable[[bool, "int | None", "torch.Tensor | None"], TransitionRecorder]
 
 
-def prove_dllm_runs(run: RecordedRun, dtype: torch.dtype, *, row: int | None, compared: str) -> NearTieProof | None:
+def prove_dllm_runs(run: RecordedRun, dtype: torch.dtype, *, row: int | None, compared: str,
+                    model: Any = None) -> NearTieProof | None:
     """The rule (:mod:`spiffy.bench.fidelity`) on two dLLM runs that must agree: find the first transition whose
     result differs, re-run both recording it (the reference replaying its rule on the other run's logits from the
-    same generator state) and judge it. ``None`` when every transition agrees."""
+    same generator state) and judge it. ``None`` when every transition agrees.
+
+    ``model``: the model both runs call; when it routes tokens to experts, the recording runs also record every
+    router (:class:`spiffy.bench.router_fidelity.RouterRecorder`), and a step whose logits differ beyond rounding
+    (points 3 or 4 fail while 1 and 2 hold) is judged as a router near tie (kind ``router``) instead."""
     runs = [run(reference, None, None) for reference in (True, False)]
     k = _first_difference(runs[0].results, runs[1].results)
     if k is None:
         return None
-    other = run(False, k, None).step
-    mine = run(True, k, None if other is None else other.logits).step
+    routed = bool(routers_of(model))
+    with RouterRecorder(model) as other_routes:  # a dense model (or none given): nothing recorded
+        other = run(False, k, None).step
+    with RouterRecorder(model) as mine_routes:
+        mine = run(True, k, None if other is None else other.logits).step
     if mine is None or other is None:  # one run took a step the other never took
         return NearTieProof(row, k, None, "schedule", None, None, None, False, False, False, dtype_name(dtype),
                             compared)
     session = runs[0].session
     cfg = session.config
-    return judge_dllm_step(mine, other, row=row, step=k, prompt_len=int(session.prompt_len), dtype=dtype,
-                           temperature=float(cfg.sampling.temperature), threshold=_threshold(session),
-                           compared=compared)
+    proof = judge_dllm_step(mine, other, row=row, step=k, prompt_len=int(session.prompt_len), dtype=dtype,
+                            temperature=float(cfg.sampling.temperature), threshold=_threshold(session),
+                            compared=compared)
+    if proof.near_tie or not routed or not (proof.same_state and proof.replay):
+        return proof
+    flip = judge_router_flip(mine_routes, mine.logits, other_routes, other.logits, dtype)
+    return replace(proof, kind="router", gap=flip.gap, bound=flip.bound, near_tie=flip.proven, layer=flip.layer,
+                   note=flip.note)
 
 
 def explain_dllm_batch_row(model: Any, batch: Sequence[Sequence[int]], row: int, config: Any = None, *,
@@ -243,7 +257,8 @@ def explain_dllm_batch_row(model: Any, batch: Sequence[Sequence[int]], row: int,
         return dllm_run(model, batch, row, config, reference, graph, budget, score, tokenizer, extra, keep=keep,
                          replay_logits=replay_logits)
 
-    return prove_dllm_runs(run, next(model.parameters()).dtype, row=row, compared="batched row vs alone")
+    return prove_dllm_runs(run, next(model.parameters()).dtype, row=row, compared="batched row vs alone",
+                           model=model)
 
 
 def _threshold(session: Any) -> float | None:

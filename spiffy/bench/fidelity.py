@@ -34,6 +34,14 @@ the other one the *other run*:
    * ``draft`` (batched AR rows: the drafts differ): point 3 on the drafter's logits and the tree rebuilt from the
      other run's drafter logits equal to its tree.
 
+In a mixture-of-experts model (LLaDA-MoE, SDAR-MoE, LLaDA2.0) rounding can also flip a *router* near tie: a token
+then runs through another expert and the logits move far beyond point 3's bound. The ``router`` kind
+(:mod:`spiffy.bench.router_fidelity`) proves such a step in place of points 3 and 4 (points 1 and 2 still hold): in
+the forward that computed the step's logits, at the first MoE layer where a token's expert set differs, the router
+inputs agree within :data:`DEVIATION_ULPS` ulps, and every flipped token's experts (LLaDA2.0: or groups) lie within
+rounding (:data:`NEAR_TIE_ULPS` ulps of the largest router logit, carried through the score the router ranks) of the
+boundary the router uses, in both runs' scores.
+
 A step violating any point is reported ``near_tie = False`` with the reason (:attr:`NearTieProof.reason`): a bug.
 Where the rule is applied: :mod:`spiffy.bench.batch_fidelity` (batched dLLM rows, and the dLLM recording and
 judging every dLLM proof shares), :mod:`spiffy.bench.batch_fidelity_ar` (batched AR rows, and the AR pieces),
@@ -67,8 +75,10 @@ NEAR_TIE_RULE = (
     "at the first differing step both runs were in the same state, the reference's rule replayed on the other run's "
     f"logits reproduces the other run's result, the logits agree within {DEVIATION_ULPS:g} ulps of each row's "
     f"largest magnitude, and the flipped choice (greedy top-2 gap within {NEAR_TIE_ULPS:g} ulps, two confidences, or "
-    "a sampled draw's perturbed scores / coin) lies within that rounding (spiffy.bench.fidelity; batched rows: "
-    "spiffy.bench.batch_fidelity)"
+    "a sampled draw's perturbed scores / coin) lies within that rounding; in a mixture-of-experts model, logits moved "
+    "further are proven by a router near tie instead (at the first layer routing a token differently the router "
+    "inputs agree within rounding and the flipped experts lie within rounding of the router's top-k boundary) "
+    "(spiffy.bench.fidelity, spiffy.bench.router_fidelity; batched rows: spiffy.bench.batch_fidelity)"
 )
 
 
@@ -111,13 +121,17 @@ class NearTieProof:
         step: dLLM transition / AR round index of the first differing step (AR against plain AR: the other run's
             round; ``-1``: the prefill).
         position: generated-token index of the first differing token of that step.
-        kind: ``greedy``, ``low-confidence``, ``sampled``, ``draft`` or ``schedule`` (one run took a step the other
-            never took).
+        kind: ``greedy``, ``low-confidence``, ``sampled``, ``draft``, ``router`` (a mixture-of-experts router near
+            tie, :mod:`spiffy.bench.router_fidelity`: proves points 3 and 4 instead) or ``schedule`` (one run took a
+            step the other never took).
         gap, bound: the flipped choice's margin and its rounding bound (``None`` where the kind has none: a draw
-            whose coin the rule does not expose is proved by the replay and the logit agreement).
+            whose coin the rule does not expose is proved by the replay and the logit agreement); ``router``: the
+            flipped experts' (or groups') margin at the router's boundary and its bound.
         deviation_ulps: largest logit difference of the two runs at the step, in ulps of the row's largest logit.
         same_state, replay: points 1 and 2 of the rule. near_tie: every point holds. dtype: the model dtype.
         compared: which two runs (``"batched row vs alone"``, ``"spiffy vs baseline"``, ``"ddtree vs ar"``, ...).
+        layer: ``router``: the first MoE layer (forward order) whose routing differs. note: ``router``: why the
+            router near tie is not proven (``""`` when it is, or for another kind).
     """
 
     row: int | None
@@ -132,6 +146,8 @@ class NearTieProof:
     near_tie: bool
     dtype: str
     compared: str = "batched row vs alone"
+    layer: int | None = None
+    note: str = ""
 
     @property
     def reason(self) -> str:
@@ -146,12 +162,15 @@ class NearTieProof:
                        "random coins)")
         if not self.replay:
             why.append("the reference's rule replayed on the other run's logits does not reproduce its result")
-        if self.deviation_ulps is not None and self.deviation_ulps > DEVIATION_ULPS:
-            why.append(f"the logits differ by {self.deviation_ulps:.3g} ulps, beyond the {DEVIATION_ULPS:g}-ulp "
-                       "rounding bound")
-        if self.gap is not None and self.bound is not None and self.gap > self.bound:
-            why.append(f"the flipped {self.kind} choice's margin {self.gap:.4g} exceeds its rounding bound "
-                       f"{self.bound:.4g}")
+        if self.kind == "router":  # the router kind replaces points 3 and 4 (its own note says what failed)
+            why.append(self.note)
+        else:
+            if self.deviation_ulps is not None and self.deviation_ulps > DEVIATION_ULPS:
+                why.append(f"the logits differ by {self.deviation_ulps:.3g} ulps, beyond the {DEVIATION_ULPS:g}-ulp "
+                           "rounding bound")
+            if self.gap is not None and self.bound is not None and self.gap > self.bound:
+                why.append(f"the flipped {self.kind} choice's margin {self.gap:.4g} exceeds its rounding bound "
+                           f"{self.bound:.4g}")
         return "; ".join(why) or "no point of the rule could be checked"
 
     def to_dict(self) -> dict[str, Any]:

@@ -63,7 +63,7 @@ def prove_dllm_divergence(model: Any, prompt: Sequence[int], config: Any = None,
         return dllm_run(model, [ids], 0, config, True, None if reference else graph, budget,
                          None if reference else score, tokenizer, extra, keep=keep, replay_logits=replay_logits)
 
-    return prove_dllm_runs(run, next(model.parameters()).dtype, row=None, compared=compared)
+    return prove_dllm_runs(run, next(model.parameters()).dtype, row=None, compared=compared, model=model)
 
 
 def plain_ar(config: ARSpecConfig) -> ARSpecConfig:
