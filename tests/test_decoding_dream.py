@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import load_f64
 
 from spiffy.decoding import DecodeConfig, make_session
+from spiffy.decoding.schedules import dream_num_transfer, dream_num_transfer_host, masked_rows
 from spiffy.compat import dream_diffusion_generate
 from spiffy.api import generate
 from spiffy.errors import ConfigError
@@ -250,3 +251,29 @@ def test_dream_wrapper_options_and_errors(dream):
         DecodeConfig(top_p=0.0)
     with pytest.raises(ConfigError, match="empty"):
         generate(model, torch.zeros((1, 0), dtype=torch.long), gen_length=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_num_transfer_host_equals_tensor_schedule(dtype: torch.dtype) -> None:
+    """The host count (numpy scalars, no device read) equals the reference's tensor expression for every masked
+    count, batch, step and a few eps: the same IEEE operations in the same dtype."""
+    for steps in (1, 2, 3, 5, 8, 13, 32):
+        for eps in (1e-3, 1e-2, 0.1):
+            ts = torch.linspace(1, eps, steps + 1, dtype=dtype)  # dream_timesteps in that dtype
+            host = ts.tolist()
+            for b in (1, 2, 3):
+                for n in range(0, 65 * b, max(1, b // 2)):
+                    num_mask = torch.tensor(n) / b if dtype == torch.float32 else torch.tensor(n, dtype=dtype) / b
+                    for step in range(steps):
+                        assert dream_num_transfer_host(n, b, host, step, steps, dtype) == dream_num_transfer(
+                            num_mask, ts, step, steps), (steps, eps, b, n, step)
+
+
+def test_masked_rows_equal_nonzero() -> None:
+    """The masked rows found with their count known on the host are ``nonzero``'s, in its order."""
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 1), (1, 9), (3, 7), (2, 33)):
+        for _ in range(20):
+            mask = torch.rand(shape, generator=g) < torch.rand((), generator=g)
+            want = mask.reshape(-1).nonzero().squeeze(1)
+            assert torch.equal(masked_rows(mask, int(mask.sum())), want)

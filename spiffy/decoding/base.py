@@ -67,6 +67,7 @@ class BidirectionalSession(DecodeSession):
 
     #: Dream reads token i from logits i-1.
     shifted_logits: bool = False
+    tracks_counts = True
 
     def __init__(
         self,
@@ -342,8 +343,15 @@ class BidirectionalSession(DecodeSession):
         return self.max_dynamic_steps() if self.config.threshold is not None else int(self.steps_per_block)
 
     def block_has_mask(self, block: int, x: torch.Tensor) -> bool:
-        start, end = self.block_bounds(block)
-        return bool((x[:, start:end] == self.mask_id).any())
+        """Whether ``block`` of ``x`` still has a masked row (host copy when Spiffy's reads left one)."""
+        return any(self.masked_counts(block, x)[1])
+
+    def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
+        return self.finished_by_counts(block, step, x)
+
+    def eligible_start(self, block: int) -> int:
+        """The rows :meth:`block_mask_in_window` may take start at the window: the prompt's end without a cache."""
+        return self.window_start(block)
 
 
 def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from spiffy.decoding.base import BidirectionalSession, mask_positions
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.sampling import dream_sample_tokens
-from spiffy.decoding.schedules import dream_num_transfer, dream_timesteps, threshold_transfer
+from spiffy.decoding.schedules import (dream_num_transfer_host, dream_timesteps, masked_rows,
+                                       threshold_transfer)
 from spiffy.decoding.session import StepInfo
 
 
@@ -70,13 +71,13 @@ class DreamSession(BidirectionalSession):
         super().__init__(model, input_ids, config, mask_id=mask_id, attention_mask=attention_mask, generator=generator)
         self.alg = config.resolved_alg
         self.timesteps = dream_timesteps(self.steps_per_block, config.eps, device=self.x.device)
-        self.threshold_quota: torch.Tensor | None = None  # [B] per-step quota of the no-cache threshold rule
+        self._host_timesteps: list[float] = self.timesteps.tolist()  # read once: each step's count is host arithmetic
+        self.threshold_quota: list[int] | None = None  # [B] per-step quota of the no-cache threshold rule
 
     def on_block_start(self, block: int) -> None:
         if self.config.threshold is not None and self.cache_mode == "none":
-            start, end = self.block_bounds(block)
-            masked = (self.x[:, start:end] == self.mask_id).sum(dim=1)
-            self.threshold_quota = masked // self.steps_per_block
+            # the block's masked count per row, on the host (floor division of non-negative ints, as the tensor's)
+            self.threshold_quota = [m // self.steps_per_block for m in self.masked_counts(block, self.x)[1]]
 
     def _positions(self, device: torch.device) -> torch.Tensor:
         if self.attention_mask is None:
@@ -100,14 +101,12 @@ class DreamSession(BidirectionalSession):
             sig["tokens_per_step"] = None
         return sig
 
-    def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
+    def block_end_by_rule(self, block: int, step: int) -> bool | None:
         if self.config.threshold is not None:
-            return step >= self.max_dynamic_steps() or not self.block_has_mask(block, x)
+            return True if step >= self.max_dynamic_steps() else None
         if step >= self.steps_per_block:
             return True
-        if self.cache_mode != "none" and step > 0:
-            return not self.block_has_mask(block, x)
-        return False
+        return None if self.cache_mode != "none" and step > 0 else False
 
     # ------------------------------------------------------------------ transition
     def _confidence_kind(self) -> dict[str, bool]:
@@ -131,16 +130,19 @@ class DreamSession(BidirectionalSession):
         lo, hi = self.frame(info, w)
         off = ws - lo
         mask_w = self.block_mask_in_window(x, info, w)  # [B, W]
-        mask_logits = logits[mask_w]  # [n, V] (row-major over batch, as the reference)
+        eligible = self.masked_counts(info.block, x)[0]  # [B] host ints: mask_w's row counts
+        # the masked rows in row-major order (as logits[mask_w]) found with their count known on the host: no read
+        flat = masked_rows(mask_w, sum(eligible))  # [n] indices into the [B * W] window rows
+        mask_logits = logits[flat // w, flat % w]  # [n, V]
         if cfg.threshold is not None:
             conf, x0 = dream_sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
-            counts = mask_w.sum(dim=1)
+            counts = eligible
             if self.cache_mode == "none":
                 assert self.threshold_quota is not None, "begin_block was not called"
-                reserve = max(self.steps_per_block - 1 - info.step, 0) * self.threshold_quota
-                counts = (counts - reserve).clamp(min=0)
-            return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, threshold=float(cfg.threshold), counts=counts,
-                               logits=logits if temp == 0 else None)
+                spare = max(self.steps_per_block - 1 - info.step, 0)
+                counts = [max(c - spare * q, 0) for c, q in zip(eligible, self.threshold_quota)]
+            return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, flat, threshold=float(cfg.threshold),
+                               counts=counts, logits=logits if temp == 0 else None)
         step, steps = info.step, self.steps_per_block
         if self.alg == "origin":
             t_ = self.timesteps[step]
@@ -156,9 +158,8 @@ class DreamSession(BidirectionalSession):
             out[:, ws : ws + w] = win
             return out
         conf, x0 = dream_sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
-        num_mask = mask_w.sum() / b
-        k = dream_num_transfer(num_mask, self.timesteps, step, steps)
-        return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, k=k, logits=logits if temp == 0 else None)
+        k = dream_num_transfer_host(sum(eligible), b, self._host_timesteps, step, steps, self.timesteps.dtype)
+        return self._apply(out, x, mask_w, conf, x0, lo, hi, off, w, flat, k=k, logits=logits if temp == 0 else None)
 
     def _apply(
         self,
@@ -171,13 +172,15 @@ class DreamSession(BidirectionalSession):
         hi: int,
         off: int,
         w: int,
+        flat: torch.Tensor,
         *,
         k: int | None = None,
         threshold: float | None = None,
-        counts: torch.Tensor | None = None,
+        counts: list[int] | None = None,
         logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Scatter proposals ``x0 [n]`` / confidences ``conf [n]`` of the masked window rows into the frame and
+        """Scatter proposals ``x0 [n]`` / confidences ``conf [n]`` of the masked window rows (``flat [n]``: their
+        indices into the ``[B * W]`` window rows, row-major) into the frame and
         reveal ``k`` positions (top-k, or multinomial with ``alg_temp``) or the threshold set among the
         ``counts [B]`` most confident. With the step's ``logits`` (greedy proposals) and a deterministic choice, the
         frame confidences are published for ranking drafts (:meth:`publish_probs`)."""
@@ -186,13 +189,15 @@ class DreamSession(BidirectionalSession):
         full_conf = torch.full((b, hi - lo), -torch.inf, dtype=conf.dtype, device=dev)
         frame_mask = torch.zeros((b, hi - lo), dtype=torch.bool, device=dev)
         frame_mask[:, off : off + w] = mask_w
-        full_conf[frame_mask] = conf
+        # window row r * W + c is frame entry r * F + off + c: the writes of full_conf[frame_mask] = conf, no read
+        at = (flat // w) * (hi - lo) + off + flat % w  # [n]
+        full_conf.view(-1).index_copy_(0, at, conf)
         proposal = torch.full((b, hi - lo), self.mask_id, dtype=torch.long, device=dev)
-        proposal[frame_mask] = x0
+        proposal.view(-1).index_copy_(0, at, x0)
         if logits is not None and (threshold is not None or not self.config.alg_temp):
             self.publish_probs(logits, None, selection=full_conf, selection_start=lo)
         if threshold is not None:
-            transfer = threshold_transfer(full_conf, mask_w.sum(dim=1) if counts is None else counts, threshold)
+            transfer = threshold_transfer(full_conf, counts, threshold)  # type: ignore[arg-type]
         else:
             transfer = torch.zeros((b, hi - lo), dtype=torch.bool, device=dev)
             if k is not None and k > 0:

@@ -97,13 +97,15 @@ class LLaDASession(BidirectionalSession):
     def on_block_start(self, block: int) -> None:
         start, end = self.block_bounds(block)
         self.num_transfer_tokens = get_num_transfer_tokens(self.x[:, start:end] == self.mask_id, self.steps_per_block)
-        # one host read per block: each step's torch.topk needs its count on the host, and reading it here instead
-        # of at every step leaves the transition free of synchronisations
-        self._transfer_counts = self.num_transfer_tokens.tolist()
+        # each step's torch.topk needs its count on the host: the schedule is a function of the block's masked count
+        # (get_num_transfer_tokens on the host), read once per block or taken from a read Spiffy made of this state
+        steps = int(self.steps_per_block)
+        self._transfer_counts = [[m // steps + (i < m % steps) for i in range(steps)]
+                                 for m in self.masked_counts(block, self.x)[1]]
 
-    def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
+    def block_end_by_rule(self, block: int, step: int) -> bool | None:
         if self.config.threshold is not None:
-            return step >= self.max_dynamic_steps() or not self.block_has_mask(block, x)
+            return True if step >= self.max_dynamic_steps() else None
         return step >= self.steps_per_block
 
     def transition(self, x: torch.Tensor, logits: torch.Tensor, info: StepInfo) -> torch.Tensor:
@@ -143,7 +145,8 @@ class LLaDASession(BidirectionalSession):
         if cfg.remasking == "low_confidence":
             self._publish(logits, lg, p, x0_p, conf, lo, temp)
         if cfg.threshold is not None:
-            transfer = threshold_transfer(conf, mask_w.sum(dim=1), float(cfg.threshold))
+            # the eligible counts on the host (a read Spiffy made of this state, else one read here)
+            transfer = threshold_transfer(conf, self.masked_counts(info.block, x)[0], float(cfg.threshold))
         else:
             assert self.num_transfer_tokens is not None, "begin_block was not called"
             transfer = topk_transfer(conf, [counts[info.step] for counts in self._transfer_counts])

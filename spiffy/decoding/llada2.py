@@ -215,7 +215,8 @@ class LLaDA2Session(SDARSession):
         cur = x[:, s:e]
         masked = cur == self.mask_id
         transfer = select_transfer(
-            masked, token_probs, None, self.schedule[info.step], "low_confidence_dynamic", self.threshold, 0.0
+            masked, token_probs, None, self.schedule[info.step], "low_confidence_dynamic", self.threshold, 0.0,
+            counts=self.masked_counts(info.block, x)[1],
         )
         if self.temperature == 0:
             # the confidences the rule's torch.topk ranked (their ties order ranking's drafts as the baseline would)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -47,6 +48,27 @@ def dream_num_transfer(num_mask: torch.Tensor | float, timesteps: torch.Tensor, 
     t = timesteps[step]
     s = timesteps[step + 1]
     return int(num_mask * (1 - s / t))
+
+
+def dream_num_transfer_host(num_masked: int, batch: int, timesteps: list[float], step: int, steps: int,
+                            dtype: torch.dtype | None = None) -> int:
+    """:func:`dream_num_transfer` of ``num_masked / batch`` (the reference's batch-averaged count, a tensor division in
+    the default float dtype) from a host copy of the timesteps, with no device read: the same IEEE operations
+    (divide, subtract, multiply, each rounded to ``dtype``, the timesteps' dtype; default: torch's default) in
+    numpy scalars, so the count is the tensor computation's bit for bit."""
+    real = np.float64 if (dtype or torch.get_default_dtype()) == torch.float64 else np.float32
+    num_mask = real(num_masked) / real(batch)
+    if step >= steps - 1:
+        return int(num_mask)
+    t, s = real(timesteps[step]), real(timesteps[step + 1])
+    return int(num_mask * (real(1) - s / t))
+
+
+def masked_rows(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """``[count]`` long: the indices of ``mask``'s ``count`` true entries in the flattened ``[numel]`` order (what
+    ``mask.reshape(-1).nonzero()`` gives) when the count is known on the host: a stable sort puts them first, so the
+    device is never asked for the data-dependent size."""
+    return torch.sort((~mask).reshape(-1).to(torch.uint8), stable=True).indices[:count]
 
 
 def topk_transfer(confidence: torch.Tensor, k: torch.Tensor | list[int]) -> torch.Tensor:
@@ -87,8 +109,9 @@ def threshold_transfer(confidence: torch.Tensor, num_masked: torch.Tensor | list
         vals, idx = torch.topk(confidence[j], k=kj)
         keep = vals >= threshold
         keep[0] = True
-        transfer[j, idx[keep]] = True
+        transfer[j, idx] = keep  # idx distinct: the same set as transfer[j, idx[keep]] = True, with no host read
     return transfer
 
 
-__all__ = ["get_num_transfer_tokens", "dream_timesteps", "dream_num_transfer", "topk_transfer", "threshold_transfer"]
+__all__ = ["get_num_transfer_tokens", "dream_timesteps", "dream_num_transfer", "dream_num_transfer_host", "masked_rows",
+           "topk_transfer", "threshold_transfer"]

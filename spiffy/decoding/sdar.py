@@ -228,6 +228,8 @@ class SDARSession(DecodeSession):
         self._committed = 0  # rows [0, _committed) have their K/V in the cache
 
     # ------------------------------------------------------------------ layout
+    tracks_counts = True
+
     def block_bounds(self, block: int) -> tuple[int, int]:
         start = (self.first_block + block) * self.block_length
         return start, start + self.block_length
@@ -394,6 +396,7 @@ class SDARSession(DecodeSession):
             self.threshold,
             float(self.config.eb_threshold),
             self.config.overwrite_quirk,
+            self.masked_counts(info.block, x)[1],  # on the host: no read when Spiffy's read of this state left them
         )
         if self.temperature == 0 and self.strategy in ("low_confidence_static", "low_confidence_dynamic"):
             # the confidences the rule's torch.topk ranked (their ties order ranking's drafts as the baseline would)
@@ -421,10 +424,20 @@ class SDARSession(DecodeSession):
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         """No mask left in the block, or its ``denoising_steps`` steps taken (the reference's bound; rows whose
         token was the mask id itself stay masked), or the generation stopped."""
-        if self.stopped or step >= self.steps_per_block:
-            return True
-        s, e = self.block_bounds(block)
-        return not bool((x[:, s:e] == self.mask_id).any())
+        return self.finished_by_counts(block, step, x)
+
+    def block_end_by_rule(self, block: int, step: int) -> bool | None:
+        return True if self.stopped or step >= self.steps_per_block else None
+
+    def state_flags(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``[B]``: whether row ``r`` holds a stop id in its generated rows (the stop rule of :meth:`end_block`)."""
+        if not self.stop_token_ids:
+            return None
+        stops = torch.tensor(self.stop_token_ids, device=x.device)
+        return torch.stack([torch.isin(x[r, start:], stops).any() for r, start in enumerate(self.gen_starts)])
+
+    def reads_block_end(self, block: int) -> bool:
+        return super().reads_block_end(block) or bool(self.stop_token_ids)  # the stop rule reads the last state
 
     def max_block_steps(self) -> int:
         return int(self.steps_per_block)
@@ -434,11 +447,10 @@ class SDARSession(DecodeSession):
         generation (of the whole batch, as the reference's batched loop)."""
         if self.stopped or not self.stop_token_ids:
             return
-        stops = torch.tensor(self.stop_token_ids, device=self.x.device)
-        for r, start in enumerate(self.gen_starts):
-            if bool(torch.isin(self.x[r, start:], stops).any()):
-                self.stopped = True
-                return
+        flags = self.known_flags(self.x)  # Spiffy's walk read them with the last state's counts
+        if flags is None:
+            flags = self.state_flags(self.x).tolist()  # type: ignore[union-attr]
+        self.stopped = any(flags)
 
     # ------------------------------------------------------------------ helpers
     def generated(self) -> torch.Tensor:

@@ -3,8 +3,11 @@ block-causal mask (see :mod:`spiffy.decoding.sdar` for the semantics they reprod
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from spiffy.decoding.schedules import masked_rows
 from spiffy.decoding.sdar_config import STRATEGIES
 from spiffy.errors import ConfigError
 from spiffy.sampling import filter_logits
@@ -75,6 +78,7 @@ def select_transfer(
     threshold: float,
     eb_threshold: float,
     overwrite_quirk: bool = False,
+    counts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Which block rows take their sampled token in one step.
 
@@ -85,41 +89,44 @@ def select_transfer(
         count: the schedule's count for this step.
         strategy, threshold, eb_threshold: the rule (see module doc).
         overwrite_quirk: use ``count`` even when fewer rows are masked (the reference's behaviour).
+        counts: ``[B]`` host ints, ``masked``'s row counts when known (then nothing here reads the device; the
+            choices are made on the device: the same rows as the reference's host decisions); ``None``: read here.
     Returns:
         ``[B, L]`` bool transfer mask.
     """
     transfer = torch.zeros_like(masked)
     entropy = entropy_of(probs) if strategy == "entropy_bounded" else None
+    length = masked.shape[1]
+    cols = torch.arange(length, device=masked.device)
     for r in range(masked.shape[0]):
         m = masked[r]
-        n = int(m.sum())
+        n = int(m.sum()) if counts is None else int(counts[r])
         if n == 0 and not (overwrite_quirk and strategy != "entropy_bounded"):
             continue
         k = int(count) if overwrite_quirk else min(int(count), n)
         if strategy == "sequential":
-            rows = m.nonzero()[:, 0]
+            rows = masked_rows(m, n)  # the masked rows in order (m.nonzero() with its size known here)
             if overwrite_quirk:
                 if n == 0:
                     raise ValueError("No mask tokens found in the current block.")
-                first = int(rows[0])
-                transfer[r, first : first + k] = True
+                transfer[r] = (cols >= rows[0]) & (cols < rows[0] + k)  # transfer[r, first : first + k]
             else:
                 transfer[r, rows[:k]] = True
         elif strategy in ("low_confidence_static", "low_confidence_dynamic"):
             conf = torch.where(m, token_probs[r], -torch.inf)
+            top = torch.zeros_like(m)
+            top[torch.topk(conf, k).indices] = True
             if strategy == "low_confidence_dynamic":
                 high = conf > threshold
-                if int(high.sum()) >= k:
-                    transfer[r] = high
-                    continue
-            transfer[r, torch.topk(conf, k).indices] = True
+                top = torch.where(high.sum() >= k, high, top)  # enough above the threshold: exactly those
+            transfer[r] = top
         elif strategy == "entropy_bounded":
             ent = torch.where(m, entropy[r], torch.inf)  # type: ignore[index]
             ent_sorted, order = torch.sort(ent, stable=True)
             cum = torch.cumsum(ent_sorted, dim=0)
-            c = int(torch.searchsorted(cum, cum.new_tensor([float(eb_threshold)]), right=False)[0])
-            c = min(max(c, min(int(count), n), 1), n)
-            transfer[r, order[:c]] = True
+            c = torch.searchsorted(cum, cum.new_tensor([float(eb_threshold)]), right=False)[0]
+            c = c.clamp(min=max(min(int(count), n), 1)).clamp(max=n)  # min(max(c, min(count, n), 1), n)
+            transfer[r, order] = cols < c  # the c lowest-entropy rows (order is a permutation of the block)
         else:
             raise ConfigError(f"strategy={strategy!r} is unknown; fix: use one of {', '.join(STRATEGIES)}")
     return transfer

@@ -206,6 +206,93 @@ class DecodeSession(ABC):
         ``step`` reaches :meth:`max_block_steps`: a model may propose the mask id itself for a masked row, which
         keeps it masked forever."""
 
+    # ------------------------------------------------------------------ host copies of the state's counts
+    #: the session's rule reads the state's masked counts through :meth:`masked_counts` (so a read made elsewhere,
+    #: Spiffy's ranking or walk, serves it) and splits :meth:`block_finished` into :meth:`block_end_by_rule` and them
+    tracks_counts: ClassVar[bool] = False
+
+    def eligible_start(self, block: int) -> int:
+        """First row whose mask the rule may take in ``block`` (default: the block start; the no-cache LLaDA and Dream
+        rules also take rows of earlier blocks left masked)."""
+        return self.block_bounds(block)[0]
+
+    def state_flags(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``[K]`` long flags of ``x`` the rule reads at a block end besides its counts (SDAR: a stop id generated,
+        per row), read with them; ``None``: none."""
+        return None
+
+    def count_tensor(self, block: int, x: torch.Tensor) -> torch.Tensor:
+        """``[K]`` long, on ``x``'s device: what the rule reads of ``x [B, T]`` on the host, for ``block`` and the next
+        block (the next block's start reads the same state): per block, each row's masked count from
+        :meth:`eligible_start` to the block end, then each row's masked count inside the block; then
+        :meth:`state_flags`. Building it makes no host read: it joins a read made anyway (:meth:`remember_counts`)."""
+        masked = x == self.mask_id  # [B, T]
+        parts = []
+        for blk in (block, block + 1):
+            if blk >= int(self.num_blocks):
+                break
+            start, end = self.block_bounds(blk)
+            parts += [masked[:, self.eligible_start(blk) : end].sum(dim=1), masked[:, start:end].sum(dim=1)]
+        flags = self.state_flags(x)
+        return torch.cat(parts + ([] if flags is None else [flags.to(torch.long)]))
+
+    def remember_counts(self, block: int, x: torch.Tensor, values: list) -> None:
+        """Keep the host copy ``values`` of :meth:`count_tensor` ``(block, x)`` for the rule's later reads of ``x``
+        (valid while ``x`` is the same tensor, unmodified: keyed by the object and its version counter)."""
+        b = int(x.shape[0])
+        vals = [int(v) for v in values]
+        known: dict[int, tuple[list[int], list[int]]] = {}
+        pos = 0
+        for blk in (block, block + 1):
+            if blk >= int(self.num_blocks):
+                break
+            known[blk] = (vals[pos : pos + b], vals[pos + b : pos + 2 * b])
+            pos += 2 * b
+        self._known_counts = (x, x._version, known, vals[pos:])
+
+    def _known(self, x: torch.Tensor) -> tuple[dict[int, tuple[list[int], list[int]]], list[int]] | None:
+        held = getattr(self, "_known_counts", None)
+        if held is None or held[0] is not x or held[1] != x._version:
+            return None
+        return held[2], held[3]
+
+    def counts_known(self, block: int, x: torch.Tensor) -> bool:
+        """Whether :meth:`masked_counts` ``(block, x)`` is on the host already (no read)."""
+        known = self._known(x)
+        return known is not None and block in known[0]
+
+    def masked_counts(self, block: int, x: torch.Tensor) -> tuple[list[int], list[int]]:
+        """``(eligible, in_block)``: per batch row, ``x``'s masked rows from :meth:`eligible_start` to ``block``'s
+        end and inside ``block``, as host ints: the copy a read made elsewhere left (:meth:`remember_counts`),
+        else one read of :meth:`count_tensor` now."""
+        if not self.counts_known(block, x):
+            self.remember_counts(block, x, self.count_tensor(block, x).tolist())
+        return self._known(x)[0][block]  # type: ignore[index]
+
+    def known_flags(self, x: torch.Tensor) -> list[int] | None:
+        """:meth:`state_flags` of ``x`` on the host when a read left them, else ``None``."""
+        known = self._known(x)
+        return None if known is None or not known[1] else known[1]
+
+    def block_end_by_rule(self, block: int, step: int) -> bool | None:
+        """The part of :meth:`block_finished` decided on the host: ``True`` / ``False`` whatever the state (a static
+        schedule, the step bound, a stopped generation), ``None``: it ends iff the block has no mask left. Must be
+        ``True`` from :meth:`max_block_steps` on. Default (sessions without :attr:`tracks_counts`): ``None``."""
+        return None
+
+    def reads_block_end(self, block: int) -> bool:
+        """Whether Spiffy's walk reads the state a rule-ended block ends on (:meth:`count_tensor`): the next block's
+        start needs its counts. Default: unless ``block`` is the last."""
+        return block + 1 < int(self.num_blocks)
+
+    def finished_by_counts(self, block: int, step: int, x: torch.Tensor) -> bool:
+        """:meth:`block_finished` of a :attr:`tracks_counts` session: its rule part, else no mask left in the block
+        (:meth:`masked_counts`: no read when a copy is on the host)."""
+        ends = self.block_end_by_rule(block, step)
+        if ends is not None:
+            return ends
+        return not any(self.masked_counts(block, x)[1])
+
     def max_block_steps(self) -> int:
         """The most steps one block may take: the bound of every decoding loop over the block (the baseline's,
         Spiffy's walk, the batched ones). :meth:`step_info` refuses a step past it with a :class:`StepLimitError`,

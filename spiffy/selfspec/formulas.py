@@ -49,6 +49,8 @@ class Ranking:
     block_start: int
     block_end: int
     _host: tuple[list[list[float]], list[list[int]]] | None = field(default=None, repr=False, compare=False)
+    #: host copy of :func:`rank_state`'s ``extra`` tensor, read with the ranking (``None``: none was given)
+    extra: list[int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_positions(self) -> int:
@@ -106,6 +108,7 @@ def rank_state(
     mask_id: int,
     probs: TransitionProbs | torch.Tensor | None = None,
     sync_free: bool | None = None,
+    extra: torch.Tensor | None = None,
 ) -> Ranking:
     """Rank the masked positions of a block and their tokens under ``P``.
 
@@ -128,6 +131,8 @@ def rank_state(
             masked count with both tables (:meth:`Ranking.probs_list`, :meth:`Ranking.ids_list`), instead of the
             streaming :func:`~spiffy.topk.top_ranked` on the masked rows found with ``nonzero`` (five
             synchronisations, then one more for the tables). Same ranking either way; ``None``: on a GPU only.
+        extra: ``[K]`` integer tensor read back with the ranking (in its one read when ``sync_free``) into
+            :attr:`Ranking.extra` (Spiffy passes the session's :meth:`~spiffy.decoding.session.DecodeSession.count_tensor`).
     Returns:
         :class:`Ranking` with ``I = min(i_max, masked count)`` positions and ``J = min(j_max, V)`` tokens each.
         Probabilities are ``probs`` when given, else a softmax of the logits in float64 (float64 logits) or float32
@@ -159,7 +164,17 @@ def rank_state(
         sync_free = dev.type == "cuda"
     if sync_free:
         return _rank_static(logits, state, block_start, block_end, window_start, min(i_max, block_end - block_start),
-                            j, mask_id, given, published)
+                            j, mask_id, given, published, extra)
+    ranking = _rank_host(logits, state, block_start, block_end, window_start, i_max, j, mask_id, given, published)
+    ranking.extra = None if extra is None else [int(v) for v in extra.tolist()]
+    return ranking
+
+
+def _rank_host(logits: torch.Tensor, state: torch.Tensor, block_start: int, block_end: int, window_start: int,
+               i_max: int, j: int, mask_id: int, given: torch.Tensor | None,
+               published: TransitionProbs | None) -> Ranking:
+    """:func:`rank_state`'s host ranking: the masked rows found with ``nonzero``, the streaming top-``J``."""
+    dev = logits.device
     masked = (state[block_start:block_end] == mask_id).nonzero().squeeze(1) + block_start  # [M] ascending rows
     m = int(masked.shape[0])
     if m == 0:
@@ -208,7 +223,7 @@ def rank_state(
 
 def _rank_static(logits: torch.Tensor, state: torch.Tensor, block_start: int, block_end: int, window_start: int,
                  n: int, j: int, mask_id: int, given: torch.Tensor | None,
-                 published: TransitionProbs | None) -> Ranking:
+                 published: TransitionProbs | None, extra: torch.Tensor | None = None) -> Ranking:
     """:func:`rank_state`'s ranking with static shapes and one host read (``sync_free``).
 
     The masked count ``M`` is data, so every one of the ``n = min(i_max, L)`` ranks of the block's ``L`` rows is
@@ -251,13 +266,15 @@ def _rank_static(logits: torch.Tensor, state: torch.Tensor, block_start: int, bl
     count = is_masked.sum()  # [] M, on the device
     rows = torch.where(torch.arange(n, device=dev) < count, rows, block_start)  # padding ranks: a row of the block
     vals, ids = top_ranked_static(block_probs.index_select(0, rows - block_start), j)  # [n, J] each
+    more = [] if extra is None else [extra.to(torch.float64).reshape(-1)]  # the state's device, as P
     flat = torch.cat([count.to(torch.float64).reshape(1), vals.detach().to(torch.float64).reshape(-1),
-                      ids.to(torch.float64).reshape(-1)]).tolist()  # the one host read of the step's ranking
+                      ids.to(torch.float64).reshape(-1)] + more).tolist()  # the one host read of the step's ranking
     m = int(flat[0])
     i = min(n, m)
-    probs_table, ids_table = _split_tables(flat[1:], n, j)
+    probs_table, ids_table = _split_tables(flat[1 : 1 + 2 * n * j], n, j)
     return Ranking(rows=rows[:i], token_ids=ids[:i], token_probs=vals[:i], num_masked=m, block_start=block_start,
-                   block_end=block_end, _host=(probs_table[:i], ids_table[:i]))
+                   block_end=block_end, _host=(probs_table[:i], ids_table[:i]),
+                   extra=None if extra is None else [int(x) for x in flat[1 + 2 * n * j :]])
 
 
 def _topk_picks(vec: torch.Tensor, count: int) -> torch.Tensor:

@@ -35,9 +35,16 @@ when its logits window covers the new block (never for block-causal SDAR, whose 
 Host synchronisations (SPEC section 14: at most two per step): a drafting step reads its ranking back once
 (:func:`~spiffy.selfspec.formulas.rank_state` with ``sync_free``: the masked count and the ``[I, J]`` probability and
 token tables), and pruning, instantiation and deduplication (:func:`_distinct_states`) work from that host copy; each
-walk step reads its match flags once (:meth:`_DraftWalk.child_matching`). What the family's rule reads besides is its
-own (LLaDA: its schedule, once per block). An eager CPU step whose transition published no softmax keeps the host
-ranking (a few more reads, less work on a CPU).
+walk step reads its match flags once (:meth:`_DraftWalk.child_matching`). Both reads also bring the state's masked
+counts (:meth:`~spiffy.decoding.session.DecodeSession.count_tensor`: per row, in the block and from where the rule
+may unmask, for this block and the next; SDAR's stop flags) for a session that ``tracks_counts`` (LLaDA, Dream,
+SDAR): its transition (LLaDA's threshold and static schedule, Dream's counts, SDAR's strategies) and its block-end
+check then read nothing themselves. A state no read covered yet (the first block's start, the state after a cache
+mode's block-start step) is ranked early (:meth:`_SpiffyRow.done`), so that its ranking's read brings them, or read
+once. Measured on the tiny LLaDA, Dream and SDAR models, static path: 0.9 to 1.9 reads per step at D* = 1, 5, 12
+(tests/test_spiffy_syncs.py). Still reading in the rule: Dream's ``origin`` algorithm (how many rows it draws tokens
+for is random). An eager CPU step whose transition published no softmax keeps the host ranking (a few more reads,
+less work on a CPU).
 
 Not implemented (on purpose): the paper's approximate "simplified shared-context mask"; every path here is exact.
 """
@@ -139,10 +146,50 @@ class _SpiffyRow(DecodeRow):
     """A row of the decoding loop with Spiffy's state: its latest distribution ``P`` (the logits that produced its
     current state) and the window row where ``P`` starts."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, plan: _Plan, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.plan = plan
         self.P: torch.Tensor | None = None  # [1, W, V]
         self.P_start = 0
+        self._ranked: tuple[torch.Tensor, torch.Tensor, Any] | None = None  # (x, P, its Ranking)
+
+    def done(self, forward_block: int) -> bool:
+        """As the base; when that needs the state's masked counts and no read left them on the host, the next
+        step's ranking is made now: its one read brings them (the block-start step of a cache mode is followed by
+        no walk read)."""
+        sess = self.session
+        blk = self.block(forward_block)
+        if blk >= 0 and sess.tracks_counts and sess.block_end_by_rule(blk, self.step) is None \
+                and not sess.counts_known(blk, sess.x):
+            self._ranking(forward_block)
+        return super().done(forward_block)
+
+    def _ranking(self, forward_block: int) -> Any:
+        """The ranking of the current state under ``P`` (made once per ``(x, P)``: :meth:`done` may have made it),
+        or ``None`` when this step drafts nothing. Its one read also brings the session's
+        :meth:`~spiffy.decoding.session.DecodeSession.count_tensor` of the state to the host."""
+        sess, plan, P, x = self.session, self.plan, self.P, self.session.x
+        if self._ranked is not None and self._ranked[0] is x and self._ranked[1] is P:
+            return self._ranked[2]
+        blk = self.block(forward_block)
+        info = sess.step_info(blk, self.step)
+        if not plan.use_drafts or P is None or not window_covers(self.P_start, int(P.shape[1]), info.block_start,
+                                                                  info.block_end):
+            return None
+        t0 = time.perf_counter()
+        probs = sess.transition_probs(P)  # the transition's own softmax
+        # one host read for the whole ranking (and the tables pruning and deduplication read) on a device or the
+        # static path; an eager CPU run without published probabilities keeps the host ranking, whose softmax covers
+        # only the masked rows (the static one takes every row of the block: up to twice the work there)
+        sync_free = sess.static is not None or P.device.type != "cpu" or (probs is not None and probs.probs is not None)
+        extra = sess.count_tensor(blk, x) if sess.tracks_counts else None
+        ranking = rank_state(P[0], x[0], info.block_start, info.block_end, self.P_start, plan.i_max, plan.j_max,
+                             mask_id=sess.mask_id, probs=probs, sync_free=sync_free, extra=extra)
+        if extra is not None:
+            sess.remember_counts(blk, x, ranking.extra)
+        self._ranked = (x, P, ranking)
+        self.stats.stage_times["rank"] += time.perf_counter() - t0
+        return ranking
 
     def after_step(self, logits: torch.Tensor, window_start: int) -> None:
         self.P, self.P_start = logits, window_start
@@ -154,28 +201,17 @@ class _SpiffyRow(DecodeRow):
 
     def candidates(self, forward_block: int, plan: _Plan) -> tuple[torch.Tensor, dict[int, int]]:
         """Rank, prune and instantiate this step's drafts: ``([x; distinct drafts] [N, T], {node id: row})``."""
-        sess = self.session
-        x = sess.x
-        P = self.P
-        info = sess.step_info(self.block(forward_block), self.step)
-        if not plan.use_drafts or P is None or not window_covers(self.P_start, int(P.shape[1]), info.block_start,
-                                                                  info.block_end):
+        x = self.session.x
+        ranking = self._ranking(forward_block)
+        self._ranked = None  # the forward and the walk follow: P and x change
+        if ranking is None:
             return x, {}
         times = self.stats.stage_times
-        t0 = time.perf_counter()
-        probs = sess.transition_probs(P)  # the transition's own softmax
-        # one host read for the whole ranking (and the tables pruning and deduplication read) on a device or the
-        # static path; an eager CPU run without published probabilities keeps the host ranking, whose softmax covers
-        # only the masked rows (the static one takes every row of the block: up to twice the work there)
-        sync_free = sess.static is not None or P.device.type != "cpu" or (probs is not None and probs.probs is not None)
-        ranking = rank_state(P[0], x[0], info.block_start, info.block_end, self.P_start, plan.i_max, plan.j_max,
-                             mask_id=sess.mask_id, probs=probs, sync_free=sync_free)
         t1 = time.perf_counter()
         kept = prune(plan.graph, ranking, plan.budget, plan.score)
         t2 = time.perf_counter()
-        drafts, row_of = (_distinct_states(x, [plan.nodes[k].pairs for k in kept], kept, ranking, sess.mask_id)
+        drafts, row_of = (_distinct_states(x, [plan.nodes[k].pairs for k in kept], kept, ranking, self.session.mask_id)
                           if kept else (None, {}))
-        times["rank"] += t1 - t0
         times["prune"] += t2 - t1
         times["instantiate"] += time.perf_counter() - t2
         return (x if drafts is None else torch.cat([x, drafts], dim=0)), row_of
@@ -213,7 +249,7 @@ def speculative_generate_batch(
     plan = _Plan(SpiffyConfig.of(graph, budget, score))
     fwd = forward_session
     rows = make_rows(fwd, row_sessions, lambda: SpeculativeStats(budget=plan.budget, score=plan.score),
-                     observer, progress, row_class=_SpiffyRow)
+                     observer, progress, row_class=_SpiffyRow, plan=plan)
 
     def verify(block: int, active: list[DecodeRow]) -> None:
         """One verification forward for every active row's real state and drafts, then each row's walk."""
@@ -350,16 +386,33 @@ class _DraftWalk:
         """The kept child of ``wnode`` whose instantiated state equals ``state``; ``wnode`` itself (one more no-op)
         when ``state`` did not change; ``None`` at the end of the block or when nothing matches."""
         row = self.row
-        if row.session.block_finished(row.block(self.block), row.step, state):
+        sess, blk = row.session, row.block(self.block)
+        ends = sess.block_end_by_rule(blk, row.step) if sess.tracks_counts else None
+        if ends and not sess.reads_block_end(blk):
+            return None
+        if not sess.tracks_counts and sess.block_finished(blk, row.step, state):
             return None
         node = wnode[0]
         kids = [c for c in self.plan.children(node) if c in self.row_of]
-        # one comparison, one host read: [state unchanged, state == kid 1, ...]
+        # one comparison, one host read: [state unchanged, state == kid 1, ...], then (a session tracking its
+        # counts) the state's masked counts: whether the block ended, and what the next transition reads
         candidates = self.x_before.reshape(1, -1)
         if kids:
             index = torch.tensor([self.row_of[c] for c in kids], dtype=torch.long, device=self.states.device)
             candidates = torch.cat([candidates, self.states.index_select(0, index)], dim=0)
-        hit = (candidates == state.reshape(1, -1)).all(dim=-1).tolist()
+        hit = (candidates == state.reshape(1, -1)).all(dim=-1).to(torch.long)
+        if not sess.tracks_counts:
+            return self._match(wnode, kids, hit.tolist())
+        read = torch.cat([hit, sess.count_tensor(blk, state)]).tolist()
+        sess.remember_counts(blk, state, read[len(kids) + 1 :])
+        if ends or sess.block_finished(blk, row.step, state):  # no read: the counts are on the host now
+            return None
+        return self._match(wnode, kids, read[: len(kids) + 1])
+
+    @staticmethod
+    def _match(wnode: WalkNode, kids: list[int], hit: list) -> WalkNode | None:
+        """The walk node ``hit`` (``[state unchanged, state == kid 1, ...]`` on the host) selects."""
+        node = wnode[0]
         if hit[0]:
             return (node, wnode[1] + 1)
         for c, h in zip(kids, hit[1:]):

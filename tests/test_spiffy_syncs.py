@@ -1,0 +1,84 @@
+"""Host synchronisations per Spiffy step on the real families' tiny models, on the static path (SPEC section 14: at
+most two per step; issue 37).
+
+The static path (``use_static()``, ``compile=True``) is what runs on a GPU. Each case decodes a prompt with Spiffy on
+a random draft graph (its drafts are rarely accepted: nearly every step is a drafting step followed by one forward,
+the most reads per step) at ``D* = 1, 5, 12`` and counts what :class:`~spiffy.bench.syncs.SyncCounter` sees, over
+the whole generation, per denoising step. Left out: ``to_cpu``, the models' own ``.to(device)`` moves, which the
+counter counts on a CPU run because every device *is* the CPU there; on a GPU the tensors are already on the device
+the model runs on and the moves are no-ops (tests/test_captured_dllm.py::test_static_forward_makes_no_host_sync does
+the same for the forward alone).
+
+What is left per step: one read of the step's ranking (its tables, the masked count, and the rule's counts of the
+state), one read per walk step (its match flags and the new state's counts), and what a rule reads once per block
+or generation (LLaDA's static schedule; the first block's masked counts). The rules take their masked counts from
+those reads (:meth:`~spiffy.decoding.session.DecodeSession.masked_counts`), so their transitions and block-end checks
+read nothing themselves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batch_cases import dream, llada, sdar  # noqa: F401 - fixtures
+from spiffy.bench.syncs import SyncCounter
+from spiffy.decoding import make_session
+from spiffy.decoding.batch import run_baseline
+from spiffy.selfspec.oracle import random_graph
+from spiffy.selfspec.runtime import speculative_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
+
+GEN, BLOCK = 16, 8
+BUDGETS = (1, 5, 12)
+#: (rule, cache) per family, every cache mode with a static path: LLaDA and Dream under their static schedule and
+#: Fast-dLLM's threshold rule; SDAR's committed cache under its static and dynamic strategies, and with a stop id
+#: (its stop rule reads the state at every block end)
+CASES = {
+    "llada": [(r, c) for r in ("static", "threshold") for c in ("none", "prefix", "dual")],
+    "dream": [(r, c) for r in ("static", "threshold") for c in ("none", "prefix", "dual")],
+    "sdar": [("static", "prefix"), ("dynamic", "prefix"), ("stop", "prefix")],
+}
+
+
+def _kw(rule: str, cache: str) -> dict:
+    kw = dict(gen_length=GEN, block_length=BLOCK, cache=cache, temperature=0.0, seed=0)
+    if rule == "threshold":
+        kw["threshold"] = 0.05
+    else:
+        kw["steps"] = GEN // 2
+    if rule == "dynamic":
+        kw.update(strategy="low_confidence_dynamic", threshold=0.05)
+    if rule == "stop":
+        kw["stop_token_ids"] = (7,)
+    return kw
+
+
+def syncs_per_step(model, prompt: torch.Tensor, kw: dict, graph, budget: int) -> tuple[float, dict, torch.Tensor]:
+    """``(syncs per step, {call: count} without to_cpu, final state [1, T])`` of one static-path Spiffy run."""
+    session = make_session(model, prompt[None], **kw)
+    session.use_static()
+    with SyncCounter() as counter:
+        stats = speculative_generate(session, graph, budget)
+    counts = {k: v for k, v in counter.counts.items() if k != "to_cpu"}
+    return sum(counts.values()) / stats.steps, counts, session.x
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_spiffy_step_syncs_on_tiny_models(request, family: str) -> None:
+    """At most 2 host reads per Spiffy step, at D* = 1, 5 and 12, in every case of the family, each read a
+    ``tolist`` (no ``.item()``, boolean index or ``bool(tensor)`` left in the step); the tokens are the eager
+    baseline's. Before this test: LLaDA's threshold rule about 5.5 per step, Dream 4.5 to 8.7, SDAR 3.8 to 4.6
+    (static schedules of LLaDA: 1.0 to 1.9 already)."""
+    model = request.getfixturevalue(family)
+    prompt = torch.randint(5, 250, (5,), generator=torch.Generator().manual_seed(0))
+    graph = random_graph(4, 16, seed=1, i_max=6, j_max=3)
+    for rule, cache in CASES[family]:
+        kw = _kw(rule, cache)
+        baseline = make_session(model, prompt[None], **kw)
+        run_baseline(baseline)
+        for budget in BUDGETS:
+            per_step, counts, x = syncs_per_step(model, prompt, kw, graph, budget)
+            assert per_step <= 2 and set(counts) == {"tolist"}, (rule, cache, budget, per_step, counts)
+            assert torch.equal(x, baseline.x), (rule, cache, budget)
