@@ -82,3 +82,23 @@ def test_spiffy_step_syncs_on_tiny_models(request, family: str) -> None:
             per_step, counts, x = syncs_per_step(model, prompt, kw, graph, budget)
             assert per_step <= 2 and set(counts) == {"tolist"}, (rule, cache, budget, per_step, counts)
             assert torch.equal(x, baseline.x), (rule, cache, budget)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_spiffy_under_inference_mode_equals_no_grad(request, family: str) -> None:
+    """Inference tensors carry no version counter, so the host copy of the counts is not reused there (a read more
+    per step): the run still works and decodes the same tokens as under ``no_grad``."""
+    model = request.getfixturevalue(family)
+    prompt = torch.randint(5, 250, (5,), generator=torch.Generator().manual_seed(0))
+    graph = random_graph(4, 16, seed=1, i_max=6, j_max=3)
+    rule, cache = CASES[family][-1]
+    states, inference = [], []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            session = make_session(model, prompt[None], **_kw(rule, cache))
+            session.use_static()
+            speculative_generate(session, graph, 5)
+        states.append(session.x)
+        inference.append(session.x.is_inference())
+    assert torch.equal(states[0], states[1])
+    assert inference == [False, True]  # the second run really ran on inference tensors

@@ -238,7 +238,15 @@ class DecodeSession(ABC):
 
     def remember_counts(self, block: int, x: torch.Tensor, values: list) -> None:
         """Keep the host copy ``values`` of :meth:`count_tensor` ``(block, x)`` for the rule's later reads of ``x``
-        (valid while ``x`` is the same tensor, unmodified: keyed by the object and its version counter)."""
+        (valid while ``x`` is the same tensor, unmodified: keyed by the object and its version counter; an inference
+        tensor (``torch.inference_mode()``) has no version counter, so its copy is never reused: a read more per
+        step there, the same tokens)."""
+        version = None if x.is_inference() else x._version
+        self._known_counts = (x, version, *self._parse_counts(block, x, values))
+
+    def _parse_counts(self, block: int, x: torch.Tensor,
+                      values: list) -> tuple[dict[int, tuple[list[int], list[int]]], list[int]]:
+        """:meth:`count_tensor`'s values as ``({block: (eligible, in_block)} for block and the next, flags)``."""
         b = int(x.shape[0])
         vals = [int(v) for v in values]
         known: dict[int, tuple[list[int], list[int]]] = {}
@@ -248,11 +256,11 @@ class DecodeSession(ABC):
                 break
             known[blk] = (vals[pos : pos + b], vals[pos + b : pos + 2 * b])
             pos += 2 * b
-        self._known_counts = (x, x._version, known, vals[pos:])
+        return known, vals[pos:]
 
     def _known(self, x: torch.Tensor) -> tuple[dict[int, tuple[list[int], list[int]]], list[int]] | None:
         held = getattr(self, "_known_counts", None)
-        if held is None or held[0] is not x or held[1] != x._version:
+        if held is None or held[0] is not x or held[1] is None or held[1] != x._version:
             return None
         return held[2], held[3]
 
@@ -265,9 +273,11 @@ class DecodeSession(ABC):
         """``(eligible, in_block)``: per batch row, ``x``'s masked rows from :meth:`eligible_start` to ``block``'s
         end and inside ``block``, as host ints: the copy a read made elsewhere left (:meth:`remember_counts`),
         else one read of :meth:`count_tensor` now."""
-        if not self.counts_known(block, x):
-            self.remember_counts(block, x, self.count_tensor(block, x).tolist())
-        return self._known(x)[0][block]  # type: ignore[index]
+        if self.counts_known(block, x):
+            return self._known(x)[0][block]  # type: ignore[index]
+        values = self.count_tensor(block, x).tolist()
+        self.remember_counts(block, x, values)
+        return self._parse_counts(block, x, values)[0][block]
 
     def known_flags(self, x: torch.Tensor) -> list[int] | None:
         """:meth:`state_flags` of ``x`` on the host when a read left them, else ``None``."""
