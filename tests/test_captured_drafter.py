@@ -205,15 +205,21 @@ def test_static_drafter_buckets_are_reused(pair):
 
 
 def test_static_drafter_step_makes_no_host_sync(pair):
-    """The drafter's block forward (a bucket's step: features in, logits out, context committed) reads nothing back
-    from the device; nor does a whole draft stage beyond the forward (the roots and depths go down in one copy)."""
+    """The drafter's block forward (a bucket's step: features in, logits out, the new context's K/V written) reads
+    nothing back from the device and may run twice; nor does a whole draft stage read anything back (the roots and
+    depths go down in one copy)."""
     target, base = pair
     ddtree_generate(target, base, _prompt(8, 5), method="ddtree", budget=8, max_new_tokens=8, compile=True)
     static = static_drafter_of(base)
+    assert int(static.counts[0]) > 0  # the last round's context is staged
+    lengths = static.lengths.clone()
     with torch.inference_mode():  # as generation runs it
-        static.graphs.run((1, BLOCK))  # built: counted from here on
+        first = static.graphs.run((1, BLOCK)).clone()  # built: counted from here on
         with SyncCounter() as step_counter:
             logits = static.graphs.run((1, BLOCK))
+    # idempotent (a capture's warm-up runs the step more than once): same logits, the lengths left to draft()
+    assert torch.equal(first, logits) and torch.equal(static.lengths, lengths)
+    with torch.inference_mode():
         with SyncCounter() as draft_counter:
             drafts = static.draft([(3, 40)], [BLOCK - 1])
     # "to_cpu": the forward's .to(device) of its inputs, a no-op on a CPU run (towards the GPU on a GPU)

@@ -16,12 +16,15 @@ The step of bucket ``(rows, L)`` (a :class:`~spiffy.capture.StepGraphs` step: ca
 GPU, the same static code run eagerly on a CPU) is the model's own forward over ``[cached context (every slot) ; new
 context (B rows) ; block (L rows)]`` keys with a mask that shows row ``b`` its ``lengths[b]`` cached rows, its
 ``counts[b]`` new rows and its ``depths[b] + 1`` block rows, so each row attends over exactly the keys the eager
-drafter's forward of that row sees, in the same order. ``L`` is one more than the deepest row's draft: ``B`` in every
-round but the last few of a generation (a draft that reaches ``max_new_tokens`` is shorter), where a bucket of the
-shorter block keeps a one-row draft bitwise the eager drafter's (float32/float64 on a CPU). The new context's K/V are written at slots ``lengths[b] ..``
-(:meth:`~spiffy.capture.SlotCache.scatter`, per row) and ``lengths`` advances by ``counts`` inside the step; the
-root's position is ``lengths + counts`` (every committed token precedes it), so nothing of the step is read from the
-host. Its output is the block's ``[rows, L - 1, V]`` logits; row ``b``'s draft is its first ``depths[b]`` rows.
+drafter's forward of that row sees, in the same order (padded with hidden keys, so the attention sums in another
+order: the logits agree to rounding, the tokens exactly). ``L`` is one more than the deepest row's draft: ``B`` in
+every round but the last few of a generation (a draft that reaches ``max_new_tokens`` is shorter), where a bucket of
+the shorter block gives the draft the eager drafter's shorter block gives (a DFlash block is bidirectional). The new
+context's K/V are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter`, per row), and
+``lengths`` advances by ``counts`` after the step (which stays idempotent: a capture's warm-up runs it more than
+once); the root's position is ``lengths + counts`` (every committed token precedes it), so nothing of the step is
+read from the host. Its output is the block's ``[rows, L - 1, V]`` logits; row ``b``'s draft is its first
+``depths[b]`` rows.
 
 The prompt's features (hundreds of rows, once per generation) do not fit the ``B``-row bucket: the first round runs
 the same step program eagerly over a context of the prompt's width, and every later round replays the bucket.
@@ -153,13 +156,10 @@ class StaticDrafter:
             slots.index = length + ramp[:width]  # the new context after the row's committed rows
             # keys [cached (every slot) ; new context ; block]: the row's committed, new and drafted rows are seen
             visible = torch.cat([ramp[: self.slots] < length, ramp[:width] < n,
-                                 ramp[:block] <= self.depths[:rows].view(rows, 1)], dim=1)
-            hidden = self.model(feats, self.embed(self.ids[:rows, :block]), positions, past_key_values=slots,  # type: ignore[arg-type]
-                                attention_mask=visible.view(rows, 1, 1, -1))
-            logits = self.model.compute_logits(hidden[:, 1:], self.head)
-            self.lengths[:rows].add_(self.counts[:rows])  # the new context is in the cache now
-            self.counts[:rows].zero_()
-            return logits
+                                 ramp[:block] <= self.depths[:rows].view(rows, 1)], dim=1).view(rows, 1, 1, -1)
+            hidden = self.model(feats, self.embed(self.ids[:rows, :block]), positions,
+                                past_key_values=slots, attention_mask=visible)  # type: ignore[arg-type]
+            return self.model.compute_logits(hidden[:, 1:], self.head)
 
         return step
 
@@ -209,6 +209,10 @@ class StaticDrafter:
             self._prompt = None
         else:
             logits = self.graphs.run((rows, block))
+        # the new context is in the cache now (outside the step, which stays idempotent: a capture's warm-up runs
+        # it more than once)
+        self.lengths[:rows].add_(self.counts[:rows])
+        self.counts[:rows].zero_()
         self._staged = False
         return [logits[b, :d] if d else None for b, d in enumerate(depths)]
 
