@@ -324,14 +324,17 @@ def markdown(data: dict[str, Any]) -> str:
                 hf = entry["transformers_static"]
                 lines += [f"### {model}: bandwidth limit {entry['bandwidth_limit_ms_per_token']:.2f} ms/token; "
                           f"transformers static-cache generate {hf.get('ms_per_token', float('nan')):.2f} ms/token", "",
-                          "| method | budget | compile | ms/round | ms/token | tau | capture s |", "|---|---|---|---|---|---|---|"]
+                          "| method | budget | compile | ms/round | draft ms/round | ms/token | tau | capture s "
+                          "(target, drafter) |", "|---|---|---|---|---|---|---|---|"]
                 for r in entry["rows"]:
                     if "error" in r:
-                        lines.append(f"| {r['method']} | {r['budget']} | {r['compile']} | {r['error'][:80]} | | | |")
+                        lines.append(f"| {r['method']} | {r['budget']} | {r['compile']} | {r['error'][:80]} | | | | |")
                         continue
-                    cap = (r.get("capture") or {}).get("capture_seconds", "")
+                    cap = ", ".join(str((r.get(k) or {}).get("capture_seconds", "-")) for k in ("capture", "drafter_capture")
+                                    ) if r["compile"] else ""
+                    draft_ms = r.get("ms_per_round_by_stage", {}).get("draft", float("nan"))
                     lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['compile']} | {r['ms_per_round']:.2f} | "
-                                 f"{r['ms_per_token']:.2f} | {r['tau']:.2f} | {cap} |")
+                                 f"{draft_ms:.2f} | {r['ms_per_token']:.2f} | {r['tau']:.2f} | {cap} |")
                 lines.append("")
         elif name == "exactness":
             lines += ["| model | mode | identical | unproven | first divergences |", "|---|---|---|---|---|"]

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
 from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
 from spiffy.arspec.captured import static_target_of
+from spiffy.arspec.captured_drafter import static_drafter_of
 from spiffy.arspec.device_tree import ddtree_device
 from spiffy.arspec.drafter import DFlashDrafter
 from spiffy.arspec.tree import build_ddtree
@@ -136,8 +137,8 @@ def test_buckets_are_reused_across_prompts_and_calls(pair):
 
 @pytest.mark.parametrize("budget", [4, 16, 64])
 def test_ddtree_round_syncs_at_most_twice(pair, budget):
-    """A captured DDTree round outside the forwards (the draft's readout, tree build, mask, walk, commit) reads the
-    device once: the accepted lengths, kept rows and tokens in one packed copy."""
+    """A captured DDTree round outside the forwards (the static drafter's inputs and readout, tree build, mask, walk,
+    commit, the drafter's next context) reads the device once: the accepted lengths, kept rows and tokens in one packed copy."""
     import spiffy.arspec.batch as batch_module
     from spiffy.arspec import captured as captured_module
 
@@ -169,12 +170,14 @@ def test_ddtree_round_syncs_at_most_twice(pair, budget):
         mp.setattr(type(base), "forward", paused(type(base).forward))
         mp.setattr(type(target.model), "forward", paused(type(target.model).forward))
         mp.setattr(batch_module, "draft", counting(batch_module.draft, False))
+        mp.setattr(captured_module.CapturedRounds, "draft", counting(captured_module.CapturedRounds.draft, False))
         mp.setattr(captured_module.CapturedRounds, "round", counting(captured_module.CapturedRounds.round, True))
         res = ddtree_generate(target, base, _prompt(9, 8), method="ddtree", budget=budget, max_new_tokens=12,
                               compile=True)
     finally:
         mp.undo()
     assert len(res.tokens) == 12 and len(per_round) == res.rounds
+    assert static_drafter_of(base) is not None  # the draft stage counted is the static drafter's
     assert max(per_round) <= 2, per_round
 
 

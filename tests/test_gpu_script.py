@@ -51,6 +51,9 @@ def test_self_check_captured(tmp_path: Path) -> None:
     assert {(r["method"], r["compile"]) for r in rows} == {(m, c) for m in ("ar", "dflash", "ddtree") for c in (0, 1)}
     assert all("error" not in r and r["ms_per_round"] > 0 and r["same_tokens_as_first_call"] for r in rows), rows
     assert all(r["capture"]["buckets"] >= 1 for r in rows if r["compile"])
+    # the drafter's block forward is a captured step of its own (a bucket per rows x block), timed in the draft stage
+    assert all(r["drafter_capture"]["buckets"] >= 1 for r in rows if r["compile"] and r["method"] != "ar")
+    assert all(r["ms_per_round_by_stage"]["draft"] > 0 for r in rows if r["method"] != "ar")
     assert [r["method"] for r in res["Qwen3-30B-A3B"]["rows"]] == ["ar", "ar"]
     assert res["Qwen3-8B"]["transformers_static"]["ms_per_token"] > 0
     assert res["Qwen3-8B"]["bandwidth_limit_ms_per_token"] > 0

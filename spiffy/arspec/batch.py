@@ -177,7 +177,9 @@ def speculative_generate_batch(
                                       [row_rules[b] for b in live],
                                       [cfgs[b].draft_nodes(blocks[b]) for b in live],
                                       max(cfgs[b].draft_depth(blocks[b]) for b in live),
-                                      capture=True, feature_layers=_feature_layers([active[b] for b in live]))
+                                      capture=True, feature_layers=_feature_layers([active[b] for b in live]),
+                                      drafters=[active[b] for b in live])
+    owned = engine is not None and engine.drafter is not None  # the static drafter drafts and commits every row
     buffers = RoundBuffers.allocate(len(live), 1 + max(cfgs[b].draft_nodes(blocks[b]) for b in live))
     attached: list[Drafter] = []
     bar = tqdm(total=sum(cfgs[b].max_new_tokens for b in live), unit="tok", leave=False,
@@ -191,7 +193,7 @@ def speculative_generate_batch(
         sync(runner.device)
         t_start = time.perf_counter()
         if engine is not None:
-            first, pads = engine.static.prefill([rows[b] for b in live])
+            first, pads = engine.prefill([rows[b] for b in live])
             valid = engine.static.valid[: len(live)]  # unused on the captured path (its validity stays on the device)
         else:
             ids, positions, mask, valid, pads = prefill_inputs([rows[b] for b in live], runner.device, runner.dtype)
@@ -199,7 +201,7 @@ def speculative_generate_batch(
         for i, b in enumerate(live):
             token = int(sample_keyed(first[i : i + 1], [len(rows[b])], cfgs[b].sampling)[0])
             results[b].append_until_stop([token], cfgs[b].stop_token_ids, cfgs[b].max_new_tokens)
-            if active[b] is not None:
+            if active[b] is not None and not owned:
                 active[b].commit(ContextUpdate(rows[b], 0, range(pads[i], pads[i] + len(rows[b])), i))  # type: ignore[union-attr]
         sync(runner.device)
         t_prefill = time.perf_counter()
@@ -215,10 +217,12 @@ def speculative_generate_batch(
             depths = [min(cfgs[b].draft_depth(blocks[b]), cfgs[b].max_new_tokens - len(results[b].tokens))
                       for b in live]
             if engine is not None:  # the captured path: one host read per round
-                plain = _plain_round(depths)
-                drafts = [None] * len(live) if plain else draft([active[b] for b in live], roots, depths)
+                if owned:  # it also commits the last round's context, so it runs in a round that drafts nothing
+                    drafts = engine.draft(roots, depths)
+                else:
+                    drafts = [None] * len(live) if _plain_round(depths) else draft([active[b] for b in live], roots, depths)
                 clock.lap("draft")
-                done = engine.round(roots, drafts, clock, _drafter_hooks([active[b] for b in live]))
+                done = engine.round(roots, drafts, clock, [] if owned else _drafter_hooks([active[b] for b in live]))
                 trees = [EMPTY_TREE] * len(live)
                 outcomes = None
                 keep = [k for _new, k, _n in done]
@@ -252,7 +256,7 @@ def speculative_generate_batch(
                     o = outcomes[i]
                     node_tokens = tree.tokens.tolist() if o.accepted else []
                     new, nodes = [node_tokens[a] for a in o.accepted] + [o.bonus], tree.num_nodes
-                if active[b] is not None:
+                if active[b] is not None and not owned:
                     active[b].commit(ContextUpdate([root_tok] + new[:-1], root_pos, keep[i], i))  # type: ignore[union-attr]
                 committed = results[b].append_until_stop(new, cfgs[b].stop_token_ids, cfgs[b].max_new_tokens)
                 results[b].record_round(committed, nodes)

@@ -16,6 +16,11 @@ AR, the DFlash chain, DDTree: :mod:`spiffy.arspec.device_tree`) and walks it wit
 and ONE host read (accepted lengths, kept rows and tokens, bonus). Any other method or rule (DEER, SpecDiff-2,
 DFlash2's selector, the rejection rule at T > 0) builds its tree on the host as the eager loop does and walks it on
 the captured step's hidden states; only the verification is captured.
+
+When every row drafts with one plain DFlash model, the drafter's block forward is captured too: a
+:class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets) drafts every row
+in one step, and each round's commit hands it the kept rows' target features on the device (from the layers the
+verification step records). DFlash2, the dLLM drafters and subclassed models keep their eager drafters.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from spiffy.arspec.captured_drafter import StaticDrafter, recorded_features, static_drafter_model
+from spiffy.arspec.captured_drafter import to_device as _on
 from spiffy.arspec.device_tree import (DeviceTree, ancestor_visibility, chain_device, coupled_walk, ddtree_device,
                                        position_noise, target_tokens)
 from spiffy.arspec.methods import BestTree, Chain, DraftKnobs, Method
@@ -191,11 +198,6 @@ class StaticTarget:
         self.valid[: len(kept)] = self.valid.index_select(0, idx)
 
 
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` (a host-to-device copy: no synchronisation; nothing to do on a CPU)."""
-    return t if device.type == "cpu" else t.to(device, non_blocking=False)
-
-
 def device_tree(method: Method, config: DraftKnobs, draft: Draft | None) -> DeviceTree | None:
     """The round's tree built on the device, or ``None`` when the method builds it on the host only."""
     if draft is None or isinstance(draft, SelectorDraft):
@@ -220,19 +222,22 @@ class CapturedRounds:
 
     Args:
         static: the target's static target; methods, configs, rules: per live row; depth: the deepest draft of
-            any round (the walk's static step count).
+            any round (the walk's static step count); drafter: the rows' static drafter
+            (:mod:`spiffy.arspec.captured_drafter`), ``None`` when the rows draft with their eager drafters.
     """
 
     def __init__(self, static: StaticTarget, methods: list[Method], configs: list[Any], rules: list[AcceptanceRule],
-                 depth: int) -> None:
+                 depth: int, drafter: StaticDrafter | None = None) -> None:
         self.static, self.methods, self.configs, self.rules = static, methods, configs, rules
         self.depth = int(depth)
+        self.drafter = drafter
 
     @classmethod
     def start(cls, target: nn.Module, prompts: Sequence[Sequence[int]], configs: list[Any],
               rules: list[AcceptanceRule], widths: Sequence[int], depth: int, capture: bool,
-              feature_layers: Sequence[int]) -> "CapturedRounds":
-        """The captured rounds of one generation (ConfigError when the target cannot run them)."""
+              feature_layers: Sequence[int], drafters: Sequence[Any] = ()) -> "CapturedRounds":
+        """The captured rounds of one generation (ConfigError when the target cannot run them); ``drafters``: the
+        rows' active drafters, drafted from by a :class:`StaticDrafter` when they share one plain DFlash model."""
         why = static_unsupported(target)
         if why is not None:
             raise ConfigError(f"compile=True cannot run this target: {why}; fix: pass compile=False (eager)")
@@ -243,10 +248,33 @@ class CapturedRounds:
         static = StaticTarget.for_target(target, len(prompts), slots, width, capture)
         if feature_layers:
             static.record_layers(feature_layers)
-        return cls(static, [c.spec for c in configs], list(configs), list(rules), depth)
+        model = static_drafter_model(drafters, target)
+        drafter = None
+        if model is not None:
+            block = max(int(d.block_size) for d in drafters)
+            need = longest + max(int(c.max_new_tokens) for c in configs) + 2 * block + 1
+            drafter = StaticDrafter.for_model(model, target, len(prompts), -(-need // SLOT_ROUNDING) * SLOT_ROUNDING,
+                                              block, capture)
+        return cls(static, [c.spec for c in configs], list(configs), list(rules), depth, drafter)
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+        """The target's prefill (:meth:`StaticTarget.prefill`); the static drafter stages the prompts' features."""
+        first, pads = self.static.prefill(prompts)
+        if self.drafter is not None:
+            assert self.static.hooks is not None
+            self.drafter.stage_prompt(recorded_features(self.static.hooks, self.drafter.model.target_layer_ids),
+                                      pads, [len(p) for p in prompts])
+        return first, pads
+
+    def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int]) -> list[Draft | None]:
+        """Every row's draft from the static drafter (one block forward: a bucket's replay)."""
+        assert self.drafter is not None
+        return list(self.drafter.draft(roots, depths))
 
     def keep_rows(self, kept: Sequence[int]) -> None:
         self.static.keep_rows(kept)
+        if self.drafter is not None:
+            self.drafter.keep_rows(kept)
         for name in ("methods", "configs", "rules"):
             setattr(self, name, [getattr(self, name)[i] for i in kept])
 
@@ -303,6 +331,14 @@ class CapturedRounds:
                     s.ids[b, 1 : 1 + n], s.parents[b, :n], s.depths[b, :n] = t.tokens, t.parents, t.depths
         s.positions[:rows, 1:width] += s.depths[:rows, :nodes]
 
+    def _commit(self, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The round's kept rows into the target's cache and, as the next draft's new context, the static drafter's."""
+        self.static.commit(rows, keep, accepted)
+        if self.drafter is not None:
+            assert self.static.hooks is not None
+            self.drafter.stage(recorded_features(self.static.hooks, self.drafter.model.target_layer_ids), keep,
+                               accepted)
+
     def _walk_device(self, roots: Sequence[tuple[int, int]], hidden: torch.Tensor, width: int, depth: int
                      ) -> list[tuple[list[int], list[int]]]:
         s, rows = self.static, len(roots)
@@ -314,7 +350,7 @@ class CapturedRounds:
         drawn = target_tokens(logits, row_depths, samplings, noise)
         walk = coupled_walk(s.ids[:rows, :width], s.parents[:rows, : width - 1], s.depths[:rows, : width - 1],
                             s.counts[:rows], drawn, depth)
-        s.commit(rows, walk.keep, walk.accepted)
+        self._commit(rows, walk.keep, walk.accepted)
         packed = torch.cat([walk.accepted.view(-1, 1), walk.bonus.view(-1, 1), walk.keep, walk.kept_tokens], 1)
         out = []
         for row in packed.tolist():  # the round's one host read
@@ -332,7 +368,7 @@ class CapturedRounds:
         span = max(depth, max(len(k) for k in keeps) - 1) + 1
         keep_t = _on(torch.tensor([k + [0] * (span - len(k)) for k in keeps], dtype=torch.long), s.device)
         accepted = _on(torch.tensor([len(k) - 1 for k in keeps], dtype=torch.long), s.device)
-        s.commit(rows, keep_t, accepted)
+        self._commit(rows, keep_t, accepted)
         out = []
         for t, o, keep in zip(trees, outcomes, keeps):
             node_tokens = t.tokens.tolist() if o.accepted else []

@@ -2,10 +2,12 @@
 
 For each real-size target (random weights, the published ``config.json``): ``ddtree_generate`` with ``compile=False``
 and ``compile=True`` for plain AR, DFlash and DDTree at several budgets (a random DFlash drafter: tau near 1, so a
-round's cost is what is measured), each timed on its second call (the first captures the buckets; its time is
-reported as the capture cost), beside transformers' ``generate(cache_implementation="static")`` and the memory
-bandwidth limit of a decode (the target's weight bytes over a measured read bandwidth). ms per round and ms per
-token are measurements at the measured tau; nothing here is projected.
+round's cost is what is measured; captured, its block forward is a captured step too), each timed on its second call
+(the first captures the buckets; its time is reported as the capture cost, the target's and the drafter's apart),
+with a round's time per stage (draft, tree build, compile, verify, commit), beside transformers'
+``generate(cache_implementation="static")`` and the memory bandwidth limit of a decode (the target's weight bytes
+over a measured read bandwidth). ms per round and ms per token are measurements at the measured tau; nothing here is
+projected.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from spiffy.arspec import ddtree_generate
 from spiffy.arspec.captured import static_target_of
+from spiffy.arspec.captured_drafter import static_drafter_of
 from spiffy.bench import gpu_costs
 
 __all__ = ["captured_timings", "read_bandwidth"]
@@ -38,10 +41,15 @@ def _row(target: torch.nn.Module, drafter: Any, prompt: list[int], method: str, 
     row = {"method": method, "budget": budget, "compile": mode, "tokens": len(res.tokens), "rounds": res.rounds,
            "tau": res.tau, "ms_per_round": 1e3 * decode / max(res.rounds, 1),
            "ms_per_token": 1e3 * decode / max(len(res.tokens) - 1, 1), "first_call_s": first_s,
-           "same_tokens_as_first_call": first.tokens == res.tokens}
+           "same_tokens_as_first_call": first.tokens == res.tokens,
+           # the stages a round spends its time in (the draft stage: the drafter's block forward and read-out)
+           "ms_per_round_by_stage": {k: 1e3 * v / max(res.rounds, 1) for k, v in res.stage_times.items()}}
     if mode:
         static = static_target_of(target)
         row["capture"] = None if static is None else static.graphs.stats.as_dict()
+        if method != "ar" and drafter is not None:  # the drafter's block forward, captured as the target's steps are
+            drafting = static_drafter_of(drafter)
+            row["drafter_capture"] = None if drafting is None else drafting.graphs.stats.as_dict()
     return row
 
 

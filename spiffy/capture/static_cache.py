@@ -10,7 +10,9 @@ The attention reads all ``C_max`` slots; the caller's 4-D mask hides the slots t
 written, rejected drafts, holes of uneven batch commits), so stale values are never seen.
 
 Attention-only targets (every layer full attention: Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral without a window) fit
-it; a hybrid's recurrent layers or a sliding window do not (:func:`slot_cache_supported`).
+it; a hybrid's recurrent layers or a sliding window do not (:func:`slot_cache_supported`). A DFlash drafter's context
+cache is one too (:mod:`spiffy.arspec.captured_drafter`): its rows have their own lengths, so it writes each row at
+its own slots (:meth:`SlotCache.scatter`) instead of the shared ones.
 """
 
 from __future__ import annotations
@@ -87,6 +89,21 @@ class SlotCache(Cache):
     def tensors(self) -> list[torch.Tensor]:
         """Every layer's keys and values (``[B, H, C_max, D]``)."""
         return [t for layer in self.layers for t in (layer.keys, layer.values)]
+
+    def layer_kv(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values of the first ``rows`` rows (``[rows, H, C_max, D]`` views)."""
+        entry = self.layers[layer]
+        return entry.keys[:rows], entry.values[:rows]
+
+    def scatter(self, layer: int, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``keys`` / ``values [rows, H, N, D]`` of layer ``layer`` at each row's own slots ``index [rows, N]``
+        long (a device tensor: rows whose committed lengths differ, as a drafter's context cache has; a row's
+        ``N`` slots must be distinct)."""
+        rows, heads, n, dim = (int(s) for s in keys.shape)
+        where = index.view(rows, 1, n, 1).expand(rows, heads, n, dim)
+        entry = self.layers[layer]
+        entry.keys[:rows].scatter_(2, where, keys)
+        entry.values[:rows].scatter_(2, where, values)
 
     def move_window(self, start: torch.Tensor, src: torch.Tensor, rows: int) -> None:
         """Row ``b`` of the first ``rows``: slots ``start + j`` take slot ``start + src[b, j]`` (``src [rows, W]``

@@ -1,0 +1,232 @@
+"""The DFlash drafter's block forward on the captured path (``compile=True``): static buffers, one step per bucket.
+
+:class:`StaticDrafter` is to a :class:`~spiffy.models.dflash.DFlashDraftModel` what
+:class:`~spiffy.arspec.captured.StaticTarget` is to the target (an SGLang-style runner): its context K/V live in a
+:class:`~spiffy.capture.SlotCache` of ``rows x slots`` (one per drafter layer), and a round's inputs in buffers
+allocated once:
+
+* ``feats [rows, B, F]``: the target features (``F = len(target_layer_ids) x H``) of the rows the last round
+  committed (root + accepted nodes, ``counts [rows]`` of them, at most the block ``B``), gathered on the device from
+  the target step's recorded layer outputs by the walk's kept rows (:meth:`StaticDrafter.stage`);
+* ``lengths [rows]``: the context rows each row's cache holds (a device-side length per row: row ``b``'s committed
+  context sits at slots ``0 .. lengths[b] - 1``, in order, as the eager drafter's own cache holds it);
+* ``ids [rows, B]``: the block ``[root, MASK x (B - 1)]``; ``depths [rows]``: the positions each row drafts.
+
+The step of bucket ``(rows, L)`` (a :class:`~spiffy.capture.StepGraphs` step: captured once in a CUDA graph on a
+GPU, the same static code run eagerly on a CPU) is the model's own forward over ``[cached context (every slot) ; new
+context (B rows) ; block (L rows)]`` keys with a mask that shows row ``b`` its ``lengths[b]`` cached rows, its
+``counts[b]`` new rows and its ``depths[b] + 1`` block rows, so each row attends over exactly the keys the eager
+drafter's forward of that row sees, in the same order (padded with hidden keys, so the attention sums in another
+order: the logits agree to rounding, the tokens exactly). ``L`` is one more than the deepest row's draft: ``B`` in
+every round but the last few of a generation (a draft that reaches ``max_new_tokens`` is shorter), where a bucket of
+the shorter block gives the draft the eager drafter's shorter block gives (a DFlash block is bidirectional). The new
+context's K/V are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter`, per row), and
+``lengths`` advances by ``counts`` after the step (which stays idempotent: a capture's warm-up runs it more than
+once); the root's position is ``lengths + counts`` (every committed token precedes it), so nothing of the step is
+read from the host. Its output is the block's ``[rows, L - 1, V]`` logits; row ``b``'s draft is its first
+``depths[b]`` rows.
+
+The prompt's features (hundreds of rows, once per generation) do not fit the ``B``-row bucket: the first round runs
+the same step program eagerly over a context of the prompt's width, and every later round replays the bucket.
+
+Only :class:`~spiffy.arspec.drafter.DFlashDrafter` rows sharing one plain model (the model's own ``forward`` and
+``compute_logits``, no causal or sliding-window layer: :meth:`~spiffy.arspec.drafter.DFlashDrafter.batch_key`) run
+here. DFlash2's candidate selector (its read-out walks the selector's transitions), the dLLM drafters (DEER,
+SpecDiff-2: their own denoising loops) and subclassed drafters keep the eager drafter (:func:`static_drafter_model`
+says which).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from spiffy.arspec.drafter import DFlashDrafter
+from spiffy.capture import SlotCache, StepGraphs
+from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks
+from spiffy.torch_utils import execution_device
+
+__all__ = ["StaticDrafter", "recorded_features", "static_drafter_model", "static_drafter_of", "to_device"]
+
+#: the static drafters of live drafter models (one per model; replaced when a call needs more rows or slots)
+_STATIC: "weakref.WeakKeyDictionary[nn.Module, StaticDrafter]" = weakref.WeakKeyDictionary()
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` (a host-to-device copy: no synchronisation; nothing to do on a CPU)."""
+    return t if device.type == "cpu" else t.to(device, non_blocking=False)
+
+
+def static_drafter_of(model: nn.Module) -> "StaticDrafter | None":
+    """The static drafter ``model``'s captured calls run on now (its buckets, capture times), if any."""
+    return _STATIC.get(model)
+
+
+def static_drafter_model(drafters: Sequence[Any], target: nn.Module) -> DFlashDraftModel | None:
+    """The one DFlash model every row drafts with, when the static drafter runs it (see the module docstring);
+    ``None``: the rows keep their eager drafters."""
+    if not drafters or any(type(d) is not DFlashDrafter for d in drafters):
+        return None
+    model = drafters[0].model
+    if any(d.model is not model for d in drafters) or drafters[0].batch_key() is None:
+        return None
+    if model.device != execution_device(target.get_input_embeddings()):
+        return None  # the eager drafter's attach names the mismatch
+    return model
+
+
+class _ContextSlots:
+    """The face of a :class:`~spiffy.models.cache.KVCache` that :class:`~spiffy.models.dflash.DFlashAttention` uses,
+    over a :class:`SlotCache`: ``layer`` gives every slot of the first ``rows`` rows (the mask hides the uncommitted
+    ones), ``append`` writes the new context rows at each row's own slots ``index [rows, N]``."""
+
+    def __init__(self, cache: SlotCache, rows: int) -> None:
+        self.cache, self.rows = cache, int(rows)
+        self.index: torch.Tensor | None = None  # set by the step before the forward (a device tensor)
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.layer_kv(layer_idx, self.rows)
+
+    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert self.index is not None
+        self.cache.scatter(layer_idx, self.index, k, v)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.max_slots
+
+
+class StaticDrafter:
+    """A DFlash model's static context cache, block buffers and captured block forwards (see the module docstring).
+
+    Args:
+        model: the drafter; target: the target whose embeddings and head it borrows (and whose features it reads);
+        rows: batch rows; slots: context slots per row (the prompt, every committed token and two blocks);
+        block: the block ``B`` (root + the deepest draft); capture: CUDA graphs on a GPU.
+    """
+
+    def __init__(self, model: DFlashDraftModel, target: nn.Module, rows: int, slots: int, block: int,
+                 capture: bool) -> None:
+        self.model, self.target = model, target
+        self.embed, self.head = target.get_input_embeddings(), target.lm_head
+        self.device = model.device
+        self.rows, self.slots, self.block = int(rows), int(slots), int(block)
+        self.cache = SlotCache(model.config, rows, slots, model.dtype, self.device)
+        width = len(model.target_layer_ids) * int(target.config.hidden_size)
+        dev = self.device
+        self.feats = torch.zeros(rows, block, width, dtype=self.embed.weight.dtype, device=dev)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)  # committed context rows per row
+        self.counts = torch.zeros(rows, dtype=torch.long, device=dev)  # staged new context rows per row
+        self.ids = torch.full((rows, block), model.mask_token_id, dtype=torch.long, device=dev)
+        self.depths = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.ramp = torch.arange(max(slots, block), device=dev)
+        self.graphs = StepGraphs(self._step, dev, capture)
+        self._prompt: torch.Tensor | None = None  # the prompt's features until the first round drafts from them
+        self._staged = False  # whether a committed context waits for the next draft (it must be drafted from)
+
+    @classmethod
+    def for_model(cls, model: DFlashDraftModel, target: nn.Module, rows: int, slots: int, block: int,
+                  capture: bool) -> "StaticDrafter":
+        """The model's static drafter if it fits ``rows x slots`` and blocks of ``block`` for ``target`` (and holds
+        at most twice the slots needed: attention reads every slot), else a new one (replacing it); emptied."""
+        have = _STATIC.get(model)
+        if not (have is not None and have.target is target and have.rows >= rows and slots <= have.slots <= 2 * slots
+                and have.block == block and have.graphs.capture == (capture and have.device.type == "cuda")):
+            if have is not None:
+                have.graphs.clear()
+            have = _STATIC[model] = cls(model, target, rows, slots, block, capture)
+        have.lengths.zero_()
+        have.counts.zero_()
+        have._prompt, have._staged = None, False
+        return have
+
+    def _program(self, rows: int, feats: torch.Tensor, block: int) -> Callable[[], torch.Tensor]:
+        """The forward of a ``block``-row block (``<= B``) of the first ``rows`` rows over new-context features
+        ``feats [rows, N, F]`` (the static ``self.feats`` for a bucket, the prompt's for the first round), as a
+        zero-argument step returning the ``[rows, block - 1, V]`` logits of the drafted block rows."""
+        width, ramp = int(feats.shape[1]), self.ramp
+        slots = _ContextSlots(self.cache, rows)
+
+        def step() -> torch.Tensor:
+            n, length = self.counts[:rows].view(rows, 1), self.lengths[:rows].view(rows, 1)
+            root = length + n  # the root's position: every committed token precedes it
+            positions = torch.cat([root - n + ramp[:width], root + ramp[:block]], dim=1)  # [rows, N + B]
+            slots.index = length + ramp[:width]  # the new context after the row's committed rows
+            # keys [cached (every slot) ; new context ; block]: the row's committed, new and drafted rows are seen
+            visible = torch.cat([ramp[: self.slots] < length, ramp[:width] < n,
+                                 ramp[:block] <= self.depths[:rows].view(rows, 1)], dim=1).view(rows, 1, 1, -1)
+            hidden = self.model(feats, self.embed(self.ids[:rows, :block]), positions,
+                                past_key_values=slots, attention_mask=visible)  # type: ignore[arg-type]
+            return self.model.compute_logits(hidden[:, 1:], self.head)
+
+        return step
+
+    def _step(self, key: Any) -> Callable[[], torch.Tensor]:
+        rows, block = key
+        return self._program(rows, self.feats[:rows], block)
+
+    def stage_prompt(self, features: torch.Tensor, pads: Sequence[int], lengths: Sequence[int]) -> None:
+        """The prompts' features ``[rows, P, F]`` (left padded: row ``b``'s at columns ``pads[b] ..``, its
+        ``lengths[b]`` tokens) as the first round's new context."""
+        rows, width = len(pads), max(lengths)
+        meta = to_device(torch.tensor([list(pads), list(lengths)], dtype=torch.long), self.device)
+        index = (meta[0].view(rows, 1) + self.ramp[:width]).clamp(max=int(features.shape[1]) - 1)
+        self._prompt = features.gather(1, index.unsqueeze(-1).expand(rows, width, int(features.shape[-1])))
+        self.lengths[:rows].zero_()
+        self.counts[:rows].copy_(meta[1])
+        self._staged = True
+
+    def stage(self, features: torch.Tensor, keep: torch.Tensor, accepted: torch.Tensor) -> None:
+        """A round's committed rows as the next draft's new context: ``features [rows, W, F]`` of the verification
+        rows, ``keep [rows, K]`` each row's kept rows (root first; padding any index), ``accepted [rows]`` the kept
+        nodes (so ``accepted + 1`` rows are committed). Device tensors only: no host value is read."""
+        rows, kept = int(keep.shape[0]), int(keep.shape[1])
+        if self._staged:
+            raise RuntimeError("StaticDrafter.stage before the staged context was drafted from")
+        if kept > self.block:
+            raise RuntimeError(f"{kept} committed rows exceed the drafter's block of {self.block}")
+        index = keep.clamp(0, int(features.shape[1]) - 1).unsqueeze(-1).expand(rows, kept, int(features.shape[-1]))
+        self.feats[:rows, :kept] = features.gather(1, index)
+        self.counts[:rows].copy_(accepted + 1)
+        self._staged = True
+
+    def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int]) -> list[torch.Tensor | None]:
+        """Every row's ``[depth, V]`` draft logits (``None`` where ``depths[b] == 0``), in one block forward that
+        also commits the staged context (so it runs even when no row drafts). Returns views of the step's output:
+        read them before the next draft."""
+        rows = len(roots)
+        # the block is as long as the deepest row's draft, as the eager drafter's is (a DFlash block is
+        # bidirectional, so only a shorter block gives a shorter draft the eager one's values)
+        block = 1 + max(int(d) for d in depths)
+        meta = to_device(torch.tensor([[tok, d] for (tok, _pos), d in zip(roots, depths)], dtype=torch.long),
+                         self.device)
+        self.ids[:rows, 0] = meta[:, 0]
+        self.depths[:rows] = meta[:, 1]
+        if self._prompt is not None:  # the first round: the prompt-wide program, run eagerly once
+            logits = self._program(rows, self._prompt, block)()
+            self._prompt = None
+        else:
+            logits = self.graphs.run((rows, block))
+        # the new context is in the cache now (outside the step, which stays idempotent: a capture's warm-up runs
+        # it more than once)
+        self.lengths[:rows].add_(self.counts[:rows])
+        self.counts[:rows].zero_()
+        self._staged = False
+        return [logits[b, :d] if d else None for b, d in enumerate(depths)]
+
+    def keep_rows(self, kept: Sequence[int]) -> None:
+        """Only batch rows ``kept`` go on (moved to the front, in order)."""
+        self.cache.keep_rows(kept)
+        idx = to_device(torch.tensor(list(kept), dtype=torch.long), self.device)
+        for t in (self.lengths, self.counts, self.feats):
+            t[: len(kept)] = t.index_select(0, idx)
+        if self._prompt is not None:
+            self._prompt = self._prompt.index_select(0, idx)
+
+
+def recorded_features(hooks: TargetFeatureHooks, layer_ids: Sequence[int]) -> torch.Tensor:
+    """``[rows, W, F]``: the latest target step's outputs of layers ``layer_ids`` (in order), concatenated (one
+    device: a static target is never spread over several)."""
+    return torch.cat([hooks._out[int(i)] for i in layer_ids], dim=-1)
