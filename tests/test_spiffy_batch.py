@@ -15,6 +15,7 @@ from batch_cases import BLOCK, GEN, SEEDS, dream, fast_dllm_v2, llada, llada2, l
 from batch_cases import decode_kwargs as _kw
 from batch_cases import left_pad as _left_pad
 from batch_cases import ragged_prompts as _prompts
+from pairwise import pairwise_params
 from spiffy.api import generate
 from spiffy.decoding import make_session, run_baseline
 from spiffy.decoding.dream_generation import MODEL_CARD_CALLS, card_decode_options
@@ -66,17 +67,14 @@ def _check_batch(model, prompts: list[torch.Tensor], kw: dict, graph_rows: tuple
     return {"out": out, "spec_nfe": spec_nfe, "alone": alone}
 
 
-@pytest.mark.parametrize("temp", [0.0, 1.0])
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("rule", ["static", "threshold"])
-@pytest.mark.parametrize("family", ["llada", "llada_moe"])
+@pytest.mark.parametrize(("family", "rule", "cache", "temp"), pairwise_params(
+    ["llada", "llada_moe"], ["static", "threshold"], ["none", "prefix", "dual"], [0.0, 1.0]))
 def test_llada_batch_equals_alone(request, family: str, rule: str, cache: str, temp: float) -> None:
     _check_batch(request.getfixturevalue(family), _prompts([4, 7, 2]), _kw(rule, cache, temp))
 
 
-@pytest.mark.parametrize("temp", [0.0, 1.0])
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("rule", ["static", "threshold"])
+@pytest.mark.parametrize(("rule", "cache", "temp"), pairwise_params(["static", "threshold"], ["none", "prefix", "dual"],
+                                                                  [0.0, 1.0]))
 def test_dream_batch_equals_alone(dream, rule: str, cache: str, temp: float) -> None:
     _check_batch(dream, _prompts([4, 7, 2]), _kw(rule, cache, temp, alg="entropy"))
 
@@ -105,12 +103,9 @@ def test_dream_variant_card_calls_batch_equals_alone(dream, card: str) -> None:
     _check_batch(dream, _prompts([4, 7, 2]), card_decode_options(card, GEN, 2), graph_rows=(0,))
 
 
-@pytest.mark.parametrize("temp", [0.0, 1.0])
-@pytest.mark.parametrize("strategy", ["low_confidence_static", "low_confidence_dynamic"])
-@pytest.mark.parametrize(
-    "lengths", [[5, 5, 5], [5, 8, 13], [3, 8, 6]], ids=["equal", "ragged", "ragged-unpadded"]
-)
-@pytest.mark.parametrize("family", ["sdar", "sdar_moe"])
+@pytest.mark.parametrize(("family", "lengths", "strategy", "temp"), pairwise_params(
+    ["sdar", "sdar_moe"], [[5, 5, 5], [5, 8, 13], [3, 8, 6]], ["low_confidence_static", "low_confidence_dynamic"],
+    [0.0, 1.0]))
 def test_sdar_batch_equals_alone(request, family: str, strategy: str, temp: float, lengths: list[int]) -> None:
     """Ragged: 5 and 13 tokens leave their last prompt block unaligned, 8 fills one block (one decode block less,
     left padded by one block beside 5); 3, 8 and 6 end in the same block (no padding, 8 starts a block later)."""

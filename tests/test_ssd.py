@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from batch_cases import BLOCK, GEN, SEEDS, dream, llada, sdar  # noqa: F401 - module fixtures
 from batch_cases import left_pad, ragged_prompts
+from pairwise import pairwise_params
 from spiffy.api import generate
 from spiffy.decoding import DecodeConfig
 from spiffy.embedded import embedded_model_path
@@ -87,9 +88,7 @@ def _check(model, kw: dict, k: int, lengths: list[int]) -> int:
     return accepted
 
 
-@pytest.mark.parametrize("temp", [0.0, 1.0])
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize(("rule", "cache", "temp"), pairwise_params(list(RULES), ["none", "prefix", "dual"], [0.0, 1.0]))
 def test_ssd_lossless_llada(llada, rule: str, cache: str, temp: float) -> None:
     kw = dict(gen_length=GEN, block_length=BLOCK, cache=cache, temperature=temp, **RULES[rule])
 
@@ -101,9 +100,7 @@ def test_ssd_lossless_llada(llada, rule: str, cache: str, temp: float) -> None:
     case()
 
 
-@pytest.mark.parametrize("temp", [0.0, 1.0])
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize(("rule", "cache", "temp"), pairwise_params(list(RULES), ["none", "prefix", "dual"], [0.0, 1.0]))
 def test_ssd_lossless_dream(dream, rule: str, cache: str, temp: float) -> None:
     kw = dict(gen_length=GEN, block_length=BLOCK, cache=cache, temperature=temp, **RULES[rule])
 

@@ -19,6 +19,7 @@ import torch
 from spiffy.arspec import ddtree_generate
 from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_drafter import static_drafter_of
+from spiffy.arspec.methods import get_method
 from spiffy.bench import gpu_costs
 
 __all__ = ["captured_timings", "read_bandwidth"]
@@ -47,7 +48,7 @@ def _row(target: torch.nn.Module, drafter: Any, prompt: list[int], method: str, 
     if mode:
         static = static_target_of(target)
         row["capture"] = None if static is None else static.graphs.stats.as_dict()
-        if method != "ar" and drafter is not None:  # the drafter's block forward, captured as the target's steps are
+        if get_method(method).needs_drafter and drafter is not None:  # the drafter's block forward, captured as the target's steps are
             drafting = static_drafter_of(drafter)
             row["drafter_capture"] = None if drafting is None else drafting.graphs.stats.as_dict()
     return row
