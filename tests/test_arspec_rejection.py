@@ -247,7 +247,7 @@ def _biased_round_distribution() -> dict[tuple[int, ...], float]:
     return {seq: float(out[seq]) for seq in itertools.product(range(V), repeat=LENGTH)}
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "specdiff"])
+@pytest.mark.parametrize("kind", ["chain", "tree", pytest.param("specdiff", marks=pytest.mark.slow)])
 def test_rejection_round_matches_the_exact_distribution(kind, exact_round):
     counts = _round_samples(kind, RejectionRule, N_ROUND)
     assert _pearson(counts, exact_round, N_ROUND) >= ALPHA, kind

@@ -66,7 +66,7 @@ def _kw(temperature: float, cache: str | None = None, **extra) -> dict:
 DLLM_CASES = [
     ("llada", 1, 2, _kw(0.0, "prefix"), "low-confidence"),
     ("llada", 0, 2, _kw(1.0, "none"), "low-confidence"),
-    ("llada", 8, 0, _kw(1.0, "dual"), "sampled"),
+    pytest.param("llada", 8, 0, _kw(1.0, "dual"), "sampled", marks=pytest.mark.slow),  # Dream's sampled case: fast
     ("dream", 0, 2, _kw(1.0, "none", alg="maskgit_plus"), "sampled"),
     ("sdar", 7, 0, _kw(0.0), "low-confidence"),
 ]

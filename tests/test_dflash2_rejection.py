@@ -57,7 +57,8 @@ def exact_round():
     return _exact(ROOT, LENGTH)
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "specdiff"])
+@pytest.mark.parametrize("kind", ["chain", pytest.param("tree", marks=pytest.mark.slow),
+                                  pytest.param("specdiff", marks=pytest.mark.slow)])
 def test_rejection_round_over_the_selector_matches_the_exact_distribution(kind, exact_round):
     draft = _selector_draft(LENGTH - 1)
     counts: Counter = Counter()

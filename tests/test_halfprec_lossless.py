@@ -112,6 +112,7 @@ def _ar_runs(target, drafter, prompts, new_tokens):  # noqa: ANN001
     return out
 
 
+@pytest.mark.slow  # the rule itself: tests/test_spec_near_ties.py (fast)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ar_divergences_are_near_ties_on_the_shipped_pair(dtype):
     target_dir = embedded_model_path("ar-target")

@@ -174,6 +174,7 @@ def test_dflash_drafter_fits_the_qwen3_8b_target(tmp_path: Path) -> None:
     check_compatible(drafter, target)
 
 
+@pytest.mark.slow
 def test_sdar_moe_matches_the_official_weight_map(tmp_path: Path) -> None:
     """SDAR-30B-A3B-Chat's key names and total size against its own model.safetensors.index.json (bf16), and the
     published 3.3B activated parameters (embeddings, head, attention, norms, router and 8 of 128 experts)."""

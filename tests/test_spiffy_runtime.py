@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import load_f64
+from pairwise import pairwise_params
 from spiffy.decoding.dream_generation import MODEL_CARD_CALLS, card_decode_options
 from spiffy.decoding import make_session, run_baseline
 from spiffy.api import generate
@@ -113,10 +114,8 @@ def _bidir_kw(rule: str, cache: str, temp: float, thr: float, **extra) -> dict:
     return kw
 
 
-@pytest.mark.parametrize("temp", TEMPS)
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("family", ["llada", "llada_moe"])
+@pytest.mark.parametrize(("family", "rule", "cache", "temp"),
+                         pairwise_params(["llada", "llada_moe"], RULES, ["none", "prefix", "dual"], TEMPS))
 def test_llada_lossless(request, family: str, rule: str, cache: str, temp: float) -> None:
     model, thr = request.getfixturevalue(family)
     _check(model, _bidir_kw(rule, cache, temp, thr))
@@ -163,9 +162,7 @@ SDAR_RULES = {
 }
 
 
-@pytest.mark.parametrize("temp", TEMPS)
-@pytest.mark.parametrize("rule", list(SDAR_RULES))
-@pytest.mark.parametrize("family", ["sdar", "sdar_moe"])
+@pytest.mark.parametrize(("family", "rule", "temp"), pairwise_params(["sdar", "sdar_moe"], list(SDAR_RULES), TEMPS))
 def test_sdar_lossless(request, family: str, rule: str, temp: float) -> None:
     model, thr = request.getfixturevalue(family)
     kw = dict(gen_length=GEN, block_length=BLOCK, temperature=temp, seed=7, **SDAR_RULES[rule])
@@ -180,9 +177,8 @@ def llada2(tiny_llada2):
     return m, _threshold(m, "llada2")
 
 
-@pytest.mark.parametrize("temp", TEMPS)
-@pytest.mark.parametrize("cache", ["none", "prefix"])
-@pytest.mark.parametrize("rule", ["one_per_step", "several_per_step", "threshold"])
+@pytest.mark.parametrize(("rule", "cache", "temp"),
+                         pairwise_params(["one_per_step", "several_per_step", "threshold"], ["none", "prefix"], TEMPS))
 def test_llada2_lossless(llada2, rule: str, cache: str, temp: float) -> None:
     """LLaDA2.0's official rule (confidence above the threshold, at least the schedule's count): ``threshold=1.0``
     never crosses, so the schedule alone decides (one or two rows per step); the tuned threshold crosses."""
