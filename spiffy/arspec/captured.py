@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from spiffy.arspec.captured_drafter import StaticDrafter, recorded_features, static_drafter_model
-from spiffy.arspec.captured_drafter import to_device as _on
 from spiffy.arspec.device_tree import (DeviceTree, ancestor_visibility, chain_device, coupled_walk, ddtree_device,
                                        position_noise, target_tokens)
 from spiffy.arspec.methods import BestTree, Chain, DraftKnobs, Method
@@ -46,7 +45,7 @@ from spiffy.capture import SlotCache, StepGraphs, slot_cache_supported
 from spiffy.errors import ConfigError
 from spiffy.models.cache import hf_cache
 from spiffy.models.dflash import TargetFeatureHooks
-from spiffy.torch_utils import execution_device
+from spiffy.torch_utils import execution_device, on_device
 
 __all__ = ["CapturedRounds", "StaticTarget", "static_target_of", "static_unsupported"]
 
@@ -283,10 +282,10 @@ class CapturedRounds:
         """One round of every live row: per row ``(new tokens, kept verification rows, draft nodes)``."""
         static, rows = self.static, len(roots)
         trees = [device_tree(m, c, d) for m, c, d in zip(self.methods, self.configs, drafts)]
-        on_device = all(_walks_on_device(r) for r in self.rules) and all(
+        device_round = all(_walks_on_device(r) for r in self.rules) and all(
             t is not None or d is None for t, d in zip(trees, drafts))
         host_trees: list[DraftTree] = []
-        if not on_device:
+        if not device_round:
             host_trees = build_trees(self.methods, self.configs, drafts, roots)
         clock.lap("tree_build")
         counts = [t.num_nodes for t in host_trees] if host_trees else [0 if t is None else t.count for t in trees]
@@ -296,7 +295,7 @@ class CapturedRounds:
         clock.lap("compile")
         hidden = static.verify(rows, width, depth)
         static.share_features(drafter_hooks)
-        if on_device:
+        if device_round:
             out = self._walk_device(roots, hidden, width, depth)
         else:
             out = self._walk_host(roots, hidden, host_trees, drafts, depth)
@@ -307,7 +306,7 @@ class CapturedRounds:
               width: int) -> None:
         """Write the round's rows into the static buffers (host values as one copy each; device trees on device)."""
         s, rows = self.static, len(roots)
-        root_t = _on(torch.tensor([[tok, pos] for tok, pos in roots], dtype=torch.long), s.device)
+        root_t = on_device(torch.tensor([[tok, pos] for tok, pos in roots], dtype=torch.long), s.device)
         s.ids[:rows, 0] = root_t[:, 0]
         s.positions[:rows, :width] = root_t[:, 1:2]
         nodes = width - 1
@@ -317,14 +316,14 @@ class CapturedRounds:
         s.depths[:rows, :nodes] = 1
         s.ids[:rows, 1:width] = 0
         if host_trees:
-            s.counts[:rows] = _on(torch.tensor([t.num_nodes for t in host_trees], dtype=torch.long), s.device)
+            s.counts[:rows] = on_device(torch.tensor([t.num_nodes for t in host_trees], dtype=torch.long), s.device)
             for b, t in enumerate(host_trees):
                 n = t.num_nodes
                 if n:
-                    packed = _on(torch.stack([t.tokens, t.parents, t.depths]), s.device)
+                    packed = on_device(torch.stack([t.tokens, t.parents, t.depths]), s.device)
                     s.ids[b, 1 : 1 + n], s.parents[b, :n], s.depths[b, :n] = packed[0], packed[1], packed[2]
         else:
-            s.counts[:rows] = _on(torch.tensor([0 if t is None else t.count for t in trees], dtype=torch.long), s.device)
+            s.counts[:rows] = on_device(torch.tensor([0 if t is None else t.count for t in trees], dtype=torch.long), s.device)
             for b, t in enumerate(trees):
                 if t is not None and t.tokens.numel():
                     n = int(t.tokens.numel())
@@ -366,8 +365,8 @@ class CapturedRounds:
                     for b, (rule, t, d, (_tok, pos)) in enumerate(zip(self.rules, trees, drafts, roots))]
         keeps = [[0] + [a + 1 for a in o.accepted] for o in outcomes]
         span = max(depth, max(len(k) for k in keeps) - 1) + 1
-        keep_t = _on(torch.tensor([k + [0] * (span - len(k)) for k in keeps], dtype=torch.long), s.device)
-        accepted = _on(torch.tensor([len(k) - 1 for k in keeps], dtype=torch.long), s.device)
+        keep_t = on_device(torch.tensor([k + [0] * (span - len(k)) for k in keeps], dtype=torch.long), s.device)
+        accepted = on_device(torch.tensor([len(k) - 1 for k in keeps], dtype=torch.long), s.device)
         self._commit(rows, keep_t, accepted)
         out = []
         for t, o, keep in zip(trees, outcomes, keeps):

@@ -47,17 +47,12 @@ from torch import nn
 from spiffy.arspec.drafter import DFlashDrafter
 from spiffy.capture import SlotCache, StepGraphs
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks
-from spiffy.torch_utils import execution_device
+from spiffy.torch_utils import execution_device, on_device
 
-__all__ = ["StaticDrafter", "recorded_features", "static_drafter_model", "static_drafter_of", "to_device"]
+__all__ = ["StaticDrafter", "recorded_features", "static_drafter_model", "static_drafter_of"]
 
 #: the static drafters of live drafter models (one per model; replaced when a call needs more rows or slots)
 _STATIC: "weakref.WeakKeyDictionary[nn.Module, StaticDrafter]" = weakref.WeakKeyDictionary()
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` (a host-to-device copy: no synchronisation; nothing to do on a CPU)."""
-    return t if device.type == "cpu" else t.to(device, non_blocking=False)
 
 
 def static_drafter_of(model: nn.Module) -> "StaticDrafter | None":
@@ -171,7 +166,7 @@ class StaticDrafter:
         """The prompts' features ``[rows, P, F]`` (left padded: row ``b``'s at columns ``pads[b] ..``, its
         ``lengths[b]`` tokens) as the first round's new context."""
         rows, width = len(pads), max(lengths)
-        meta = to_device(torch.tensor([list(pads), list(lengths)], dtype=torch.long), self.device)
+        meta = on_device(torch.tensor([list(pads), list(lengths)], dtype=torch.long), self.device)
         index = (meta[0].view(rows, 1) + self.ramp[:width]).clamp(max=int(features.shape[1]) - 1)
         self._prompt = features.gather(1, index.unsqueeze(-1).expand(rows, width, int(features.shape[-1])))
         self.lengths[:rows].zero_()
@@ -200,7 +195,7 @@ class StaticDrafter:
         # the block is as long as the deepest row's draft, as the eager drafter's is (a DFlash block is
         # bidirectional, so only a shorter block gives a shorter draft the eager one's values)
         block = 1 + max(int(d) for d in depths)
-        meta = to_device(torch.tensor([[tok, d] for (tok, _pos), d in zip(roots, depths)], dtype=torch.long),
+        meta = on_device(torch.tensor([[tok, d] for (tok, _pos), d in zip(roots, depths)], dtype=torch.long),
                          self.device)
         self.ids[:rows, 0] = meta[:, 0]
         self.depths[:rows] = meta[:, 1]
@@ -219,7 +214,7 @@ class StaticDrafter:
     def keep_rows(self, kept: Sequence[int]) -> None:
         """Only batch rows ``kept`` go on (moved to the front, in order)."""
         self.cache.keep_rows(kept)
-        idx = to_device(torch.tensor(list(kept), dtype=torch.long), self.device)
+        idx = on_device(torch.tensor(list(kept), dtype=torch.long), self.device)
         for t in (self.lengths, self.counts, self.feats):
             t[: len(kept)] = t.index_select(0, idx)
         if self._prompt is not None:

@@ -24,7 +24,6 @@ from spiffy.bench.fidelity import (
     NearTieProof,
     confidence_bound,
     deviation_ulps,
-    dtype_name,
     rounding_bound,
 )
 from spiffy.bench.router_fidelity import RouterRecorder, judge_router_flip, routers_of
@@ -32,6 +31,7 @@ from spiffy.decoding.batch import row_generators, run_baseline, run_baseline_bat
 from spiffy.decoding.factory import make_row_sessions, make_session
 from spiffy.selfspec.runtime import speculative_generate as spiffy_single
 from spiffy.selfspec.runtime import speculative_generate_batch as spiffy_batch
+from spiffy.torch_utils import dtype_name
 
 #: the rule's text, as batched-row reports quote it (one rule: :data:`spiffy.bench.fidelity.NEAR_TIE_RULE`)
 BATCH_NEAR_TIE_RULE = NEAR_TIE_RULE

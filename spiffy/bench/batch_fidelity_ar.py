@@ -23,8 +23,9 @@ from spiffy.arspec.rejection import RejectionRule, sample_from
 from spiffy.arspec.rules import Acceptance, TargetLogits
 from spiffy.arspec.sampling import gumbel_noise, keyed_seed, tempered
 from spiffy.arspec.tree import DraftTree
-from spiffy.bench.fidelity import DEVIATION_ULPS, NearTieProof, deviation_ulps, dtype_name, rounding_bound
+from spiffy.bench.fidelity import DEVIATION_ULPS, NearTieProof, deviation_ulps, rounding_bound
 from spiffy.sampling import filter_logits
+from spiffy.torch_utils import dtype_name
 
 
 @dataclass

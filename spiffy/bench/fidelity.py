@@ -188,12 +188,7 @@ def divergence_entry(proof: NearTieProof | None) -> dict[str, Any]:
                       "than its inputs: not rounding)"}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``"bfloat16"`` for ``torch.bfloat16``: how proofs and reports name a dtype."""
-    return str(dtype).replace("torch.", "")
-
-
 __all__ = [
     "DEVIATION_ULPS", "NEAR_TIE_RULE", "NEAR_TIE_ULPS", "NearTieProof", "confidence_bound", "deviation_ulps",
-    "divergence_entry", "dtype_name", "rounding_bound", "spacing",
+    "divergence_entry", "rounding_bound", "spacing",
 ]

@@ -35,8 +35,9 @@ from spiffy.arspec.methods import AR, DEFAULT_ACCEPT, get_accept, make_rule
 from spiffy.arspec.tree import empty_tree
 from spiffy.bench.batch_fidelity import TransitionRecorder, dllm_run, prove_dllm_runs
 from spiffy.bench.batch_fidelity_ar import RecordedLogits, RecordedRound, RecordingRule, judge_ar_prefill, token_gap
-from spiffy.bench.fidelity import DEVIATION_ULPS, NearTieProof, deviation_ulps, dtype_name
+from spiffy.bench.fidelity import DEVIATION_ULPS, NearTieProof, deviation_ulps
 from spiffy.errors import ConfigError
+from spiffy.torch_utils import dtype_name
 
 
 def prove_dllm_divergence(model: Any, prompt: Sequence[int], config: Any = None, *, graph: Any,

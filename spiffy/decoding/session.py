@@ -25,6 +25,7 @@ import torch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.errors import ConfigError, StepLimitError
 from spiffy.models.loading import SpecialTokenIds
+from spiffy.torch_utils import on_device
 
 
 @dataclass(frozen=True)
@@ -399,18 +400,13 @@ def check_state_rows(
                 f"forward_states got {states.shape[0]} states for a batch-{b} session; fix: pass rows= (the batch "
                 "row of each state) or use a batch-1 session"
             )
-        return _on(states, x.device), None
-    rows = _on(rows, x.device).long()
+        return on_device(states, x.device), None
+    rows = on_device(rows, x.device).long()
     if rows.dim() != 1 or rows.shape[0] != states.shape[0]:
         raise ConfigError(f"rows must be [N] = [{states.shape[0]}], got {tuple(rows.shape)}")
     if rows.numel() and not bool(((rows >= 0) & (rows < b)).all()):  # one host read per forward
         raise ConfigError(f"rows must index the session's {b} batch rows, got values in [{int(rows.min())}, {int(rows.max())}]")
-    return _on(states, x.device), rows
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` (no call at all when it is there already: the sync counter sees no move)."""
-    return t if t.device == device else t.to(device)
+    return on_device(states, x.device), rows
 
 
 def gather_cache_rows(cache: Any, rows: torch.Tensor | None) -> Any:
