@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from oracle_drafter import OracleDrafter
 from spiffy.arspec import ARSpecConfig, ContextUpdate, SamplingConfig, speculative_generate
 from spiffy.arspec.dllm_drafter import DLLMDrafter, as_drafter, drafter_block_mask
 from spiffy.arspec.drafter import DFlashDrafter
@@ -46,36 +47,6 @@ def drafters(paths):
 @pytest.fixture(scope="module")
 def prompt():
     return [5, 17, 42, 8, 99]
-
-
-class OracleDrafter:
-    """Knows the AR continuation (drafts it with high confidence, wrong every ``wrong_every``-th position)."""
-
-    def __init__(self, continuation: list[int], n_prompt: int, vocab: int, wrong_every: int = 0) -> None:
-        self.block_size = BLOCK
-        self.continuation, self.n_prompt, self.vocab, self.wrong_every = continuation, n_prompt, vocab, wrong_every
-
-    def check(self, target) -> None:  # noqa: ANN001
-        pass
-
-    def attach(self, target) -> None:  # noqa: ANN001
-        pass
-
-    def propose(self, root_token: int, root_position: int, depth: int) -> torch.Tensor:
-        logits = torch.full((depth, self.vocab), -8.0, dtype=torch.float64)
-        for d in range(1, depth + 1):
-            i = root_position + d - self.n_prompt
-            tok = self.continuation[i] if 0 <= i < len(self.continuation) else 0
-            if self.wrong_every and (root_position + d) % self.wrong_every == 0:
-                tok = (tok + 1) % self.vocab
-            logits[d - 1, tok] = 4.0
-        return logits
-
-    def commit(self, update: ContextUpdate) -> None:
-        pass
-
-    def detach(self) -> None:
-        pass
 
 
 def test_tiny_dllm_drafter_checkpoint(paths):
@@ -200,7 +171,7 @@ def test_oracle_drafter_is_lossless_and_accepts_runs(target, prompt, method, tem
     n = 24
     ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=n + BLOCK, sampling=sampling))
     for wrong_every in (0, 4):
-        drafter = OracleDrafter(ar.tokens, len(prompt), target.config.vocab_size, wrong_every)
+        drafter = OracleDrafter(ar.tokens, len(prompt), target.config.vocab_size, BLOCK, wrong_every)
         cfg = ARSpecConfig(method=method, budget=12, drafts=4, max_new_tokens=n, sampling=sampling)
         res = speculative_generate(target, drafter, prompt, cfg)
         assert res.tokens == ar.tokens[:n], (method, wrong_every)
@@ -212,7 +183,7 @@ def test_rejection_rule_is_reproducible_and_uses_the_min_p_over_q_acceptance(tar
     """Same seed -> same tokens; an oracle whose q equals the target's p is accepted (almost) always."""
     sampling = SamplingConfig(temperature=1.0, seed=11)
     ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=30, sampling=sampling))
-    drafter = OracleDrafter(ar.tokens, len(prompt), target.config.vocab_size)
+    drafter = OracleDrafter(ar.tokens, len(prompt), target.config.vocab_size, BLOCK)
     for method in ("deer", "specdiff", "ddtree"):
         cfg = ARSpecConfig(method=method, budget=8, drafts=2, accept="rejection", max_new_tokens=24,
                            sampling=sampling)

@@ -32,13 +32,13 @@ import pytest
 import torch
 from hypothesis import given, seed
 from hypothesis import strategies as st
+from oracle_drafter import OracleDrafter
 from property_tiers import fast_settings, long_run, long_settings
 from torch import nn
 
 from spiffy.arspec import (
     METHODS,
     ARSpecConfig,
-    ContextUpdate,
     DFlash2Drafter,
     DFlashDrafter,
     DLLMDrafter,
@@ -92,41 +92,6 @@ def models(paths: dict[str, Path], dtype: str) -> dict[str, nn.Module]:
     return _MODELS[dtype]
 
 
-class OracleDrafter:
-    """A drafter that knows a continuation (the row's plain-AR tokens) and drafts it with confidence, except at
-    every ``wrong_every``-th absolute position, where the next token id is ranked first and the true one second
-    (a DDTree side branch holds it). Proposes alone (it is no :class:`~spiffy.arspec.BatchDrafter`)."""
-
-    def __init__(self, continuation: list[int], n_prompt: int, vocab: int, block_size: int, wrong_every: int,
-                 dtype: torch.dtype) -> None:
-        self.continuation, self.n_prompt, self.vocab = list(continuation), n_prompt, vocab
-        self.block_size, self.wrong_every, self.dtype = block_size, wrong_every, dtype
-
-    def check(self, target: nn.Module) -> None:
-        assert int(target.config.vocab_size) == self.vocab
-
-    def attach(self, target: nn.Module) -> None:
-        self.check(target)
-
-    def propose(self, root_token: int, root_position: int, depth: int) -> torch.Tensor:
-        logits = torch.full((depth, self.vocab), -8.0, dtype=self.dtype)
-        for d in range(1, depth + 1):
-            i = root_position + d - self.n_prompt
-            tok = self.continuation[i] if 0 <= i < len(self.continuation) else 0
-            if self.wrong_every and (root_position + d) % self.wrong_every == 0:
-                logits[d - 1, (tok + 1) % self.vocab] = 4.0
-                logits[d - 1, tok] = 3.0
-            else:
-                logits[d - 1, tok] = 4.0
-        return logits
-
-    def commit(self, update: ContextUpdate) -> None:
-        pass
-
-    def detach(self) -> None:
-        pass
-
-
 def make_drafter(loaded: dict[str, nn.Module], row: dict[str, Any], ar: list[int], n_prompt: int, dtype: str) -> Any:
     """A fresh drafter of the row's kind (``None`` for plain AR) with its drafted block and denoising steps."""
     kind = row["kind"]
@@ -139,7 +104,8 @@ def make_drafter(loaded: dict[str, nn.Module], row: dict[str, Any], ar: list[int
         return DLLMDrafter(loaded["dllm"], block, denoise_steps=row["denoise_steps"])
     if kind == "oracle":
         vocab = int(loaded["target"].config.vocab_size)
-        return OracleDrafter(ar, n_prompt, vocab, block or BLOCKS["oracle"], row["wrong_every"], getattr(torch, dtype))
+        return OracleDrafter(ar, n_prompt, vocab, block or BLOCKS["oracle"], row["wrong_every"], dtype=getattr(torch, dtype),
+                             second=3.0, check_vocab=True)
     return None
 
 

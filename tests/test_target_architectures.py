@@ -18,7 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from spiffy.arspec import ARSpecConfig, ContextUpdate, SamplingConfig, as_drafter, speculative_generate
+from oracle_drafter import OracleDrafter
+
+from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, speculative_generate
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.methods import METHODS
 from spiffy.arspec.stages import (
@@ -56,42 +58,15 @@ def arch(request, tmp_path_factory):
     return name, load_target(target_dir, torch.float64, "cpu"), target_dir, dflash_dir, dllm_dir
 
 
+def _oracle(continuation: list[int], n_prompt: int, vocab: int, wrong_every: int = 0) -> OracleDrafter:
+    """Confident drafts of the AR continuation, wrong every ``wrong_every``-th position with the true token second
+    (so DDTree accepts through side branches and the chain stops)."""
+    return OracleDrafter(continuation, n_prompt, vocab, BLOCK, wrong_every, floor=-6.0, top=3.0, second=2.0)
+
+
 def _prompts(vocab: int, lengths=(6, 3, 9)) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     return [torch.randint(5, vocab - 8, (n,), generator=g).tolist() for n in lengths]
-
-
-class Oracle:
-    """A drafter that knows the AR continuation: confident drafts, wrong every ``wrong_every``-th position (so DDTree
-    accepts through side branches and the chain stops)."""
-
-    def __init__(self, continuation: list[int], n_prompt: int, vocab: int, wrong_every: int = 0) -> None:
-        self.block_size = BLOCK
-        self.continuation, self.n_prompt, self.vocab, self.wrong_every = continuation, n_prompt, vocab, wrong_every
-
-    def check(self, target) -> None:  # noqa: ANN001
-        pass
-
-    def attach(self, target) -> None:  # noqa: ANN001
-        pass
-
-    def propose(self, root_token: int, root_position: int, depth: int) -> torch.Tensor:
-        logits = torch.full((depth, self.vocab), -6.0, dtype=torch.float64)
-        for d in range(1, depth + 1):
-            i = root_position + d - self.n_prompt
-            tok = self.continuation[i] if 0 <= i < len(self.continuation) else 0
-            if self.wrong_every and (root_position + d) % self.wrong_every == 0:
-                logits[d - 1, (tok + 1) % self.vocab] = 3.0  # the true token ranked second
-                logits[d - 1, tok] = 2.0
-            else:
-                logits[d - 1, tok] = 3.0
-        return logits
-
-    def commit(self, update: ContextUpdate) -> None:
-        pass
-
-    def detach(self) -> None:
-        pass
 
 
 def _config(method: str, n: int, temperature: float, seed: int = 3) -> ARSpecConfig:
@@ -165,7 +140,7 @@ def test_every_method_equals_ar_when_drafts_are_accepted(arch, temperature):
     ar = speculative_generate(target, None, prompt, _config("ar", n + BLOCK, temperature))
     for wrong_every in (0, 3):
         for method in METHODS:
-            res = speculative_generate(target, Oracle(ar.tokens, len(prompt), vocab, wrong_every), prompt,
+            res = speculative_generate(target, _oracle(ar.tokens, len(prompt), vocab, wrong_every), prompt,
                                        _config(method, n, temperature))
             assert res.tokens == ar.tokens[:n], (method, wrong_every)
             if wrong_every == 0 and method != "ar":
@@ -188,7 +163,7 @@ def test_batched_rows_equal_prompts_alone(arch, temperature):
     ars = [speculative_generate(target, None, p, _config("ar", 20, temperature, seed=s)).tokens
            for p, s in zip(prompts, (3, 4, 5))]
     cfgs = [_config("ddtree", n, temperature, seed=s) for n, s in zip((15, 9, 12), (3, 4, 5))]
-    oracles = [Oracle(a, len(p), vocab, w) for a, p, w in zip(ars, prompts, (0, 3, 4))]
+    oracles = [_oracle(a, len(p), vocab, w) for a, p, w in zip(ars, prompts, (0, 3, 4))]
     batch = speculative_generate_batch(target, oracles, prompts, cfgs)
     assert [r.tokens for r in batch] == [a[: c.max_new_tokens] for a, c in zip(ars, cfgs)]
 
@@ -276,7 +251,7 @@ def test_a_multimodal_qwen3_5_checkpoint_is_a_target(tmp_path):
     prompt = [5, 17, 42, 8, 99, 23]
     ref = full.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
     for method in ("ar", "ddtree", "dflash"):  # oracle drafts, wrong every third position: side branches accepted
-        res = speculative_generate(target, Oracle(ref, len(prompt), 300, 3), prompt,
+        res = speculative_generate(target, _oracle(ref, len(prompt), 300, 3), prompt,
                                    ARSpecConfig(method=method, budget=8, max_new_tokens=12))
         assert res.tokens == ref, method
 
@@ -293,7 +268,7 @@ def test_an_offloaded_hybrid_equals_the_plain_load(tmp_path):
     assert "forward" in placed.model.layers[0].linear_attn.__dict__  # accelerate's hook
     prompt = _prompts(int(plain.config.vocab_size))[0]
     ar = speculative_generate(plain, None, prompt, _config("ar", 14, 0.0)).tokens
-    res = speculative_generate(placed, Oracle(ar, len(prompt), int(plain.config.vocab_size), 3), prompt,
+    res = speculative_generate(placed, _oracle(ar, len(prompt), int(plain.config.vocab_size), 3), prompt,
                                _config("ddtree", 14, 0.0))
     assert res.tokens == ar
     assert "forward" in placed.model.layers[0].linear_attn.__dict__  # given back after every planned forward
