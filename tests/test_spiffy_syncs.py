@@ -33,11 +33,11 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 GEN, BLOCK = 16, 8
 BUDGETS = (1, 5, 12)
 #: (rule, cache) per family, every cache mode with a static path: LLaDA and Dream under their static schedule and
-#: Fast-dLLM's threshold rule; SDAR's committed cache under its static and dynamic strategies, and with a stop id
+#: Fast-dLLM's threshold rule (Dream also under its ``origin`` algorithm); SDAR's committed cache under its static and dynamic strategies, and with a stop id
 #: (its stop rule reads the state at every block end)
 CASES = {
     "llada": [(r, c) for r in ("static", "threshold") for c in ("none", "prefix", "dual")],
-    "dream": [(r, c) for r in ("static", "threshold") for c in ("none", "prefix", "dual")],
+    "dream": [(r, c) for r in ("static", "threshold", "origin") for c in ("none", "prefix", "dual")],
     "sdar": [("static", "prefix"), ("dynamic", "prefix"), ("stop", "prefix")],
 }
 
@@ -50,6 +50,8 @@ def _kw(rule: str, cache: str) -> dict:
         kw["steps"] = GEN // 2
     if rule == "dynamic":
         kw.update(strategy="low_confidence_dynamic", threshold=0.05)
+    if rule == "origin":  # Dream's random reveal (greedy tokens: its sampled proposals read the revealed count)
+        kw["alg"] = "origin"
     if rule == "stop":
         kw["stop_token_ids"] = (7,)
     return kw

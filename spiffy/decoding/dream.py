@@ -149,13 +149,20 @@ class DreamSession(BidirectionalSession):
             s_ = self.timesteps[step + 1]
             p_transfer = 1 - s_ / t_ if step < steps - 1 else 1
             n = int(mask_logits.shape[0])
-            x0 = torch.full((n,), self.mask_id, dtype=torch.long, device=x.device)
             reveal = torch.rand((n,), generator=gen, device=x.device) < p_transfer
-            if bool(reveal.any()):
-                _, x0[reveal] = dream_sample_tokens(mask_logits[reveal], temp, cfg.top_p, cfg.top_k, gen)
-            win = out[:, ws : ws + w]
-            win[mask_w] = x0
-            out[:, ws : ws + w] = win
+            if temp == 0:
+                # greedy proposals draw nothing: propose for every masked row and keep the revealed ones (the same
+                # tokens as proposing for the revealed rows only, without reading how many were revealed)
+                _, greedy = dream_sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen)
+                x0 = torch.where(reveal, greedy, self.mask_id)
+            else:
+                # a sampled proposal draws one categorical per revealed row, in row order: the generator's stream
+                # depends on which rows were revealed, so this read stays (the reference draws the same way)
+                x0 = torch.full((n,), self.mask_id, dtype=torch.long, device=x.device)
+                if bool(reveal.any()):
+                    _, x0[reveal] = dream_sample_tokens(mask_logits[reveal], temp, cfg.top_p, cfg.top_k, gen)
+            # the masked rows' tokens written by their flat window indices (a boolean index would read its count)
+            out[flat // w, ws + flat % w] = x0
             return out
         conf, x0 = dream_sample_tokens(mask_logits, temp, cfg.top_p, cfg.top_k, gen, **self._confidence_kind())
         k = dream_num_transfer_host(sum(eligible), b, self._host_timesteps, step, steps, self.timesteps.dtype)

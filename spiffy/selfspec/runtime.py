@@ -42,8 +42,8 @@ SDAR): its transition (LLaDA's threshold and static schedule, Dream's counts, SD
 check then read nothing themselves. A state no read covered yet (the first block's start, the state after a cache
 mode's block-start step) is ranked early (:meth:`_SpiffyRow.done`), so that its ranking's read brings them, or read
 once. Measured on the tiny LLaDA, Dream and SDAR models, static path: 0.9 to 1.9 reads per step at D* = 1, 5, 12
-(tests/test_spiffy_syncs.py). Still reading in the rule: Dream's ``origin`` algorithm (how many rows it draws tokens
-for is random). An eager CPU step whose transition published no softmax keeps the host ranking (a few more reads,
+(tests/test_spiffy_syncs.py; Dream's ``origin`` algorithm included, 1.4 to 1.9). Still reading in the rule: Dream's
+``origin`` algorithm at T > 0 (it draws one token per revealed row, and how many are revealed is random). An eager CPU step whose transition published no softmax keeps the host ranking (a few more reads,
 less work on a CPU).
 
 Not implemented (on purpose): the paper's approximate "simplified shared-context mask"; every path here is exact.
