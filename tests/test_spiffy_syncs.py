@@ -25,8 +25,10 @@ from batch_cases import dream, llada, sdar  # noqa: F401 - fixtures
 from spiffy.bench.syncs import SyncCounter
 from spiffy.decoding import make_session
 from spiffy.decoding.batch import run_baseline
+from spiffy.selfspec.freedave import freedave_graph
 from spiffy.selfspec.oracle import random_graph
 from spiffy.selfspec.runtime import speculative_generate
+from spiffy.selfspec.ssd import ssd_graph
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -84,6 +86,26 @@ def test_spiffy_step_syncs_on_tiny_models(request, family: str) -> None:
             per_step, counts, x = syncs_per_step(model, prompt, kw, graph, budget)
             assert per_step <= 2 and set(counts) == {"tolist"}, (rule, cache, budget, per_step, counts)
             assert torch.equal(x, baseline.x), (rule, cache, budget)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_rivals_step_syncs_on_tiny_models(request, family: str) -> None:
+    """FreeDave and SSD run on Spiffy's runtime as fixed graphs (a chain, SSD's path below the real state), so they are
+    measured at their best too: at most 2 host reads per step at 3 and 6 states per forward, on the family's first
+    and last case, with the baseline's tokens."""
+    model = request.getfixturevalue(family)
+    prompt = torch.randint(5, 250, (5,), generator=torch.Generator().manual_seed(2))
+    for rule, cache in (CASES[family][0], CASES[family][-1]):
+        kw = _kw(rule, cache)
+        baseline = make_session(model, prompt[None], **kw)
+        run_baseline(baseline)
+        for make in (freedave_graph, ssd_graph):
+            for states in (3, 6):
+                graph = make(model, baseline.config, states)
+                per_step, counts, x = syncs_per_step(model, prompt, kw, graph, len(graph))
+                where = (make.__name__, states, rule, cache)
+                assert per_step <= 2 and set(counts) == {"tolist"}, (*where, per_step, counts)
+                assert torch.equal(x, baseline.x), where
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
