@@ -15,7 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batch_cases import dream, fast_dllm_v2, llada, llada2, left_pad, ragged_prompts, sdar  # noqa: F401 - fixtures
+from batch_cases import (dream, fast_dllm_v2, left_pad, llada, llada2, llada_moe, ragged_prompts,  # noqa: F401 - fixtures
+                         sdar, sdar_moe)
 from spiffy.api import generate
 from spiffy.bench.overheads import spiffy_sync_counts
 from spiffy.bench.syncs import SyncCounter
@@ -136,18 +137,24 @@ def test_compile_refused_where_no_static_path(fast_dllm_v2) -> None:
         generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, compile="maybe")
 
 
-def test_moe_capture_refused_on_cuda(llada2, sdar, monkeypatch) -> None:
-    """LLaDA2.0's MoE dispatch reads host values, so a CUDA capture is refused (on a CPU the static code runs);
-    dense SDAR is not refused (its forward makes no host read: test_static_forward_makes_no_host_sync)."""
+@pytest.mark.parametrize("moe_family", ["llada2", "llada_moe", "sdar_moe"])
+def test_moe_capture_refused_on_cuda(request, moe_family: str, sdar, llada, monkeypatch) -> None:
+    """An MoE model's expert dispatch reads host values, so a CUDA capture is refused with a typed error for every MoE
+    family, LLaDA-MoE (a bidirectional session) included (on a CPU the static code runs); dense SDAR and LLaDA are
+    not refused (their forwards make no host read: test_static_forward_makes_no_host_sync)."""
+    import spiffy.decoding.base as base_module
     import spiffy.decoding.sdar as sdar_module
 
-    moe = make_session(llada2, torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0))
-    dense = make_session(sdar, torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0))
-    monkeypatch.setattr(sdar_module, "model_device", lambda model: torch.device("cuda"))
+    moe = make_session(request.getfixturevalue(moe_family), torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0))
+    denses = [make_session(m, torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0)) for m in (sdar, llada)]
+    cuda = lambda model: torch.device("cuda")  # noqa: E731 - what model_device answers on a GPU
+    monkeypatch.setattr(sdar_module, "model_device", cuda)
+    monkeypatch.setattr(base_module, "model_device", cuda)
     with pytest.raises(ConfigError, match="MoE.*compile=False"):
         moe.use_static(capture=True)
-    dense.use_static(capture=True)
-    assert dense.static is not None and dense.static.captured
+    for dense in denses:
+        dense.use_static(capture=True)
+        assert dense.static is not None and dense.static.captured
 
 
 def test_cli_compile_in_dllm_mode(capsys, tiny_llada) -> None:

@@ -22,8 +22,8 @@ once per model and reused by every later forward, block, prompt and call with th
 Sessions plug in with ``forward_inputs()`` (the tensors a forward reads, :class:`~spiffy.decoding.base.ForwardInputs`),
 ``window_logits(states, rows, inputs, window)`` (the forward on explicit tensors) and ``static_layout()``: LLaDA,
 LLaDA-MoE and Dream (:class:`~spiffy.decoding.base.BidirectionalSession`), SDAR, SDAR-MoE and LLaDA2.0
-(:class:`~spiffy.decoding.sdar.SDARSession`; a CUDA capture is refused for the MoE ones: their expert dispatch
-reads host values).
+(:class:`~spiffy.decoding.sdar.SDARSession`). A CUDA capture is refused for the MoE families (LLaDA-MoE, SDAR-MoE,
+LLaDA2.0: :meth:`StaticStates.for_model`): their expert dispatch reads host values.
 
 The cache K/V live in one buffer per layer of ``T`` slots (grown, and the graphs dropped, only when a longer state
 comes); a block's cache of ``C`` positions is the view of its first ``C`` slots, so buckets of every block share it.
@@ -71,7 +71,17 @@ class StaticStates:
 
     @classmethod
     def for_model(cls, model: nn.Module, device: torch.device, capture: bool) -> "StaticStates":
-        """``model``'s static buffers (made on first use; replaced when the capture setting differs)."""
+        """``model``'s static buffers (made on first use; replaced when the capture setting differs).
+
+        A CUDA capture is refused for MoE models (LLaDA-MoE, SDAR-MoE, LLaDA2.0): their expert dispatch runs each
+        expert on the tokens routed to it, a data-dependent shape a graph cannot hold. On a CPU, or with
+        ``capture=False``, their static code runs eagerly."""
+        device = torch.device(device)
+        if capture and device.type == "cuda" and int(getattr(model.config, "num_experts", 0) or 0) > 0:
+            raise ConfigError(
+                f"compile=True cannot capture {type(model).__name__}'s forward in a CUDA graph yet: its MoE layers "
+                "run each expert on the tokens routed to it (shapes known only on the host); fix: pass "
+                "compile=False (eager, same tokens)")
         have = _STATIC.get(model)
         if have is not None and have.graphs.capture == (bool(capture) and torch.device(device).type == "cuda"):
             return have

@@ -300,17 +300,10 @@ class SDARSession(DecodeSession):
         return self._call(states[:, q_start:end], q_start, False, rows, inputs)[:, start - q_start :]
 
     def use_static(self, capture: bool = True) -> None:
-        """Run :meth:`forward_states` on the model's static buffers (:class:`~spiffy.decoding.captured.StaticStates`).
-
-        A CUDA capture is refused for MoE models (SDAR-MoE, LLaDA2.0): their expert dispatch reads values on the
-        host, which a capture cannot hold. Elsewhere (and on a CPU) the static code runs as a GPU would capture it."""
-        device = model_device(self.model)
-        if capture and device.type == "cuda" and int(getattr(self.model.config, "num_experts", 0) or 0) > 0:
-            raise ConfigError(
-                f"compile=True cannot capture {type(self).__name__}'s forward on {type(self.model).__name__} in a "
-                "CUDA graph yet: its MoE layers dispatch tokens per expert on the host; fix: pass compile=False "
-                "(eager, same tokens)")
-        self.static = StaticStates.for_model(self.model, device, capture)
+        """Run :meth:`forward_states` on the model's static buffers (:class:`~spiffy.decoding.captured.StaticStates`;
+        a CUDA capture of an MoE model, SDAR-MoE or LLaDA2.0, is refused there). On a CPU the static code runs as a
+        GPU would capture it."""
+        self.static = StaticStates.for_model(self.model, model_device(self.model), capture)
 
     def query_start(self) -> int:
         """First row a denoising forward computes: the block start (the rows before it are in the cache)."""
