@@ -138,23 +138,26 @@ def test_compile_refused_where_no_static_path(fast_dllm_v2) -> None:
 
 
 @pytest.mark.parametrize("moe_family", ["llada2", "llada_moe", "sdar_moe"])
-def test_moe_capture_refused_on_cuda(request, moe_family: str, sdar, llada, monkeypatch) -> None:
-    """An MoE model's expert dispatch reads host values, so a CUDA capture is refused with a typed error for every MoE
-    family, LLaDA-MoE (a bidirectional session) included (on a CPU the static code runs); dense SDAR and LLaDA are
-    not refused (their forwards make no host read: test_static_forward_makes_no_host_sync)."""
+def test_moe_capture_on_cuda_needs_grouped_experts(request, moe_family: str, sdar, llada, monkeypatch) -> None:
+    """A CUDA capture of an MoE model runs its experts grouped (tests/test_moe_dispatch.py); where they cannot run
+    grouped (here: float64, which torch._grouped_mm does not take) it is refused with a typed error naming why, for
+    every MoE family, LLaDA-MoE's bidirectional session included; in bfloat16 it is not refused, nor are the dense
+    SDAR and LLaDA (their forwards make no host read: test_static_forward_makes_no_host_sync)."""
     import spiffy.decoding.base as base_module
     import spiffy.decoding.sdar as sdar_module
 
-    moe = make_session(request.getfixturevalue(moe_family), torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0))
-    denses = [make_session(m, torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0)) for m in (sdar, llada)]
+    f64 = request.getfixturevalue(moe_family)
+    bf16 = load_model(request.getfixturevalue(f"tiny_{moe_family}"), dtype=torch.bfloat16)
+    moe = make_session(f64, torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0))
+    accepted = [make_session(m, torch.tensor([[5, 6, 7]]), **_kw("prefix", 0.0, 0)) for m in (bf16, sdar, llada)]
     cuda = lambda model: torch.device("cuda")  # noqa: E731 - what model_device answers on a GPU
     monkeypatch.setattr(sdar_module, "model_device", cuda)
     monkeypatch.setattr(base_module, "model_device", cuda)
-    with pytest.raises(ConfigError, match="MoE.*compile=False"):
+    with pytest.raises(ConfigError, match="MoE.*float64.*compile=False"):
         moe.use_static(capture=True)
-    for dense in denses:
-        dense.use_static(capture=True)
-        assert dense.static is not None and dense.static.captured
+    for session in accepted:
+        session.use_static(capture=True)
+        assert session.static is not None and session.static.captured
 
 
 def test_cli_compile_in_dllm_mode(capsys, tiny_llada) -> None:
@@ -170,7 +173,7 @@ def test_cli_compile_in_dllm_mode(capsys, tiny_llada) -> None:
     assert out[0]["stats"]["capture"]["buckets"] >= 1 and "capture" not in out[1]["stats"]
 
 
-@pytest.mark.parametrize("family,cache", [(f, c) for f, c in FAMILY_CACHES if f != "llada2"])  # llada2: MoE
+@pytest.mark.parametrize("family,cache", [(f, c) for f, c in FAMILY_CACHES if f != "llada2"])  # float64 MoE: per expert
 def test_static_forward_makes_no_host_sync(request, family: str, cache: str) -> None:
     """A built bucket's forward (the inputs copied in, the model's call) asks the host for nothing, left padding
     and batch rows or not: a CUDA graph can hold it. ``to_cpu`` is left out: on a CPU run the model's ``.to(device)`` moves are counted

@@ -5,8 +5,8 @@ at real size): ``spiffy.generate`` with ``compile=False`` and ``compile=True`` f
 graph of the model's own baseline trajectory, ``D* = 3``: four states per forward), FreeDave and SSD (four states per
 forward), each timed on its second call (the first builds, on a GPU captures, the buckets), as ms per forward and
 ms per generated token, beside the memory-bandwidth limit of one forward (weight bytes over a measured read
-bandwidth), and whether the tokens equal eager's. A ``compile=True`` refusal (on a GPU: LLaDA2.0, whose MoE
-dispatch reads values on the host) is reported as the row's error. With a prefix cache, LLaDA-8B's ``forward_states`` over one 32-row block is also timed
+bandwidth), and whether the tokens equal eager's. LLaDA2.0's static forward runs its experts grouped
+(:mod:`spiffy.models.moe_dispatch`); a ``compile=True`` refusal or failure is reported as the row's error. With a prefix cache, LLaDA-8B's ``forward_states`` over one 32-row block is also timed
 alone at 1 and 4 states, eager and static (the issue's first "done when": the one-state forward against the
 bandwidth limit, the four-state forward against the one-state one). Nothing here is projected.
 """

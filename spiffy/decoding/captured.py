@@ -22,8 +22,10 @@ once per model and reused by every later forward, block, prompt and call with th
 Sessions plug in with ``forward_inputs()`` (the tensors a forward reads, :class:`~spiffy.decoding.base.ForwardInputs`),
 ``window_logits(states, rows, inputs, window)`` (the forward on explicit tensors) and ``static_layout()``: LLaDA,
 LLaDA-MoE and Dream (:class:`~spiffy.decoding.base.BidirectionalSession`), SDAR, SDAR-MoE and LLaDA2.0
-(:class:`~spiffy.decoding.sdar.SDARSession`). A CUDA capture is refused for the MoE families (LLaDA-MoE, SDAR-MoE,
-LLaDA2.0: :meth:`StaticStates.for_model`): their expert dispatch reads host values.
+(:class:`~spiffy.decoding.sdar.SDARSession`). The MoE families (LLaDA-MoE, SDAR-MoE, LLaDA2.0) run their experts
+grouped in a static forward (:mod:`spiffy.models.moe_dispatch`: sorted by expert, one ``torch._grouped_mm`` per
+projection, no host read; bitwise the per-expert products); where that is impossible a CUDA capture is refused
+(:meth:`StaticStates.for_model`).
 
 The cache K/V live in one buffer per layer of ``T`` slots (grown, and the graphs dropped, only when a longer state
 comes); a block's cache of ``C`` positions is the view of its first ``C`` slots, so buckets of every block share it.
@@ -41,6 +43,7 @@ from torch import nn
 from spiffy.capture import StepGraphs
 from spiffy.errors import ConfigError
 from spiffy.models.cache import KVCache
+from spiffy.models.moe_dispatch import capture_unsupported, grouped_experts, stack_experts
 
 __all__ = ["StaticStates", "static_states_of"]
 
@@ -73,15 +76,18 @@ class StaticStates:
     def for_model(cls, model: nn.Module, device: torch.device, capture: bool) -> "StaticStates":
         """``model``'s static buffers (made on first use; replaced when the capture setting differs).
 
-        A CUDA capture is refused for MoE models (LLaDA-MoE, SDAR-MoE, LLaDA2.0): their expert dispatch runs each
-        expert on the tokens routed to it, a data-dependent shape a graph cannot hold. On a CPU, or with
-        ``capture=False``, their static code runs eagerly."""
+        An MoE model's (LLaDA-MoE, SDAR-MoE, LLaDA2.0) static forwards run its experts grouped
+        (:mod:`spiffy.models.moe_dispatch`: no host read); where they cannot (a dtype ``torch._grouped_mm`` does not
+        take there, quantized experts, torch < 2.9) a CUDA capture is refused, and on a CPU the experts run one by
+        one inside the static code."""
         device = torch.device(device)
-        if capture and device.type == "cuda" and int(getattr(model.config, "num_experts", 0) or 0) > 0:
+        why = capture_unsupported(model)
+        if capture and device.type == "cuda" and why is not None:
             raise ConfigError(
-                f"compile=True cannot capture {type(model).__name__}'s forward in a CUDA graph yet: its MoE layers "
-                "run each expert on the tokens routed to it (shapes known only on the host); fix: pass "
-                "compile=False (eager, same tokens)")
+                f"compile=True cannot capture {type(model).__name__}'s forward in a CUDA graph: its MoE layers cannot "
+                f"run their experts grouped ({why}), and per expert the shapes are known only on the host; fix: "
+                "load the model in bfloat16 (plain weights, torch >= 2.9) or pass compile=False (eager, same tokens)")
+        stack_experts(model)  # before any static forward: eager and static then read the same weight memory
         have = _STATIC.get(model)
         if have is not None and have.graphs.capture == (bool(capture) and torch.device(device).type == "cuda"):
             return have
@@ -180,7 +186,10 @@ class StaticStates:
                None if cache is None else (_shape(cache.keys[0]), cache.insert_at))
         if key not in self.graphs:
             win = tuple(int(w) for w in window)
-            self._step = lambda: self.current.window_logits(sbuf, rbuf, static, win)
+            def step() -> torch.Tensor:
+                with grouped_experts():  # MoE experts without host reads (a graph can hold them)
+                    return self.current.window_logits(sbuf, rbuf, static, win)
+            self._step = step
         self.current = session
         try:
             out = self.graphs.run(key)

@@ -44,6 +44,7 @@ from transformers.activations import ACT2FN
 
 from spiffy.errors import ConfigError
 from spiffy.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, apply_rotary, attend, check_rope_scaling
+from spiffy.models.moe_dispatch import run_experts
 from spiffy.models.pretrained import SpiffyForwardMixin, init_weights
 
 LLADA2_AUTO_MAP: dict[str, str] = {
@@ -265,15 +266,12 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         b, length, hidden = x.shape
         flat = x.reshape(-1, hidden)
         topk_idx, topk_weight = self.gate(flat)
-        k = topk_idx.shape[1]
-        # each expert runs once on the (token, slot) pairs routed to it, as the official moe_infer groups them
-        out = flat.new_empty(flat.shape[0] * k, hidden)
-        slots = topk_idx.reshape(-1)
-        for e in torch.unique(slots).tolist():
-            pick = (slots == e).nonzero()[:, 0]
-            out[pick] = self.experts[e](flat[pick // k])
+        # each expert runs once on the (token, slot) pairs routed to it, in the flat token * k + slot order the
+        # official moe_infer groups them in (per expert, or grouped on the static path: the same bits)
+        act = self.experts[0].act_fn
+        out = run_experts(flat, topk_idx, self.experts, act, pair_order="token")  # [N, k, H]
         # weighted sum over the k slots in the router's dtype (float32), then back to the model dtype
-        y = out.view(-1, k, hidden).to(topk_weight.dtype).mul_(topk_weight.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        y = out.to(topk_weight.dtype).mul_(topk_weight.unsqueeze(-1)).sum(dim=1).to(x.dtype)
         y = y.view(b, length, hidden)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

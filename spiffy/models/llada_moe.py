@@ -44,6 +44,7 @@ from spiffy.models.layers import (
     attend,
     check_rope_scaling,
 )
+from spiffy.models.moe_dispatch import run_experts, sum_by_expert
 from spiffy.models.placement import tied_linear
 from spiffy.models.pretrained import SpiffyForwardMixin, init_weights
 
@@ -271,15 +272,10 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         b, length, d = x.shape
         h = x.reshape(-1, d)
         weights, chosen = self.route(h)
-        out = torch.zeros_like(h)
-        # experts in index order, each adding into the running sum in the model dtype (the official summation order)
-        for e in range(self.num_experts):
-            slot, token = torch.where(chosen.T == e)  # ordered by choice rank, then token, as the official mask
-            if token.numel() == 0:
-                continue
-            contribution = self.experts[e](h[token]) * weights[token, slot, None]
-            out.index_add_(0, token, contribution.to(h.dtype))
-        return out.view(b, length, d)
+        # each expert over its rows ordered by choice rank, then token, as the official mask (per expert or grouped);
+        # experts then add into the running sum in index order, in the model dtype (the official summation order)
+        pairs = run_experts(h, chosen, self.experts, F.silu, pair_order="slot")  # [N, k, d]
+        return sum_by_expert(pairs * weights.unsqueeze(-1), chosen).view(b, length, d)
 
 
 class LLaDAMoEDecoderLayer(nn.Module):

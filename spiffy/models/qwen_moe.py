@@ -10,8 +10,9 @@ the tokens:
 * ``softmax`` in **float32** (whatever the model dtype, float64 included), ``topk(num_experts_per_tok)`` on those
   probabilities (ties: ``torch.topk``'s order), divided by their sum when ``norm_topk_prob``, then cast to the model
   dtype;
-* the output starts as zeros in the model dtype and each chosen expert adds ``expert(h) * weight`` with
-  ``index_add_``, experts in increasing index order (so every token sums its experts in the same order).
+* the output starts as zeros in the model dtype and each chosen expert adds ``expert(h) * weight`` (the official
+  ``index_add_``), experts in increasing index order (so every token sums its experts in the same order); the experts
+  run per expert or grouped (:mod:`spiffy.models.moe_dispatch`), the same bits either way.
 
 Each token is routed on its own: no capacity limit, no batch-level balancing, nothing read across tokens, so a row
 of a batch (a Spiffy candidate state) gets the routing it would get alone. The auxiliary load-balancing loss
@@ -26,6 +27,7 @@ from torch import nn
 
 from spiffy.errors import ConfigError
 from spiffy.models.layers import SwiGLUMLP
+from spiffy.models.moe_dispatch import run_experts, sum_by_expert
 
 
 class SparseMoeBlock(nn.Module):
@@ -65,12 +67,6 @@ class SparseMoeBlock(nn.Module):
         b, length, hidden = x.shape
         h = x.reshape(-1, hidden)
         weights, chosen = self.route(h)
-        out = torch.zeros_like(h)
-        # hit[e, slot, token]: token chose expert e in its slot-th place (the official one-hot layout)
-        hit = F.one_hot(chosen, num_classes=self.num_experts).permute(2, 1, 0)
-        # only experts some token chose run (the others would add nothing); one host sync for the whole layer
-        for e in torch.unique(chosen).tolist():
-            slot, token = torch.where(hit[e])
-            y = self.experts[e](h[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(h.dtype))
-        return out.view(b, length, hidden)
+        # each expert over its (slot, token) rows in the official one-hot order (per expert, or grouped when static)
+        pairs = run_experts(h, chosen, self.experts, F.silu, pair_order="slot")  # [N, k, H]
+        return sum_by_expert(pairs * weights.unsqueeze(-1), chosen).view(b, length, hidden)
