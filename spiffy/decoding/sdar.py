@@ -301,8 +301,8 @@ class SDARSession(DecodeSession):
 
     def use_static(self, capture: bool = True) -> None:
         """Run :meth:`forward_states` on the model's static buffers (:class:`~spiffy.decoding.captured.StaticStates`;
-        a CUDA capture of an MoE model, SDAR-MoE or LLaDA2.0, is refused there). On a CPU the static code runs as a
-        GPU would capture it."""
+        an MoE model, SDAR-MoE or LLaDA2.0, runs its experts grouped there, or has its CUDA capture refused). On a
+        CPU the static code runs as a GPU would capture it."""
         self.static = StaticStates.for_model(self.model, model_device(self.model), capture)
 
     def query_start(self) -> int:
