@@ -135,10 +135,11 @@ def test_buckets_are_reused_across_prompts_and_calls(pair):
     assert static.graphs.stats.runs[(1, 9, BLOCK - 1)] > 2
 
 
-@pytest.mark.parametrize("budget", [4, 16, 64])
+@pytest.mark.parametrize("budget", [1, 4, 16, 64, 256])
 def test_ddtree_round_syncs_at_most_twice(pair, budget):
     """A captured DDTree round outside the forwards (the static drafter's inputs and readout, tree build, mask, walk,
-    commit, the drafter's next context) reads the device once: the accepted lengths, kept rows and tokens in one packed copy."""
+    commit, the drafter's next context) reads the device once: the accepted lengths, kept rows and tokens in one packed copy
+    (issue 36: at most 2, at every budget; 1 to 256 here)."""
     import spiffy.arspec.batch as batch_module
     from spiffy.arspec import captured as captured_module
 
