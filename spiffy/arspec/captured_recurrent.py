@@ -221,8 +221,9 @@ class StaticRecurrent:
         verification columns, root first; ``accepted [rows]`` nodes): the commit bucket of ``graphs`` (device
         tensors only), then the pending state copied over the committed one."""
         if not self._adopt:
-            span = int(keep.shape[1])
-            self.keep[:rows, :span].copy_(keep)
+            # keep is as wide as the deepest draft allows; a path has at most one column per verified column
+            span = min(int(keep.shape[1]), self.width)
+            self.keep[:rows, :span].copy_(keep[:, :span])
             self.accepted[:rows].copy_(accepted)
             graphs.run(("commit", rows, span))
         self._adopt = False
