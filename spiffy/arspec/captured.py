@@ -17,6 +17,11 @@ and ONE host read (accepted lengths, kept rows and tokens, bonus). Any other met
 DFlash2's selector, the rejection rule at T > 0) builds its tree on the host as the eager loop does and walks it on
 the captured step's hidden states; only the verification is captured.
 
+A hybrid target (Qwen3.5, Qwen3-Next) runs here too: its Gated-DeltaNet layers keep their committed state per row in
+a :class:`~spiffy.arspec.captured_recurrent.StaticRecurrent`, whose mixers the verification step runs over every
+column's root path from that state, and whose own commit bucket ``("commit", rows, span)`` re-advances it over the
+accepted path (both static: no host read).
+
 When every row drafts with one plain DFlash model, the drafter's block forward is captured too: a
 :class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets) drafts every row
 in one step, and each round's commit hands it the kept rows' target features on the device (from the layers the
