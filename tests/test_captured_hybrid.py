@@ -31,6 +31,8 @@ from spiffy.arspec.captured_recurrent import root_paths
 from spiffy.bench.syncs import SyncCounter
 from spiffy.capture import slot_cache_supported
 from spiffy.models import load_drafter, load_target, make_tiny_dflash
+from spiffy.models.ar_checkpoints import make_tiny_dflash2
+from spiffy.models.ar_drafters import load_ar_drafter, make_tiny_dllm_drafter
 from spiffy.models.recurrent import branches
 from spiffy.models.tiny import make_tiny
 
@@ -147,6 +149,27 @@ def test_real_dflash_drafters_on_the_static_drafter(hybrid, temperature):
             batch = [r.tokens for r in speculative_generate_batch(target, drafters, prompts, cfgs, compile=compile_)]
             runs.append((one, batch))
         assert runs[1] == runs[0], method
+
+
+@pytest.mark.parametrize("method", ["deer", "specdiff", "dflash2"])
+def test_host_built_trees_on_hybrids(dirs, tmp_path_factory, method):
+    """Methods whose trees are built on the host (DEER and SpecDiff-2 with a dLLM drafter, DFlash2's selector) walk
+    the captured verification's hidden states on the host, then commit through the same recurrent commit bucket:
+    captured == eager (float32, T = 1)."""
+    target_dir, _ = dirs["qwen3_5"]
+    root = tmp_path_factory.mktemp(f"host_{method}")
+    path = (make_tiny_dflash2(root / "d", target_dir, seed=4, block_size=BLOCK) if method == "dflash2" else
+            make_tiny_dllm_drafter(root / "d", target_dir, seed=3, block_size=BLOCK))
+    target = load_target(target_dir, torch.float32, "cpu")
+    prompt = _prompt(6, 7, int(target.config.vocab_size))
+    runs = []
+    for compile_ in (False, True):
+        config = ARSpecConfig(method=method, budget=8, drafts=3, max_new_tokens=10,
+                              sampling=SamplingConfig(temperature=1.0, seed=3))
+        runs.append(speculative_generate(target, as_drafter(load_ar_drafter(path, dtype=torch.float32)), prompt,
+                                         config, compile=compile_))
+    assert runs[1].tokens == runs[0].tokens
+    assert runs[1].acceptance_lengths == runs[0].acceptance_lengths
 
 
 def test_round_syncs_at_most_twice_and_steps_read_nothing_back(dirs):

@@ -172,18 +172,19 @@ class StaticRecurrent:
         recurrent mixer over every column's root path from the committed state (module docstring). ``parents`` /
         ``depths``: the static target's ``[R, W_max - 1]`` round buffers."""
         nodes, length, n = width - 1, depth + 1, rows * width
-        if nodes:
-            path, real, col_depth = root_paths(parents[:rows, :nodes], depths[:rows, :nodes], length)
+        # built once per step on the device (the parents / depths buffers hold this round's trees), for every layer
+        paths = root_paths(parents[:rows, :nodes], depths[:rows, :nodes], length) if nodes else None
 
         def step(index: int, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
             dim = int(hidden.shape[-1])
             self.saved[index][:rows, :width].copy_(hidden)
             final = self._load(index, n, rows)
-            if not nodes:  # [rows, 1]: the one-token decode; the root is kept, so its state is the new state
+            if paths is None:  # [rows, 1]: the one-token decode; the root is kept, so its state is the new state
                 out = self.mixers.call(index, hidden, **kwargs)
                 for dst, src in zip(self.pending[index], final):
                     dst[:rows].copy_(src)
                 return out
+            path, real, col_depth = paths
             x = hidden.gather(1, path.view(rows, n * length // rows, 1).expand(-1, -1, dim))  # [rows, W * L, H]
             x = (x * real.view(rows, -1, 1).to(x.dtype)).view(n, length, dim)
             y = self.mixers.call(index, x, **kwargs).view(rows, width, length, -1)
