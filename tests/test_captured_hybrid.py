@@ -25,9 +25,12 @@ from oracle_drafter import OracleDrafter
 
 from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_generate, speculative_generate
 from spiffy.arspec.batch import speculative_generate_batch
-from spiffy.arspec.captured import static_target_of, static_unsupported
+from spiffy.arspec.captured import StaticTarget, static_target_of, static_unsupported
 from spiffy.arspec.captured_drafter import static_drafter_of
 from spiffy.arspec.captured_recurrent import root_paths
+from spiffy.arspec.stages import (RoundBuffers, TargetRunner, commit, compile_round, prefill, prefill_inputs,
+                                  tree_columns, verify)
+from spiffy.arspec.tree import build_ddtree
 from spiffy.bench.syncs import SyncCounter
 from spiffy.capture import slot_cache_supported
 from spiffy.models import load_drafter, load_target, make_tiny_dflash
@@ -283,6 +286,59 @@ def _float32_target(dirs, arch: str) -> torch.nn.Module:
     if arch not in _TARGETS:
         _TARGETS[arch] = load_target(dirs[arch][0], torch.float32, "cpu")
     return _TARGETS[arch]
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_tree_nodes_and_committed_state_equal_eager(dirs, arch):
+    """One DDTree round of two ragged rows on a :class:`StaticTarget` and on the eager runner (float64): every
+    node's hidden state agrees, and after committing a side branch (row 0: a deepest node's path, not a prefix of
+    the window) and the root alone (row 1) the committed recurrent states agree, to the float32 rounding of
+    transformers' Gated-DeltaNet kernels."""
+    target = load_target(dirs[arch][0], torch.float64, "cpu")
+    vocab = int(target.config.vocab_size)
+    prompts = [_prompt(11, 7, vocab), _prompt(12, 3, vocab)]
+    g = torch.Generator().manual_seed(7)
+    trees = [build_ddtree(torch.log_softmax(3 * torch.randn(4, vocab, generator=g, dtype=torch.float64), -1), b)
+             for b in (12, 7)]
+    with torch.inference_mode():
+        runner = TargetRunner.for_target(target)
+        ids, positions, mask, valid, _ = prefill_inputs(prompts, runner.device, runner.dtype)
+        first = prefill(runner, ids, positions, mask, valid)
+        roots = [(int(first[b].argmax()), len(p)) for b, p in enumerate(prompts)]
+        compiled, widths = compile_round(trees, roots, valid, runner.dtype, RoundBuffers.allocate(2, 13))
+        context = runner.context_len
+        eager = verify(runner, compiled, tree_columns(trees))
+        static = StaticTarget(target, 2, 64, 13, False)
+        static.prefill(prompts)
+        for b, (tree, (tok, pos)) in enumerate(zip(trees, roots)):  # as CapturedRounds._fill writes a host tree
+            n = tree.num_nodes
+            static.ids[b], static.parents[b], static.depths[b], static.positions[b] = 0, -1, 1, pos
+            static.ids[b, 0] = tok
+            static.ids[b, 1 : 1 + n], static.parents[b, :n], static.depths[b, :n] = tree.tokens, tree.parents, tree.depths
+            static.positions[b, 1:] += static.depths[b]
+        captured = static.verify(2, 13, 4)
+        for b, w in enumerate(widths):
+            torch.testing.assert_close(captured[b, :w], eager[b, :w], rtol=0, atol=1e-5)
+        columns = tree_columns(trees)
+        deepest = max(range(len(columns[0])), key=lambda c: (len(_path(columns[0], c)), c))
+        keeps = [_path(columns[0], deepest), [0]]
+        assert keeps[0] != list(range(len(keeps[0])))  # a side branch: kept rows move
+        commit(runner, valid, context, keeps)
+        keep = torch.tensor([k + [0] * (5 - len(k)) for k in keeps])
+        static.commit(2, keep, torch.tensor([len(k) - 1 for k in keeps]))
+    assert static.recurrent is not None and set(static.recurrent.state) == set(runner.recurrent.state)
+    for i, (conv, rec) in static.recurrent.state.items():
+        want_conv, want_rec = runner.recurrent.state[i]
+        torch.testing.assert_close(conv[:2], want_conv, rtol=0, atol=1e-5)
+        torch.testing.assert_close(rec[:2], want_rec, rtol=0, atol=1e-5)
+
+
+def _path(columns: list[int], col: int) -> list[int]:
+    """Column ``col``'s root path (parent columns ``columns``)."""
+    out = [col]
+    while out[-1] != 0:
+        out.append(columns[out[-1]])
+    return out[::-1]
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
