@@ -107,8 +107,7 @@ class StaticRecurrent:
         """The buffers, shaped as the prefill's states (whatever dtype the kernels keep them in); once per target."""
         if self.state:
             return
-        conv0, rec0 = next(iter(states.values()))
-        device = conv0.device
+        device = next(iter(states.values()))[0].device
         self.keep = torch.zeros(self.rows, self.width, dtype=torch.long, device=device)
         self.accepted = torch.zeros(self.rows, dtype=torch.long, device=device)
         groups: dict[tuple[Any, ...], list[int]] = {}
