@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from transformers import AutoConfig
 
 from oracle_drafter import OracleDrafter
+from pairwise import pairwise_params
 
 from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_generate, speculative_generate
 from spiffy.arspec.batch import speculative_generate_batch
@@ -56,13 +57,18 @@ def dirs(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module", params=[(a, d) for a in HYBRIDS for d in (torch.float32, torch.float64)],
-                ids=lambda p: f"{p[0]}-{'f32' if p[1] == torch.float32 else 'f64'}")
-def hybrid(dirs, request):
-    """``(target, dtype, drafter dir)`` of one hybrid in one dtype."""
-    arch, dtype = request.param
-    target_dir, drafter_dir = dirs[arch]
-    return load_target(target_dir, dtype, "cpu"), dtype, drafter_dir
+_TARGETS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
+
+
+def _target(dirs, arch: str, dtype: torch.dtype) -> torch.nn.Module:
+    """One target per architecture and dtype, loaded once (hypothesis does not take function-scoped fixtures)."""
+    key = (str(dirs[arch][0]), dtype)
+    if key not in _TARGETS:
+        _TARGETS[key] = load_target(dirs[arch][0], dtype, "cpu")
+    return _TARGETS[key]
+
+
+DTYPES = (torch.float32, torch.float64)
 
 
 def _prompt(seed: int, length: int, vocab: int) -> list[int]:
@@ -84,14 +90,30 @@ def _oracle(continuation: list[int], n_prompt: int, vocab: int, dtype: torch.dty
                          second=second)
 
 
-RULES = [(0.0, "coupled"), (1.0, "coupled"), (1.0, "rejection")]
+#: (temperature, rule): greedy, sampled coupled, sampled rejection
+RULES = ((0.0, "coupled"), (1.0, "coupled"), (1.0, "rejection"))
 
 
-@pytest.mark.parametrize("temperature, accept", RULES, ids=["greedy", "sampled-coupled", "sampled-rejection"])
-def test_one_prompt_captured_equals_eager(hybrid, temperature, accept):
+def _named(params: list) -> list:
+    """``pairwise_params``' cases with readable ids (``qwen3_5-f32-sampled-rejection``)."""
+    def name(v: object) -> str:
+        if isinstance(v, torch.dtype):
+            return {torch.float32: "f32", torch.float64: "f64"}[v]
+        if isinstance(v, tuple):
+            return "greedy" if v[0] == 0 else f"sampled-{v[1]}"
+        return str(v)
+    return [pytest.param(*p.values, marks=p.marks, id="-".join(name(v) for v in p.values)) for p in params]
+
+
+#: arch x dtype x rule by pairs in the fast tier, the whole grid in the slow tier
+GRID = _named(pairwise_params(HYBRIDS, DTYPES, RULES))
+
+
+@pytest.mark.parametrize("arch, dtype, rule", GRID)
+def test_one_prompt_captured_equals_eager(dirs, arch, dtype, rule):
     """One prompt: plain AR, the chain and DDTree with oracle drafts (deep accepted paths; side branches), captured
     == eager token for token, with the same acceptance lengths."""
-    target, dtype, _ = hybrid
+    target, (temperature, accept) = _target(dirs, arch, dtype), rule
     vocab = int(target.config.vocab_size)
     prompt = _prompt(3, 7, vocab)
     n = 16
@@ -113,11 +135,11 @@ def test_one_prompt_captured_equals_eager(hybrid, temperature, accept):
     assert static_target_of(target).recurrent is not None  # the hybrid ran on the static recurrent layers
 
 
-@pytest.mark.parametrize("temperature, accept", RULES, ids=["greedy", "sampled-coupled", "sampled-rejection"])
-def test_ragged_batches_captured_equal_eager(hybrid, temperature, accept):
+@pytest.mark.parametrize("arch, dtype, rule", GRID)
+def test_ragged_batches_captured_equal_eager(dirs, arch, dtype, rule):
     """Three prompts of different lengths (left padding), token budgets and drafts accepted to different depths:
     rows leave the batch at different rounds (the recurrent state rows follow them), captured rows == eager rows."""
-    target, dtype, _ = hybrid
+    target, (temperature, accept) = _target(dirs, arch, dtype), rule
     vocab = int(target.config.vocab_size)
     prompts = [_prompt(s, n, vocab) for s, n in ((1, 6), (2, 3), (3, 9))]
     lengths, seeds = (15, 6, 11), (3, 4, 5)
@@ -135,14 +157,15 @@ def test_ragged_batches_captured_equal_eager(hybrid, temperature, accept):
         assert [len(t) for t in runs[1]] == list(lengths)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_real_dflash_drafters_on_the_static_drafter(hybrid, temperature):
+@pytest.mark.parametrize("arch, dtype", _named(pairwise_params(HYBRIDS, DTYPES)))
+def test_real_dflash_drafters_on_the_static_drafter(dirs, arch, dtype):
     """Random real DFlash drafters (the hybrid's layer features): one prompt through the static drafter (captured
-    block forward fed by the captured verification's recorded features), and a batch; captured == eager."""
-    target, dtype, drafter_dir = hybrid
+    block forward fed by the captured verification's recorded features), and a batch; captured == eager (the
+    chain greedy, DDTree sampled)."""
+    target, drafter_dir = _target(dirs, arch, dtype), dirs[arch][1]
     vocab = int(target.config.vocab_size)
     prompts = [_prompt(s, n, vocab) for s, n in ((4, 8), (5, 4))]
-    for method in ("dflash", "ddtree"):
+    for method, temperature in (("dflash", 0.0), ("ddtree", 1.0)):
         cfgs = [_config(method, n, temperature, s) for n, s in zip((12, 7), (6, 7))]
         runs = []
         for compile_ in (False, True):
@@ -262,7 +285,7 @@ class _RoundCounter(SyncCounter):
 def test_random_prompts_and_budgets(dirs, seed, lengths, budget, method, temperature, wrong_every, second, arch):
     """Random prompts, lengths, token budgets, tree budgets, methods and oracle miss patterns (float32): captured
     == eager (== AR: the coupled rule)."""
-    target = _float32_target(dirs, arch)
+    target = _target(dirs, arch, torch.float32)
     vocab = int(target.config.vocab_size)
     prompts = [_prompt(seed + i, n, vocab) for i, n in enumerate(lengths)]
     news = [6 + (seed + 3 * i) % 9 for i in range(len(prompts))]
@@ -276,16 +299,6 @@ def test_random_prompts_and_budgets(dirs, seed, lengths, budget, method, tempera
         runs.append([r.tokens for r in speculative_generate_batch(target, drafters, prompts, cfgs, compile=compile_)])
     assert runs[1] == runs[0]
     assert runs[1] == [a[:n] for a, n in zip(ars, news)]  # the coupled rule: AR's tokens
-
-
-_TARGETS: dict[str, torch.nn.Module] = {}
-
-
-def _float32_target(dirs, arch: str) -> torch.nn.Module:
-    """One float32 target per architecture for the property test (hypothesis does not take function fixtures)."""
-    if arch not in _TARGETS:
-        _TARGETS[arch] = load_target(dirs[arch][0], torch.float32, "cpu")
-    return _TARGETS[arch]
 
 
 @pytest.mark.parametrize("arch", HYBRIDS)
