@@ -33,7 +33,8 @@ from spiffy.arspec.stages import (RoundBuffers, TargetRunner, commit, compile_ro
                                   tree_columns, verify)
 from spiffy.arspec.tree import build_ddtree
 from spiffy.bench.syncs import SyncCounter
-from spiffy.capture import slot_cache_supported
+from spiffy.capture import StepGraphs, slot_cache_supported
+from spiffy.capture.graphs import WARMUP_RUNS
 from spiffy.models import load_drafter, load_target, make_tiny_dflash
 from spiffy.models.ar_checkpoints import make_tiny_dflash2
 from spiffy.models.ar_drafters import load_ar_drafter, make_tiny_dllm_drafter
@@ -264,6 +265,37 @@ def test_round_syncs_at_most_twice_and_steps_read_nothing_back(dirs):
                 assert all(torch.equal(a, b) for a, b in zip(pending0[i], pending1[i])), key
     for i, state in recurrent.state.items():  # steps never write the committed state
         assert all(torch.equal(a, b) for a, b in zip(state, committed[i]))
+
+
+def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch):
+    """On a GPU a bucket's first call runs its step three times (two warm-ups, then the captured graph's replay):
+    every step of the hybrid's captured path (verification, recurrent commit, the static drafter's block) runs so
+    here, and the tokens stay the eager path's (no step advances a state by itself)."""
+    original = StepGraphs.run
+
+    def run_like_a_capture(self, key):  # noqa: ANN001
+        fresh = key not in self
+        out = original(self, key)
+        for _ in range(WARMUP_RUNS if fresh else 0):
+            out = self._steps[key]()
+        return out
+
+    target = _target(dirs, "qwen3_5", torch.float32)
+    vocab = int(target.config.vocab_size)
+    prompts = [_prompt(s, n, vocab) for s, n in ((21, 5), (22, 9))]
+    ars = [speculative_generate(target, None, p, _config("ar", 16, seed=s)).tokens for p, s in zip(prompts, (3, 4))]
+    cases = [("ddtree", lambda: [_oracle(a, len(p), vocab, torch.float32, 3, None) for a, p in zip(ars, prompts)]),
+             ("dflash", lambda: [as_drafter(load_drafter(dirs["qwen3_5"][1], dtype=torch.float32)) for _ in prompts]),
+             ("ar", lambda: None)]
+    for method, drafters in cases:
+        cfgs = [_config(method, n, seed=s) for n, s in zip((12, 7), (3, 4))]
+        eager = [r.tokens for r in speculative_generate_batch(target, drafters(), prompts, cfgs, compile=False)]
+        with monkeypatch.context() as m:
+            m.setattr(StepGraphs, "run", run_like_a_capture)
+            if static_target_of(target) is not None:
+                static_target_of(target).release()  # every bucket made afresh, so its first call warms up
+            captured = [r.tokens for r in speculative_generate_batch(target, drafters(), prompts, cfgs, compile=True)]
+        assert captured == eager, method
 
 
 class _RoundCounter(SyncCounter):
