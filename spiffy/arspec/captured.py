@@ -17,6 +17,11 @@ and ONE host read (accepted lengths, kept rows and tokens, bonus). Any other met
 DFlash2's selector, the rejection rule at T > 0) builds its tree on the host as the eager loop does and walks it on
 the captured step's hidden states; only the verification is captured.
 
+A hybrid target (Qwen3.5, Qwen3-Next) runs here too: its Gated-DeltaNet layers keep their committed state per row in
+a :class:`~spiffy.arspec.captured_recurrent.StaticRecurrent`, whose mixers the verification step runs over every
+column's root path from that state, and whose own commit bucket ``("commit", rows, span)`` re-advances it over the
+accepted path (both static: no host read).
+
 When every row drafts with one plain DFlash model, the drafter's block forward is captured too: a
 :class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets) drafts every row
 in one step, and each round's commit hands it the kept rows' target features on the device (from the layers the
@@ -26,12 +31,14 @@ verification step records). DFlash2, the dLLM drafters and subclassed models kee
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from contextlib import nullcontext
+from typing import Any, ContextManager, Sequence
 
 import torch
 from torch import nn
 
 from spiffy.arspec.captured_drafter import StaticDrafter, recorded_features, static_drafter_model
+from spiffy.arspec.captured_recurrent import StaticRecurrent
 from spiffy.arspec.device_tree import (DeviceTree, ancestor_visibility, chain_device, coupled_walk, ddtree_device,
                                        position_noise, target_tokens)
 from spiffy.arspec.methods import BestTree, Chain, DraftKnobs, Method
@@ -62,8 +69,9 @@ def static_target_of(target: nn.Module) -> "StaticTarget | None":
 
 
 def static_unsupported(target: nn.Module) -> str | None:
-    """``None`` when ``target`` runs on the captured path, else why not (recurrent layers, a sliding window, an
-    attention implementation that takes no 4-D mask, layers spread over several devices)."""
+    """``None`` when ``target`` runs on the captured path, else why not (layer kinds other than full and linear
+    attention, a sliding window, an attention implementation that takes no 4-D mask, layers spread over several
+    devices)."""
     why = slot_cache_supported(target.config)
     if why is not None:
         return why
@@ -96,6 +104,8 @@ class StaticTarget:
         self.ramp = torch.arange(max(width, slots), device=dev)
         self.graphs = StepGraphs(self._step, dev, capture)
         self.hooks: TargetFeatureHooks | None = None  # the layers drafters read, recorded by the captured step
+        # a hybrid's recurrent layers: their committed state per row, verified and advanced in static steps
+        self.recurrent = StaticRecurrent.for_target(target, self.cache, rows, width)
 
     @classmethod
     def for_target(cls, target: nn.Module, rows: int, slots: int, width: int, capture: bool) -> "StaticTarget":
@@ -135,6 +145,9 @@ class StaticTarget:
                 h._out.update({i: self.hooks._out[i] for i in h.layer_ids if i in self.hooks._out})
 
     def _step(self, key: Any) -> Any:
+        if key[0] == "commit":  # a hybrid's recurrent commit, ("commit", rows, span)
+            assert self.recurrent is not None
+            return self.recurrent.commit_step(key[1], key[2])
         rows, width, depth = key
         slots = self.cache.slots[:width]
         nodes = width - 1
@@ -150,16 +163,25 @@ class StaticTarget:
             visible = self.valid[:rows].unsqueeze(1).expand(rows, width, self.slots).clone()
             visible.index_copy_(2, slots, block)
             mask = torch.where(visible, zero, hidden_value).unsqueeze(1)
-            out = self.backbone(input_ids=self.ids[:rows, :width], position_ids=self.positions[:rows, :width],
-                                attention_mask=mask, use_cache=True, **hf_cache(self.cache))
+            with self._recurrent_verify(rows, width, depth):
+                out = self.backbone(input_ids=self.ids[:rows, :width], position_ids=self.positions[:rows, :width],
+                                    attention_mask=mask, use_cache=True, **hf_cache(self.cache))
             return out.last_hidden_state
 
         return step
 
+    def _recurrent_verify(self, rows: int, width: int, depth: int) -> ContextManager[None]:
+        if self.recurrent is None:
+            return nullcontext()
+        return self.recurrent.verify(rows, width, depth, self.parents, self.depths)
+
     def verify(self, rows: int, width: int, depth: int) -> torch.Tensor:
         """The bucket's step on the filled buffers: ``[rows, width, H]`` hidden states (their K/V written at
-        slots ``ctx ..``)."""
-        return self.graphs.run((int(rows), int(width), int(depth)))
+        slots ``ctx ..``; a hybrid's recurrent layers read their committed state and leave it as it was)."""
+        out = self.graphs.run((int(rows), int(width), int(depth)))
+        if self.recurrent is not None:
+            self.recurrent.verified(int(width))
+        return out
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
         """Left-padded prompts into the empty cache (eager: one call per prompt set); ``[B, V]`` logits of each
@@ -176,8 +198,16 @@ class StaticTarget:
         self.valid.zero_()
         self.valid[:rows, :width] = valid
         self.ctx.fill_(width)
-        out = self.backbone(input_ids=ids, position_ids=positions, attention_mask=full, use_cache=True,
-                            **hf_cache(self.cache))
+
+        def forward() -> Any:
+            return self.backbone(input_ids=ids, position_ids=positions, attention_mask=full, use_cache=True,
+                                 **hf_cache(self.cache))
+
+        if self.recurrent is None:
+            out = forward()
+        else:  # each row's real tokens alone through the recurrent layers (left padding never enters a state)
+            out = self.recurrent.prefill([range(pad, width) for pad in pads], forward,
+                                         int(self.target.config.hidden_size), self.dtype)
         return self.lm_head(out.last_hidden_state[:, -1]), pads
 
     def commit(self, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -185,6 +215,8 @@ class StaticTarget:
         nodes) to the front of the round's window, mark them valid (shorter rows leave holes) and advance ``ctx``
         by the longest (device tensors only)."""
         width = int(keep.shape[1])
+        if self.recurrent is not None:  # before ctx moves; the state after each row's accepted path
+            self.recurrent.commit(self.graphs, rows, keep, accepted)
         self.cache.move_window(self.ctx, keep, rows)
         cols = self.ctx + self.ramp[:width]
         self.valid[:rows].index_copy_(1, cols, self.ramp[:width].view(1, -1) <= accepted.view(-1, 1))
@@ -193,6 +225,8 @@ class StaticTarget:
     def keep_rows(self, kept: Sequence[int]) -> None:
         """Only batch rows ``kept`` go on (moved to the front, in order)."""
         self.cache.keep_rows(kept)
+        if self.recurrent is not None:
+            self.recurrent.keep_rows(kept)
         idx = torch.tensor(list(kept), dtype=torch.long, device=self.device)
         self.valid[: len(kept)] = self.valid.index_select(0, idx)
 

@@ -10,9 +10,14 @@ The attention reads all ``C_max`` slots; the caller's 4-D mask hides the slots t
 written, rejected drafts, holes of uneven batch commits), so stale values are never seen.
 
 Attention-only targets (every layer full attention: Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral without a window) fit
-it; a hybrid's recurrent layers or a sliding window do not (:func:`slot_cache_supported`). A DFlash drafter's context
-cache is one too (:mod:`spiffy.arspec.captured_drafter`): its rows have their own lengths, so it writes each row at
-its own slots (:meth:`SlotCache.scatter`) instead of the shared ones.
+it, and so do hybrids (Qwen3.5, Qwen3-Next: Gated-DeltaNet ``linear_attention`` layers between full-attention ones):
+a hybrid's cache holds K/V for its full-attention layers only, and at each linear-attention index the cache layer
+transformers' own mixer reads and writes (the one ``DynamicCache(config=...)`` builds, e.g. ``LinearAttentionLayer``:
+``conv_states`` / ``recurrent_states``). That layer is scratch space: the committed recurrent state of every row lives
+in :class:`~spiffy.arspec.captured_recurrent.StaticRecurrent`, which loads the layer with static buffers around each
+mixer call. A sliding window or any other layer kind does not fit (:func:`slot_cache_supported`). A DFlash drafter's
+context cache is one too (:mod:`spiffy.arspec.captured_drafter`): its rows have their own lengths, so it writes each
+row at its own slots (:meth:`SlotCache.scatter`) instead of the shared ones.
 """
 
 from __future__ import annotations
@@ -20,18 +25,30 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
-__all__ = ["SlotCache", "slot_cache_supported"]
+__all__ = ["SLOT_LAYER_KINDS", "SlotCache", "slot_cache_supported"]
+
+#: the layer kinds (transformers' ``layer_types`` spelling) a :class:`SlotCache` holds
+SLOT_LAYER_KINDS: frozenset[str] = frozenset({"full_attention", "linear_attention"})
+
+
+def _layer_kinds(config: Any) -> list[str]:
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * int(config.num_hidden_layers))
 
 
 def slot_cache_supported(config: Any) -> str | None:
-    """``None`` when every layer of ``config`` is full attention, else why a :class:`SlotCache` cannot hold it."""
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        return f"layer types {sorted(kinds)} (only full-attention layers fit the static cache)"
+    """``None`` when every layer of ``config`` is full attention or linear attention (a hybrid's Gated-DeltaNet),
+    else why a :class:`SlotCache` cannot hold it."""
+    kinds = set(_layer_kinds(config))
+    if not kinds <= SLOT_LAYER_KINDS:
+        return (f"layer types {sorted(kinds)} (the static cache holds {' and '.join(sorted(SLOT_LAYER_KINDS))} "
+                f"layers only, not {', '.join(sorted(kinds - SLOT_LAYER_KINDS))})")
+    if "full_attention" not in kinds:
+        return "no full-attention layer (the static cache keeps its positions in full-attention K/V)"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
-        return "a sliding window (the static cache holds full-attention layers only)"
+        return "a sliding window (the static cache holds full-attention and linear-attention layers only)"
     return None
 
 
@@ -61,13 +78,14 @@ class _SlotLayer(StaticLayer):
 
 
 class SlotCache(Cache):
-    """``B`` rows x ``C_max`` slots of every layer's K/V, allocated once (see the module docstring).
+    """``B`` rows x ``C_max`` slots of every full-attention layer's K/V, allocated once (see the module docstring).
 
     Args:
         config: the target's config (``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` or
-            ``hidden_size / num_attention_heads``).
+            ``hidden_size / num_attention_heads``; ``layer_types`` for a hybrid).
         rows: batch rows ``B``; slots: ``C_max``; dtype, device: of the K/V tensors (the model's).
-    A forward over ``b <= B`` rows reads and writes the first ``b`` rows (views: the addresses never change).
+    A forward over ``b <= B`` rows reads and writes the first ``b`` rows (views: the addresses never change). A
+    linear-attention index holds transformers' own (scratch) state layer, :attr:`linear_layers`.
     """
 
     def __init__(self, config: Any, rows: int, slots: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -75,9 +93,17 @@ class SlotCache(Cache):
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.rows, self.max_slots = int(rows), int(slots)
         self._slot_ref = [torch.arange(self.max_slots, dtype=torch.long, device=device)]
-        layers = [_SlotLayer(torch.zeros(rows, heads, slots, head_dim, dtype=dtype, device=device),
-                             torch.zeros(rows, heads, slots, head_dim, dtype=dtype, device=device), self._slot_ref)
-                  for _ in range(int(config.num_hidden_layers))]
+        kinds = _layer_kinds(config)
+        # the state layer class the model's own mixers expect, whatever this transformers version calls it
+        linear = DynamicCache(config=config).layers if "linear_attention" in kinds else []
+        layers: list[Any] = [
+            linear[i] if i < len(kinds) and kinds[i] == "linear_attention" else
+            _SlotLayer(torch.zeros(rows, heads, slots, head_dim, dtype=dtype, device=device),
+                       torch.zeros(rows, heads, slots, head_dim, dtype=dtype, device=device), self._slot_ref)
+            for i in range(int(config.num_hidden_layers))]
+        #: ``{layer index: transformers' linear-attention state layer}`` (empty on an attention-only target)
+        self.linear_layers: dict[int, Any] = {i: layer for i, layer in enumerate(layers)
+                                              if not isinstance(layer, _SlotLayer)}
         super().__init__(layers=layers)
 
     @property
@@ -87,8 +113,8 @@ class SlotCache(Cache):
         return self._slot_ref[0]
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every layer's keys and values (``[B, H, C_max, D]``)."""
-        return [t for layer in self.layers for t in (layer.keys, layer.values)]
+        """Every full-attention layer's keys and values (``[B, H, C_max, D]``)."""
+        return [t for layer in self.layers if isinstance(layer, _SlotLayer) for t in (layer.keys, layer.values)]
 
     def layer_kv(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s keys and values of the first ``rows`` rows (``[rows, H, C_max, D]`` views)."""

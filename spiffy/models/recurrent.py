@@ -32,7 +32,8 @@ from torch import nn
 
 from spiffy.errors import UnsupportedTargetError
 
-__all__ = ["RECURRENT_KINDS", "RecurrentMixers", "attention_layers", "branches", "crop_attention", "select_rows"]
+__all__ = ["RECURRENT_KINDS", "RecurrentMixers", "State", "attention_layers", "branches", "crop_attention",
+           "load_state", "select_rows"]
 
 #: the recurrent layer kinds (transformers' ``layer_types`` spelling) spiffy verifies exactly, with the attribute of
 #: transformers' decoder layer that holds the kind's token mixer
@@ -43,6 +44,17 @@ State = tuple[torch.Tensor, torch.Tensor]  # (conv window [N, C, K], recurrent s
 
 def _is_recurrent(layer: Any) -> bool:
     return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
+
+
+def load_state(layer: Any, conv: torch.Tensor, rec: torch.Tensor) -> None:
+    """Make transformers' linear-attention cache ``layer`` hold ``conv [N, C, K]`` and ``rec [N, H_v, d_k, d_v]``
+    as a previous state (the tensors themselves, not copies: the mixer's next call reads and updates them)."""
+    layer.conv_states[0], layer.recurrent_states[0] = conv, rec
+    layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+    layer.has_previous_state[0] = True
+    layer.conv_kernel_size[0] = int(conv.shape[-1])
+    if layer.device is None:
+        layer.dtype, layer.device = conv.dtype, conv.device
 
 
 def attention_layers(cache: Any) -> list[Any]:
@@ -173,16 +185,15 @@ class RecurrentMixers:
             layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = False
             layer.has_previous_state[0] = False
         else:
-            conv, rec = start
-            layer.conv_states[0], layer.recurrent_states[0] = conv.clone(), rec.clone()  # updated in place
-            layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
-            layer.has_previous_state[0] = True
-            layer.conv_kernel_size[0] = int(conv.shape[-1])
-            if layer.device is None:
-                layer.dtype, layer.device = conv.dtype, conv.device
-        # (hidden_states, cache, attention_mask) positionally: transformers 5.17 names the cache cache_params, 5.24 cache
-        out = self._forwards[index](x, self.cache, None, **kwargs)
+            load_state(layer, start[0].clone(), start[1].clone())  # transformers updates them in place
+        out = self.call(index, x, **kwargs)
         return out, (layer.conv_states[0], layer.recurrent_states[0])
+
+    def call(self, index: int, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Transformers' own forward of mixer ``index`` over ``x [N, M, H]`` on the state its cache layer holds now
+        (``cache.layers[index]``, which the call advances: in place on a one-token step); ``[N, M, H]`` out."""
+        # (hidden_states, cache, attention_mask) positionally: transformers 5.17 names the cache cache_params, 5.24 cache
+        return self._forwards[index](x, self.cache, None, **kwargs)
 
     def _gather(self, hidden: torch.Tensor, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x [N, M, H], row index [N, M], column index [N, M])`` of a call (padding zeroed in ``x``)."""
@@ -206,7 +217,7 @@ class RecurrentMixers:
     # ---------------------------------------------------------------------------------------------- the plans
 
     @contextmanager
-    def _patched(self, step: Callable[[int, torch.Tensor, dict[str, Any]], torch.Tensor]) -> Iterator[None]:
+    def patched(self, step: Callable[[int, torch.Tensor, dict[str, Any]], torch.Tensor]) -> Iterator[None]:
         """Route every mixer's forward through ``step(layer index, hidden [B, R, H], kwargs)`` inside the block."""
         for index, mixer in self.mixers.items():
             def forward(hidden_states: torch.Tensor, *args: Any, _i: int = index, **kwargs: Any) -> torch.Tensor:
@@ -245,7 +256,7 @@ class RecurrentMixers:
             self.state[index] = (torch.stack(conv), torch.stack(rec))  # type: ignore[arg-type]
             return out
 
-        with self._patched(step):
+        with self.patched(step):
             yield
 
     @contextmanager
@@ -266,7 +277,7 @@ class RecurrentMixers:
             return self._scatter(hidden, call, y)
 
         self._saved = {}
-        with self._patched(step):
+        with self.patched(step):
             yield
 
     def advance(self, keep: Sequence[Sequence[int]]) -> None:
