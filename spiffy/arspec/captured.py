@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from spiffy.arspec.captured_dllm_drafter import StaticDLLMDrafter, static_dllm_drafter
 from spiffy.arspec.captured_drafter import StaticDrafter, recorded_features, static_drafter_model
 from spiffy.arspec.device_tree import (DeviceTree, ancestor_visibility, chain_device, coupled_walk, ddtree_device,
                                        position_noise, target_tokens)
@@ -226,7 +227,7 @@ class CapturedRounds:
     """
 
     def __init__(self, static: StaticTarget, methods: list[Method], configs: list[Any], rules: list[AcceptanceRule],
-                 depth: int, drafter: StaticDrafter | None = None) -> None:
+                 depth: int, drafter: StaticDrafter | StaticDLLMDrafter | None = None) -> None:
         self.static, self.methods, self.configs, self.rules = static, methods, configs, rules
         self.depth = int(depth)
         self.drafter = drafter
@@ -254,12 +255,17 @@ class CapturedRounds:
             need = longest + max(int(c.max_new_tokens) for c in configs) + 2 * block + 1
             drafter = StaticDrafter.for_model(model, target, len(prompts), -(-need // SLOT_ROUNDING) * SLOT_ROUNDING,
                                               block, capture)
+        else:  # one plain dLLM drafter (root layout, one denoising step): its own static drafter, or None
+            drafter = static_dllm_drafter(drafters, target, prompts, max(int(c.max_new_tokens) for c in configs),
+                                          capture)
         return cls(static, [c.spec for c in configs], list(configs), list(rules), depth, drafter)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
         """The target's prefill (:meth:`StaticTarget.prefill`); the static drafter stages the prompts' features."""
         first, pads = self.static.prefill(prompts)
-        if self.drafter is not None:
+        if isinstance(self.drafter, StaticDLLMDrafter):  # a dLLM drafter reads the prompts' tokens
+            self.drafter.stage_prompt(prompts)
+        elif self.drafter is not None:
             assert self.static.hooks is not None
             self.drafter.stage_prompt(recorded_features(self.static.hooks, self.drafter.model.target_layer_ids),
                                       pads, [len(p) for p in prompts])
@@ -333,7 +339,9 @@ class CapturedRounds:
     def _commit(self, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
         """The round's kept rows into the target's cache and, as the next draft's new context, the static drafter's."""
         self.static.commit(rows, keep, accepted)
-        if self.drafter is not None:
+        if isinstance(self.drafter, StaticDLLMDrafter):  # the kept rows' tokens, gathered on the device
+            self.drafter.stage(self.static.ids[:rows], keep, accepted)
+        elif self.drafter is not None:
             assert self.static.hooks is not None
             self.drafter.stage(recorded_features(self.static.hooks, self.drafter.model.target_layer_ids), keep,
                                accepted)
