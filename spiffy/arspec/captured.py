@@ -20,7 +20,11 @@ the captured step's hidden states; only the verification is captured.
 When every row drafts with one plain DFlash model, the drafter's block forward is captured too: a
 :class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets) drafts every row
 in one step, and each round's commit hands it the kept rows' target features on the device (from the layers the
-verification step records). DFlash2, the dLLM drafters and subclassed models keep their eager drafters.
+verification step records). When every row drafts with one plain dLLM model (DEER, SpecDiff-2, DDTree-dLLM: the
+``"root"`` layout, one denoising step), a :class:`~spiffy.arspec.captured_dllm_drafter.StaticDLLMDrafter` does the
+same for the dLLM's round forward, and each commit hands it the kept rows' tokens on the device (gathered from the
+verification's ids). DFlash2, the dLLM drafters' ``"aligned"`` layout and ``denoise_steps > 1``, MoE dLLMs and
+subclassed drafters keep their eager drafters.
 """
 
 from __future__ import annotations
