@@ -303,6 +303,28 @@ def test_other_layouts_keep_the_eager_drafter(pair, dirs):
     assert static_dllm_drafter_model([DLLMDrafter(base), DLLMDrafter(base)], target) is base
 
 
+@pytest.mark.parametrize("family", ["dream", "llada"])
+def test_other_families_draft_what_the_eager_drafter_drafts(family, request, tmp_path, monkeypatch):
+    """Dream (shifted: the row before a position predicts it) and LLaDA drafters: every round's drafts of a ragged
+    batch are the eager drafters' (float64), and the tokens and acceptance lengths equal."""
+    path = request.getfixturevalue(f"tiny_{family}")
+    model = load_ar_drafter(path, dtype=torch.float64)
+    target_dir = make_tiny_target(tmp_path / "target", seed=3, num_layers=2, vocab_size=int(model.config.vocab_size),
+                                  with_tokenizer=False)
+    target = load_target(target_dir, torch.float64, "cpu")
+    assert DLLMDrafter(model).shifted == (family == "dream")
+    prompts = [_prompt(1, 5), _prompt(2, 3), _prompt(3, 9)]
+    config = ARSpecConfig(method="ddtree-dllm", budget=6, max_new_tokens=8,
+                          sampling=SamplingConfig(temperature=0.7, seed=4))
+    drafts = _Drafts(monkeypatch)
+    runs = [speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, config, compile=c)
+            for c in (False, True)]
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
+    assert [r.acceptance_lengths for r in runs[0]] == [r.acceptance_lengths for r in runs[1]]
+    drafts.assert_close(torch.float64)
+    assert static_dllm_drafter_of(model) is not None
+
+
 @settings(max_examples=10, deadline=None, derandomize=True, database=None)
 @given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3), method=st.sampled_from(METHODS),
        temperature=st.sampled_from([0.0, 0.7]), accept=st.sampled_from(["coupled", "rejection"]),
