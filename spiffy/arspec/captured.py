@@ -25,7 +25,11 @@ accepted path (both static: no host read).
 When every row drafts with one plain DFlash model, the drafter's block forward is captured too: a
 :class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets) drafts every row
 in one step, and each round's commit hands it the kept rows' target features on the device (from the layers the
-verification step records). DFlash2, the dLLM drafters and subclassed models keep their eager drafters.
+verification step records). When every row drafts with one plain dLLM model (DEER, SpecDiff-2, DDTree-dLLM: the
+``"root"`` layout, one denoising step), a :class:`~spiffy.arspec.captured_dllm_drafter.StaticDLLMDrafter` does the
+same for the dLLM's round forward, and each commit hands it the kept rows' tokens on the device (gathered from the
+verification's ids). DFlash2, the dLLM drafters' ``"aligned"`` layout and ``denoise_steps > 1``, MoE dLLMs and
+subclassed drafters keep their eager drafters.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any, ContextManager, Sequence
 import torch
 from torch import nn
 
+from spiffy.arspec.captured_dllm_drafter import StaticDLLMDrafter, static_dllm_drafter
 from spiffy.arspec.captured_drafter import StaticDrafter, recorded_features, static_drafter_model
 from spiffy.arspec.captured_recurrent import StaticRecurrent
 from spiffy.arspec.device_tree import (DeviceTree, ancestor_visibility, chain_device, coupled_walk, ddtree_device,
@@ -260,7 +265,7 @@ class CapturedRounds:
     """
 
     def __init__(self, static: StaticTarget, methods: list[Method], configs: list[Any], rules: list[AcceptanceRule],
-                 depth: int, drafter: StaticDrafter | None = None) -> None:
+                 depth: int, drafter: StaticDrafter | StaticDLLMDrafter | None = None) -> None:
         self.static, self.methods, self.configs, self.rules = static, methods, configs, rules
         self.depth = int(depth)
         self.drafter = drafter
@@ -288,12 +293,17 @@ class CapturedRounds:
             need = longest + max(int(c.max_new_tokens) for c in configs) + 2 * block + 1
             drafter = StaticDrafter.for_model(model, target, len(prompts), -(-need // SLOT_ROUNDING) * SLOT_ROUNDING,
                                               block, capture)
+        else:  # one plain dLLM drafter (root layout, one denoising step): its own static drafter, or None
+            drafter = static_dllm_drafter(drafters, target, prompts, max(int(c.max_new_tokens) for c in configs),
+                                          capture)
         return cls(static, [c.spec for c in configs], list(configs), list(rules), depth, drafter)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
         """The target's prefill (:meth:`StaticTarget.prefill`); the static drafter stages the prompts' features."""
         first, pads = self.static.prefill(prompts)
-        if self.drafter is not None:
+        if isinstance(self.drafter, StaticDLLMDrafter):  # a dLLM drafter reads the prompts' tokens
+            self.drafter.stage_prompt(prompts)
+        elif self.drafter is not None:
             assert self.static.hooks is not None
             self.drafter.stage_prompt(recorded_features(self.static.hooks, self.drafter.model.target_layer_ids),
                                       pads, [len(p) for p in prompts])
@@ -367,7 +377,9 @@ class CapturedRounds:
     def _commit(self, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
         """The round's kept rows into the target's cache and, as the next draft's new context, the static drafter's."""
         self.static.commit(rows, keep, accepted)
-        if self.drafter is not None:
+        if isinstance(self.drafter, StaticDLLMDrafter):  # the kept rows' tokens, gathered on the device
+            self.drafter.stage(self.static.ids[:rows], keep, accepted)
+        elif self.drafter is not None:
             assert self.static.hooks is not None
             self.drafter.stage(recorded_features(self.static.hooks, self.drafter.model.target_layer_ids), keep,
                                accepted)

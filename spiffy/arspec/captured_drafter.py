@@ -31,9 +31,9 @@ the same step program eagerly over a context of the prompt's width, and every la
 
 Only :class:`~spiffy.arspec.drafter.DFlashDrafter` rows sharing one plain model (the model's own ``forward`` and
 ``compute_logits``, no causal or sliding-window layer: :meth:`~spiffy.arspec.drafter.DFlashDrafter.batch_key`) run
-here. DFlash2's candidate selector (its read-out walks the selector's transitions), the dLLM drafters (DEER,
-SpecDiff-2: their own denoising loops) and subclassed drafters keep the eager drafter (:func:`static_drafter_model`
-says which).
+here. DFlash2's candidate selector (its read-out walks the selector's transitions) and subclassed drafters keep the
+eager drafter (:func:`static_drafter_model` says which). The dLLM drafters (DEER, SpecDiff-2, DDTree-dLLM) have their
+own static drafter, :mod:`spiffy.arspec.captured_dllm_drafter` (the same design over the drafter's committed tokens).
 """
 
 from __future__ import annotations

@@ -1,0 +1,266 @@
+"""The dLLM drafter's round forward on the captured path (``compile=True``): static buffers, one step per bucket.
+
+:class:`StaticDLLMDrafter` is to a :class:`~spiffy.arspec.dllm_drafter.DLLMDrafter` (DEER, SpecDiff-2,
+``ddtree-dllm``) what :class:`~spiffy.arspec.captured_drafter.StaticDrafter` is to a DFlash drafter. The eager drafter
+keeps a K/V cache of exactly the committed prefix and runs one forward per round over
+``[tokens committed since the last round ; root ; MASK x depth]``; here the same forward runs on buffers allocated
+once:
+
+* the context cache: a :class:`~spiffy.capture.SlotCache` of ``rows x slots`` (one per drafter layer), seen by the
+  model through :class:`_SlotKV` (the :class:`~spiffy.models.cache.KVCache` face the dLLM families' ``attend`` calls:
+  ``get_seq_length`` / ``layer`` / ``append`` under the ``"append"`` cache policy), so the models run unchanged;
+* ``lengths [rows]``: the committed rows each row's cache holds (row ``b``'s prefix at slots ``0 .. lengths[b] - 1``,
+  in order, as the eager drafter's cache holds it: a device-side length per row);
+* ``context [rows, B]`` / ``counts [rows]``: the tokens the last round committed (root + accepted nodes, gathered on
+  the device from the verification's ids by the walk's kept rows, :meth:`StaticDLLMDrafter.stage`) and how many;
+* ``ids [rows, B]``: the block ``[root, MASK x (B - 1)]``; ``depths [rows]``: the positions each row drafts.
+
+The step of bucket ``(rows, L)`` (a :class:`~spiffy.capture.StepGraphs` step: a CUDA graph on a GPU, the same static
+code eagerly on a CPU) is the model's own forward over the ``N + L`` queries ``[context (N = B columns, ``counts[b]``
+real) ; block (L columns, ``depths[b] + 1`` real)]`` at positions ``lengths[b] + j`` and ``root + i`` (root =
+``lengths + counts``: every committed token precedes it) with keys ``[cache (every slot) ; the N + L new rows]`` and a
+``[rows, 1, N + L, slots + N + L]`` bool mask built on the device: a context row sees the row's cached slots and the
+real context rows up to itself (causal: its K/V describe the prefix and never change), a block row sees the cached
+slots, the real context rows and the block rows ``0 .. depths[b]`` (bidirectional inside the drafted block: the
+``"root"`` layout). Each real query therefore attends over exactly the keys the eager forward of its row sees, in
+another order (padded with hidden keys): the draft logits agree to rounding, the tokens exactly. The new rows' K/V
+are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter`, per row); only the first
+``counts[b]`` become visible, when ``lengths`` advances by ``counts`` after the step (outside it: a capture's
+warm-up runs the step more than once), so the drafted rows are never seen again (the eager drafter crops them).
+Nothing of the step is read from the host. Its output is ``[rows, L - 1, V]``: block rows ``1 .. L - 1`` (SDAR and
+LLaDA: the row at ``p`` predicts ``p``) or ``0 .. L - 2`` (Dream, shifted); row ``b``'s draft is its first
+``depths[b]``. ``L`` is one more than the deepest draft (a bidirectional block: only a block as long as the eager
+one gives its values).
+
+The prompt (hundreds of tokens, once per generation) does not fit the ``B``-column context: the first round runs the
+same step program eagerly at the prompt's width, every later round replays the bucket. Unlike the eager loop, which
+skips the drafter in a round where no row drafts, the static drafter runs every round (a round's draft also commits
+the last round's tokens), so its context K/V are computed in other forwards: again equal to rounding.
+
+Only :class:`~spiffy.arspec.dllm_drafter.DLLMDrafter` rows sharing one dense dLLM model of spiffy's families (SDAR,
+LLaDA, Dream) with the ``"root"`` layout and ``denoise_steps=1`` (the shipped D2A drafters) run here
+(:func:`static_dllm_drafter_model`). The ``"aligned"`` layout (its cache holds complete aligned blocks only, so a
+round re-runs a variable part of the current block), ``denoise_steps > 1`` (its steps pick positions on the host),
+MoE dLLMs (their experts would need the grouped static dispatch) and subclassed drafters keep the eager drafter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from spiffy.arspec.dllm_drafter import DLLMDrafter
+from spiffy.capture import SlotCache, StepGraphs, slot_cache_supported
+from spiffy.models.cache import KVCache
+from spiffy.models.pretrained import SpiffyForwardMixin
+from spiffy.torch_utils import execution_device, on_device
+
+__all__ = ["StaticDLLMDrafter", "static_dllm_drafter", "static_dllm_drafter_model", "static_dllm_drafter_of"]
+
+#: slot counts are rounded up to a multiple of this (a later prompt of about the same length reuses the cache)
+SLOT_ROUNDING = 256
+
+#: the static drafters of live dLLM models (one per model; replaced when a call needs more rows or slots)
+_STATIC: "weakref.WeakKeyDictionary[nn.Module, StaticDLLMDrafter]" = weakref.WeakKeyDictionary()
+
+
+def static_dllm_drafter_of(model: nn.Module) -> "StaticDLLMDrafter | None":
+    """The static drafter ``model``'s captured calls run on now (its buckets, capture times), if any."""
+    return _STATIC.get(model)
+
+
+def static_dllm_drafter_model(drafters: Sequence[Any], target: nn.Module) -> nn.Module | None:
+    """The one dLLM model every row drafts with, when the static drafter runs it (see the module docstring);
+    ``None``: the rows keep their eager drafters."""
+    if not drafters or any(type(d) is not DLLMDrafter for d in drafters):
+        return None
+    first = drafters[0]
+    model = first.model
+    if any(d.model is not model or d.denoise_steps != 1 or d.layout != "root" for d in drafters):
+        return None
+    if any(d.block_size != first.block_size or d.shifted != first.shifted
+           or d.mask_token_id != first.mask_token_id for d in drafters):
+        return None  # one block buffer, one read-out and one mask token for every row
+    if not isinstance(model, SpiffyForwardMixin) or any(
+            isinstance(getattr(m, "experts", None), nn.ModuleList) for m in model.modules()):
+        return None  # spiffy's dense families only (their attention takes the slot cache as a KVCache; MoE experts
+        # would need the grouped static dispatch to run without host reads)
+    if slot_cache_supported(model.config) is not None or "flash" in str(
+            getattr(model.config, "_attn_implementation", None) or ""):
+        return None
+    if first._device != execution_device(target.get_input_embeddings()):
+        return None  # the eager drafter's attach names the mismatch
+    return model
+
+
+def static_dllm_drafter(drafters: Sequence[Any], target: nn.Module, prompts: Sequence[Sequence[int]],
+                        max_new_tokens: int, capture: bool) -> "StaticDLLMDrafter | None":
+    """The rows' static dLLM drafter for one generation (emptied), or ``None`` when they keep the eager ones."""
+    model = static_dllm_drafter_model(drafters, target)
+    if model is None:
+        return None
+    first = drafters[0]
+    block = int(first.block_size)
+    # the committed prefix, then a round's context and block written after it (hidden, overwritten next round)
+    need = max(len(p) for p in prompts) + int(max_new_tokens) + 2 * block + 1
+    return StaticDLLMDrafter.for_model(model, first, len(prompts), -(-need // SLOT_ROUNDING) * SLOT_ROUNDING,
+                                       block, capture)
+
+
+class _SlotKV(KVCache):
+    """A :class:`~spiffy.models.cache.KVCache` over a :class:`SlotCache` (the families take a KVCache, so the models
+    run unchanged): ``layer`` gives every slot of the first ``rows`` rows (the mask hides the uncommitted ones),
+    ``append`` writes the forward's new rows at each row's own slots ``index [rows, N + L]`` (``insert_at`` stays
+    ``None``: new keys follow the cached ones, as :func:`spiffy.models.layers.attend` orders them)."""
+
+    def __init__(self, cache: SlotCache, rows: int) -> None:
+        super().__init__(len(cache.layers))  # its own per-layer lists stay empty: the slots hold the K/V
+        self.cache, self.rows = cache, int(rows)
+        self.index: torch.Tensor | None = None  # set by the step before the forward (a device tensor)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.max_slots
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.layer_kv(layer_idx, self.rows)
+
+    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert self.index is not None
+        self.cache.scatter(layer_idx, self.index, k, v)
+
+
+class StaticDLLMDrafter:
+    """A dLLM drafter model's static context cache, round buffers and captured forwards (see the module docstring).
+
+    Args:
+        model: the dLLM; drafter: one of the rows' drafters (mask token, block, read-out convention);
+        rows: batch rows; slots: context slots per row; block: the block ``B`` (root + the deepest draft, also the
+        most tokens a round commits); capture: CUDA graphs on a GPU.
+    """
+
+    def __init__(self, model: nn.Module, drafter: DLLMDrafter, rows: int, slots: int, block: int,
+                 capture: bool) -> None:
+        self.model = model
+        embed = model.get_input_embeddings()
+        self.device, dtype = execution_device(embed), embed.weight.dtype
+        self.rows, self.slots, self.block = int(rows), int(slots), int(block)
+        self.mask_token_id, self.shifted = int(drafter.mask_token_id), bool(drafter.shifted)
+        self.cache = SlotCache(model.config, rows, slots, dtype, self.device)
+        dev = self.device
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)  # committed rows in the cache per row
+        self.counts = torch.zeros(rows, dtype=torch.long, device=dev)  # staged committed tokens per row
+        self.context = torch.zeros(rows, block, dtype=torch.long, device=dev)  # the staged tokens [rows, B]
+        self.ids = torch.full((rows, block), self.mask_token_id, dtype=torch.long, device=dev)
+        self.depths = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.ramp = torch.arange(slots + 2 * block, device=dev)
+        self.graphs = StepGraphs(self._step, dev, capture)
+        self._prompt: torch.Tensor | None = None  # the prompts [rows, P] until the first round drafts from them
+        self._staged = False  # whether committed tokens wait for the next draft (it must be drafted from)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, drafter: DLLMDrafter, rows: int, slots: int, block: int,
+                  capture: bool) -> "StaticDLLMDrafter":
+        """The model's static drafter if it fits ``rows x slots`` and blocks of ``block`` (and holds at most twice
+        the slots needed: attention reads every slot), else a new one (replacing it); emptied."""
+        have = _STATIC.get(model)
+        if not (have is not None and have.rows >= rows and slots <= have.slots <= 2 * slots and have.block == block
+                and have.mask_token_id == int(drafter.mask_token_id) and have.shifted == bool(drafter.shifted)
+                and have.graphs.capture == (capture and have.device.type == "cuda")):
+            if have is not None:
+                have.graphs.clear()
+            have = _STATIC[model] = cls(model, drafter, rows, slots, block, capture)
+        have.lengths.zero_()
+        have.counts.zero_()
+        have._prompt, have._staged = None, False
+        return have
+
+    def _program(self, rows: int, context: torch.Tensor, block: int) -> Callable[[], torch.Tensor]:
+        """The forward of a ``block``-column block (``<= B``) of the first ``rows`` rows after the committed tokens
+        ``context [rows, N]`` (``counts`` of them real; the static ``self.context`` for a bucket, the prompts for
+        the first round), as a zero-argument step returning the ``[rows, block - 1, V]`` draft logits."""
+        width, ramp = int(context.shape[1]), self.ramp
+        kv = _SlotKV(self.cache, rows)
+        first = width + (0 if self.shifted else 1)  # the logits row of the first drafted position
+
+        def step() -> torch.Tensor:
+            n, length = self.counts[:rows].view(rows, 1), self.lengths[:rows].view(rows, 1)
+            root = length + n  # the root's position: every committed token precedes it
+            positions = torch.cat([length + ramp[:width], root + ramp[:block]], dim=1)  # [rows, N + L]
+            kv.index = length + ramp[: width + block]  # after the row's committed rows (only N real are kept)
+            ids = torch.cat([context, self.ids[:rows, :block]], dim=1)
+            q = ramp[:width].view(1, width, 1)  # context query j
+            k = ramp[:width].view(1, 1, width)  # context key j'
+            real = k < n.view(rows, 1, 1)  # [rows, 1, N]: the row's real context keys
+            cached = (ramp[: self.slots] < length).view(rows, 1, self.slots)  # [rows, 1, S]
+            drafted = (ramp[:block] <= self.depths[:rows].view(rows, 1)).view(rows, 1, block)  # [rows, 1, L]
+            # context rows: cache + real context keys up to themselves (causal); block rows: cache + real context
+            # + the row's drafted block (bidirectional)
+            ctx_rows = torch.cat([cached.expand(rows, width, self.slots), real & (k <= q),
+                                  torch.zeros(rows, width, block, dtype=torch.bool, device=self.device)], dim=2)
+            block_rows = torch.cat([cached, real, drafted], dim=2).expand(rows, block, self.slots + width + block)
+            visible = torch.cat([ctx_rows, block_rows], dim=1).unsqueeze(1)  # [rows, 1, N + L, S + N + L]
+            logits = self.model(ids, attention_mask=visible, position_ids=positions, past_key_values=kv,
+                                cache_policy="append", mask_all_visible=False).logits
+            return logits[:, first : first + block - 1]
+
+        return step
+
+    def _step(self, key: Any) -> Callable[[], torch.Tensor]:
+        rows, block = key
+        return self._program(rows, self.context[:rows], block)
+
+    def stage_prompt(self, prompts: Sequence[Sequence[int]]) -> None:
+        """The prompts (row ``b``'s tokens at positions ``0 ..``) as the first round's committed tokens."""
+        rows, width = len(prompts), max(len(p) for p in prompts)
+        packed = torch.tensor([[len(p)] + list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long)
+        packed = on_device(packed, self.device)  # one copy
+        self._prompt = packed[:, 1:]
+        self.lengths[:rows].zero_()
+        self.counts[:rows].copy_(packed[:, 0])
+        self._staged = True
+
+    def stage(self, ids: torch.Tensor, keep: torch.Tensor, accepted: torch.Tensor) -> None:
+        """A round's committed tokens as the next draft's context: ``ids [rows, W]`` the verification's tokens
+        (root first), ``keep [rows, K]`` each row's kept rows (root first; padding any index), ``accepted [rows]``
+        the kept nodes (so ``accepted + 1`` tokens are committed). Device tensors only: no host value is read."""
+        rows, kept = int(keep.shape[0]), int(keep.shape[1])
+        if self._staged:
+            raise RuntimeError("StaticDLLMDrafter.stage before the staged tokens were drafted from")
+        if kept > self.block:
+            raise RuntimeError(f"{kept} committed rows exceed the drafter's block of {self.block}")
+        self.context[:rows, :kept] = ids.gather(1, keep.clamp(0, int(ids.shape[1]) - 1))
+        self.counts[:rows].copy_(accepted + 1)
+        self._staged = True
+
+    def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int]) -> list[torch.Tensor | None]:
+        """Every row's ``[depth, V]`` draft logits (``None`` where ``depths[b] == 0``), in one forward that also
+        commits the staged tokens (so it runs even when no row drafts). Returns views of the step's output: read
+        them before the next draft."""
+        rows = len(roots)
+        block = 1 + max(int(d) for d in depths)  # a bidirectional block: as long as the eager drafter's
+        meta = on_device(torch.tensor([[tok, d] for (tok, _pos), d in zip(roots, depths)], dtype=torch.long),
+                         self.device)
+        self.ids[:rows, 0] = meta[:, 0]
+        self.depths[:rows] = meta[:, 1]
+        if self._prompt is not None:  # the first round: the prompt-wide program, run eagerly once
+            logits = self._program(rows, self._prompt, block)()
+            self._prompt = None
+        else:
+            logits = self.graphs.run((rows, block))
+        # the committed tokens are in the cache now (outside the step, which stays idempotent)
+        self.lengths[:rows].add_(self.counts[:rows])
+        self.counts[:rows].zero_()
+        self._staged = False
+        return [logits[b, :d] if d else None for b, d in enumerate(depths)]
+
+    def keep_rows(self, kept: Sequence[int]) -> None:
+        """Only batch rows ``kept`` go on (moved to the front, in order)."""
+        self.cache.keep_rows(kept)
+        idx = on_device(torch.tensor(list(kept), dtype=torch.long), self.device)
+        for t in (self.lengths, self.counts, self.context):
+            t[: len(kept)] = t.index_select(0, idx)
+        if self._prompt is not None:
+            self._prompt = self._prompt.index_select(0, idx)

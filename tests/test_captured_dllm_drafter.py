@@ -1,0 +1,370 @@
+"""The dLLM drafter's round forward on the captured path (:mod:`spiffy.arspec.captured_dllm_drafter`).
+
+On a CPU the static drafter's step runs eagerly with the static shapes a GPU captures (a context cache of slots with
+a length per row, the committed tokens and the block padded to their bucket, masks instead of shapes), so these tests
+check the code a GPU replays against the eager :class:`~spiffy.arspec.dllm_drafter.DLLMDrafter` (the reference):
+every round's draft logits (to rounding: attention over a padded key set sums in another order), and the tokens and
+acceptance lengths exactly, in float32 and float64, for DEER, SpecDiff-2 and DDTree-dLLM, greedy and sampled,
+coupled and rejection rules, single prompts and ragged batches.
+
+Deep accepted paths need a drafter that agrees with the target: :func:`guessing` makes the real dLLM forward (cache,
+masks, positions) rank a known continuation's token first (or second, behind a wrong one, at chosen positions), as
+tensor operations on the forward's position ids, so the static step runs it too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spiffy.arspec.batch as batch_module
+from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
+from spiffy.arspec.batch import speculative_generate_batch
+from spiffy.arspec.captured import CapturedRounds
+from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter_model, static_dllm_drafter_of
+from spiffy.arspec.dllm_drafter import DLLMDrafter
+from spiffy.bench.syncs import SyncCounter
+from spiffy.models import load_target, make_tiny_target
+from spiffy.models.ar_drafters import load_ar_drafter, make_tiny_dllm_drafter
+from spiffy.models.sdar import SDARForCausalLM
+
+torch.set_num_threads(1)
+BLOCK = 6
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-11}  # draft logits (|logit| < 10): a few ulps apart
+METHODS = ("deer", "specdiff", "ddtree-dllm")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("captured_dllm_drafter")
+    target_dir = make_tiny_target(root / "target", seed=5, num_layers=2)
+    return target_dir, make_tiny_dllm_drafter(root / "dllm", target_dir, seed=1, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.float64], ids=["f32", "f64"])
+def pair(dirs, request):
+    return load_target(dirs[0], request.param, "cpu"), load_ar_drafter(dirs[1], dtype=request.param)
+
+
+_FORWARD = SDARForCausalLM.forward
+
+
+def _guessing_forward(self, input_ids, *args, position_ids=None, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    out = _FORWARD(self, input_ids, *args, position_ids=position_ids, **kw)
+    if getattr(self, "guess", None) is None:
+        return out
+    real = out.logits  # SDAR is unshifted: the row at position p predicts the token at p
+    pos = position_ids.expand(real.shape[0], -1)
+    vocab, size = int(real.shape[-1]), int(self.guess.numel())
+    at = pos.clamp(0, size - 1)
+    token, known = self.guess[at], (pos < size) & (self.guess[at] >= 0)
+    second = known & self.second[at]
+    hot = F.one_hot(token.clamp(min=0), vocab).to(real.dtype)
+    wrong = F.one_hot((token.clamp(min=0) + 1) % vocab, vocab).to(real.dtype)
+    weight = torch.where(second, 6.0, 8.0).to(real.dtype) * known
+    out.logits = real * 0.1 + hot * weight.unsqueeze(-1) + wrong * (8.0 * second).to(real.dtype).unsqueeze(-1)
+    return out
+
+
+@pytest.fixture
+def guessing(monkeypatch):
+    """Make SDAR models with a ``guess`` table guess (the class's own forward, so rows still share a forward and the
+    static drafter runs it); returns ``make(base, prompts, continuations, second)``."""
+    monkeypatch.setattr(SDARForCausalLM, "forward", _guessing_forward)
+
+    def make(base: SDARForCausalLM, prompts: list[list[int]], continuations: list[list[int]],
+             second: set[int]) -> SDARForCausalLM:
+        """A copy of ``base`` guessing row ``b``'s continuation at positions ``len(prompts[b]) + i`` (the rows'
+        position ranges must not overlap) and putting it second at continuation indices ``second``."""
+        model = SDARForCausalLM(base.config).to(base.dtype)
+        model.load_state_dict(base.state_dict())
+        size = max(len(p) + len(c) for p, c in zip(prompts, continuations))
+        model.guess = torch.full((size,), -1, dtype=torch.long)
+        model.second = torch.zeros(size, dtype=torch.bool)
+        for p, c in zip(prompts, continuations):
+            assert (model.guess[len(p) : len(p) + len(c)] < 0).all(), "the rows' positions overlap"
+            model.guess[len(p) : len(p) + len(c)] = torch.tensor(c)
+            for i in second:
+                if i < len(c):
+                    model.second[len(p) + i] = True
+        return model.eval()
+
+    return make
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 250, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class _Drafts:
+    """Every round's drafts of the eager drafters (``stages.draft``) and of the static one (``CapturedRounds.draft``)."""
+
+    def __init__(self, mp: pytest.MonkeyPatch) -> None:
+        self.eager: list[list[torch.Tensor | None]] = []
+        self.static: list[list[torch.Tensor | None]] = []
+        eager_draft, static_draft = batch_module.draft, CapturedRounds.draft
+
+        def eager(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            out = eager_draft(*a, **k)
+            self.eager.append([None if d is None else d.clone() for d in out])
+            return out
+
+        def static(rounds, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            out = static_draft(rounds, *a, **k)
+            self.static.append([None if d is None else d.clone() for d in out])
+            return out
+
+        mp.setattr(batch_module, "draft", eager)
+        mp.setattr(CapturedRounds, "draft", static)
+
+    def assert_close(self, dtype: torch.dtype) -> None:
+        assert self.static and len(self.static) == len(self.eager)
+        for e_round, s_round in zip(self.eager, self.static):
+            assert [None if d is None else tuple(d.shape) for d in e_round] == [
+                None if d is None else tuple(d.shape) for d in s_round]
+            for e, s in zip(e_round, s_round):
+                if e is not None:
+                    torch.testing.assert_close(s, e, rtol=0, atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("accept,temperature", [("coupled", 0.0), ("coupled", 0.8), ("rejection", 0.9)])
+def test_static_dllm_drafter_equals_eager(pair, guessing, monkeypatch, method, accept, temperature):
+    """One prompt: the static drafter's drafts are the eager drafter's every round; tokens (== plain AR under the
+    coupled rule) and acceptance lengths are equal, with deep accepted paths and branching trees."""
+    target, base = pair
+    prompt, n, seed = _prompt(7, 9), 16, 5
+    ar = ddtree_generate(target, None, prompt, method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
+    model = guessing(base, [prompt], [ar.tokens], {2, 7})
+    drafts = _Drafts(monkeypatch)
+    config = ARSpecConfig(method=method, budget=6, drafts=3, max_new_tokens=n, accept=accept,
+                          sampling=SamplingConfig(temperature=temperature, seed=seed))
+    eager = speculative_generate_batch(target, [DLLMDrafter(model)], [prompt], config, compile=False)[0]
+    captured = speculative_generate_batch(target, [DLLMDrafter(model)], [prompt], config, compile=True)[0]
+    assert captured.tokens == eager.tokens
+    assert captured.acceptance_lengths == eager.acceptance_lengths
+    if accept == "coupled":
+        assert captured.tokens == ar.tokens and max(captured.acceptance_lengths) > 2
+    drafts.assert_close(target.dtype)
+    assert sum(static_dllm_drafter_of(model).graphs.stats.runs.values()) == len(drafts.static) - 1  # + the prompt's
+
+
+@pytest.mark.parametrize("accept,temperature", [("coupled", 0.0), ("rejection", 0.9), ("coupled", 0.8)])
+def test_static_dllm_drafter_batches(pair, guessing, monkeypatch, accept, temperature):
+    """Ragged batches (prompts of different lengths, rows leaving at different rounds, a method per row): the static
+    drafter's rows draft what each eager row drafts, and give the eager rows' tokens and acceptance lengths."""
+    target, base = pair
+    prompts = [_prompt(1, 2), _prompt(2, 17), _prompt(3, 33)]  # positions 2.., 17.., 33..: disjoint guess tables
+    lengths, seeds = [12, 6, 10], (1, 2, 3)
+    configs = [ARSpecConfig(method=m, budget=6, drafts=3, max_new_tokens=n, accept=accept,
+                            sampling=SamplingConfig(temperature=temperature, seed=s))
+               for m, n, s in zip(METHODS, lengths, seeds)]
+    ars = [ddtree_generate(target, None, p, method="ar", max_new_tokens=n, temperature=temperature, seed=s).tokens
+           for p, n, s in zip(prompts, lengths, seeds)]
+    model = guessing(base, prompts, ars, {3})
+    drafts = _Drafts(monkeypatch)
+    eager = speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, configs,
+                                       compile=False)
+    captured = speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, configs,
+                                          compile=True)
+    assert [r.tokens for r in captured] == [r.tokens for r in eager]
+    assert [r.acceptance_lengths for r in captured] == [r.acceptance_lengths for r in eager]
+    assert [len(r.tokens) for r in captured] == lengths
+    if accept == "coupled":
+        assert [r.tokens for r in captured] == ars and max(max(r.acceptance_lengths) for r in captured) > 2
+    drafts.assert_close(target.dtype)
+    rows = {rows for rows, _block in static_dllm_drafter_of(model).graphs.stats.runs}
+    assert 3 in rows and min(rows) < 3  # rows left the batch on the static path
+
+
+def test_static_dllm_drafter_buckets_are_reused(pair):
+    """One static drafter per model: a second prompt and a second call replay the buckets the first one built (the
+    last rounds' shorter blocks depend on how many drafts were accepted; a new one may be built)."""
+    target, base = pair
+    kw = {"method": "ddtree-dllm", "budget": 8, "max_new_tokens": 10, "compile": True}
+    ddtree_generate(target, base, _prompt(5, 6), **kw)
+    static = static_dllm_drafter_of(base)
+    assert static is not None
+    built = dict(static.graphs.stats.capture_seconds)
+    runs = Counter(static.graphs.stats.runs)
+    assert (1, BLOCK) in built and all(s >= 0 for s in built.values())
+    ddtree_generate(target, base, _prompt(6, 11), **kw)
+    ddtree_generate(target, base, _prompt(6, 11), method="deer", max_new_tokens=10, compile=True)
+    assert static_dllm_drafter_of(base) is static
+    after = static.graphs.stats.capture_seconds
+    assert {k: after[k] for k in built} == built  # no bucket built again
+    assert all(block < BLOCK for _rows, block in set(after) - set(built))  # at most a shorter last block is new
+    assert static.graphs.stats.runs[(1, BLOCK)] > runs[(1, BLOCK)] > 1
+
+
+def test_static_dllm_drafter_step_makes_no_host_sync(pair):
+    """The drafter's forward (a bucket's step: tokens in, logits out, the committed K/V written) reads nothing back
+    from the device and may run twice; nor does a whole draft stage."""
+    target, base = pair
+    ddtree_generate(target, base, _prompt(8, 5), method="ddtree-dllm", budget=8, max_new_tokens=8, compile=True)
+    static = static_dllm_drafter_of(base)
+    assert int(static.counts[0]) > 0  # the last round's tokens are staged
+    lengths = static.lengths.clone()
+    with torch.inference_mode():  # as generation runs it
+        first = static.graphs.run((1, BLOCK)).clone()
+        with SyncCounter() as step_counter:
+            logits = static.graphs.run((1, BLOCK))
+    # idempotent (a capture's warm-up runs the step more than once): same logits, the lengths left to draft()
+    assert torch.equal(first, logits) and torch.equal(static.lengths, lengths)
+    with torch.inference_mode():
+        with SyncCounter() as draft_counter:
+            drafts = static.draft([(3, 40)], [BLOCK - 1])
+    for counter in (step_counter, draft_counter):
+        assert {k: v for k, v in counter.counts.items() if k != "to_cpu"} == {}, counter.counts
+    assert logits.shape[:2] == (1, BLOCK - 1) and drafts[0].shape[0] == BLOCK - 1
+
+
+class _RoundCounter(SyncCounter):
+    """A :class:`SyncCounter` that does not count while ``paused`` (inside the model forwards)."""
+
+    paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if self.paused:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("budget", [1, 8, 64])
+def test_ddtree_dllm_round_syncs_at_most_twice(pair, budget):
+    """A captured DDTree-dLLM round outside the forwards (the static drafter's inputs and readout, tree build, mask,
+    walk, commit, the drafter's next tokens) reads the device at most twice (issue 36)."""
+    target, base = pair
+    counter = _RoundCounter()
+    per_round: list[int] = []
+
+    def counting(fn, closes_round: bool):  # noqa: ANN001, ANN202
+        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            with counter:
+                out = fn(*a, **k)
+            if closes_round:
+                per_round.append(counter.total)
+                counter.reset()
+            return out
+        return run
+
+    def paused(fn):  # noqa: ANN001, ANN202  (the forwards themselves are not the round's bookkeeping)
+        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            counter.paused = True
+            try:
+                return fn(*a, **k)
+            finally:
+                counter.paused = False
+        return run
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(type(base), "forward", paused(type(base).forward))
+        mp.setattr(type(target.model), "forward", paused(type(target.model).forward))
+        mp.setattr(batch_module, "draft", counting(batch_module.draft, False))
+        mp.setattr(CapturedRounds, "draft", counting(CapturedRounds.draft, False))
+        mp.setattr(CapturedRounds, "round", counting(CapturedRounds.round, True))
+        res = ddtree_generate(target, base, _prompt(9, 8), method="ddtree-dllm", budget=budget, max_new_tokens=12,
+                              compile=True)
+    finally:
+        mp.undo()
+    assert len(res.tokens) == 12 and len(per_round) == res.rounds
+    assert static_dllm_drafter_of(base) is not None  # the draft stage counted is the static drafter's
+    assert max(per_round) <= 2, per_round
+
+
+def test_other_layouts_keep_the_eager_drafter(pair, dirs):
+    """The ``aligned`` layout, ``denoise_steps > 1`` and a subclassed drafter keep the eager drafter on the captured
+    path (the static drafter is not made), with the eager path's tokens."""
+    target, base = pair
+    aligned = load_ar_drafter(dirs[1], dtype=base.dtype)
+    aligned.config.drafter_config = {**aligned.config.drafter_config, "layout": "aligned", "attention_block": 4}
+    other = load_ar_drafter(dirs[1], dtype=base.dtype)
+
+    class Sub(DLLMDrafter):
+        pass
+
+    prompt = _prompt(2, 4)
+    for make in (lambda: DLLMDrafter(aligned), lambda: DLLMDrafter(other, denoise_steps=2), lambda: Sub(other)):
+        assert static_dllm_drafter_model([make()], target) is None
+        config = ARSpecConfig(method="deer", max_new_tokens=6)
+        runs = [speculative_generate_batch(target, [make()], [prompt], config, compile=c)[0].tokens
+                for c in (True, False)]
+        assert runs[0] == runs[1]
+    assert static_dllm_drafter_of(aligned) is None and static_dllm_drafter_of(other) is None
+    # rows of two models, or a model shared with rows without a drafter, keep the eager drafters too
+    assert static_dllm_drafter_model([DLLMDrafter(base), DLLMDrafter(other)], target) is None
+    assert static_dllm_drafter_model([DLLMDrafter(base), None], target) is None
+    assert static_dllm_drafter_model([DLLMDrafter(base), DLLMDrafter(base)], target) is base
+
+
+@pytest.mark.parametrize("family", ["dream", "llada"])
+def test_other_families_draft_what_the_eager_drafter_drafts(family, request, tmp_path, monkeypatch):
+    """Dream (shifted: the row before a position predicts it) and LLaDA drafters: every round's drafts of a ragged
+    batch are the eager drafters' (float64), and the tokens and acceptance lengths equal."""
+    path = request.getfixturevalue(f"tiny_{family}")
+    model = load_ar_drafter(path, dtype=torch.float64)
+    target_dir = make_tiny_target(tmp_path / "target", seed=3, num_layers=2, vocab_size=int(model.config.vocab_size),
+                                  with_tokenizer=False)
+    target = load_target(target_dir, torch.float64, "cpu")
+    assert DLLMDrafter(model).shifted == (family == "dream")
+    prompts = [_prompt(1, 5), _prompt(2, 3), _prompt(3, 9)]
+    config = ARSpecConfig(method="ddtree-dllm", budget=6, max_new_tokens=8,
+                          sampling=SamplingConfig(temperature=0.7, seed=4))
+    drafts = _Drafts(monkeypatch)
+    runs = [speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, config, compile=c)
+            for c in (False, True)]
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
+    assert [r.acceptance_lengths for r in runs[0]] == [r.acceptance_lengths for r in runs[1]]
+    drafts.assert_close(torch.float64)
+    assert static_dllm_drafter_of(model) is not None
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, database=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3), method=st.sampled_from(METHODS),
+       temperature=st.sampled_from([0.0, 0.7]), accept=st.sampled_from(["coupled", "rejection"]),
+       seed=st.integers(0, 1000))
+def test_static_equals_eager_property(dirs, lengths, method, temperature, accept, seed):
+    """Any prompts (1-3 rows, 1-12 tokens), method, rule and temperature: compile=True gives compile=False's tokens
+    and acceptance lengths (float64; the drafter guesses the first row's continuation, so commits are long)."""
+    target = _float64(dirs)
+    prompts = [_prompt(seed + i, n) for i, n in enumerate(lengths)]
+    n = 9
+    ar = ddtree_generate(target, None, prompts[0], method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
+    config = ARSpecConfig(method=method, budget=5, drafts=2, max_new_tokens=n, accept=accept,
+                          sampling=SamplingConfig(temperature=temperature, seed=seed))
+    with pytest.MonkeyPatch.context() as mp:  # (hypothesis runs the test many times: no function-scoped fixture)
+        mp.setattr(SDARForCausalLM, "forward", _guessing_forward)
+        model = _float64_drafter(dirs)
+        size = len(prompts[0]) + n
+        model.guess = torch.full((size,), -1, dtype=torch.long)
+        model.guess[len(prompts[0]) :] = torch.tensor(ar.tokens)
+        model.second = torch.zeros(size, dtype=torch.bool)
+        model.second[len(prompts[0]) + 2] = True
+        runs = [speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, config,
+                                           compile=c) for c in (True, False)]
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
+    assert [r.acceptance_lengths for r in runs[0]] == [r.acceptance_lengths for r in runs[1]]
+    assert static_dllm_drafter_of(model) is not None
+    if accept == "coupled":
+        assert runs[0][0].tokens == ar.tokens
+
+
+_LOADED: dict[str, object] = {}
+
+
+def _float64(dirs):  # noqa: ANN001, ANN202  (hypothesis runs the test many times: load once)
+    if "target" not in _LOADED:
+        _LOADED["target"] = load_target(dirs[0], torch.float64, "cpu")
+    return _LOADED["target"]
+
+
+def _float64_drafter(dirs):  # noqa: ANN001, ANN202
+    if "drafter" not in _LOADED:
+        _LOADED["drafter"] = load_ar_drafter(dirs[1], dtype=torch.float64)
+    return _LOADED["drafter"]
