@@ -29,6 +29,18 @@ blocks); a block stops after :meth:`FastDLLMv2Session.max_block_steps` steps (th
 the model proposes the mask id itself); random draws come from :attr:`generator` (officially the global RNG:
 seeding both alike reproduces it); a batch decoded by its own session applies the rule to every row on its own.
 Ragged batches use SDAR's layout (rows right-aligned by whole blocks, padding hidden, positions the row's own).
+
+Engine speed (issue 37): with ``cache="prefix"`` :meth:`FastDLLMv2Session.forward_states` has a static path
+(:meth:`~FastDLLMv2Session.use_static`, ``compile=True``: :class:`~spiffy.decoding.captured.StaticStates`, a CUDA graph
+per bucket on a GPU): :meth:`~FastDLLMv2Session.window_logits` is the forward on explicit tensors (the per-row position
+offsets and the cache from :meth:`~FastDLLMv2Session.forward_inputs`; the first cached column in
+:meth:`~FastDLLMv2Session.static_layout`), and eager runs the same code, so both give the same logits bit for bit.
+The commit forward of :meth:`~FastDLLMv2Session.begin_block` stays eager. The sub-block cache's forward (its shape
+depends on the state) has none: ``compile=True`` is refused there. The rule runs as one program over rows
+(:mod:`spiffy.decoding.fast_dllm_v2_rule`: no ``nonzero`` or ``bool`` per row); what the host must know (each row's
+masked count and stop hit, for the block ends and the per-row draws at ``T > 0``) travels on the reads Spiffy makes
+anyway (:meth:`~FastDLLMv2Session.count_tensor`), so a Spiffy step makes at most two host reads
+(tests/test_spiffy_syncs.py).
 """
 
 from __future__ import annotations
@@ -64,7 +76,8 @@ class FastDLLMv2Session(DecodeSession):
 
     Attributes beyond :class:`DecodeSession`: ``cache`` (committed K/V), ``lengths`` (prompt length per row),
     ``pads``/``offsets`` (left padding / hidden columns per row), ``first_block`` (absolute index of the first
-    decode block), ``heads`` (per row, per block: whether the block's first position is a head), ``stopped``.
+    decode block), ``heads`` (per row, per block: whether the block's first position is a head), ``row_stopped``
+    (per row: a stop reached), ``stopped`` (every row's), ``position_offsets`` (``offsets`` as a ``[B]`` tensor).
     ``num_blocks`` is ``gen_length // B + 1``: the last block is the single position of the final head.
     """
 
