@@ -147,16 +147,18 @@ def test_fast_dllm_v2_ragged_forward_bitwise(tiny_fast_dllm_v2, dtype: torch.dty
         assert static.nfe == eager.nfe
 
 
-@pytest.mark.parametrize("cache", ["none", "prefix"])
-def test_ragged_batch_equal_eager(llada, cache: str) -> None:
-    """Batched rows (left padding, a ``rows`` vector per forward) on the static path equal eager, with Spiffy."""
-    prompts = ragged_prompts([4, 7, 2])
+@pytest.mark.parametrize("family,cache", [("llada", "none"), ("llada", "prefix"), ("fast_dllm_v2", "prefix")])
+def test_ragged_batch_equal_eager(request, family: str, cache: str) -> None:
+    """Batched rows (left padding, a ``rows`` vector per forward) on the static path equal eager, with Spiffy
+    (Fast-dLLM v2: a prompt of exactly a block, whose prompt block is skipped, and one with a prefill among them)."""
+    model = request.getfixturevalue(family)
+    prompts = ragged_prompts([4, 7, 2] if family == "llada" else [4, 8, 11])
     ids, am = left_pad(prompts)
-    kw = _kw(cache, 1.0, 0)
-    graph, budget = _graph(llada, "freedave", prompts[0], kw)
+    kw = _kw(cache, 1.0, 0, family)
+    graph, budget = _graph(model, "freedave", prompts[0], kw)
     for g, b in ((None, None), (graph, budget)):
-        eager = generate(llada, ids, attention_mask=am, seeds=[7, 11, 5], graph=g, budget=b, compile=False, **kw)
-        static = generate(llada, ids, attention_mask=am, seeds=[7, 11, 5], graph=g, budget=b, compile=True, **kw)
+        eager = generate(model, ids, attention_mask=am, seeds=[7, 11, 5], graph=g, budget=b, compile=False, **kw)
+        static = generate(model, ids, attention_mask=am, seeds=[7, 11, 5], graph=g, budget=b, compile=True, **kw)
         assert static.tokens == eager.tokens and static.nfe == eager.nfe
         assert static.stats["capture"]["runs"] >= 1
 

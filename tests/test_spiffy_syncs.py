@@ -47,9 +47,9 @@ CASES = {
 }
 
 
-def _kw(rule: str, cache: str, model=None, prompt: torch.Tensor | None = None) -> dict:
-    """The case's ``generate`` kwargs (Fast-dLLM v2: ``model`` and ``prompt`` pick its stop id)."""
-    if type(model).__name__ == "Fast_dLLM_QwenForCausalLM":
+def _kw(family: str, rule: str, cache: str, model, prompt: torch.Tensor) -> dict:
+    """The case's ``generate`` kwargs (Fast-dLLM v2's stop id: a token ``model`` generates for ``prompt``)."""
+    if family == "fast_dllm_v2":
         # sub-blocks of 4; at 0.0125 the tiny model's step unmasks 1 to 3 positions (its top probability ~0.01-0.015)
         kw = dict(gen_length=GEN, block_length=BLOCK, small_block_size=4, threshold=0.0125, cache=cache,
                   temperature=0.0, seed=0, stop_token_ids=())
@@ -94,7 +94,7 @@ def test_spiffy_step_syncs_on_tiny_models(request, family: str) -> None:
     prompt = torch.randint(5, 250, (5,), generator=torch.Generator().manual_seed(0))
     graph = random_graph(4, 16, seed=1, i_max=6, j_max=3)
     for rule, cache in CASES[family]:
-        kw = _kw(rule, cache, model, prompt)
+        kw = _kw(family, rule, cache, model, prompt)
         baseline = make_session(model, prompt[None], **kw)
         run_baseline(baseline)
         for budget in BUDGETS:
@@ -111,7 +111,7 @@ def test_rivals_step_syncs_on_tiny_models(request, family: str) -> None:
     model = request.getfixturevalue(family)
     prompt = torch.randint(5, 250, (5,), generator=torch.Generator().manual_seed(2))
     for rule, cache in (CASES[family][0], CASES[family][-1]):
-        kw = _kw(rule, cache, model, prompt)
+        kw = _kw(family, rule, cache, model, prompt)
         baseline = make_session(model, prompt[None], **kw)
         run_baseline(baseline)
         for make in (freedave_graph, ssd_graph):
@@ -134,7 +134,7 @@ def test_spiffy_under_inference_mode_equals_no_grad(request, family: str) -> Non
     states, inference = [], []
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
-            session = make_session(model, prompt[None], **_kw(rule, cache, model, prompt))
+            session = make_session(model, prompt[None], **_kw(family, rule, cache, model, prompt))
             session.use_static()
             speculative_generate(session, graph, 5)
         states.append(session.x)
