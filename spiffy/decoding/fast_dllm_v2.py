@@ -119,6 +119,7 @@ class FastDLLMv2Session(DecodeSession):
         self.position_offsets = torch.tensor(self.offsets, dtype=torch.long, device=device)
         self._gen_cols = torch.tensor(self.gen_starts, dtype=torch.long, device=device)
         self._stops = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
+        self._heads = torch.tensor(self.heads, dtype=torch.bool, device=device)  # [B, num_blocks]
         width = total * bs + 1
         max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if max_pos is not None and width - min(self.offsets) > int(max_pos):
@@ -365,25 +366,33 @@ class FastDLLMv2Session(DecodeSession):
         ``multinomial``) comes from :meth:`_host_state` (on the host already after Spiffy's reads)."""
         out = x.clone()
         s, e = info.block_start, info.block_end
-        live = [not stopped for stopped in self.row_stopped]
         if logits.shape[1] == 1:
-            heads = torch.tensor([ok and h[info.block] for ok, h in zip(live, self.heads)], device=x.device)
-            place = heads & (x[:, s] == self.mask_id)
+            place = self._heads[:, info.block] & self._live & (x[:, s] == self.mask_id)
             out[:, s] = torch.where(place, logits[:, 0].argmax(dim=-1), x[:, s])
             return out
         cur = x[:, s:e]
+        active = (cur == self.mask_id).any(dim=1) & self._live  # [B]: a mask left, not stopped, no stop reached
+        if self.stop_ids:
+            active &= ~self._stop_hits(info.block, x)
         sampled: list[int] = []
-        if self.temperature > 0.0:  # the draws are per row: the host needs the rows that step
+        if self.temperature > 0.0:  # the draws are per row: the host needs the rows that step (the same rows)
             masked, hits = self._host_state(info.block, x)
-            sampled = [r for r in range(len(live)) if live[r] and masked[r] > 0 and not hits[r]]
-            active = torch.tensor([r in sampled for r in range(len(live))], device=x.device)
-        else:
-            active = (cur == self.mask_id).any(dim=1) & torch.tensor(live, device=x.device)
-            if self.stop_ids:
-                active &= ~self._stop_hits(info.block, x)
+            sampled = [r for r, (stopped, n, hit) in enumerate(zip(self.row_stopped, masked, hits))
+                       if not stopped and n > 0 and not hit]
         out[:, s:e] = sub_block_step(cur, logits, self.mask_id, active, self.small_block, self.threshold,
                                      self.temperature, self.top_p, self.generator, sampled)
         return out
+
+    @property
+    def row_stopped(self) -> list[bool]:
+        """Per row: a stop was reached (its generation ended); mirrored on the device (``_live`` ``[B]``, the rows still
+        generating) when set, so a step reads it without building a tensor from a host list."""
+        return self._row_stopped
+
+    @row_stopped.setter
+    def row_stopped(self, value: list[bool]) -> None:
+        self._row_stopped = [bool(v) for v in value]
+        self._live = torch.tensor([not v for v in self._row_stopped], dtype=torch.bool, device=self.device)
 
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         """No mask left in the block, or a stop reached (see :meth:`_stop_hits`), in every row still generating; or
