@@ -91,4 +91,5 @@ def test_rule_equals_the_row_by_row_reference(fast_dllm_v2, chunk: int) -> None:
             session.x = x
             session.end_block(block)
             assert session.row_stopped == [a or h for a, h in zip(stopped, hits)], where
+            assert session._live.tolist() == [not a for a in session.row_stopped], where  # its device mirror
             assert session.stopped == all(session.row_stopped), where

@@ -412,7 +412,8 @@ class FastDLLMv2Session(DecodeSession):
         """A stop reached in ``block`` ends its row's generation (:attr:`stopped` once every row stopped)."""
         if self.stop_ids:
             hits = self._host_state(block, self.x)[1]
-            self.row_stopped = [stopped or hit for stopped, hit in zip(self.row_stopped, hits)]
+            self._row_stopped = [stopped or hit for stopped, hit in zip(self._row_stopped, hits)]
+            self._live = self._live & ~self._stop_hits(block, self.x)  # the same hits on the device: no copy over
         self.stopped = all(self.row_stopped)
 
     def planned_steps(self) -> int | None:
