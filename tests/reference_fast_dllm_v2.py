@@ -37,7 +37,8 @@ def official_sample(logits: torch.Tensor, temperature: float, top_p: float,
     return torch.multinomial(probs, num_samples=1, generator=generator)[:, 0], probs
 
 
-def reference_stop_hit(x: torch.Tensor, s: int, e: int, gen_start: int, mask_id: int, stop_ids: tuple[int, ...]) -> bool:
+def reference_stop_hit(x: torch.Tensor, s: int, e: int, gen_start: int, mask_id: int,
+                       stop_ids: tuple[int, ...]) -> bool:
     """Whether row ``x`` ``[T]``'s first stop token in ``[max(s, gen_start), e)`` has no mask before it."""
     if not stop_ids:
         return False

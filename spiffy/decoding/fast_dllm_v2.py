@@ -191,7 +191,8 @@ class FastDLLMv2Session(DecodeSession):
         the official block-causal mask (blocks of ``mask_block`` over each row's own positions), padding hidden;
         ``mask_block=0``: no mask (every key visible, the official sub-block cache forward). One NFE."""
         if mask_block == 0:
-            positions = torch.arange(q_start, q_start + tokens.shape[1], device=tokens.device)[None, :] - self.offsets[0]
+            positions = torch.arange(q_start, q_start + tokens.shape[1], device=tokens.device)[None, :]
+            positions = positions - self.offsets[0]
             with torch.no_grad():
                 out = self.model(tokens, position_ids=positions, past_key_values=cache, cache_policy="read",
                                  block_size=0)
