@@ -144,7 +144,8 @@ def generate(
         compile: the static path of every step's forward (``True`` / ``"on"``): static buffers, one CUDA graph per
             (states, window) bucket on a GPU, the same code eagerly on a CPU; ``False`` / ``"off"``: eager (the
             reference); ``None`` / ``"auto"``: :func:`spiffy.capture.resolve_compile`. Same tokens either way;
-            ``result.stats["capture"]`` reports the buckets. Families without a static path refuse ``True``.
+            ``result.stats["capture"]`` reports the buckets. Every family has a static path; Fast-dLLM v2's sub-block
+            cache (``cache="dual"``, whose forward's shape depends on the state) refuses ``True``.
     Returns:
         :class:`DiffusionResult`.
     """

@@ -2,8 +2,9 @@
 
 On a CPU the static path runs the code a GPU captures, eagerly, on the model's static buffers with the states padded
 to their bucket: its logits must equal eager's bit for bit (float32 and float64), so every method's tokens, states and
-forward counts do too (baseline, Spiffy on an oracle graph, FreeDave, SSD; LLaDA and Dream, every cache mode, T = 0
-and seeded T > 0, single prompts and ragged batches), and a bucket built once serves later prompts and calls.
+forward counts do too (baseline, Spiffy on an oracle graph, FreeDave, SSD; LLaDA and Dream, every cache mode, SDAR,
+LLaDA2.0 and Fast-dLLM v2's prefix cache, T = 0 and seeded T > 0, single prompts and ragged batches), and a bucket
+built once serves later prompts and calls.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 GEN, BLOCK = 16, 8
 #: every (family, cache mode) with a static path: LLaDA and Dream (no cache, prefix, dual), SDAR's committed cache,
-#: LLaDA2.0 (the official recompute and the committed cache)
+#: LLaDA2.0 (the official recompute and the committed cache), Fast-dLLM v2's committed cache (its sub-block cache,
+#: "dual", is refused: test_compile_refused_for_the_sub_block_cache)
 FAMILY_CACHES = [(f, c) for f in ("llada", "dream") for c in ("none", "prefix", "dual")] + [
-    ("sdar", "prefix"), ("llada2", "none"), ("llada2", "prefix")]
+    ("sdar", "prefix"), ("llada2", "none"), ("llada2", "prefix"), ("fast_dllm_v2", "prefix")]
 
 
-def _kw(cache: str, temp: float, seed: int) -> dict:
+def _kw(cache: str, temp: float, seed: int, family: str = "") -> dict:
+    if family == "fast_dllm_v2":  # its threshold rule in sub-blocks (no step schedule): 0.0125 takes 1-3 per step
+        return dict(gen_length=GEN, block_length=BLOCK, small_block_size=4, threshold=0.0125, cache=cache,
+                    temperature=temp, seed=seed)
     return dict(gen_length=GEN, block_length=BLOCK, steps=GEN // 2, cache=cache, temperature=temp, seed=seed)
 
 
@@ -56,15 +61,15 @@ def _graph(model, method: str, prompt: torch.Tensor, kw: dict):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "fast_dllm_v2"])
 def test_forward_states_bitwise(request, family: str, dtype: torch.dtype) -> None:
     """Logits of N = 3 states equal eager's bit for bit, per cache mode and block (the inputs are copies: a
     static path reading the session's own tensors, or padding the states, would not be checked by this)."""
     model = load_model(request.getfixturevalue(f"tiny_{family}"), dtype=dtype)
     prompt = ragged_prompts([5])[0]
     for cache in [c for f, c in FAMILY_CACHES if f == family]:
-        eager = make_session(model, prompt[None], **_kw(cache, 0.0, 0))
-        static = make_session(model, prompt[None], **_kw(cache, 0.0, 0))
+        eager = make_session(model, prompt[None], **_kw(cache, 0.0, 0, family))
+        static = make_session(model, prompt[None], **_kw(cache, 0.0, 0, family))
         static.use_static()
         g = torch.Generator().manual_seed(1)
         for block in range(2):
@@ -87,9 +92,14 @@ def test_forward_states_bitwise(request, family: str, dtype: torch.dtype) -> Non
 def test_captured_tokens_equal_eager(request, family_cache: tuple[str, str], method: str, temp: float, seed: int,
                                      length: int) -> None:
     family, cache = family_cache
-    model = request.getfixturevalue(family)
+    _tokens_equal(request.getfixturevalue(family), family, cache, method, temp, seed, length)
+
+
+def _tokens_equal(model, family: str, cache: str, method: str, temp: float, seed: int, length: int) -> None:
+    """``method``'s generation of a random prompt of ``length`` tokens, static against eager: the same tokens,
+    states, forward and step counts."""
     prompt = torch.randint(5, 250, (length,), generator=torch.Generator().manual_seed(seed))
-    kw = _kw(cache, temp, seed)
+    kw = _kw(cache, temp, seed, family)
     graph, budget = _graph(model, method, prompt, kw)
     eager = generate(model, prompt[None], graph=graph, budget=budget, compile=False, **kw)
     static = generate(model, prompt[None], graph=graph, budget=budget, compile=True, **kw)
@@ -99,16 +109,56 @@ def test_captured_tokens_equal_eager(request, family_cache: tuple[str, str], met
     assert static.stats["capture"]["buckets"] >= 1 and "capture" not in eager.stats
 
 
-@pytest.mark.parametrize("cache", ["none", "prefix"])
-def test_ragged_batch_equal_eager(llada, cache: str) -> None:
-    """Batched rows (left padding, a ``rows`` vector per forward) on the static path equal eager, with Spiffy."""
-    prompts = ragged_prompts([4, 7, 2])
+@pytest.mark.parametrize("method", ["baseline", "spiffy", "freedave", "ssd"])
+def test_fast_dllm_v2_tokens_equal_eager(fast_dllm_v2, method: str) -> None:
+    """Fast-dLLM v2 every method (the property test above draws it among the other families), T = 0 and seeded
+    T > 0, a prompt sharing its first block with the masks, one as long as a block (the official loop ignores it)
+    and one with a prefill: the static path's tokens are eager's."""
+    for temp, seed, length in ((0.0, 3, 5), (1.0, 4, 8), (1.0, 5, 11)):
+        _tokens_equal(fast_dllm_v2, "fast_dllm_v2", "prefix", method, temp, seed, length)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fast_dllm_v2_ragged_forward_bitwise(tiny_fast_dllm_v2, dtype: torch.dtype) -> None:
+    """Ragged Fast-dLLM v2 batches, every layout its offsets take (a prompt shorter than a block, one of exactly a
+    block whose prompt block is skipped, longer ones with a prefill; and a batch with nothing prefilled, whose cache
+    starts after the skipped block): the static logits of batch rows (``rows``) and of the batch's own call equal
+    eager's bit for bit, block by block, the logits shift included."""
+    model = load_model(tiny_fast_dllm_v2, dtype=dtype)
+    g = torch.Generator().manual_seed(2)
+    for lengths in ([5, 8, 13, 16], [8, 3]):
+        ids, am = left_pad(ragged_prompts(lengths))
+        eager, static = (make_session(model, ids, attention_mask=am, **_kw("prefix", 0.0, 0, "fast_dllm_v2"))
+                         for _ in range(2))
+        static.use_static()
+        assert eager.static is None and static.static is not None
+        for block in range(eager.num_blocks):
+            eager.begin_block(block)
+            static.begin_block(block)
+            rows = torch.tensor([0, len(lengths) - 1, 1, 1])
+            states = eager.x[rows].clone()
+            start, end = eager.block_bounds(block)
+            states[1:, start:end] = torch.randint(5, 250, (3, end - start), generator=g)
+            for s, r in ((states, rows), (eager.x, None)):
+                a, b = eager.forward_states(s, r), static.forward_states(s, r)
+                assert a.dtype == dtype and torch.equal(a, b), (lengths, block, r is None)
+            eager.end_block(block)
+            static.end_block(block)
+        assert static.nfe == eager.nfe
+
+
+@pytest.mark.parametrize("family,cache", [("llada", "none"), ("llada", "prefix"), ("fast_dllm_v2", "prefix")])
+def test_ragged_batch_equal_eager(request, family: str, cache: str) -> None:
+    """Batched rows (left padding, a ``rows`` vector per forward) on the static path equal eager, with Spiffy
+    (Fast-dLLM v2: a prompt of exactly a block, whose prompt block is skipped, and one with a prefill among them)."""
+    model = request.getfixturevalue(family)
+    prompts = ragged_prompts([4, 7, 2] if family == "llada" else [4, 8, 11])
     ids, am = left_pad(prompts)
-    kw = _kw(cache, 1.0, 0)
-    graph, budget = _graph(llada, "freedave", prompts[0], kw)
+    kw = _kw(cache, 1.0, 0, family)
+    graph, budget = _graph(model, "freedave", prompts[0], kw)
     for g, b in ((None, None), (graph, budget)):
-        eager = generate(llada, ids, attention_mask=am, seeds=[7, 11, 5], graph=g, budget=b, compile=False, **kw)
-        static = generate(llada, ids, attention_mask=am, seeds=[7, 11, 5], graph=g, budget=b, compile=True, **kw)
+        eager = generate(model, ids, attention_mask=am, seeds=[7, 11, 5], graph=g, budget=b, compile=False, **kw)
+        static = generate(model, ids, attention_mask=am, seeds=[7, 11, 5], graph=g, budget=b, compile=True, **kw)
         assert static.tokens == eager.tokens and static.nfe == eager.nfe
         assert static.stats["capture"]["runs"] >= 1
 
@@ -129,12 +179,16 @@ def test_buckets_are_reused_across_prompts_and_calls(dream) -> None:
     assert third.tokens == first.tokens
 
 
-def test_compile_refused_where_no_static_path(fast_dllm_v2) -> None:
-    """Fast-dLLM v2 (its sub-block cache) has no static path yet: compile=True is refused, never ignored."""
-    with pytest.raises(ConfigError, match="compile=False"):
-        generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, compile=True)
+def test_compile_refused_for_the_sub_block_cache(fast_dllm_v2) -> None:
+    """Fast-dLLM v2's sub-block cache (cache="dual": a step forwards the block or one sub-block, chosen from the
+    state, and rewrites the block's K/V in place) has no static path: compile=True is refused naming the fix, never
+    ignored; its prefix cache runs static."""
+    with pytest.raises(ConfigError, match="cache='dual'.*fix: use cache='prefix'.*compile=False"):
+        generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, cache="dual", compile=True)
     with pytest.raises(ConfigError, match="--compile on\\|off\\|auto"):
         generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, compile="maybe")
+    out = generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, compile=True)
+    assert out.stats["capture"]["buckets"] >= 1
 
 
 @pytest.mark.parametrize("moe_family", ["llada2", "llada_moe", "sdar_moe"])
@@ -180,7 +234,7 @@ def test_static_forward_makes_no_host_sync(request, family: str, cache: str) -> 
     (to the CPU), on a GPU they stay on the device and are no-ops."""
     model = request.getfixturevalue(family)
     for ids, am in ((torch.tensor([[5, 6, 7, 8]]), None), left_pad(ragged_prompts([4, 2]))):
-        s = make_session(model, ids, attention_mask=am, **_kw(cache, 0.0, 0))
+        s = make_session(model, ids, attention_mask=am, **_kw(cache, 0.0, 0, family))
         s.use_static()
         s.begin_block(0)
         rows = None if am is None else torch.tensor([0, 1, 1])

@@ -192,3 +192,26 @@ def test_freedave_chain_equals_baseline(tiny_fast_dllm_v2: Path, threshold: floa
             assert out.tokens == generate(model, ids, config).tokens
             accepted += int(out.stats["accepted_total"]) if "accepted_total" in out.stats else 0
     assert accepted > 0
+
+
+def test_forward_states_is_the_shifted_block_causal_call(tiny_fast_dllm_v2: Path) -> None:
+    """``forward_states`` (eager and static) returns the official shifted logits: block position ``i`` gets the logits
+    of column ``i - 1``, the block's first position its own, of a call whose committed blocks see only themselves and
+    earlier blocks; checked against one uncached call over ``[0, end)`` in blocks of ``B`` (the official-code
+    fixtures above skip on a CPU of another kind, this does not)."""
+    model = load_model(tiny_fast_dllm_v2, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    kw = dict(gen_length=16, block_length=8, small_block_size=4, threshold=0.05, stop_token_ids=())
+    for static in (False, True):
+        s = make_session(model, torch.tensor([[5, 6, 7, 8, 9]]), **kw)
+        if static:
+            s.use_static()
+        for block in range(2):
+            s.begin_block(block)
+            start, end = s.block_bounds(block)
+            x = s.x.clone()
+            x[:, max(start, 5) : end] = torch.randint(13, 250, (1, end - max(start, 5)), generator=g)
+            full = model(x[:, :end], block_size=8).logits[:, start:end]
+            want = torch.cat([full[:, :1], full[:, :-1]], dim=1)
+            torch.testing.assert_close(s.forward_states(x), want, rtol=1e-9, atol=1e-9)
+            s.end_block(block)

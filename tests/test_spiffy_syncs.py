@@ -13,7 +13,8 @@ What is left per step: one read of the step's ranking (its tables, the masked co
 state), one read per walk step (its match flags and the new state's counts), and what a rule reads once per block
 or generation (LLaDA's static schedule; the first block's masked counts). The rules take their masked counts from
 those reads (:meth:`~spiffy.decoding.session.DecodeSession.masked_counts`), so their transitions and block-end checks
-read nothing themselves.
+read nothing themselves. Fast-dLLM v2's rule (its sub-block choice, threshold step and stop test) runs on the device
+as one program over rows; the stop hits travel with the counts.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batch_cases import dream, llada, sdar  # noqa: F401 - fixtures
+from batch_cases import dream, fast_dllm_v2, llada, sdar  # noqa: F401 - fixtures
 from spiffy.bench.syncs import SyncCounter
 from spiffy.decoding import make_session
 from spiffy.decoding.batch import run_baseline
@@ -36,15 +37,28 @@ GEN, BLOCK = 16, 8
 BUDGETS = (1, 5, 12)
 #: (rule, cache) per family, every cache mode with a static path: LLaDA and Dream under their static schedule and
 #: Fast-dLLM's threshold rule (Dream also under its ``origin`` algorithm); SDAR's committed cache under its static and dynamic strategies, and with a stop id
-#: (its stop rule reads the state at every block end)
+#: (its stop rule reads the state at every block end); Fast-dLLM v2's threshold rule in sub-blocks on its prefix
+#: cache, without and with a stop id (one the baseline generates in its second block: generation stops there)
 CASES = {
     "llada": [(r, c) for r in ("static", "threshold") for c in ("none", "prefix", "dual")],
     "dream": [(r, c) for r in ("static", "threshold", "origin") for c in ("none", "prefix", "dual")],
     "sdar": [("static", "prefix"), ("dynamic", "prefix"), ("stop", "prefix")],
+    "fast_dllm_v2": [("threshold", "prefix"), ("stop", "prefix")],
 }
 
 
-def _kw(rule: str, cache: str) -> dict:
+def _kw(family: str, rule: str, cache: str, model, prompt: torch.Tensor) -> dict:
+    """The case's ``generate`` kwargs (Fast-dLLM v2's stop id: a token ``model`` generates for ``prompt``)."""
+    if family == "fast_dllm_v2":
+        # sub-blocks of 4; at 0.0125 the tiny model's step unmasks 1 to 3 positions (its top probability ~0.01-0.015)
+        kw = dict(gen_length=GEN, block_length=BLOCK, small_block_size=4, threshold=0.0125, cache=cache,
+                  temperature=0.0, seed=0, stop_token_ids=())
+        if rule == "stop":
+            free = make_session(model, prompt[None], **kw)
+            run_baseline(free)
+            start = free.block_bounds(1)[0]
+            kw["stop_token_ids"] = (int(free.x[0, start + 2]),)  # a token of the second block: a stop is reached
+        return kw
     kw = dict(gen_length=GEN, block_length=BLOCK, cache=cache, temperature=0.0, seed=0)
     if rule == "threshold":
         kw["threshold"] = 0.05
@@ -74,12 +88,13 @@ def test_spiffy_step_syncs_on_tiny_models(request, family: str) -> None:
     """At most 2 host reads per Spiffy step, at D* = 1, 5 and 12, in every case of the family, each read a
     ``tolist`` (no ``.item()``, boolean index or ``bool(tensor)`` left in the step); the tokens are the eager
     baseline's. Before this test: LLaDA's threshold rule about 5.5 per step, Dream 4.5 to 8.7, SDAR 3.8 to 4.6
-    (static schedules of LLaDA: 1.0 to 1.9 already)."""
+    (static schedules of LLaDA: 1.0 to 1.9 already); Fast-dLLM v2 (eager: it had no static path) 7.5 without a stop
+    id and 10.0 with one."""
     model = request.getfixturevalue(family)
     prompt = torch.randint(5, 250, (5,), generator=torch.Generator().manual_seed(0))
     graph = random_graph(4, 16, seed=1, i_max=6, j_max=3)
     for rule, cache in CASES[family]:
-        kw = _kw(rule, cache)
+        kw = _kw(family, rule, cache, model, prompt)
         baseline = make_session(model, prompt[None], **kw)
         run_baseline(baseline)
         for budget in BUDGETS:
@@ -96,7 +111,7 @@ def test_rivals_step_syncs_on_tiny_models(request, family: str) -> None:
     model = request.getfixturevalue(family)
     prompt = torch.randint(5, 250, (5,), generator=torch.Generator().manual_seed(2))
     for rule, cache in (CASES[family][0], CASES[family][-1]):
-        kw = _kw(rule, cache)
+        kw = _kw(family, rule, cache, model, prompt)
         baseline = make_session(model, prompt[None], **kw)
         run_baseline(baseline)
         for make in (freedave_graph, ssd_graph):
@@ -119,7 +134,7 @@ def test_spiffy_under_inference_mode_equals_no_grad(request, family: str) -> Non
     states, inference = [], []
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
-            session = make_session(model, prompt[None], **_kw(rule, cache))
+            session = make_session(model, prompt[None], **_kw(family, rule, cache, model, prompt))
             session.use_static()
             speculative_generate(session, graph, 5)
         states.append(session.x)

@@ -22,7 +22,8 @@ once per model and reused by every later forward, block, prompt and call with th
 Sessions plug in with ``forward_inputs()`` (the tensors a forward reads, :class:`~spiffy.decoding.base.ForwardInputs`),
 ``window_logits(states, rows, inputs, window)`` (the forward on explicit tensors) and ``static_layout()``: LLaDA,
 LLaDA-MoE and Dream (:class:`~spiffy.decoding.base.BidirectionalSession`), SDAR, SDAR-MoE and LLaDA2.0
-(:class:`~spiffy.decoding.sdar.SDARSession`). The MoE families (LLaDA-MoE, SDAR-MoE, LLaDA2.0) run their experts
+(:class:`~spiffy.decoding.sdar.SDARSession`), Fast-dLLM v2's prefix cache
+(:class:`~spiffy.decoding.fast_dllm_v2.FastDLLMv2Session`; its sub-block cache refuses the static path). The MoE families (LLaDA-MoE, SDAR-MoE, LLaDA2.0) run their experts
 grouped in a static forward (:mod:`spiffy.models.moe_dispatch`: sorted by expert, one ``torch._grouped_mm`` per
 projection, no host read; bitwise the per-expert products); where that is impossible a CUDA capture is refused
 (:meth:`StaticStates.for_model`).

@@ -29,6 +29,18 @@ blocks); a block stops after :meth:`FastDLLMv2Session.max_block_steps` steps (th
 the model proposes the mask id itself); random draws come from :attr:`generator` (officially the global RNG:
 seeding both alike reproduces it); a batch decoded by its own session applies the rule to every row on its own.
 Ragged batches use SDAR's layout (rows right-aligned by whole blocks, padding hidden, positions the row's own).
+
+Engine speed (issue 37): with ``cache="prefix"`` :meth:`FastDLLMv2Session.forward_states` has a static path
+(:meth:`~FastDLLMv2Session.use_static`, ``compile=True``: :class:`~spiffy.decoding.captured.StaticStates`, a CUDA graph
+per bucket on a GPU): :meth:`~FastDLLMv2Session.window_logits` is the forward on explicit tensors (the per-row position
+offsets and the cache from :meth:`~FastDLLMv2Session.forward_inputs`; the first cached column in
+:meth:`~FastDLLMv2Session.static_layout`), and eager runs the same code, so both give the same logits bit for bit.
+The commit forward of :meth:`~FastDLLMv2Session.begin_block` stays eager. The sub-block cache's forward (its shape
+depends on the state) has none: ``compile=True`` is refused there. The rule runs as one program over rows
+(:mod:`spiffy.decoding.fast_dllm_v2_rule`: no ``nonzero`` or ``bool`` per row); what the host must know (each row's
+masked count and stop hit, for the block ends and the per-row draws at ``T > 0``) travels on the reads Spiffy makes
+anyway (:meth:`~FastDLLMv2Session.count_tensor`), so a Spiffy step makes at most two host reads
+(tests/test_spiffy_syncs.py).
 """
 
 from __future__ import annotations
@@ -37,8 +49,11 @@ from typing import Any
 
 import torch
 
+from spiffy.decoding.base import ForwardInputs
+from spiffy.decoding.captured import StaticStates
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.fast_dllm_v2_config import FastDLLMv2DecodeConfig
+from spiffy.decoding.fast_dllm_v2_rule import first_masked, stop_hits, sub_block_step, top_p_sample
 from spiffy.decoding.sdar import _logits_of, _prompt_lengths
 from spiffy.decoding.session import DecodeSession, StepInfo, check_state_rows, gather_cache_rows
 from spiffy.errors import ConfigError, PromptTooLongError
@@ -46,28 +61,6 @@ from spiffy.models.cache import KVCache
 from spiffy.models.fast_dllm_v2 import OFFICIAL_MASK_BLOCK
 from spiffy.models.loading import SpecialTokenIds, mask_token_id
 from spiffy.torch_utils import model_device
-
-
-def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float,
-                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The official sampler on one row's sub-block logits ``[L, V]``: ``(tokens [L], probabilities [L, V])``.
-
-    Temperature 0: ``softmax`` then its argmax. Else ``softmax(logits / T)``, the smallest set of most probable
-    tokens whose cumulative mass exceeds ``top_p`` kept (the crossing token included), renormalised by its sum, and
-    one ``multinomial`` draw per position (in the logits' dtype, as officially).
-    """
-    if float(temperature) <= 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        return probs.argmax(dim=-1), probs
-    probs = torch.softmax(logits / temperature, dim=-1)
-    sorted_probs, order = torch.sort(probs, descending=True)
-    drop_sorted = torch.cumsum(sorted_probs, dim=-1) > top_p
-    drop_sorted[..., 1:] = drop_sorted[..., :-1].clone()
-    drop_sorted[..., 0] = False
-    drop = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, drop_sorted)
-    probs[drop] = 0
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    return torch.multinomial(probs, num_samples=1, generator=generator)[:, 0], probs
 
 
 class FastDLLMv2Session(DecodeSession):
@@ -83,7 +76,8 @@ class FastDLLMv2Session(DecodeSession):
 
     Attributes beyond :class:`DecodeSession`: ``cache`` (committed K/V), ``lengths`` (prompt length per row),
     ``pads``/``offsets`` (left padding / hidden columns per row), ``first_block`` (absolute index of the first
-    decode block), ``heads`` (per row, per block: whether the block's first position is a head), ``stopped``.
+    decode block), ``heads`` (per row, per block: whether the block's first position is a head), ``row_stopped``
+    (per row: a stop reached), ``stopped`` (every row's), ``position_offsets`` (``offsets`` as a ``[B]`` tensor).
     ``num_blocks`` is ``gen_length // B + 1``: the last block is the single position of the final head.
     """
 
@@ -120,6 +114,12 @@ class FastDLLMv2Session(DecodeSession):
         self.heads = [[p > bs and p % bs == 0] + [True] * nb for p in self.lengths]
         self.gen_starts = [pad + p for pad, p in zip(self.pads, self.lengths)]
         self.prompt_len = min(self.gen_starts)
+        # [B] per-row tensors the forward (position offsets) and the rule (generation starts, stop ids) read on the
+        # device, made once: a static forward copies them into its buffers, a step creates none from host lists
+        self.position_offsets = torch.tensor(self.offsets, dtype=torch.long, device=device)
+        self._gen_cols = torch.tensor(self.gen_starts, dtype=torch.long, device=device)
+        self._stops = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
+        self._heads = torch.tensor(self.heads, dtype=torch.bool, device=device)  # [B, num_blocks]
         width = total * bs + 1
         max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if max_pos is not None and width - min(self.offsets) > int(max_pos):
@@ -175,22 +175,42 @@ class FastDLLMv2Session(DecodeSession):
         return 4 * self.block_length + 1
 
     # ------------------------------------------------------------------ model calls
+    def forward_inputs(self) -> ForwardInputs:
+        """The tensors a block-causal call reads besides its tokens: the per-row position offsets ``[B]`` (as
+        ``position_ids``; the hidden columns of each row, which also hide its padding keys) and the committed cache."""
+        return ForwardInputs(None, self.position_offsets, None, None, self.cache)  # type: ignore[arg-type]
+
+    def static_layout(self) -> tuple:
+        """The Python values :meth:`window_logits` reads from the session (a static bucket's key holds them): the
+        first cached column (the cache holds columns ``[_cache_base, block start)``) and the mask's block."""
+        return (self._cache_base, OFFICIAL_MASK_BLOCK)
+
     def _call(self, tokens: torch.Tensor, q_start: int, store: bool, mask_block: int,
               rows: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
         """One model call on ``tokens`` ``[N, L]`` (columns ``[q_start, q_start + L)``) over the committed keys:
         the official block-causal mask (blocks of ``mask_block`` over each row's own positions), padding hidden;
-        ``mask_block=0``: no mask (every key visible, the official sub-block cache forward)."""
-        n, length = int(tokens.shape[0]), int(tokens.shape[1])
-        dev = tokens.device
+        ``mask_block=0``: no mask (every key visible, the official sub-block cache forward). One NFE."""
         if mask_block == 0:
-            positions = torch.arange(q_start, q_start + length, device=dev)[None, :] - self.offsets[0]
+            positions = torch.arange(q_start, q_start + tokens.shape[1], device=tokens.device)[None, :]
+            positions = positions - self.offsets[0]
             with torch.no_grad():
                 out = self.model(tokens, position_ids=positions, past_key_values=cache, cache_policy="read",
                                  block_size=0)
             self.nfe += 1
             return _logits_of(out)
-        offsets = torch.tensor(self.offsets, dtype=torch.long, device=dev)
-        offsets = offsets[rows] if rows is not None else offsets.expand(n) if len(self.offsets) == 1 else offsets
+        logits = self._masked_call(tokens, q_start, store, mask_block, rows, self.forward_inputs(), cache)
+        self.nfe += 1
+        return logits
+
+    def _masked_call(self, tokens: torch.Tensor, q_start: int, store: bool, mask_block: int,
+                     rows: torch.Tensor | None, inputs: ForwardInputs, cache: Any = None) -> torch.Tensor:
+        """:meth:`_call` with a mask on explicit ``inputs`` (offsets ``[B]``, cache; ``cache`` overrides the latter):
+        ``[N, L, V]`` raw logits. Reads no other tensor of the session and nothing back from the device (a CUDA
+        graph can hold it); no NFE counted."""
+        n, length = int(tokens.shape[0]), int(tokens.shape[1])
+        dev = tokens.device
+        offsets = inputs.position_ids
+        offsets = offsets[rows] if rows is not None else offsets.expand(n) if offsets.shape[0] == 1 else offsets
         qcol = torch.arange(q_start, q_start + length, device=dev)
         kcol = torch.arange(self._cache_base, q_start + length, device=dev)
         qpos = qcol[None, :] - offsets[:, None]
@@ -199,10 +219,32 @@ class FastDLLMv2Session(DecodeSession):
         visible |= qcol[:, None] == kcol[None, :]  # a padding query sees itself (its output is discarded)
         with torch.no_grad():
             out = self.model(tokens, attention_mask=visible[:, None], position_ids=qpos.clamp(min=0),
-                             past_key_values=cache if cache is not None else gather_cache_rows(self.cache, rows),
+                             past_key_values=cache if cache is not None else gather_cache_rows(inputs.cache, rows),
                              cache_policy="append" if store else "read")
-        self.nfe += 1
         return _logits_of(out)
+
+    def window_logits(self, states: torch.Tensor, rows: torch.Tensor | None, inputs: ForwardInputs,
+                      window: tuple[int, int]) -> torch.Tensor:
+        """The read-only forward of :meth:`forward_states` (``cache="prefix"``) on explicit tensors: ``states
+        [N, T]``, ``rows [N]`` or ``None``, ``window = (start, end)`` the block's columns. Returns the shifted logits
+        ``[N, end - start, V]`` (index ``i`` = block position ``i``: logits ``i - 1``, the first position its own).
+        No NFE counted; the static path runs it on its own buffers."""
+        start, end = window
+        logits = self._masked_call(states[:, start:end], start, False, OFFICIAL_MASK_BLOCK, rows, inputs)
+        return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+    def use_static(self, capture: bool = True) -> None:
+        """Run :meth:`forward_states` on the model's static buffers (:class:`~spiffy.decoding.captured.StaticStates`,
+        a CUDA graph per bucket on a GPU; on a CPU the static code runs eagerly). ``cache="prefix"`` only: the
+        sub-block cache's forward is refused (ConfigError)."""
+        if self.config.block_cache:
+            raise ConfigError(
+                "compile=True cannot run Fast-dLLM v2 with cache='dual' (the official sub-block cache): each step "
+                "forwards either the whole block or one sub-block, chosen from the state, and rewrites the block's "
+                "K/V in place, so its forward has no fixed shape to capture; fix: use cache='prefix' (the official "
+                "default) or pass compile=False (eager, same tokens)"
+            )
+        self.static = StaticStates.for_model(self.model, model_device(self.model), capture)
 
     def _commit(self, end: int) -> torch.Tensor:
         """Append the K/V of columns ``[committed, end)``: ``[B, 1, V]`` the logits of column ``end - 1``."""
@@ -237,7 +279,8 @@ class FastDLLMv2Session(DecodeSession):
 
     def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``F`` of ``N`` states: the current block of each (``[N, B]`` tokens) against the committed K/V, logits
-        shifted (``[N, B, V]``, index ``i`` = block position ``i``). ``cache="dual"``: one state at a time."""
+        shifted (``[N, B, V]``, index ``i`` = block position ``i``). With :meth:`use_static` the same call runs on
+        static buffers (a CUDA graph per bucket on a GPU). ``cache="dual"``: one state at a time, eager."""
         start, end = self.block_bounds(self._block)
         if self._committed != start:
             raise RuntimeError(f"forward_states for block {self._block} before its prefix was committed")
@@ -245,8 +288,13 @@ class FastDLLMv2Session(DecodeSession):
             states, rows = check_state_rows(states, rows, self.x)
         if self.config.block_cache:
             return self._block_cache_forward(states, rows, start, end)
-        logits = self._call(states[:, start:end].to(self.x.device), start, False, OFFICIAL_MASK_BLOCK, rows)
-        return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        states = states.to(self.x.device)
+        if self.static is not None:
+            logits = self.static.forward(self, states, rows, (start, end))
+        else:
+            logits = self.window_logits(states, rows, self.forward_inputs(), (start, end))
+        self.nfe += 1
+        return logits
 
     def _block_cache_forward(self, states: torch.Tensor, rows: torch.Tensor | None, start: int,
                              end: int) -> torch.Tensor:
@@ -258,9 +306,12 @@ class FastDLLMv2Session(DecodeSession):
                 "fix: use cache='prefix' (the official default) for Spiffy and batches"
             )
         x = states.to(self.x.device)
-        sub = self._current_sub_block(x[0], start, end)
-        a, c = sub if sub is not None else (0, self.block_length)
-        if self._block_kv is None or bool(x[0, start + a] == self.mask_id):
+        # one read: the call's shape depends on it. The block's first masked column; its sub-block [a, c) is the
+        # one decoded, and a step refreshes the whole block iff that sub-block starts with a mask (first == a)
+        first = int(first_masked(x[:, start:end] == self.mask_id)[0])
+        a = first // self.small_block * self.small_block if first < self.block_length else 0
+        c = a + self.small_block if first < self.block_length else self.block_length
+        if self._block_kv is None or (first < self.block_length and first == a):
             recorder = _Recorder(self.cache)
             logits = self._call(x[:, start:end], start, False, OFFICIAL_MASK_BLOCK, cache=recorder)
             self._block_kv = recorder.new
@@ -275,62 +326,95 @@ class FastDLLMv2Session(DecodeSession):
         return out
 
     # ------------------------------------------------------------------ the rule
-    def _current_sub_block(self, row: torch.Tensor, start: int, end: int) -> tuple[int, int] | None:
-        """``(a, c)`` block-relative bounds of the first sub-block of ``row`` with a mask, or None."""
-        masked = (row[start:end] == self.mask_id).nonzero()
-        if masked.numel() == 0:
-            return None
-        a = int(masked[0, 0]) // self.small_block * self.small_block
-        return a, a + self.small_block
+    tracks_counts = True
+
+    def _stop_hits(self, block: int, x: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool: whether each row's first stop token in ``block`` of ``x`` ``[B, T]`` (head included, prompt
+        excluded) has no mask before it: the official stop test, on the device."""
+        s, e = self.block_bounds(block)
+        region = x[:, s:e]
+        generated = torch.arange(s, e, device=x.device)[None, :] >= self._gen_cols[:, None]
+        return stop_hits(region, region == self.mask_id, generated, self._stops)
+
+    def count_tensor(self, block: int, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`DecodeSession.count_tensor` (the masked counts of ``block`` and the next) followed, with stop ids, by
+        :meth:`_stop_hits` of the same blocks (``[B]`` each, as longs): everything the rule reads on the host."""
+        counts = super().count_tensor(block, x)
+        if not self.stop_ids:
+            return counts
+        hits = [self._stop_hits(blk, x) for blk in (block, block + 1) if blk < int(self.num_blocks)]
+        return torch.cat([counts] + [h.to(torch.long) for h in hits])
+
+    def _host_state(self, block: int, x: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """``(masked, hit)``: per row of ``x``, its masked columns in ``block`` and whether a stop ended it there
+        (:meth:`_stop_hits`), as host values: the copy Spiffy's read of ``x`` left, else one read now."""
+        known = self._known(x)
+        if known is None or block not in known[0]:
+            values = self.count_tensor(block, x).tolist()
+            self.remember_counts(block, x, values)
+            known = self._parse_counts(block, x, values)
+        b = int(x.shape[0])
+        masked = known[0][block][1]
+        if not self.stop_ids:
+            return masked, [False] * b
+        i = block - min(known[0])  # the flags hold the stop hits of the read's block, then of the next block
+        return masked, [bool(v) for v in known[1][i * b : (i + 1) * b]]
 
     def transition(self, x: torch.Tensor, logits: torch.Tensor, info: StepInfo) -> torch.Tensor:
         """One step on ``x`` ``[B, T]``: the head (``[B, 1, V]`` logits of the previous commit: argmax, no draw) or a
-        denoising step on the current sub-block (``[B, B_len, V]`` shifted window logits)."""
+        denoising step on each row's current sub-block (``[B, B_len, V]`` shifted window logits), as one program
+        over the rows. Reads nothing back at temperature 0; above it, which rows draw (in row order, each its own
+        ``multinomial``) comes from :meth:`_host_state` (on the host already after Spiffy's reads)."""
         out = x.clone()
         s, e = info.block_start, info.block_end
-        for r in range(x.shape[0]):
-            if logits.shape[1] == 1:
-                if not self.row_stopped[r] and self.heads[r][info.block] and bool(x[r, s] == self.mask_id):
-                    out[r, s] = logits[r, 0].argmax(dim=-1)
-                continue
-            sub = self._current_sub_block(x[r], s, e)
-            if sub is None or self.row_stopped[r] or self._stop_hit(r, info.block, x[r]):
-                continue
-            a, c = sub
-            tokens, probs = top_p_sample(logits[r, a:c], self.temperature, self.top_p, self.generator)
-            masked = x[r, s + a : s + c] == self.mask_id
-            conf = torch.gather(probs, -1, tokens[:, None])[:, 0]
-            conf = torch.where(masked, conf, -torch.inf)
-            take = conf > self.threshold
-            take[conf.argmax(dim=-1)] = True
-            take &= masked
-            out[r, s + a : s + c] = torch.where(take, tokens, x[r, s + a : s + c])
+        if logits.shape[1] == 1:
+            place = self._heads[:, info.block] & self._live & (x[:, s] == self.mask_id)
+            out[:, s] = torch.where(place, logits[:, 0].argmax(dim=-1), x[:, s])
+            return out
+        cur = x[:, s:e]
+        active = (cur == self.mask_id).any(dim=1) & self._live  # [B]: a mask left, not stopped, no stop reached
+        if self.stop_ids:
+            active &= ~self._stop_hits(info.block, x)
+        sampled: list[int] = []
+        if self.temperature > 0.0:  # the draws are per row: the host needs the rows that step (the same rows)
+            masked, hits = self._host_state(info.block, x)
+            sampled = [r for r, (stopped, n, hit) in enumerate(zip(self.row_stopped, masked, hits))
+                       if not stopped and n > 0 and not hit]
+        out[:, s:e] = sub_block_step(cur, logits, self.mask_id, active, self.small_block, self.threshold,
+                                     self.temperature, self.top_p, self.generator, sampled)
         return out
 
-    def _stop_hit(self, r: int, block: int, row: torch.Tensor) -> bool:
-        """Whether row ``r``'s first stop token in ``block`` (head included, prompt excluded) has no mask before it."""
-        if not self.stop_ids:
-            return False
-        s, e = self.block_bounds(block)
-        lo = max(s, self.gen_starts[r])
-        region = row[lo:e]
-        hits = torch.isin(region, torch.tensor(self.stop_ids, device=row.device)).nonzero()
-        return hits.numel() > 0 and not bool((region[: int(hits[0, 0])] == self.mask_id).any())
+    @property
+    def row_stopped(self) -> list[bool]:
+        """Per row: a stop was reached (its generation ended); mirrored on the device (``_live`` ``[B]``, the rows still
+        generating) when set, so a step reads it without building a tensor from a host list."""
+        return self._row_stopped
+
+    @row_stopped.setter
+    def row_stopped(self, value: list[bool]) -> None:
+        self._row_stopped = [bool(v) for v in value]
+        self._live = torch.tensor([not v for v in self._row_stopped], dtype=torch.bool, device=self.device)
 
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
-        """No mask left in the block, or a stop reached (see :meth:`_stop_hit`), or the step bound."""
-        if self.stopped or step >= self.max_block_steps():
+        """No mask left in the block, or a stop reached (see :meth:`_stop_hits`), in every row still generating; or
+        the step bound. From host counts (:meth:`_host_state`: no read after Spiffy's)."""
+        if self.block_end_by_rule(block, step):
             return True
-        s, e = self.block_bounds(block)
-        for r in range(x.shape[0]):
-            if not self.row_stopped[r] and bool((x[r, s:e] == self.mask_id).any()) and not self._stop_hit(r, block, x[r]):
-                return False
-        return True
+        masked, hits = self._host_state(block, x)
+        return all(stopped or n == 0 or hit for stopped, n, hit in zip(self.row_stopped, masked, hits))
+
+    def block_end_by_rule(self, block: int, step: int) -> bool | None:
+        return True if self.stopped or step >= self.max_block_steps() else None
+
+    def reads_block_end(self, block: int) -> bool:
+        return super().reads_block_end(block) or bool(self.stop_ids)  # the stop rule reads the block's last state
 
     def end_block(self, block: int) -> None:
         """A stop reached in ``block`` ends its row's generation (:attr:`stopped` once every row stopped)."""
-        for r in range(self.x.shape[0]):
-            self.row_stopped[r] = self.row_stopped[r] or self._stop_hit(r, block, self.x[r])
+        if self.stop_ids:
+            hits = self._host_state(block, self.x)[1]
+            self._row_stopped = [stopped or hit for stopped, hit in zip(self._row_stopped, hits)]
+            self._live = self._live & ~self._stop_hits(block, self.x)  # the same hits on the device: no copy over
         self.stopped = all(self.row_stopped)
 
     def planned_steps(self) -> int | None:

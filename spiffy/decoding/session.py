@@ -313,7 +313,8 @@ class DecodeSession(ABC):
 
     def use_static(self, capture: bool = True) -> None:
         """Run :meth:`forward_states` with static shapes per bucket, captured in CUDA graphs on a GPU (the
-        ``compile=`` switch). Default: refused, the family has no static path yet."""
+        ``compile=`` switch). Default: refused (a session without a static path; every shipped family has one, and
+        Fast-dLLM v2's sub-block cache refuses it with its own reason)."""
         cache = getattr(getattr(self, "config", None), "cache", None)
         raise ConfigError(f"compile=True cannot run {type(self).__name__} (cache={cache!r}): its forward has no static "
                           "path yet; fix: pass compile=False (eager, same tokens)")

@@ -37,12 +37,14 @@ Host synchronisations (SPEC section 14: at most two per step): a drafting step r
 token tables), and pruning, instantiation and deduplication (:func:`_distinct_states`) work from that host copy; each
 walk step reads its match flags once (:meth:`_DraftWalk.child_matching`). Both reads also bring the state's masked
 counts (:meth:`~spiffy.decoding.session.DecodeSession.count_tensor`: per row, in the block and from where the rule
-may unmask, for this block and the next; SDAR's stop flags) for a session that ``tracks_counts`` (LLaDA, Dream,
-SDAR): its transition (LLaDA's threshold and static schedule, Dream's counts, SDAR's strategies) and its block-end
-check then read nothing themselves. A state no read covered yet (the first block's start, the state after a cache
+may unmask, for this block and the next; SDAR's stop flags, Fast-dLLM v2's stop hits) for a session that
+``tracks_counts`` (LLaDA, Dream, SDAR, LLaDA2.0, Fast-dLLM v2): its transition (LLaDA's threshold and static
+schedule, Dream's counts, SDAR's strategies, Fast-dLLM v2's per-row draws at T > 0) and its block-end check then read
+nothing themselves. A state no read covered yet (the first block's start, the state after a cache
 mode's block-start step) is ranked early (:meth:`_SpiffyRow.done`), so that its ranking's read brings them, or read
-once. Measured on the tiny LLaDA, Dream and SDAR models, static path: 0.9 to 1.9 reads per step at D* = 1, 5, 12
-(tests/test_spiffy_syncs.py; Dream's ``origin`` algorithm included, 1.4 to 1.9). Still reading in the rule: Dream's
+once. Measured on the tiny LLaDA, Dream, SDAR and Fast-dLLM v2 models, static path: 0.9 to 1.9 reads per step at
+D* = 1, 5, 12 (tests/test_spiffy_syncs.py; Dream's ``origin`` algorithm included, 1.4 to 1.9; Fast-dLLM v2 1.5 to
+1.6, with a stop id too). Still reading in the rule: Dream's
 ``origin`` algorithm at T > 0 (it draws one token per revealed row, and how many are revealed is random). An eager CPU step whose transition published no softmax keeps the host ranking (a few more reads,
 less work on a CPU).
 
