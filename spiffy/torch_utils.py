@@ -12,8 +12,8 @@ import torch
 
 from spiffy.errors import ConfigError
 
-__all__ = ["DTYPE_NAMES", "execution_device", "host_tensor", "model_device", "model_dtype", "dtype_name",
-           "on_device", "resolve_dtype"]
+__all__ = ["DTYPE_NAMES", "device_tensor", "dtype_name", "execution_device", "host_tensor", "model_device",
+           "model_dtype", "on_device", "resolve_dtype"]
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -109,10 +109,23 @@ def resolve_dtype(dtype: Any, config: Mapping[str, Any] | None = None, device: A
     raise ConfigError(f"unknown dtype {dtype!r}; fix: use a torch.dtype, one of {sorted(DTYPE_NAMES)}, or 'auto'")
 
 
-def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``, with no call at all when it is there already (a sync counter sees no move; a host tensor
-    bound for a GPU is a host-to-device copy, which does not synchronise)."""
-    return t if t.device == device else t.to(device)
+def on_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``, with no call at all when it is there already (a sync counter sees no move).
+
+    A host tensor bound for a GPU is copied with ``non_blocking=True``: a blocking copy (``.to(device)``,
+    ``torch.tensor(values, device=...)``) waits for every kernel queued before it (PyTorch synchronises the stream
+    after the copy), a host synchronisation no counter of reads sees. From pageable host memory the asynchronous
+    copy stages the values before it returns, so ``t`` may be dropped at once."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=t.device.type == "cpu" and device.type != "cpu")
+
+
+def device_tensor(values: Any, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on ``device`` through :func:`on_device` (no stream synchronisation: see
+    there), for the small index tensors a step builds from host lists."""
+    return on_device(torch.tensor(values, dtype=dtype), device)
 
 
 #: array typecodes of the dtypes :func:`host_tensor` packs

@@ -57,7 +57,7 @@ from spiffy.capture import SlotCache, StepGraphs, slot_cache_supported
 from spiffy.errors import ConfigError
 from spiffy.models.cache import hf_cache
 from spiffy.models.dflash import TargetFeatureHooks
-from spiffy.torch_utils import execution_device, on_device
+from spiffy.torch_utils import device_tensor, execution_device, on_device
 
 __all__ = ["CapturedRounds", "StaticTarget", "static_target_of", "static_unsupported"]
 
@@ -232,7 +232,7 @@ class StaticTarget:
         self.cache.keep_rows(kept)
         if self.recurrent is not None:
             self.recurrent.keep_rows(kept)
-        idx = torch.tensor(list(kept), dtype=torch.long, device=self.device)
+        idx = device_tensor(list(kept), torch.long, self.device)
         self.valid[: len(kept)] = self.valid.index_select(0, idx)
 
 

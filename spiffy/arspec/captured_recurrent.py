@@ -42,6 +42,7 @@ from torch import nn
 
 from spiffy.capture import SlotCache, StepGraphs
 from spiffy.models.recurrent import RecurrentMixers, load_state
+from spiffy.torch_utils import device_tensor
 
 __all__ = ["StaticRecurrent", "root_paths"]
 
@@ -234,6 +235,6 @@ class StaticRecurrent:
         """Only rows ``kept`` go on (moved to the front, in order; addresses kept)."""
         if not self._stacks or list(kept) == list(range(len(kept))):
             return
-        idx = torch.tensor(list(kept), dtype=torch.long, device=self.keep.device)
+        idx = device_tensor(list(kept), torch.long, self.keep.device)
         for committed, _pending in self._stacks:
             committed[:, : len(kept)] = committed.index_select(1, idx)

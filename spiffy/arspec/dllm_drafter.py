@@ -55,7 +55,7 @@ from spiffy.models.cache import KVCache
 from spiffy.models.dflash import DFlashDraftModel
 from spiffy.models.dflash2 import DFlash2DraftModel
 from spiffy.models.sdar import block_causal_mask
-from spiffy.torch_utils import execution_device, model_device
+from spiffy.torch_utils import device_tensor, execution_device, model_device
 
 __all__ = ["DLLMDrafter", "DraftPass", "as_drafter", "drafter_block_mask"]
 
@@ -146,7 +146,7 @@ class DLLMDrafter:
         self._next_position += len(update.tokens)
 
     def _forward(self, ids: list[int], start: int, mask: torch.Tensor, policy: str) -> torch.Tensor:
-        x = torch.tensor([ids], dtype=torch.long, device=self._device)
+        x = device_tensor([ids], torch.long, self._device)
         pos = torch.arange(start, start + len(ids), device=self._device).view(1, -1)
         out = self.model(x, attention_mask=mask, position_ids=pos, past_key_values=self._cache, cache_policy=policy)
         return out.logits[0]
@@ -200,7 +200,7 @@ class DLLMDrafter:
         visible = visible[None].repeat(b, 1, 1)
         for r, p in enumerate(passes):
             q = len(p.ids)
-            ids[r, :q] = torch.tensor(p.ids, dtype=torch.long, device=dev)
+            ids[r, :q] = device_tensor(p.ids, torch.long, dev)
             positions[r] = p.start + torch.arange(width, device=dev)
             own = p.mask[0, 0].to(dev)  # [q, start + q]
             visible[r, :q, width_cache - lengths[r] : width_cache] = own[:, : p.start]

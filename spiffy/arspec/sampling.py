@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from spiffy.sampling import SamplingConfig, filter_logits
+from spiffy.torch_utils import device_tensor
 
 __all__ = ["position_key", "gumbel_noise", "tempered", "sample_tokens", "sample_keyed", "keyed_seed"]
 
@@ -90,7 +91,7 @@ def sample_tokens(
         by_pos.setdefault(int(pos), []).append(row)
     for pos, rows in by_pos.items():
         noise = gumbel_noise(seed, pos, vocab, scores.device, scores.dtype)
-        idx = torch.tensor(rows, device=scores.device)
+        idx = device_tensor(rows, torch.long, scores.device)
         out[idx] = (scores[idx] + noise).argmax(dim=-1)
     return out
 

@@ -41,7 +41,7 @@ from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.cache import hf_cache
 from spiffy.models.recurrent import RecurrentMixers, crop_attention, select_rows
 from spiffy.models.target import check_target_config
-from spiffy.torch_utils import execution_device
+from spiffy.torch_utils import device_tensor, execution_device
 from spiffy.verify import CompiledDraft, compile_tree_rows
 from spiffy.verify.host_tree import MaskWorkspace, compile_one_host_tree
 
@@ -205,7 +205,7 @@ def prefill_inputs(prompts: Sequence[Sequence[int]], device: torch.device, dtype
     cols = torch.arange(width, device=device)
     if not any(pads):
         return ids, cols.view(1, -1).expand(len(prompts), -1), None, torch.ones_like(ids, dtype=torch.bool), pads
-    pad_t = torch.tensor(pads, dtype=torch.long, device=device)
+    pad_t = device_tensor(pads, torch.long, device)
     valid = cols.view(1, -1) >= pad_t.view(-1, 1)
     visible = (cols.view(-1, 1) >= cols.view(1, -1)).unsqueeze(0) & valid.unsqueeze(1)
     visible = visible | torch.eye(width, dtype=torch.bool, device=device).unsqueeze(0)  # padding rows see themselves
@@ -385,13 +385,13 @@ def commit(runner: TargetRunner, valid: torch.Tensor, context_len: int, keep: Se
     if min(lengths) == width:  # no holes (always so for one row)
         new = valid.new_ones(len(keep), width)
     else:
-        new = torch.arange(width, device=valid.device).view(1, -1) < torch.tensor(lengths, device=valid.device).view(-1, 1)
+        new = torch.arange(width, device=valid.device).view(1, -1) < device_tensor(lengths, torch.long, valid.device).view(-1, 1)
     return torch.cat([valid[:, :context_len], new], dim=1)
 
 
 def drop_rows(runner: TargetRunner, valid: torch.Tensor, kept: Sequence[int]) -> torch.Tensor:
     """Keep only batch rows ``kept`` (in that order) of the cache; returns their validity rows."""
-    idx = torch.tensor(list(kept), dtype=torch.long, device=valid.device)
+    idx = device_tensor(list(kept), torch.long, valid.device)
     if len(kept):
         select_rows(runner.cache, idx)
         if runner.recurrent is not None:

@@ -28,6 +28,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
+from spiffy.torch_utils import device_tensor
+
 __all__ = ["SLOT_LAYER_KINDS", "SlotCache", "slot_cache_supported"]
 
 #: the layer kinds (transformers' ``layer_types`` spelling) a :class:`SlotCache` holds
@@ -147,6 +149,6 @@ class SlotCache(Cache):
         """Batch rows ``kept`` (in order) become rows ``0 .. len(kept) - 1`` (in place: addresses kept)."""
         if list(kept) == list(range(len(kept))):
             return
-        idx = torch.tensor(list(kept), dtype=torch.long, device=self.slots.device)
+        idx = device_tensor(list(kept), torch.long, self.slots.device)
         for t in self.tensors():
             t[: len(kept)] = t.index_select(0, idx)

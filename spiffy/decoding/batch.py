@@ -34,6 +34,7 @@ import torch
 
 from spiffy.decoding.session import BaselineStats, DecodeSession, StepObserver, StepRecord, close_block
 from spiffy.errors import ConfigError, StepLimitError
+from spiffy.torch_utils import device_tensor
 
 
 def row_generators(
@@ -244,8 +245,8 @@ def forward_rows(fwd: DecodeSession, requests: Sequence[tuple[DecodeRow, torch.T
     if len(requests) == 1 and requests[0][0].drives_forward:
         return [fwd.forward_states(requests[0][1])]
     packed = torch.cat([row.padded(fwd, states) for row, states in requests], dim=0)
-    owners = torch.tensor([row.index for row, states in requests for _ in range(int(states.shape[0]))],
-                          dtype=torch.long, device=fwd.x.device)
+    owners = device_tensor([row.index for row, states in requests for _ in range(int(states.shape[0]))],
+                           torch.long, fwd.x.device)
     out = fwd.forward_states(packed, rows=owners)  # [sum N_r, W, V]
     outs, offset = [], 0
     for row, states in requests:

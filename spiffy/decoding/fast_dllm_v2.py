@@ -60,7 +60,7 @@ from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.cache import KVCache
 from spiffy.models.fast_dllm_v2 import OFFICIAL_MASK_BLOCK
 from spiffy.models.loading import SpecialTokenIds, mask_token_id
-from spiffy.torch_utils import model_device
+from spiffy.torch_utils import device_tensor, model_device
 
 
 class FastDLLMv2Session(DecodeSession):
@@ -393,7 +393,7 @@ class FastDLLMv2Session(DecodeSession):
     @row_stopped.setter
     def row_stopped(self, value: list[bool]) -> None:
         self._row_stopped = [bool(v) for v in value]
-        self._live = torch.tensor([not v for v in self._row_stopped], dtype=torch.bool, device=self.device)
+        self._live = device_tensor([not v for v in self._row_stopped], torch.bool, self.device)
 
     def block_finished(self, block: int, step: int, x: torch.Tensor) -> bool:
         """No mask left in the block, or a stop reached (see :meth:`_stop_hits`), in every row still generating; or

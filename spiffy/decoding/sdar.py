@@ -71,7 +71,7 @@ from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.cache import KVCache
 from spiffy.models.loading import mask_token_id
 from spiffy.models.sdar import block_causal_mask
-from spiffy.torch_utils import model_device
+from spiffy.torch_utils import device_tensor, model_device
 
 def _logits_of(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]
@@ -426,7 +426,7 @@ class SDARSession(DecodeSession):
         """``[B]``: whether row ``r`` holds a stop id in its generated rows (the stop rule of :meth:`end_block`)."""
         if not self.stop_token_ids:
             return None
-        stops = torch.tensor(self.stop_token_ids, device=x.device)
+        stops = device_tensor(self.stop_token_ids, torch.long, x.device)
         return torch.stack([torch.isin(x[r, start:], stops).any() for r, start in enumerate(self.gen_starts)])
 
     def reads_block_end(self, block: int) -> bool:

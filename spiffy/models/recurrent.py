@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from spiffy.errors import UnsupportedTargetError
+from spiffy.torch_utils import device_tensor
 
 __all__ = ["RECURRENT_KINDS", "RecurrentMixers", "State", "attention_layers", "branches", "crop_attention",
            "load_state", "select_rows"]
@@ -122,7 +123,7 @@ class _Call:
                     if (b, c) not in seen:
                         seen.add((b, c))
                         picks.append((n, m, b, c))
-            self._index[("scatter", device)] = tuple(torch.tensor(t, device=device) for t in zip(*picks))  # type: ignore[index]
+            self._index[("scatter", device)] = tuple(device_tensor(t, torch.long, device) for t in zip(*picks))  # type: ignore[index]
         return self._index[("scatter", device)]  # type: ignore[index]
 
 
@@ -204,7 +205,7 @@ class RecurrentMixers:
         state = self.state[index]
         if state is None:
             return None
-        idx = torch.tensor(list(rows), device=state[0].device)
+        idx = device_tensor(list(rows), torch.long, state[0].device)
         return state[0].index_select(0, idx), state[1].index_select(0, idx.to(state[1].device))
 
     def _scatter(self, hidden: torch.Tensor, call: _Call, y: torch.Tensor) -> torch.Tensor:

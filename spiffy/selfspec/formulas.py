@@ -25,6 +25,7 @@ import torch
 from spiffy.decoding.session import TransitionProbs
 from spiffy.errors import ConfigError
 from spiffy.topk import top_ranked, top_ranked_static
+from spiffy.torch_utils import device_tensor
 
 Pair = tuple[int, int]
 
@@ -375,9 +376,9 @@ def instantiate_many(
     states = base.unsqueeze(0).repeat(k, 1)
     if node_idx:
         dev = base.device
-        ii = torch.tensor(i_idx, dtype=torch.long, device=dev)
-        jj = torch.tensor(j_idx, dtype=torch.long, device=dev)
-        nn_ = torch.tensor(node_idx, dtype=torch.long, device=dev)
+        ii = device_tensor(i_idx, torch.long, dev)
+        jj = device_tensor(j_idx, torch.long, dev)
+        nn_ = device_tensor(node_idx, torch.long, dev)
         states[nn_, ranking.rows.index_select(0, ii)] = ranking.token_ids[ii, jj].to(states.dtype)
     return states, index
 

@@ -66,6 +66,7 @@ from spiffy.selfspec.config import SpiffyConfig
 from spiffy.selfspec.graph import DraftGraph
 from spiffy.selfspec.formulas import instantiate_many, rank_state, window_covers
 from spiffy.selfspec.pruning import DEFAULT_BUDGET, prune
+from spiffy.torch_utils import device_tensor
 from spiffy.verify.backend import follow
 
 STAGES: tuple[str, ...] = ("rank", "prune", "instantiate", "verify", "walk")
@@ -354,7 +355,7 @@ def _distinct_states(
         return None, row_of
     if len(keep_rows) == states.shape[0]:
         return states, row_of
-    return states[torch.tensor(keep_rows, dtype=torch.long, device=states.device)], row_of
+    return states[device_tensor(keep_rows, torch.long, states.device)], row_of
 
 
 WalkNode = tuple  # (graph node id or None for the real state, number of no-op steps taken on it)
@@ -400,7 +401,7 @@ class _DraftWalk:
         # counts) the state's masked counts: whether the block ended, and what the next transition reads
         candidates = self.x_before.reshape(1, -1)
         if kids:
-            index = torch.tensor([self.row_of[c] for c in kids], dtype=torch.long, device=self.states.device)
+            index = device_tensor([self.row_of[c] for c in kids], torch.long, self.states.device)
             candidates = torch.cat([candidates, self.states.index_select(0, index)], dim=0)
         hit = (candidates == state.reshape(1, -1)).all(dim=-1).to(torch.long)
         if not sess.tracks_counts:

@@ -27,6 +27,7 @@ from typing import Callable, Hashable, Literal, Sequence, TypeVar
 import torch
 
 from spiffy.errors import StepLimitError
+from spiffy.torch_utils import device_tensor
 from spiffy.verify.host_tree import PARENT_ORDER_ERROR, compile_one_host_tree
 
 Visibility = Literal["ancestors", "self"]
@@ -139,7 +140,7 @@ def _node_visibility(structure: DraftStructure, device: torch.device) -> torch.T
     for i, par in enumerate(structure.parents):
         if len([q for q in par if q >= 0]) > 1:
             raise ValueError(f"node {i} has {len(par)} parents: 'ancestors' visibility needs a tree")
-    parents = torch.tensor([next((q for q in par if q >= 0), -1) for par in structure.parents], dtype=torch.long, device=device)
+    parents = device_tensor([next((q for q in par if q >= 0), -1) for par in structure.parents], torch.long, device)
     return tree_ancestor_mask(parents)
 
 
@@ -183,7 +184,7 @@ def compile_packed(
     sizes = [int(t.numel()) for t in tok]
     node_vis = _node_visibility(structure, dev)
     # Expand node-level visibility to rows: row r of node a sees row s of node b iff node_vis[a, b].
-    owner = torch.repeat_interleave(torch.arange(len(sizes), device=dev), torch.tensor(sizes, device=dev)) if sizes else torch.zeros(0, dtype=torch.long, device=dev)
+    owner = torch.repeat_interleave(torch.arange(len(sizes), device=dev), device_tensor(sizes, torch.long, dev)) if sizes else torch.zeros(0, dtype=torch.long, device=dev)
     draft_vis = node_vis[owner][:, owner] if owner.numel() else torch.zeros(0, 0, dtype=torch.bool, device=dev)
     n_pre = 0 if prefix_rows is None else int(prefix_rows[0].numel())
     r_draft = int(owner.numel())
