@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import load_f64
+from spiffy.decoding import make_session
 
 #: generated positions and block length of every batched case; per-row seeds of the T > 0 cases
 GEN, BLOCK = 16, 8
@@ -28,6 +29,29 @@ def left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor
         ids[r, p - len(x) :] = x
         am[r, p - len(x) :] = 1
     return ids, am
+
+
+def static_forward_pairs(model, prompt: torch.Tensor, kw: dict, seed: int, blocks: int = 2):
+    """``[(eager logits, static logits)]``, one pair per block: two sessions of ``prompt [P]`` under ``kw``, one on
+    the static path (``use_static``), each forwarding the same 3 states (the real one and two random ones) at each of
+    the first ``blocks`` blocks. The states are copies, so a static path that read the session's own tensors, or
+    padded the states, would show."""
+    eager = make_session(model, prompt[None], **kw)
+    static = make_session(model, prompt[None], **kw)
+    static.use_static()
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for block in range(blocks):
+        eager.begin_block(block)
+        static.begin_block(block)
+        states = eager.x.repeat(3, 1)
+        width = states.shape[1] - eager.prompt_len
+        states[1:, eager.prompt_len:] = torch.randint(5, 250, (2, width), generator=g)
+        out.append((eager.forward_states(states), static.forward_states(states)))
+        eager.end_block(block)
+        static.end_block(block)
+    assert static.nfe == eager.nfe
+    return out
 
 
 def decode_kwargs(rule: str, cache: str, temp: float, **extra) -> dict:

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from captured_rounds import captured_round_syncs
 from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
 from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
 from spiffy.arspec.captured import static_target_of
@@ -21,7 +22,6 @@ from spiffy.arspec.captured_drafter import static_drafter_of
 from spiffy.arspec.device_tree import ddtree_device
 from spiffy.arspec.drafter import DFlashDrafter
 from spiffy.arspec.tree import build_ddtree
-from spiffy.bench.syncs import SyncCounter
 from spiffy.capture import StepGraphs, resolve_compile
 from spiffy.errors import ConfigError
 from spiffy.models import load_target
@@ -140,57 +140,12 @@ def test_ddtree_round_syncs_at_most_twice(pair, budget):
     """A captured DDTree round outside the forwards (the static drafter's inputs and readout, tree build, mask, walk,
     commit, the drafter's next context) reads the device once: the accepted lengths, kept rows and tokens in one packed copy
     (issue 36: at most 2, at every budget; 1 to 256 here)."""
-    import spiffy.arspec.batch as batch_module
-    from spiffy.arspec import captured as captured_module
-
     target, base = pair
-    counter = _RoundCounter()
-    per_round: list[int] = []
-
-    def counting(fn, closes_round: bool):
-        def run(*a, **k):
-            with counter:
-                out = fn(*a, **k)
-            if closes_round:
-                per_round.append(counter.total)
-                counter.reset()
-            return out
-        return run
-
-    def paused(fn):  # the forwards themselves are not the round's bookkeeping
-        def run(*a, **k):
-            counter.paused = True
-            try:
-                return fn(*a, **k)
-            finally:
-                counter.paused = False
-        return run
-
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(type(base), "forward", paused(type(base).forward))
-        mp.setattr(type(target.model), "forward", paused(type(target.model).forward))
-        mp.setattr(batch_module, "draft", counting(batch_module.draft, False))
-        mp.setattr(captured_module.CapturedRounds, "draft", counting(captured_module.CapturedRounds.draft, False))
-        mp.setattr(captured_module.CapturedRounds, "round", counting(captured_module.CapturedRounds.round, True))
-        res = ddtree_generate(target, base, _prompt(9, 8), method="ddtree", budget=budget, max_new_tokens=12,
-                              compile=True)
-    finally:
-        mp.undo()
+    res, per_round = captured_round_syncs(target, base, lambda: ddtree_generate(
+        target, base, _prompt(9, 8), method="ddtree", budget=budget, max_new_tokens=12, compile=True))
     assert len(res.tokens) == 12 and len(per_round) == res.rounds
     assert static_drafter_of(base) is not None  # the draft stage counted is the static drafter's
     assert max(per_round) <= 2, per_round
-
-
-class _RoundCounter(SyncCounter):
-    """A :class:`SyncCounter` that does not count while ``paused`` (inside the model forwards)."""
-
-    paused = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if self.paused:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_function__(func, types, args, kwargs)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batch_cases import (dream, fast_dllm_v2, left_pad, llada, llada2, llada_moe, ragged_prompts,  # noqa: F401 - fixtures
-                         sdar, sdar_moe)
+                         sdar, sdar_moe, static_forward_pairs)
 from spiffy.api import generate
 from spiffy.bench.overheads import spiffy_sync_counts
 from spiffy.bench.syncs import SyncCounter
@@ -68,21 +68,8 @@ def test_forward_states_bitwise(request, family: str, dtype: torch.dtype) -> Non
     model = load_model(request.getfixturevalue(f"tiny_{family}"), dtype=dtype)
     prompt = ragged_prompts([5])[0]
     for cache in [c for f, c in FAMILY_CACHES if f == family]:
-        eager = make_session(model, prompt[None], **_kw(cache, 0.0, 0, family))
-        static = make_session(model, prompt[None], **_kw(cache, 0.0, 0, family))
-        static.use_static()
-        g = torch.Generator().manual_seed(1)
-        for block in range(2):
-            eager.begin_block(block)
-            static.begin_block(block)
-            states = eager.x.repeat(3, 1)
-            width = states.shape[1] - eager.prompt_len
-            states[1:, eager.prompt_len:] = torch.randint(5, 250, (2, width), generator=g)
-            a, b = eager.forward_states(states), static.forward_states(states)
+        for block, (a, b) in enumerate(static_forward_pairs(model, prompt, _kw(cache, 0.0, 0, family), seed=1)):
             assert a.dtype == dtype and torch.equal(a, b), f"{family} cache={cache} block={block}"
-            eager.end_block(block)
-            static.end_block(block)
-        assert static.nfe == eager.nfe
 
 
 @settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

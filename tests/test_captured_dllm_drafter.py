@@ -22,10 +22,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import spiffy.arspec.batch as batch_module
+from captured_rounds import RecordedDrafts, captured_round_syncs, prompt_ids
 from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
 from spiffy.arspec.batch import speculative_generate_batch
-from spiffy.arspec.captured import CapturedRounds
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter_model, static_dllm_drafter_of
 from spiffy.arspec.dllm_drafter import DLLMDrafter
 from spiffy.bench.syncs import SyncCounter
@@ -35,7 +34,6 @@ from spiffy.models.sdar import SDARForCausalLM
 
 torch.set_num_threads(1)
 BLOCK = 6
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-11}  # draft logits (|logit| < 10): a few ulps apart
 METHODS = ("deer", "specdiff", "ddtree-dllm")
 
 
@@ -97,51 +95,16 @@ def guessing(monkeypatch):
     return make
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(0, 250, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-class _Drafts:
-    """Every round's drafts of the eager drafters (``stages.draft``) and of the static one (``CapturedRounds.draft``)."""
-
-    def __init__(self, mp: pytest.MonkeyPatch) -> None:
-        self.eager: list[list[torch.Tensor | None]] = []
-        self.static: list[list[torch.Tensor | None]] = []
-        eager_draft, static_draft = batch_module.draft, CapturedRounds.draft
-
-        def eager(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            out = eager_draft(*a, **k)
-            self.eager.append([None if d is None else d.clone() for d in out])
-            return out
-
-        def static(rounds, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-            out = static_draft(rounds, *a, **k)
-            self.static.append([None if d is None else d.clone() for d in out])
-            return out
-
-        mp.setattr(batch_module, "draft", eager)
-        mp.setattr(CapturedRounds, "draft", static)
-
-    def assert_close(self, dtype: torch.dtype) -> None:
-        assert self.static and len(self.static) == len(self.eager)
-        for e_round, s_round in zip(self.eager, self.static):
-            assert [None if d is None else tuple(d.shape) for d in e_round] == [
-                None if d is None else tuple(d.shape) for d in s_round]
-            for e, s in zip(e_round, s_round):
-                if e is not None:
-                    torch.testing.assert_close(s, e, rtol=0, atol=TOLERANCE[dtype])
-
-
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("accept,temperature", [("coupled", 0.0), ("coupled", 0.8), ("rejection", 0.9)])
 def test_static_dllm_drafter_equals_eager(pair, guessing, monkeypatch, method, accept, temperature):
     """One prompt: the static drafter's drafts are the eager drafter's every round; tokens (== plain AR under the
     coupled rule) and acceptance lengths are equal, with deep accepted paths and branching trees."""
     target, base = pair
-    prompt, n, seed = _prompt(7, 9), 16, 5
+    prompt, n, seed = prompt_ids(7, 9), 16, 5
     ar = ddtree_generate(target, None, prompt, method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
     model = guessing(base, [prompt], [ar.tokens], {2, 7})
-    drafts = _Drafts(monkeypatch)
+    drafts = RecordedDrafts(monkeypatch)
     config = ARSpecConfig(method=method, budget=6, drafts=3, max_new_tokens=n, accept=accept,
                           sampling=SamplingConfig(temperature=temperature, seed=seed))
     eager = speculative_generate_batch(target, [DLLMDrafter(model)], [prompt], config, compile=False)[0]
@@ -159,7 +122,7 @@ def test_static_dllm_drafter_batches(pair, guessing, monkeypatch, accept, temper
     """Ragged batches (prompts of different lengths, rows leaving at different rounds, a method per row): the static
     drafter's rows draft what each eager row drafts, and give the eager rows' tokens and acceptance lengths."""
     target, base = pair
-    prompts = [_prompt(1, 2), _prompt(2, 17), _prompt(3, 33)]  # positions 2.., 17.., 33..: disjoint guess tables
+    prompts = [prompt_ids(1, 2), prompt_ids(2, 17), prompt_ids(3, 33)]  # positions 2.., 17.., 33..: disjoint guess tables
     lengths, seeds = [12, 6, 10], (1, 2, 3)
     configs = [ARSpecConfig(method=m, budget=6, drafts=3, max_new_tokens=n, accept=accept,
                             sampling=SamplingConfig(temperature=temperature, seed=s))
@@ -167,7 +130,7 @@ def test_static_dllm_drafter_batches(pair, guessing, monkeypatch, accept, temper
     ars = [ddtree_generate(target, None, p, method="ar", max_new_tokens=n, temperature=temperature, seed=s).tokens
            for p, n, s in zip(prompts, lengths, seeds)]
     model = guessing(base, prompts, ars, {3})
-    drafts = _Drafts(monkeypatch)
+    drafts = RecordedDrafts(monkeypatch)
     eager = speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, configs,
                                        compile=False)
     captured = speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, configs,
@@ -187,14 +150,14 @@ def test_static_dllm_drafter_buckets_are_reused(pair):
     last rounds' shorter blocks depend on how many drafts were accepted; a new one may be built)."""
     target, base = pair
     kw = {"method": "ddtree-dllm", "budget": 8, "max_new_tokens": 10, "compile": True}
-    ddtree_generate(target, base, _prompt(5, 6), **kw)
+    ddtree_generate(target, base, prompt_ids(5, 6), **kw)
     static = static_dllm_drafter_of(base)
     assert static is not None
     built = dict(static.graphs.stats.capture_seconds)
     runs = Counter(static.graphs.stats.runs)
     assert (1, BLOCK) in built and all(s >= 0 for s in built.values())
-    ddtree_generate(target, base, _prompt(6, 11), **kw)
-    ddtree_generate(target, base, _prompt(6, 11), method="deer", max_new_tokens=10, compile=True)
+    ddtree_generate(target, base, prompt_ids(6, 11), **kw)
+    ddtree_generate(target, base, prompt_ids(6, 11), method="deer", max_new_tokens=10, compile=True)
     assert static_dllm_drafter_of(base) is static
     after = static.graphs.stats.capture_seconds
     assert {k: after[k] for k in built} == built  # no bucket built again
@@ -206,7 +169,7 @@ def test_static_dllm_drafter_step_makes_no_host_sync(pair):
     """The drafter's forward (a bucket's step: tokens in, logits out, the committed K/V written) reads nothing back
     from the device and may run twice; nor does a whole draft stage."""
     target, base = pair
-    ddtree_generate(target, base, _prompt(8, 5), method="ddtree-dllm", budget=8, max_new_tokens=8, compile=True)
+    ddtree_generate(target, base, prompt_ids(8, 5), method="ddtree-dllm", budget=8, max_new_tokens=8, compile=True)
     static = static_dllm_drafter_of(base)
     assert int(static.counts[0]) > 0  # the last round's tokens are staged
     lengths = static.lengths.clone()
@@ -224,55 +187,13 @@ def test_static_dllm_drafter_step_makes_no_host_sync(pair):
     assert logits.shape[:2] == (1, BLOCK - 1) and drafts[0].shape[0] == BLOCK - 1
 
 
-class _RoundCounter(SyncCounter):
-    """A :class:`SyncCounter` that does not count while ``paused`` (inside the model forwards)."""
-
-    paused = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if self.paused:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_function__(func, types, args, kwargs)
-
-
 @pytest.mark.parametrize("budget", [1, 8, 64])
 def test_ddtree_dllm_round_syncs_at_most_twice(pair, budget):
     """A captured DDTree-dLLM round outside the forwards (the static drafter's inputs and readout, tree build, mask,
     walk, commit, the drafter's next tokens) reads the device at most twice (issue 36)."""
     target, base = pair
-    counter = _RoundCounter()
-    per_round: list[int] = []
-
-    def counting(fn, closes_round: bool):  # noqa: ANN001, ANN202
-        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            with counter:
-                out = fn(*a, **k)
-            if closes_round:
-                per_round.append(counter.total)
-                counter.reset()
-            return out
-        return run
-
-    def paused(fn):  # noqa: ANN001, ANN202  (the forwards themselves are not the round's bookkeeping)
-        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            counter.paused = True
-            try:
-                return fn(*a, **k)
-            finally:
-                counter.paused = False
-        return run
-
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(type(base), "forward", paused(type(base).forward))
-        mp.setattr(type(target.model), "forward", paused(type(target.model).forward))
-        mp.setattr(batch_module, "draft", counting(batch_module.draft, False))
-        mp.setattr(CapturedRounds, "draft", counting(CapturedRounds.draft, False))
-        mp.setattr(CapturedRounds, "round", counting(CapturedRounds.round, True))
-        res = ddtree_generate(target, base, _prompt(9, 8), method="ddtree-dllm", budget=budget, max_new_tokens=12,
-                              compile=True)
-    finally:
-        mp.undo()
+    res, per_round = captured_round_syncs(target, base, lambda: ddtree_generate(
+        target, base, prompt_ids(9, 8), method="ddtree-dllm", budget=budget, max_new_tokens=12, compile=True))
     assert len(res.tokens) == 12 and len(per_round) == res.rounds
     assert static_dllm_drafter_of(base) is not None  # the draft stage counted is the static drafter's
     assert max(per_round) <= 2, per_round
@@ -289,7 +210,7 @@ def test_other_layouts_keep_the_eager_drafter(pair, dirs):
     class Sub(DLLMDrafter):
         pass
 
-    prompt = _prompt(2, 4)
+    prompt = prompt_ids(2, 4)
     for make in (lambda: DLLMDrafter(aligned), lambda: DLLMDrafter(other, denoise_steps=2), lambda: Sub(other)):
         assert static_dllm_drafter_model([make()], target) is None
         config = ARSpecConfig(method="deer", max_new_tokens=6)
@@ -313,10 +234,10 @@ def test_other_families_draft_what_the_eager_drafter_drafts(family, request, tmp
                                   with_tokenizer=False)
     target = load_target(target_dir, torch.float64, "cpu")
     assert DLLMDrafter(model).shifted == (family == "dream")
-    prompts = [_prompt(1, 5), _prompt(2, 3), _prompt(3, 9)]
+    prompts = [prompt_ids(1, 5), prompt_ids(2, 3), prompt_ids(3, 9)]
     config = ARSpecConfig(method="ddtree-dllm", budget=6, max_new_tokens=8,
                           sampling=SamplingConfig(temperature=0.7, seed=4))
-    drafts = _Drafts(monkeypatch)
+    drafts = RecordedDrafts(monkeypatch)
     runs = [speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, config, compile=c)
             for c in (False, True)]
     assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
@@ -333,7 +254,7 @@ def test_static_equals_eager_property(dirs, lengths, method, temperature, accept
     """Any prompts (1-3 rows, 1-12 tokens), method, rule and temperature: compile=True gives compile=False's tokens
     and acceptance lengths (float64; the drafter guesses the first row's continuation, so commits are long)."""
     target = _float64(dirs)
-    prompts = [_prompt(seed + i, n) for i, n in enumerate(lengths)]
+    prompts = [prompt_ids(seed + i, n) for i, n in enumerate(lengths)]
     n = 9
     ar = ddtree_generate(target, None, prompts[0], method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
     config = ARSpecConfig(method=method, budget=5, drafts=2, max_new_tokens=n, accept=accept,

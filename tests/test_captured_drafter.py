@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import spiffy.arspec.batch as batch_module
+from captured_rounds import RecordedDrafts, prompt_ids
 from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
 from spiffy.arspec.batch import speculative_generate_batch
-from spiffy.arspec.captured import CapturedRounds, static_target_of
+from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_drafter import static_drafter_of
 from spiffy.arspec.drafter import DFlashDrafter
 from spiffy.bench.syncs import SyncCounter
@@ -32,7 +32,6 @@ from spiffy.models.dflash import DFlashDraftModel, load_drafter
 
 torch.set_num_threads(1)
 BLOCK = 6
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-11}  # draft logits (|logit| < 10): a few ulps apart
 
 
 @pytest.fixture(scope="module")
@@ -104,51 +103,16 @@ def guessing(monkeypatch):
     return make
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(0, 250, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-class _Drafts:
-    """Every round's drafts of the eager drafters (``stages.draft``) and of the static one (``CapturedRounds.draft``)."""
-
-    def __init__(self, mp: pytest.MonkeyPatch) -> None:
-        self.eager: list[list[torch.Tensor | None]] = []
-        self.static: list[list[torch.Tensor | None]] = []
-        eager_draft, static_draft = batch_module.draft, CapturedRounds.draft
-
-        def eager(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            out = eager_draft(*a, **k)
-            self.eager.append([None if d is None else d.clone() for d in out])
-            return out
-
-        def static(rounds, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-            out = static_draft(rounds, *a, **k)
-            self.static.append([None if d is None else d.clone() for d in out])
-            return out
-
-        mp.setattr(batch_module, "draft", eager)
-        mp.setattr(CapturedRounds, "draft", static)
-
-    def assert_close(self, dtype: torch.dtype) -> None:
-        assert self.static and len(self.static) == len(self.eager)
-        for e_round, s_round in zip(self.eager, self.static):
-            assert [None if d is None else tuple(d.shape) for d in e_round] == [
-                None if d is None else tuple(d.shape) for d in s_round]
-            for e, s in zip(e_round, s_round):
-                if e is not None:
-                    torch.testing.assert_close(s, e, rtol=0, atol=TOLERANCE[dtype])
-
-
 @pytest.mark.parametrize("method,budget,temperature", [("dflash", None, 0.0), ("ddtree", 3, 0.0), ("ddtree", 8, 0.9),
                                                        ("ddtree", 24, 0.0), ("dflash", None, 0.7)])
 def test_static_drafter_equals_eager(pair, guessing, monkeypatch, method, budget, temperature):
     """One prompt: the static drafter's drafts are the eager drafter's every round; tokens (== plain AR) and
     acceptance lengths are equal, with deep accepted paths and branching trees."""
     target, base = pair
-    prompt, n, seed = _prompt(7, 9), 16, 5
+    prompt, n, seed = prompt_ids(7, 9), 16, 5
     ar = ddtree_generate(target, None, prompt, method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
     model = guessing(base, [prompt], [ar.tokens], {2, 7})
-    drafts = _Drafts(monkeypatch)
+    drafts = RecordedDrafts(monkeypatch)
     kw = {"method": method, "budget": budget, "max_new_tokens": n, "temperature": temperature, "seed": seed}
     eager = ddtree_generate(target, model, prompt, compile=False, **kw)
     captured = ddtree_generate(target, model, prompt, compile=True, **kw)
@@ -163,14 +127,14 @@ def test_static_drafter_batches(pair, guessing, monkeypatch, accept, temperature
     """Ragged batches (prompts of different lengths, rows leaving at different rounds): the static drafter's rows
     draft what each eager row drafts, and give the eager rows' tokens and acceptance lengths."""
     target, base = pair
-    prompts = [_prompt(1, 2), _prompt(2, 17), _prompt(3, 33)]  # positions 2.., 17.., 33..: disjoint guess tables
+    prompts = [prompt_ids(1, 2), prompt_ids(2, 17), prompt_ids(3, 33)]  # positions 2.., 17.., 33..: disjoint guess tables
     lengths = [12, 6, 10]
     configs = [ARSpecConfig(method="ddtree", budget=6, max_new_tokens=m, accept=accept,
                             sampling=SamplingConfig(temperature=temperature, seed=s)) for m, s in zip(lengths, (1, 2, 3))]
     ars = [ddtree_generate(target, None, p, method="ar", max_new_tokens=m, temperature=temperature, seed=s).tokens
            for p, m, s in zip(prompts, lengths, (1, 2, 3))]
     model = guessing(base, prompts, ars, {3})
-    drafts = _Drafts(monkeypatch)
+    drafts = RecordedDrafts(monkeypatch)
     eager = speculative_generate_batch(target, [DFlashDrafter(model, BLOCK) for _ in prompts], prompts, configs,
                                        compile=False)
     captured = speculative_generate_batch(target, [DFlashDrafter(model, BLOCK) for _ in prompts], prompts, configs,
@@ -190,13 +154,13 @@ def test_static_drafter_buckets_are_reused(pair):
     last rounds' shorter blocks depend on how many drafts were accepted; a new one may be built)."""
     target, base = pair
     kw = {"method": "ddtree", "budget": 8, "max_new_tokens": 10, "compile": True}
-    ddtree_generate(target, base, _prompt(5, 6), **kw)
+    ddtree_generate(target, base, prompt_ids(5, 6), **kw)
     static = static_drafter_of(base)
     assert static is not None and static_target_of(target) is not None
     built = dict(static.graphs.stats.capture_seconds)
     runs = Counter(static.graphs.stats.runs)
     assert (1, BLOCK) in built and all(s >= 0 for s in built.values())
-    ddtree_generate(target, base, _prompt(6, 11), **kw)
+    ddtree_generate(target, base, prompt_ids(6, 11), **kw)
     assert static_drafter_of(base) is static
     after = static.graphs.stats.capture_seconds
     assert {k: after[k] for k in built} == built  # no bucket built again
@@ -209,7 +173,7 @@ def test_static_drafter_step_makes_no_host_sync(pair):
     nothing back from the device and may run twice; nor does a whole draft stage read anything back (the roots and
     depths go down in one copy)."""
     target, base = pair
-    ddtree_generate(target, base, _prompt(8, 5), method="ddtree", budget=8, max_new_tokens=8, compile=True)
+    ddtree_generate(target, base, prompt_ids(8, 5), method="ddtree", budget=8, max_new_tokens=8, compile=True)
     static = static_drafter_of(base)
     assert int(static.counts[0]) > 0  # the last round's context is staged
     lengths = static.lengths.clone()
@@ -241,7 +205,7 @@ def test_other_drafters_keep_the_eager_drafter(pair, dirs):
     model.load_state_dict(base.state_dict())
     model.rotary_emb = base.rotary_emb
     kw = {"method": "ddtree", "budget": 4, "max_new_tokens": 6}
-    prompt = _prompt(2, 4)
+    prompt = prompt_ids(2, 4)
     assert ddtree_generate(target, model, prompt, compile=True, **kw).tokens == ddtree_generate(
         target, model, prompt, compile=False, **kw).tokens
     assert static_drafter_of(model) is None

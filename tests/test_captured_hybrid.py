@@ -24,6 +24,7 @@ from transformers import AutoConfig
 from oracle_drafter import OracleDrafter
 from pairwise import pairwise_params
 
+from captured_rounds import captured_round_syncs
 from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_generate, speculative_generate
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.captured import StaticTarget, static_target_of, static_unsupported
@@ -203,44 +204,11 @@ def test_round_syncs_at_most_twice_and_steps_read_nothing_back(dirs):
     """A captured DDTree round on a hybrid with the static drafter reads the device at most twice outside the model
     forwards (the recurrent commit bucket included: it is not a forward); the verification and commit steps read
     nothing back and are idempotent (a capture's warm-up runs them more than once)."""
-    import spiffy.arspec.batch as batch_module
-    from spiffy.arspec import captured as captured_module
-
     target_dir, drafter_dir = dirs["qwen3_5"]
     target, base = load_target(target_dir, torch.float32, "cpu"), load_drafter(drafter_dir, dtype=torch.float32)
-    counter = _RoundCounter()
-    per_round: list[int] = []
-
-    def counting(fn, closes_round: bool):
-        def run(*a, **k):
-            with counter:
-                out = fn(*a, **k)
-            if closes_round:
-                per_round.append(counter.total)
-                counter.reset()
-            return out
-        return run
-
-    def paused(fn):
-        def run(*a, **k):
-            counter.paused = True
-            try:
-                return fn(*a, **k)
-            finally:
-                counter.paused = False
-        return run
-
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(type(base), "forward", paused(type(base).forward))
-        mp.setattr(type(target.model), "forward", paused(type(target.model).forward))
-        mp.setattr(batch_module, "draft", counting(batch_module.draft, False))
-        mp.setattr(captured_module.CapturedRounds, "draft", counting(captured_module.CapturedRounds.draft, False))
-        mp.setattr(captured_module.CapturedRounds, "round", counting(captured_module.CapturedRounds.round, True))
-        res = ddtree_generate(target, base, _prompt(9, 8, int(target.config.vocab_size)), method="ddtree", budget=8,
-                              max_new_tokens=12, compile=True)
-    finally:
-        mp.undo()
+    res, per_round = captured_round_syncs(target, base, lambda: ddtree_generate(
+        target, base, _prompt(9, 8, int(target.config.vocab_size)), method="ddtree", budget=8, max_new_tokens=12,
+        compile=True))
     assert len(res.tokens) == 12 and len(per_round) == res.rounds
     assert static_drafter_of(base) is not None
     assert max(per_round) <= 2, per_round
@@ -296,17 +264,6 @@ def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch):
                 static_target_of(target).release()  # every bucket made afresh, so its first call warms up
             captured = [r.tokens for r in speculative_generate_batch(target, drafters(), prompts, cfgs, compile=True)]
         assert captured == eager, method
-
-
-class _RoundCounter(SyncCounter):
-    """A :class:`SyncCounter` that does not count while ``paused`` (inside the model forwards)."""
-
-    paused = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if self.paused:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_function__(func, types, args, kwargs)
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, database=None)

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batch_cases import static_forward_pairs
 from spiffy.api import generate
 from spiffy.bench.syncs import SyncCounter
 from spiffy.decoding import make_session
@@ -112,19 +113,8 @@ def test_static_forward_equals_eager_on_moe(moe_models, family: str, dtype: str)
     on FreeDave's chain decodes the same tokens with compile=True as without."""
     model = moe_models[family, dtype]
     prompt = torch.randint(5, 250, (5,), generator=torch.Generator().manual_seed(3))
-    eager = make_session(model, prompt[None], **_kw("prefix"))
-    static = make_session(model, prompt[None], **_kw("prefix"))
-    static.use_static()
-    g = torch.Generator().manual_seed(4)
-    for block in range(2):
-        eager.begin_block(block)
-        static.begin_block(block)
-        states = eager.x.repeat(3, 1)
-        width = states.shape[1] - eager.prompt_len
-        states[1:, eager.prompt_len:] = torch.randint(5, 250, (2, width), generator=g)
-        assert torch.equal(eager.forward_states(states), static.forward_states(states)), (family, dtype, block)
-        eager.end_block(block)
-        static.end_block(block)
+    for block, (a, b) in enumerate(static_forward_pairs(model, prompt, _kw("prefix"), seed=4)):
+        assert torch.equal(a, b), (family, dtype, block)
     kw = _kw("prefix")
     graph = freedave_graph(model, make_session(model, prompt[None], **kw).config, 3)
     runs = [generate(model, prompt[None], graph=graph, budget=len(graph), compile=c, **kw) for c in (False, True)]

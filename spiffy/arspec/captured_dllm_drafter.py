@@ -52,6 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from spiffy.arspec.captured_drafter import StaticBlockDrafter
 from spiffy.arspec.dllm_drafter import DLLMDrafter
 from spiffy.capture import SlotCache, StepGraphs, slot_cache_supported
 from spiffy.models.cache import KVCache
@@ -132,7 +133,7 @@ class _SlotKV(KVCache):
         self.cache.scatter(layer_idx, self.index, k, v)
 
 
-class StaticDLLMDrafter:
+class StaticDLLMDrafter(StaticBlockDrafter):
     """A dLLM drafter model's static context cache, round buffers and captured forwards (see the module docstring).
 
     Args:
@@ -235,32 +236,6 @@ class StaticDLLMDrafter:
         self.counts[:rows].copy_(accepted + 1)
         self._staged = True
 
-    def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int]) -> list[torch.Tensor | None]:
-        """Every row's ``[depth, V]`` draft logits (``None`` where ``depths[b] == 0``), in one forward that also
-        commits the staged tokens (so it runs even when no row drafts). Returns views of the step's output: read
-        them before the next draft."""
-        rows = len(roots)
-        block = 1 + max(int(d) for d in depths)  # a bidirectional block: as long as the eager drafter's
-        meta = on_device(torch.tensor([[tok, d] for (tok, _pos), d in zip(roots, depths)], dtype=torch.long),
-                         self.device)
-        self.ids[:rows, 0] = meta[:, 0]
-        self.depths[:rows] = meta[:, 1]
-        if self._prompt is not None:  # the first round: the prompt-wide program, run eagerly once
-            logits = self._program(rows, self._prompt, block)()
-            self._prompt = None
-        else:
-            logits = self.graphs.run((rows, block))
-        # the committed tokens are in the cache now (outside the step, which stays idempotent)
-        self.lengths[:rows].add_(self.counts[:rows])
-        self.counts[:rows].zero_()
-        self._staged = False
-        return [logits[b, :d] if d else None for b, d in enumerate(depths)]
+    def _row_state(self) -> tuple[torch.Tensor, ...]:
+        return self.lengths, self.counts, self.context
 
-    def keep_rows(self, kept: Sequence[int]) -> None:
-        """Only batch rows ``kept`` go on (moved to the front, in order)."""
-        self.cache.keep_rows(kept)
-        idx = on_device(torch.tensor(list(kept), dtype=torch.long), self.device)
-        for t in (self.lengths, self.counts, self.context):
-            t[: len(kept)] = t.index_select(0, idx)
-        if self._prompt is not None:
-            self._prompt = self._prompt.index_select(0, idx)

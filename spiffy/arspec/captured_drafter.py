@@ -49,7 +49,7 @@ from spiffy.capture import SlotCache, StepGraphs
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks
 from spiffy.torch_utils import execution_device, on_device
 
-__all__ = ["StaticDrafter", "recorded_features", "static_drafter_model", "static_drafter_of"]
+__all__ = ["StaticBlockDrafter", "StaticDrafter", "recorded_features", "static_drafter_model", "static_drafter_of"]
 
 #: the static drafters of live drafter models (one per model; replaced when a call needs more rows or slots)
 _STATIC: "weakref.WeakKeyDictionary[nn.Module, StaticDrafter]" = weakref.WeakKeyDictionary()
@@ -93,7 +93,67 @@ class _ContextSlots:
         return self.cache.max_slots
 
 
-class StaticDrafter:
+class StaticBlockDrafter:
+    """What the static drafters share (:class:`StaticDrafter`, and the dLLM drafters'
+    :class:`~spiffy.arspec.captured_dllm_drafter.StaticDLLMDrafter`): a round's draft from the bucket's step (the
+    first round's prompt-wide program run eagerly once), the per-row lengths advanced after it, and rows leaving the
+    batch. A subclass holds ``cache`` (a :class:`~spiffy.capture.SlotCache`), ``graphs``, ``device``, the round
+    buffers ``ids [rows, B]``, ``depths``, ``lengths``, ``counts [rows]``, ``_prompt`` (the first round's staged
+    context, or ``None``) and ``_staged``, and says in :meth:`_row_state` which per-row tensors follow the rows."""
+
+    cache: SlotCache
+    graphs: StepGraphs
+    device: torch.device
+    ids: torch.Tensor
+    depths: torch.Tensor
+    lengths: torch.Tensor
+    counts: torch.Tensor
+    _prompt: torch.Tensor | None
+    _staged: bool
+
+    def _program(self, rows: int, context: torch.Tensor, block: int) -> Callable[[], torch.Tensor]:
+        raise NotImplementedError
+
+    def _row_state(self) -> tuple[torch.Tensor, ...]:
+        """The per-row tensors (first dimension: batch rows) that :meth:`keep_rows` reorders with the cache."""
+        raise NotImplementedError
+
+    def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int]) -> list[torch.Tensor | None]:
+        """Every row's ``[depth, V]`` draft logits (``None`` where ``depths[b] == 0``), in one block forward that
+        also commits the staged context (so it runs even when no row drafts). Returns views of the step's output:
+        read them before the next draft."""
+        rows = len(roots)
+        # the block is as long as the deepest row's draft, as the eager drafter's is (a DFlash block is
+        # bidirectional, so only a shorter block gives a shorter draft the eager one's values)
+        block = 1 + max(int(d) for d in depths)
+        meta = on_device(torch.tensor([[tok, d] for (tok, _pos), d in zip(roots, depths)], dtype=torch.long),
+                         self.device)
+        self.ids[:rows, 0] = meta[:, 0]
+        self.depths[:rows] = meta[:, 1]
+        if self._prompt is not None:  # the first round: the prompt-wide program, run eagerly once
+            logits = self._program(rows, self._prompt, block)()
+            self._prompt = None
+        else:
+            logits = self.graphs.run((rows, block))
+        # the new context is in the cache now (outside the step, which stays idempotent: a capture's warm-up runs
+        # it more than once)
+        self.lengths[:rows].add_(self.counts[:rows])
+        self.counts[:rows].zero_()
+        self._staged = False
+        return [logits[b, :d] if d else None for b, d in enumerate(depths)]
+
+    def keep_rows(self, kept: Sequence[int]) -> None:
+        """Only batch rows ``kept`` go on (moved to the front, in order)."""
+        self.cache.keep_rows(kept)
+        idx = on_device(torch.tensor(list(kept), dtype=torch.long), self.device)
+        for t in self._row_state():
+            t[: len(kept)] = t.index_select(0, idx)
+        if self._prompt is not None:
+            self._prompt = self._prompt.index_select(0, idx)
+
+
+
+class StaticDrafter(StaticBlockDrafter):
     """A DFlash model's static context cache, block buffers and captured block forwards (see the module docstring).
 
     Args:
@@ -187,38 +247,8 @@ class StaticDrafter:
         self.counts[:rows].copy_(accepted + 1)
         self._staged = True
 
-    def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int]) -> list[torch.Tensor | None]:
-        """Every row's ``[depth, V]`` draft logits (``None`` where ``depths[b] == 0``), in one block forward that
-        also commits the staged context (so it runs even when no row drafts). Returns views of the step's output:
-        read them before the next draft."""
-        rows = len(roots)
-        # the block is as long as the deepest row's draft, as the eager drafter's is (a DFlash block is
-        # bidirectional, so only a shorter block gives a shorter draft the eager one's values)
-        block = 1 + max(int(d) for d in depths)
-        meta = on_device(torch.tensor([[tok, d] for (tok, _pos), d in zip(roots, depths)], dtype=torch.long),
-                         self.device)
-        self.ids[:rows, 0] = meta[:, 0]
-        self.depths[:rows] = meta[:, 1]
-        if self._prompt is not None:  # the first round: the prompt-wide program, run eagerly once
-            logits = self._program(rows, self._prompt, block)()
-            self._prompt = None
-        else:
-            logits = self.graphs.run((rows, block))
-        # the new context is in the cache now (outside the step, which stays idempotent: a capture's warm-up runs
-        # it more than once)
-        self.lengths[:rows].add_(self.counts[:rows])
-        self.counts[:rows].zero_()
-        self._staged = False
-        return [logits[b, :d] if d else None for b, d in enumerate(depths)]
-
-    def keep_rows(self, kept: Sequence[int]) -> None:
-        """Only batch rows ``kept`` go on (moved to the front, in order)."""
-        self.cache.keep_rows(kept)
-        idx = on_device(torch.tensor(list(kept), dtype=torch.long), self.device)
-        for t in (self.lengths, self.counts, self.feats):
-            t[: len(kept)] = t.index_select(0, idx)
-        if self._prompt is not None:
-            self._prompt = self._prompt.index_select(0, idx)
+    def _row_state(self) -> tuple[torch.Tensor, ...]:
+        return self.lengths, self.counts, self.feats
 
 
 def recorded_features(hooks: TargetFeatureHooks, layer_ids: Sequence[int]) -> torch.Tensor:

@@ -257,12 +257,7 @@ class BidirectionalSession(DecodeSession):
         if self.cache_mode != "none" and self._cache is None:
             raise ConfigError("forward_states called before begin_block; fix: call session.begin_block(block) first")
         start, end = self.window_start(self._cache_block), self.window_end(self._cache_block)
-        if self.static is not None:
-            logits = self.static.forward(self, states, rows, (start, end))
-        else:
-            logits = self.window_logits(states, rows, self.forward_inputs(), (start, end))
-        self.nfe += 1
-        return logits
+        return self.counted_window_forward(states, rows, (start, end))
 
     def window_logits(self, states: torch.Tensor, rows: torch.Tensor | None, inputs: ForwardInputs,
                       window: tuple[int, int]) -> torch.Tensor:

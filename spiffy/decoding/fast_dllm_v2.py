@@ -289,12 +289,7 @@ class FastDLLMv2Session(DecodeSession):
         if self.config.block_cache:
             return self._block_cache_forward(states, rows, start, end)
         states = states.to(self.x.device)
-        if self.static is not None:
-            logits = self.static.forward(self, states, rows, (start, end))
-        else:
-            logits = self.window_logits(states, rows, self.forward_inputs(), (start, end))
-        self.nfe += 1
-        return logits
+        return self.counted_window_forward(states, rows, (start, end))
 
     def _block_cache_forward(self, states: torch.Tensor, rows: torch.Tensor | None, start: int,
                              end: int) -> torch.Tensor:

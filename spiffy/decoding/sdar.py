@@ -362,12 +362,7 @@ class SDARSession(DecodeSession):
         if rows is not None:
             states, rows = check_state_rows(states, rows, self.x)
         window = (q_start, start, end)
-        if self.static is not None:
-            logits = self.static.forward(self, states, rows, window)
-        else:
-            logits = self.window_logits(states, rows, self.forward_inputs(), window)
-        self.nfe += 1
-        return logits
+        return self.counted_window_forward(states, rows, window)
 
     # ------------------------------------------------------------------ the rule
     def transition(self, x: torch.Tensor, logits: torch.Tensor, info: StepInfo) -> torch.Tensor:

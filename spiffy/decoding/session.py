@@ -311,6 +311,19 @@ class DecodeSession(ABC):
         Default: ``max(steps_per_block, 4 * block_length)``; the families override it with their own bound."""
         return max(int(getattr(self, "steps_per_block", 0) or 0), 4 * int(self.block_length))
 
+    def counted_window_forward(self, states: torch.Tensor, rows: torch.Tensor | None,
+                               window: tuple[int, ...]) -> torch.Tensor:
+        """``window_logits`` of ``states [N, T]`` (``rows [N]`` or ``None``) over ``window``, on the static path
+        when :meth:`use_static` set one up and eagerly otherwise: the one call of a family's ``forward_states``
+        (one NFE counted). For sessions that plug into :class:`~spiffy.decoding.captured.StaticStates`
+        (``forward_inputs``, ``window_logits``, ``static_layout``)."""
+        if self.static is not None:
+            logits = self.static.forward(self, states, rows, window)
+        else:
+            logits = self.window_logits(states, rows, self.forward_inputs(), window)  # type: ignore[attr-defined]
+        self.nfe += 1
+        return logits
+
     def use_static(self, capture: bool = True) -> None:
         """Run :meth:`forward_states` with static shapes per bucket, captured in CUDA graphs on a GPU (the
         ``compile=`` switch). Default: refused (a session without a static path; every shipped family has one, and
