@@ -331,14 +331,12 @@ class FastDLLMv2Session(DecodeSession):
         generated = torch.arange(s, e, device=x.device)[None, :] >= self._gen_cols[:, None]
         return stop_hits(region, region == self.mask_id, generated, self._stops)
 
-    def count_tensor(self, block: int, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`DecodeSession.count_tensor` (the masked counts of ``block`` and the next) followed, with stop ids, by
-        :meth:`_stop_hits` of the same blocks (``[B]`` each, as longs): everything the rule reads on the host."""
-        counts = super().count_tensor(block, x)
+    def state_flags(self, block: int, x: torch.Tensor) -> torch.Tensor | None:
+        """With stop ids, :meth:`_stop_hits` of ``block`` and of the next block (``[B]`` each, joined): what the rule
+        reads on the host besides the masked counts (:meth:`DecodeSession.count_tensor` reads them together)."""
         if not self.stop_ids:
-            return counts
-        hits = [self._stop_hits(blk, x) for blk in (block, block + 1) if blk < int(self.num_blocks)]
-        return torch.cat([counts] + [h.to(torch.long) for h in hits])
+            return None
+        return torch.cat([self._stop_hits(blk, x) for blk in (block, block + 1) if blk < int(self.num_blocks)])
 
     def _host_state(self, block: int, x: torch.Tensor) -> tuple[list[int], list[bool]]:
         """``(masked, hit)``: per row of ``x``, its masked columns in ``block`` and whether a stop ended it there

@@ -71,7 +71,7 @@ from spiffy.errors import ConfigError, PromptTooLongError
 from spiffy.models.cache import KVCache
 from spiffy.models.loading import mask_token_id
 from spiffy.models.sdar import block_causal_mask
-from spiffy.torch_utils import device_tensor, model_device
+from spiffy.torch_utils import model_device
 
 def _logits_of(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]
@@ -213,6 +213,7 @@ class SDARSession(DecodeSession):
         self.top_k = sampling.top_k
         self.top_p = sampling.top_p
         self.stop_token_ids = tuple(cfg.stop_token_ids or ())
+        self._stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)  # made once, read per step
         self.fuse_commit = bool(cfg.fuse_commit)
         if generator is None:
             generator = torch.Generator(device=device)
@@ -417,12 +418,12 @@ class SDARSession(DecodeSession):
     def block_end_by_rule(self, block: int, step: int) -> bool | None:
         return True if self.stopped or step >= self.steps_per_block else None
 
-    def state_flags(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``[B]``: whether row ``r`` holds a stop id in its generated rows (the stop rule of :meth:`end_block`)."""
+    def state_flags(self, block: int, x: torch.Tensor) -> torch.Tensor | None:
+        """``[B]``: whether row ``r`` holds a stop id in its generated rows, in any block (the stop rule of
+        :meth:`end_block`)."""
         if not self.stop_token_ids:
             return None
-        stops = device_tensor(self.stop_token_ids, torch.long, x.device)
-        return torch.stack([torch.isin(x[r, start:], stops).any() for r, start in enumerate(self.gen_starts)])
+        return torch.stack([torch.isin(x[r, start:], self._stops).any() for r, start in enumerate(self.gen_starts)])
 
     def reads_block_end(self, block: int) -> bool:
         return super().reads_block_end(block) or bool(self.stop_token_ids)  # the stop rule reads the last state
@@ -437,7 +438,7 @@ class SDARSession(DecodeSession):
             return
         flags = self.known_flags(self.x)  # Spiffy's walk read them with the last state's counts
         if flags is None:
-            flags = self.state_flags(self.x).tolist()  # type: ignore[union-attr]
+            flags = self.state_flags(block, self.x).tolist()  # type: ignore[union-attr]
         self.stopped = any(flags)
 
     # ------------------------------------------------------------------ helpers

@@ -217,9 +217,10 @@ class DecodeSession(ABC):
         rules also take rows of earlier blocks left masked)."""
         return self.block_bounds(block)[0]
 
-    def state_flags(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``[K]`` long flags of ``x`` the rule reads at a block end besides its counts (SDAR: a stop id generated,
-        per row), read with them; ``None``: none."""
+    def state_flags(self, block: int, x: torch.Tensor) -> torch.Tensor | None:
+        """``[K]`` long flags of ``x`` the rule reads at a block end besides its counts, read with the counts of
+        ``block`` and the next (SDAR: a stop id generated, per row; Fast-dLLM v2: a stop reached in each of the two
+        blocks, per row); ``None``: none."""
         return None
 
     def count_tensor(self, block: int, x: torch.Tensor) -> torch.Tensor:
@@ -234,7 +235,7 @@ class DecodeSession(ABC):
                 break
             start, end = self.block_bounds(blk)
             parts += [masked[:, self.eligible_start(blk) : end].sum(dim=1), masked[:, start:end].sum(dim=1)]
-        flags = self.state_flags(x)
+        flags = self.state_flags(block, x)
         return torch.cat(parts + ([] if flags is None else [flags.to(torch.long)]))
 
     def remember_counts(self, block: int, x: torch.Tensor, values: list) -> None:
