@@ -167,16 +167,12 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         """The model's static drafter if it fits ``rows x slots`` and blocks of ``block`` (and holds at most twice
         the slots needed: attention reads every slot), else a new one (replacing it); emptied."""
         have = _STATIC.get(model)
-        if not (have is not None and have.rows >= rows and slots <= have.slots <= 2 * slots and have.block == block
-                and have.mask_token_id == int(drafter.mask_token_id) and have.shifted == bool(drafter.shifted)
-                and have.graphs.capture == (capture and have.device.type == "cuda")):
+        if not (have is not None and have.holds(rows, slots, block, capture)
+                and have.mask_token_id == int(drafter.mask_token_id) and have.shifted == bool(drafter.shifted)):
             if have is not None:
                 have.graphs.clear()
             have = _STATIC[model] = cls(model, drafter, rows, slots, block, capture)
-        have.lengths.zero_()
-        have.counts.zero_()
-        have._prompt, have._staged = None, False
-        return have
+        return have.emptied()
 
     def _program(self, rows: int, context: torch.Tensor, block: int) -> Callable[[], torch.Tensor]:
         """The forward of a ``block``-column block (``<= B``) of the first ``rows`` rows after the committed tokens

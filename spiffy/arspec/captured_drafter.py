@@ -97,13 +97,17 @@ class StaticBlockDrafter:
     """What the static drafters share (:class:`StaticDrafter`, and the dLLM drafters'
     :class:`~spiffy.arspec.captured_dllm_drafter.StaticDLLMDrafter`): a round's draft from the bucket's step (the
     first round's prompt-wide program run eagerly once), the per-row lengths advanced after it, and rows leaving the
-    batch. A subclass holds ``cache`` (a :class:`~spiffy.capture.SlotCache`), ``graphs``, ``device``, the round
-    buffers ``ids [rows, B]``, ``depths``, ``lengths``, ``counts [rows]``, ``_prompt`` (the first round's staged
-    context, or ``None``) and ``_staged``, and says in :meth:`_row_state` which per-row tensors follow the rows."""
+    batch. A subclass holds ``cache`` (a :class:`~spiffy.capture.SlotCache`), ``graphs``, ``device``, its sizes
+    ``rows``, ``slots``, ``block``, the round buffers ``ids [rows, B]``, ``depths``, ``lengths``, ``counts [rows]``,
+    ``_prompt`` (the first round's staged context, or ``None``) and ``_staged``, and says in :meth:`_row_state` which
+    per-row tensors follow the rows."""
 
     cache: SlotCache
     graphs: StepGraphs
     device: torch.device
+    rows: int
+    slots: int
+    block: int
     ids: torch.Tensor
     depths: torch.Tensor
     lengths: torch.Tensor
@@ -117,6 +121,19 @@ class StaticBlockDrafter:
     def _row_state(self) -> tuple[torch.Tensor, ...]:
         """The per-row tensors (first dimension: batch rows) that :meth:`keep_rows` reorders with the cache."""
         raise NotImplementedError
+
+    def holds(self, rows: int, slots: int, block: int, capture: bool) -> bool:
+        """Whether this drafter serves a generation of ``rows x slots`` and blocks of ``block`` (holding at most twice
+        the slots needed: attention reads every slot) with the same capture setting."""
+        return (self.rows >= rows and slots <= self.slots <= 2 * slots and self.block == block
+                and self.graphs.capture == (capture and self.device.type == "cuda"))
+
+    def emptied(self) -> "StaticBlockDrafter":
+        """This drafter with no context and nothing staged (a new generation starts), for chaining."""
+        self.lengths.zero_()
+        self.counts.zero_()
+        self._prompt, self._staged = None, False
+        return self
 
     def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int]) -> list[torch.Tensor | None]:
         """Every row's ``[depth, V]`` draft logits (``None`` where ``depths[b] == 0``), in one block forward that
@@ -187,15 +204,11 @@ class StaticDrafter(StaticBlockDrafter):
         """The model's static drafter if it fits ``rows x slots`` and blocks of ``block`` for ``target`` (and holds
         at most twice the slots needed: attention reads every slot), else a new one (replacing it); emptied."""
         have = _STATIC.get(model)
-        if not (have is not None and have.target is target and have.rows >= rows and slots <= have.slots <= 2 * slots
-                and have.block == block and have.graphs.capture == (capture and have.device.type == "cuda")):
+        if not (have is not None and have.target is target and have.holds(rows, slots, block, capture)):
             if have is not None:
                 have.graphs.clear()
             have = _STATIC[model] = cls(model, target, rows, slots, block, capture)
-        have.lengths.zero_()
-        have.counts.zero_()
-        have._prompt, have._staged = None, False
-        return have
+        return have.emptied()
 
     def _program(self, rows: int, feats: torch.Tensor, block: int) -> Callable[[], torch.Tensor]:
         """The forward of a ``block``-row block (``<= B``) of the first ``rows`` rows over new-context features
