@@ -41,8 +41,8 @@ from typing import Any, ContextManager, Sequence
 import torch
 from torch import nn
 
-from spiffy.arspec.captured_dllm_drafter import StaticDLLMDrafter, static_dllm_drafter
-from spiffy.arspec.captured_drafter import StaticDrafter, recorded_features, static_drafter_model
+from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter
+from spiffy.arspec.captured_drafter import StaticBlockDrafter, StaticDrafter, static_drafter_model
 from spiffy.arspec.captured_recurrent import StaticRecurrent
 from spiffy.arspec.device_tree import (DeviceTree, ancestor_visibility, chain_device, coupled_walk, ddtree_device,
                                        position_noise, target_tokens)
@@ -265,7 +265,7 @@ class CapturedRounds:
     """
 
     def __init__(self, static: StaticTarget, methods: list[Method], configs: list[Any], rules: list[AcceptanceRule],
-                 depth: int, drafter: StaticDrafter | StaticDLLMDrafter | None = None) -> None:
+                 depth: int, drafter: StaticBlockDrafter | None = None) -> None:
         self.static, self.methods, self.configs, self.rules = static, methods, configs, rules
         self.depth = int(depth)
         self.drafter = drafter
@@ -301,12 +301,8 @@ class CapturedRounds:
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
         """The target's prefill (:meth:`StaticTarget.prefill`); the static drafter stages the prompts' features."""
         first, pads = self.static.prefill(prompts)
-        if isinstance(self.drafter, StaticDLLMDrafter):  # a dLLM drafter reads the prompts' tokens
-            self.drafter.stage_prompt(prompts)
-        elif self.drafter is not None:
-            assert self.static.hooks is not None
-            self.drafter.stage_prompt(recorded_features(self.static.hooks, self.drafter.model.target_layer_ids),
-                                      pads, [len(p) for p in prompts])
+        if self.drafter is not None:  # the prompts' features (DFlash) or tokens (a dLLM drafter)
+            self.drafter.stage_first(self.static, prompts, pads)
         return first, pads
 
     def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int]) -> list[Draft | None]:
@@ -377,12 +373,8 @@ class CapturedRounds:
     def _commit(self, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
         """The round's kept rows into the target's cache and, as the next draft's new context, the static drafter's."""
         self.static.commit(rows, keep, accepted)
-        if isinstance(self.drafter, StaticDLLMDrafter):  # the kept rows' tokens, gathered on the device
-            self.drafter.stage(self.static.ids[:rows], keep, accepted)
-        elif self.drafter is not None:
-            assert self.static.hooks is not None
-            self.drafter.stage(recorded_features(self.static.hooks, self.drafter.model.target_layer_ids), keep,
-                               accepted)
+        if self.drafter is not None:  # the kept rows' features (DFlash) or tokens (a dLLM drafter)
+            self.drafter.stage_round(self.static, rows, keep, accepted)
 
     def _walk_device(self, roots: Sequence[tuple[int, int]], hidden: torch.Tensor, width: int, depth: int
                      ) -> list[tuple[list[int], list[int]]]:

@@ -235,3 +235,11 @@ class StaticDLLMDrafter(StaticBlockDrafter):
     def _row_state(self) -> tuple[torch.Tensor, ...]:
         return self.lengths, self.counts, self.context
 
+    def stage_first(self, target: Any, prompts: Sequence[Sequence[int]], pads: Sequence[int]) -> None:
+        """The prompts' tokens (:meth:`stage_prompt`)."""
+        self.stage_prompt(prompts)
+
+    def stage_round(self, target: Any, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The kept rows' tokens, gathered on the device from ``target``'s verification ids (:meth:`stage`)."""
+        self.stage(target.ids[:rows], keep, accepted)
+

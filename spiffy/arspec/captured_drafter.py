@@ -122,6 +122,16 @@ class StaticBlockDrafter:
         """The per-row tensors (first dimension: batch rows) that :meth:`keep_rows` reorders with the cache."""
         raise NotImplementedError
 
+    def stage_first(self, target: Any, prompts: Sequence[Sequence[int]], pads: Sequence[int]) -> None:
+        """Stage the first round's context from the static target ``target`` (a
+        :class:`~spiffy.arspec.captured.StaticTarget`) right after its prefill of ``prompts`` (left ``pads``)."""
+        raise NotImplementedError
+
+    def stage_round(self, target: Any, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Stage a round's committed rows (``keep [rows, K]`` root first, ``accepted [rows]``) as the next draft's
+        context, from ``target``'s verification step (device tensors only)."""
+        raise NotImplementedError
+
     def holds(self, rows: int, slots: int, block: int, capture: bool) -> bool:
         """Whether this drafter serves a generation of ``rows x slots`` and blocks of ``block`` (holding at most twice
         the slots needed: attention reads every slot) with the same capture setting."""
@@ -262,6 +272,16 @@ class StaticDrafter(StaticBlockDrafter):
 
     def _row_state(self) -> tuple[torch.Tensor, ...]:
         return self.lengths, self.counts, self.feats
+
+    def stage_first(self, target: Any, prompts: Sequence[Sequence[int]], pads: Sequence[int]) -> None:
+        """The prompts' target features, recorded by ``target``'s prefill (:meth:`stage_prompt`)."""
+        assert target.hooks is not None
+        self.stage_prompt(recorded_features(target.hooks, self.model.target_layer_ids), pads, [len(p) for p in prompts])
+
+    def stage_round(self, target: Any, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The kept rows' target features, recorded by ``target``'s verification step (:meth:`stage`)."""
+        assert target.hooks is not None
+        self.stage(recorded_features(target.hooks, self.model.target_layer_ids), keep, accepted)
 
 
 def recorded_features(hooks: TargetFeatureHooks, layer_ids: Sequence[int]) -> torch.Tensor:
