@@ -22,7 +22,8 @@ import torch
 from spiffy.sampling import SamplingConfig, filter_logits
 from spiffy.torch_utils import device_tensor
 
-__all__ = ["position_key", "gumbel_noise", "tempered", "sample_tokens", "sample_keyed", "keyed_seed"]
+__all__ = ["position_key", "gumbel_noise", "tempered", "sample_tokens", "sample_keyed", "keyed_seed", "inverse_cdf",
+           "keyed_uniforms"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -106,3 +107,24 @@ def sample_keyed(logits: torch.Tensor, positions: Sequence[int], sampling: Sampl
         top_k=int(sampling.top_k),
         seed=keyed_seed(sampling),
     )
+
+
+def keyed_uniforms(key: int, count: int) -> torch.Tensor:
+    """``[count]`` float64 uniforms in ``[0, 1)`` on the host from a generator seeded by ``key`` (a
+    :func:`position_key`). The first ``n`` of them do not depend on ``count``, so a walk that pads its draws to a
+    static count reads the same coins as one that does not. Host-made: building them reads nothing from a device."""
+    gen = torch.Generator().manual_seed(int(key))
+    return torch.rand(int(count), generator=gen, dtype=torch.float64)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``[...]`` long: the inverse-CDF draw of each row of ``probs`` ``[..., V]`` (nonnegative, not necessarily
+    normalised) with the uniform of ``u`` ``[...]`` in ``[0, 1)``: the first token whose cumulative mass exceeds
+    ``u * total``. A ``u * total`` that rounds onto the total takes the last token with mass, so a token without
+    mass is never drawn; a row without any mass gives ``-1``. A tensor program: nothing is read to the host."""
+    cdf = torch.cumsum(probs, dim=-1)
+    target = u.to(device=cdf.device, dtype=cdf.dtype).unsqueeze(-1) * cdf[..., -1:]
+    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
+    ramp = torch.arange(int(probs.shape[-1]), device=probs.device)
+    last = torch.where(probs > 0, ramp, -1).amax(dim=-1)
+    return torch.minimum(idx, last)
