@@ -26,8 +26,12 @@ acceptance walk:
   output equals AR decoding token for token whatever drafts are offered; the selected draft is the one agreeing
   with the target longest.
 
-Randomness is keyed: the draws of a round come from a generator seeded by ``(seed, root position)`` on a stream of
-their own, so a run is reproducible for a seed and independent of the target's acceptance coins.
+Randomness is keyed: the draws of a round are inverse-CDF draws (:func:`~spiffy.arspec.sampling.inverse_cdf`) with
+host uniforms from a generator seeded by ``(seed, root position)`` on a stream of their own
+(:func:`~spiffy.arspec.sampling.keyed_uniforms`), so a run is reproducible for a seed and independent of the target's
+acceptance coins. The uniforms are made on the host and copied without waiting, and the draw is a tensor program on
+the proposal's device: sampling reads nothing back, so the captured path can draw on the device
+(:func:`~spiffy.arspec.device_draws.sampled_tree_device` builds this module's tree there).
 """
 
 from __future__ import annotations
@@ -37,14 +41,17 @@ import math
 import torch
 
 from spiffy.arspec.rules import TargetLogits
-from spiffy.arspec.sampling import keyed_seed, position_key, tempered
+from spiffy.arspec.sampling import inverse_cdf, keyed_seed, keyed_uniforms, position_key, tempered
 from spiffy.arspec.tree import DraftTree, empty_tree
 from spiffy.sampling import SamplingConfig, filter_logits
+from spiffy.torch_utils import on_device
 
 __all__ = [
     "DRAFT_STREAM",
     "draft_paths",
     "draft_temperature",
+    "draft_uniforms",
+    "drafts_from_uniforms",
     "expected_streaks",
     "proposal_probs",
     "sample_drafts",
@@ -64,13 +71,14 @@ def draft_temperature(sampling: SamplingConfig) -> float:
 
 
 def proposal_probs(draft_logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """``[D, V]`` float64 CPU probabilities drafts are sampled from: the drafter's logits at
-    :func:`draft_temperature`, filtered by the target's top-k / top-p (so ``q`` covers what ``p`` can emit)."""
+    """``[D, V]`` float64 probabilities drafts are sampled from, on the drafter's device (kept there so the draws
+    need no host read): the drafter's logits at :func:`draft_temperature`, filtered by the target's top-k / top-p (so
+    ``q`` covers what ``p`` can emit)."""
     scores = filter_logits(
         tempered(draft_logits.double(), draft_temperature(sampling)), int(sampling.top_k), float(sampling.top_p),
         nucleus="reaches",
     )
-    return torch.softmax(scores, dim=-1).cpu()
+    return torch.softmax(scores, dim=-1)
 
 
 def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -81,28 +89,51 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     return torch.softmax(scores, dim=-1)[0].cpu()
 
 
-def sample_drafts(probs: torch.Tensor, num_drafts: int, sampling: SamplingConfig, root_position: int) -> torch.Tensor:
-    """``[K, D]`` long: ``K`` joint drafts, token ``d`` of each drawn independently from ``probs[d]``.
+def draft_uniforms(sampling: SamplingConfig, num_drafts: int, depth: int, root_position: int) -> torch.Tensor:
+    """``[D, K]`` float64 host uniforms of a round's draws (row ``d``: depth ``d``'s ``K`` draws, in draft order):
+    the first ``D * K`` of :func:`~spiffy.arspec.sampling.keyed_uniforms` keyed by ``(seed, DRAFT_STREAM,
+    root_position)``. Host work only; a captured round copies them into its static buffer before replaying."""
+    key = position_key(keyed_seed(sampling) ^ DRAFT_STREAM, root_position)
+    return keyed_uniforms(key, depth * num_drafts).view(depth, num_drafts)
 
-    The generator is seeded by ``(seed, DRAFT_STREAM, root_position)``: the same run draws the same drafts.
+
+def drafts_from_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``[K, D]`` long on ``probs.device``: the inverse-CDF draw (:func:`~spiffy.arspec.sampling.inverse_cdf`) of
+    ``probs`` ``[D, V]`` at depth ``d`` with uniform ``u[d, k]`` (``u``: ``[D, K]``, on ``probs.device``) for draft
+    ``k``. A tensor program: nothing is read to the host, and a token without mass is never drawn."""
+    # one draw per draft: inverse_cdf takes one uniform per row of [..., V], and expanding probs to [D, K, V] would
+    # materialise K copies of the cumulative sums (hundreds of MB at a real vocabulary)
+    return torch.stack([inverse_cdf(probs, u[:, j]) for j in range(int(u.shape[1]))])
+
+
+def sample_drafts(probs: torch.Tensor, num_drafts: int, sampling: SamplingConfig, root_position: int) -> torch.Tensor:
+    """``[K, D]`` long on ``probs.device``: ``K`` joint drafts, token ``d`` of each drawn independently from
+    ``probs[d]`` (``probs``: ``[D, V]``, nonnegative; a token without mass is never drawn).
+
+    Each token is an inverse-CDF draw (:func:`drafts_from_uniforms`) with a host uniform keyed by ``(seed,
+    DRAFT_STREAM, root_position)`` (:func:`draft_uniforms`): the same run draws the same drafts, and nothing is
+    read back from the device (the uniforms travel by a non-blocking copy).
     """
     depth = int(probs.shape[0])
     if num_drafts <= 0 or depth == 0:
-        return torch.zeros(max(num_drafts, 0), depth, dtype=torch.long)
-    gen = torch.Generator().manual_seed(position_key(keyed_seed(sampling) ^ DRAFT_STREAM, root_position))
-    draws = torch.multinomial(probs, int(num_drafts), replacement=True, generator=gen)  # [D, K]
-    return draws.t().contiguous()
+        return torch.zeros(max(num_drafts, 0), depth, dtype=torch.long, device=probs.device)
+    u = draft_uniforms(sampling, int(num_drafts), depth, root_position)
+    return drafts_from_uniforms(probs, on_device(u, probs.device))
 
 
 def build_sampled_tree(probs: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
     """Merge joint drafts ``[K, D]`` (drawn from ``probs`` ``[D, V]``) into one tree (common prefixes shared).
 
     Node order is creation order (draft by draft, shallow to deep), so parents precede children. ``samples``
-    lists, below each node, the depth-``d + 1`` tokens of the drafts passing through it, in draft order.
+    lists, below each node, the depth-``d + 1`` tokens of the drafts passing through it, in draft order. The
+    eager path's builder: it reads ``probs`` and ``drafts`` to the host (two reads) and returns a host tree
+    (``proposal`` on the CPU); :func:`~spiffy.arspec.device_draws.sampled_tree_device` builds the same tree on the
+    device.
     """
     k, depth = int(drafts.shape[0]), int(drafts.shape[1]) if drafts.dim() == 2 else 0
     if k == 0 or depth == 0:
         return empty_tree()
+    probs = probs.cpu()  # one read of the device's q; the per-token lookups below then stay on the host
     logq = torch.log(probs.clamp_min(1e-300))
     rows = drafts.tolist()
     lookup: dict[tuple[int, int], int] = {}
