@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from captured_rounds import RecordedDrafts, captured_round_syncs, prompt_ids
-from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
+from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_generate, speculative_generate
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter_model, static_dllm_drafter_of
 from spiffy.arspec.dllm_drafter import DLLMDrafter
@@ -196,6 +196,19 @@ def test_ddtree_dllm_round_syncs_at_most_twice(pair, budget):
         target, base, prompt_ids(9, 8), method="ddtree-dllm", budget=budget, max_new_tokens=12, compile=True))
     assert len(res.tokens) == 12 and len(per_round) == res.rounds
     assert static_dllm_drafter_of(base) is not None  # the draft stage counted is the static drafter's
+    assert max(per_round) <= 2, per_round
+
+
+@pytest.mark.parametrize("method", ["deer", "specdiff"])
+def test_sampled_rejection_round_syncs_at_most_twice(pair, method):
+    """DEER's chain and SpecDiff-2's drafts sampled from the drafter, merged into a tree and walked by the rejection
+    rule at T > 0, all on the device: a round reads the device at most twice (issue 36)."""
+    target, base = pair
+    config = ARSpecConfig(method=method, drafts=3, max_new_tokens=12, accept="rejection",
+                          sampling=SamplingConfig(temperature=0.9, seed=4))
+    res, per_round = captured_round_syncs(target, base, lambda: speculative_generate(
+        target, as_drafter(base), prompt_ids(9, 8), config, compile=True))
+    assert len(res.tokens) == 12 and len(per_round) == res.rounds
     assert max(per_round) <= 2, per_round
 
 

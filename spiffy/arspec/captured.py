@@ -13,9 +13,12 @@ cache is large enough, so a bucket is captured once.
 :class:`CapturedRounds` runs the loop's rounds on it. When every row's method builds its draft on the device (plain
 AR, the DFlash chain, DDTree: :mod:`spiffy.arspec.device_tree`) and walks it with the coupled rule, a round is draft
 -> device tree -> captured verify -> the target's token at every row -> the walk -> the kept rows moved in the cache,
-and ONE host read (accepted lengths, kept rows and tokens, bonus). Any other method or rule (DEER, SpecDiff-2,
-DFlash2's selector, the rejection rule at T > 0) builds its tree on the host as the eager loop does and walks it on
-the captured step's hidden states; only the verification is captured.
+and ONE host read (accepted lengths, node counts, kept rows and tokens, bonus). Under the rejection rule at T > 0
+the same round walks by :func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program), and
+the drafts sampled from the drafter (DEER, DFlash, SpecDiff-2: :mod:`spiffy.arspec.device_draws`) are drawn and
+merged on the device too. DFlash2's selector, and a round whose rows mix the rules (or point-mass and sampled
+proposals under the rejection rule), build their trees on the host as the eager loop does and walk them on the
+captured step's hidden states; only the verification is captured there.
 
 A hybrid target (Qwen3.5, Qwen3-Next) runs here too: its Gated-DeltaNet layers keep their committed state per row in
 a :class:`~spiffy.arspec.captured_recurrent.StaticRecurrent`, whose mixers the verification step runs over every
@@ -44,13 +47,16 @@ from torch import nn
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter
 from spiffy.arspec.captured_drafter import StaticBlockDrafter, StaticDrafter, static_drafter_model
 from spiffy.arspec.captured_recurrent import StaticRecurrent
-from spiffy.arspec.device_tree import (DeviceTree, ancestor_visibility, chain_device, coupled_walk, ddtree_device,
-                                       position_noise, target_tokens)
+from spiffy.arspec.device_draws import SampledDeviceTree, sampled_tree_device
+from spiffy.arspec.device_rejection import rejection_coins, rejection_walk, round_proposals
+from spiffy.arspec.device_tree import (DeviceTree, WalkResult, ancestor_visibility, chain_device, coupled_walk,
+                                       ddtree_device, position_noise, target_tokens)
 from spiffy.arspec.methods import BestTree, Chain, DraftKnobs, Method
 from spiffy.arspec.rejection import RejectionRule
 from spiffy.arspec.rules import AcceptanceRule, CoupledRule, TargetLogits
 from spiffy.arspec.sampling import tempered
 from spiffy.arspec.selector import Draft, SelectorDraft
+from spiffy.arspec.selfselect import proposal_probs, sample_drafts
 from spiffy.arspec.stages import StageClock, build_trees, prefill_inputs
 from spiffy.arspec.tree import DraftTree
 from spiffy.capture import SlotCache, StepGraphs, slot_cache_supported
@@ -236,23 +242,42 @@ class StaticTarget:
         self.valid[: len(kept)] = self.valid.index_select(0, idx)
 
 
-def device_tree(method: Method, config: DraftKnobs, draft: Draft | None) -> DeviceTree | None:
-    """The round's tree built on the device, or ``None`` when the method builds it on the host only."""
+def device_tree(method: Method, config: DraftKnobs, draft: Draft | None, root_position: int
+                ) -> DeviceTree | SampledDeviceTree | None:
+    """The round's tree built on the device (a sampled one for drafts drawn from the drafter: DEER and DFlash under
+    the rejection rule at T > 0, SpecDiff-2), or ``None`` when the method builds it on the host only."""
     if draft is None or isinstance(draft, SelectorDraft):
         return None
     if isinstance(method, BestTree):
         scores = tempered(draft, float(config.sampling.temperature))
         return ddtree_device(torch.log_softmax(scores, dim=-1), int(config.budget))
-    if type(method) is Chain and not method.samples(config):
+    if isinstance(method, Chain) and method.samples(config):
+        probs = proposal_probs(draft, config.sampling)
+        return sampled_tree_device(probs, sample_drafts(probs, method.sample_count(config), config.sampling,
+                                                        root_position))
+    if type(method) is Chain:
         return chain_device(draft)
     return None
 
 
-def _walks_on_device(rule: AcceptanceRule) -> bool:
-    """The coupled rule (and the rejection rule at T = 0, which is the coupled walk) walk on the device."""
-    if type(rule) is CoupledRule:
-        return True
-    return type(rule) is RejectionRule and float(rule.sampling.temperature) == 0
+def _plain(tree: DeviceTree | SampledDeviceTree) -> DeviceTree:
+    return tree.tree if isinstance(tree, SampledDeviceTree) else tree
+
+
+def _walk_kind(rules: Sequence[AcceptanceRule], trees: Sequence[DeviceTree | SampledDeviceTree | None],
+               drafts: Sequence[Draft | None]) -> str | None:
+    """How the round's rows are walked on the device: ``"coupled"`` (the coupled rule, or the rejection rule at
+    T = 0, which is the coupled walk), ``"rejection"`` (the rejection rule at T > 0 on trees whose proposals are all
+    point masses or all sampled), or ``None``: on the host (a tree built on the host, or rows that mix the two)."""
+    if any(t is None and d is not None for t, d in zip(trees, drafts)):
+        return None
+    greedy = [type(r) is RejectionRule and float(r.sampling.temperature) == 0 for r in rules]
+    if all(type(r) is CoupledRule or g for r, g in zip(rules, greedy)):
+        return "coupled"
+    if not all(type(r) is RejectionRule and not g for r, g in zip(rules, greedy)):
+        return None
+    kinds = {isinstance(t, SampledDeviceTree) for t in trees if t is not None}
+    return "rejection" if len(kinds) <= 1 else None
 
 
 class CapturedRounds:
@@ -321,29 +346,30 @@ class CapturedRounds:
               drafter_hooks: Sequence[TargetFeatureHooks]) -> list[tuple[list[int], list[int], int]]:
         """One round of every live row: per row ``(new tokens, kept verification rows, draft nodes)``."""
         static, rows = self.static, len(roots)
-        trees = [device_tree(m, c, d) for m, c, d in zip(self.methods, self.configs, drafts)]
-        device_round = all(_walks_on_device(r) for r in self.rules) and all(
-            t is not None or d is None for t, d in zip(trees, drafts))
+        trees = [device_tree(m, c, d, pos) for m, c, d, (_tok, pos) in zip(self.methods, self.configs, drafts, roots)]
+        walk = _walk_kind(self.rules, trees, drafts)
         host_trees: list[DraftTree] = []
-        if not device_round:
+        if walk is None:
             host_trees = build_trees(self.methods, self.configs, drafts, roots)
         clock.lap("tree_build")
-        counts = [t.num_nodes for t in host_trees] if host_trees else [0 if t is None else t.count for t in trees]
+        # node counts: exact for host trees, DDTree and the chain; an upper bound for sampled trees (read back below)
+        counts = [t.num_nodes for t in host_trees] if host_trees else [0 if t is None else _plain(t).count for t in trees]
         width = 1 + max(counts) if max(counts) == 0 else static.width
         depth = 0 if width == 1 else self.depth
         self._fill(roots, trees, host_trees, width)
         clock.lap("compile")
         hidden = static.verify(rows, width, depth)
         static.share_features(drafter_hooks)
-        if device_round:
-            out = self._walk_device(roots, hidden, width, depth)
-        else:
+        if walk is None:
             out = self._walk_host(roots, hidden, host_trees, drafts, depth)
+            done = [(new, keep, n) for (new, keep), n in zip(out, counts)]
+        else:
+            done = self._walk_device(roots, hidden, width, depth, trees if walk == "rejection" else None)
         clock.lap("verify")
-        return [(new, keep, n) for (new, keep), n in zip(out, counts)]
+        return done
 
-    def _fill(self, roots: Sequence[tuple[int, int]], trees: list[DeviceTree | None], host_trees: list[DraftTree],
-              width: int) -> None:
+    def _fill(self, roots: Sequence[tuple[int, int]], trees: list[DeviceTree | SampledDeviceTree | None],
+              host_trees: list[DraftTree], width: int) -> None:
         """Write the round's rows into the static buffers (host values as one copy each; device trees on device)."""
         s, rows = self.static, len(roots)
         root_t = on_device(torch.tensor([[tok, pos] for tok, pos in roots], dtype=torch.long), s.device)
@@ -363,11 +389,15 @@ class CapturedRounds:
                     packed = on_device(torch.stack([t.tokens, t.parents, t.depths]), s.device)
                     s.ids[b, 1 : 1 + n], s.parents[b, :n], s.depths[b, :n] = packed[0], packed[1], packed[2]
         else:
-            s.counts[:rows] = on_device(torch.tensor([0 if t is None else t.count for t in trees], dtype=torch.long), s.device)
+            s.counts[:rows] = on_device(torch.tensor([0 if t is None else _plain(t).count for t in trees],
+                                                     dtype=torch.long), s.device)
             for b, t in enumerate(trees):
-                if t is not None and t.tokens.numel():
-                    n = int(t.tokens.numel())
-                    s.ids[b, 1 : 1 + n], s.parents[b, :n], s.depths[b, :n] = t.tokens, t.parents, t.depths
+                if isinstance(t, SampledDeviceTree):  # its real nodes come first; the rest is padding
+                    s.counts[b] = t.real
+                tree = None if t is None else _plain(t)
+                if tree is not None and tree.tokens.numel():
+                    n = int(tree.tokens.numel())
+                    s.ids[b, 1 : 1 + n], s.parents[b, :n], s.depths[b, :n] = tree.tokens, tree.parents, tree.depths
         s.positions[:rows, 1:width] += s.depths[:rows, :nodes]
 
     def _commit(self, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -376,24 +406,35 @@ class CapturedRounds:
         if self.drafter is not None:  # the kept rows' features (DFlash) or tokens (a dLLM drafter)
             self.drafter.stage_round(self.static, rows, keep, accepted)
 
-    def _walk_device(self, roots: Sequence[tuple[int, int]], hidden: torch.Tensor, width: int, depth: int
-                     ) -> list[tuple[list[int], list[int]]]:
+    def _walk_device(self, roots: Sequence[tuple[int, int]], hidden: torch.Tensor, width: int, depth: int,
+                     rejection: Sequence[DeviceTree | SampledDeviceTree | None] | None
+                     ) -> list[tuple[list[int], list[int], int]]:
+        """The walk of every row on the device (the coupled rule, or with ``rejection`` (the rows' trees) the
+        rejection rule), the commit, and the round's one host read."""
         s, rows = self.static, len(roots)
         logits = s.lm_head(hidden)
         samplings = [c.sampling for c in self.configs]
-        noise = position_noise(samplings, [pos for _tok, pos in roots], depth, int(logits.shape[-1]), s.device,
-                               torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        positions = [pos for _tok, pos in roots]
+        ids, parents, counts = s.ids[:rows, :width], s.parents[:rows, : width - 1], s.counts[:rows]
         row_depths = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=s.device), s.depths[:rows, : width - 1]], 1)
-        drawn = target_tokens(logits, row_depths, samplings, noise)
-        walk = coupled_walk(s.ids[:rows, :width], s.parents[:rows, : width - 1], s.depths[:rows, : width - 1],
-                            s.counts[:rows], drawn, depth)
+        walk: WalkResult
+        if rejection is None:
+            noise = position_noise(samplings, positions, depth, int(logits.shape[-1]), s.device,
+                                   torch.float64 if logits.dtype == torch.float64 else torch.float32)
+            drawn = target_tokens(logits, row_depths, samplings, noise)
+            walk = coupled_walk(ids, parents, s.depths[:rows, : width - 1], counts, drawn, depth)
+        else:
+            proposals = round_proposals(rejection, ids, parents, counts, row_depths)
+            coins = rejection_coins(samplings, positions, depth + 1, int(proposals.draws.shape[2]) + 1, s.device)
+            walk = rejection_walk(logits, samplings, ids, parents, counts, proposals, coins, depth)
         self._commit(rows, walk.keep, walk.accepted)
-        packed = torch.cat([walk.accepted.view(-1, 1), walk.bonus.view(-1, 1), walk.keep, walk.kept_tokens], 1)
+        packed = torch.cat([walk.accepted.view(-1, 1), walk.bonus.view(-1, 1), counts.view(-1, 1), walk.keep,
+                            walk.kept_tokens], 1)
         out = []
         for row in packed.tolist():  # the round's one host read
-            n, bonus, span = row[0], row[1], depth + 1
-            keep, toks = row[2 : 2 + span], row[2 + span :]
-            out.append((toks[1 : n + 1] + [bonus], keep[: n + 1]))
+            n, bonus, nodes, span = row[0], row[1], row[2], depth + 1
+            keep, toks = row[3 : 3 + span], row[3 + span :]
+            out.append((toks[1 : n + 1] + [bonus], keep[: n + 1], nodes))
         return out
 
     def _walk_host(self, roots: Sequence[tuple[int, int]], hidden: torch.Tensor, trees: list[DraftTree],

@@ -26,45 +26,63 @@ else emit the argmax": the output equals greedy AR decoding token for token.
 
 Coins are keyed by ``(seed, REJECTION_STREAM, absolute position)``; every absolute position is decided in exactly
 one round, so each decision uses fresh randomness and a run is reproducible for a seed.
+
+The walk itself is one tensor program (:func:`~spiffy.arspec.device_rejection.rejection_walk`), which the captured
+path runs on every batch row's device tree at once; this rule runs it on one host-built tree, so both paths share
+the arithmetic and the coins. With point-mass proposals it tests child ``i`` against ``p_i / (sum(p) - sum_{j<i}
+p_j)``, which is the renormalised ``r(x_i)`` above without rewriting ``V`` entries per child.
 """
 
 from __future__ import annotations
 
 import torch
 
+from spiffy.arspec.device_rejection import (REJECTION_STREAM, Proposals, RejectionWalk, rejection_coins,
+                                            rejection_walk)
 from spiffy.arspec.rules import Acceptance, CoupledRule, TargetLogits
-from spiffy.arspec.sampling import keyed_seed, position_key
-from spiffy.arspec.selfselect import target_probs
+from spiffy.arspec.sampling import inverse_cdf
 from spiffy.arspec.tree import DraftTree
-from spiffy.errors import StepLimitError
 from spiffy.sampling import SamplingConfig
+from spiffy.torch_utils import device_tensor, on_device
 
-__all__ = ["REJECTION_STREAM", "RejectionRule", "residual_step", "sample_from"]
-
-#: stream tag mixed into the seed of the acceptance coins
-REJECTION_STREAM = 0x3E1EC7
-_EPS = 1e-12
+__all__ = ["REJECTION_STREAM", "RejectionRule", "sample_from", "tree_proposals"]
 
 
 def sample_from(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from ``probs`` ``[V]`` (nonnegative, not necessarily normalised) with uniform ``u``."""
-    cdf = torch.cumsum(probs, dim=0)
-    total = float(cdf[-1])
-    if total <= 0:
+    """Inverse-CDF draw from ``probs`` ``[V]`` (nonnegative, not necessarily normalised) with uniform ``u``
+    (:func:`~spiffy.arspec.sampling.inverse_cdf`, the walk's own draw)."""
+    idx = int(inverse_cdf(probs, device_tensor(float(u), torch.float64, probs.device)))
+    if idx < 0:
         raise ValueError("cannot sample from an all-zero distribution")
-    idx = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=cdf.dtype), right=True)[0])
-    idx = min(idx, probs.numel() - 1)
-    while float(probs[idx]) <= 0 and idx > 0:  # u * total on the edge of a zero-mass token's empty interval
-        idx -= 1
     return idx
 
 
-def residual_step(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``norm(max(0, r - q))``; when nothing is left (``r <= q`` everywhere, only by rounding since a rejection
-    needs ``r(x) < q(x)`` somewhere) ``r`` is returned unchanged."""
-    left = (r - q).clamp_min(0.0)
-    total = float(left.sum())
-    return left / total if total > _EPS else r
+def tree_proposals(tree: DraftTree, device: torch.device) -> Proposals:
+    """One host tree's :class:`~spiffy.arspec.device_rejection.Proposals` (batch of one): its ``samples`` and the
+    ``q`` of every node they hang below (:meth:`DraftTree.proposal_below`), or its children in node order."""
+    n = tree.num_nodes
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    below: dict[int, list[int]] = {}
+    if tree.samples is not None:
+        below = {node: list(draws) for node, draws in tree.samples.items() if draws}
+    else:
+        for i, (parent, tok) in enumerate(zip(parents, tree.tokens.tolist())):
+            below.setdefault(parent, []).append(tok)
+    width = max((len(v) for v in below.values()), default=1)  # at least one (padding) column
+    draws = torch.full((1, n + 1, width), -1, dtype=torch.long)
+    for node, toks in below.items():
+        draws[0, node + 1, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+    if tree.samples is None:
+        return Proposals(on_device(draws, device))
+    q_rows: list[torch.Tensor] = []
+    q_row = torch.zeros(1, n + 1, dtype=torch.long)
+    for node in below:
+        q = tree.proposal_below(node, 0 if node < 0 else depths[node])
+        assert q is not None, "a sampled tree names the proposal of every node it draws below"
+        q_row[0, node + 1] = len(q_rows)
+        q_rows.append(on_device(q.double(), device))
+    q_all = torch.stack(q_rows).unsqueeze(0) if q_rows else None
+    return Proposals(on_device(draws, device), q_all, on_device(q_row, device))
 
 
 class RejectionRule:
@@ -82,10 +100,6 @@ class RejectionRule:
         #: (:mod:`spiffy.bench.batch_fidelity`) read it
         self.trace: list[tuple[str, float, object]] | None = None
 
-    def _coins(self, position: int, count: int) -> list[float]:
-        gen = torch.Generator().manual_seed(position_key(keyed_seed(self.sampling) ^ REJECTION_STREAM, position))
-        return torch.rand(count, generator=gen, dtype=torch.float64).tolist()
-
     def accept(
         self,
         tree: DraftTree,
@@ -96,53 +110,29 @@ class RejectionRule:
         if float(self.sampling.temperature) == 0:
             # T = 0: both rules are the greedy walk (the coupled rule draws the argmax at every node)
             return CoupledRule(self.sampling).accept(tree, target, draft_logits, root_position)
-        lookup = tree.children_lookup()
-        children: dict[int, list[int]] = {}
-        for i, parent in enumerate(tree.parents.tolist()):
-            children.setdefault(parent, []).append(i)
-        node_tokens = tree.tokens.tolist()
-        depths = tree.depths.tolist()
-        node, accepted = -1, []
-        for _ in range(tree.num_nodes + 1):  # each pass accepts a strictly deeper node or returns
-            depth = 0 if node < 0 else depths[node]
-            position = root_position + depth + 1
-            r = target_probs(target.logits(node), self.sampling)
-            if tree.samples is not None:
-                draws = tree.samples.get(node, [])
-                q = tree.proposal_below(node, depth) if draws else None
-            else:
-                draws = [node_tokens[c] for c in children.get(node, [])]
-                q = None
-            coins = self._coins(position, len(draws) + 1)
-            chosen = None
-            for x, u in zip(draws, coins):
-                if q is None:  # point-mass proposal
-                    if self.trace is not None:
-                        self.trace.append(("test", u, float(r[x])))
-                    if u < float(r[x]):
-                        chosen = x
-                        break
-                    rest = r.clone()
-                    rest[x] = 0.0
-                    total = float(rest.sum())
-                    if total <= _EPS:  # r(x) was 1 up to rounding: the child is certain
-                        chosen = x
-                        break
-                    r = rest / total
-                else:
-                    qx = float(q[x])
-                    if self.trace is not None and qx > 0:
-                        self.trace.append(("test", u, min(1.0, float(r[x]) / qx)))
-                    if qx > 0 and u < min(1.0, float(r[x]) / qx):
-                        chosen = x
-                        break
-                    r = residual_step(r, q)
-            if chosen is None:
-                if self.trace is not None:
-                    self.trace.append(("draw", coins[-1], r))
-                return Acceptance(accepted, sample_from(r, coins[-1]))
-            child = lookup[(node, chosen)]
-            accepted.append(child)
-            node = child
-        raise StepLimitError(f"the rejection walk accepted {len(accepted)} nodes of a {tree.num_nodes}-node tree "
-                             "without ending; the tree's parent links form a cycle; fix: build it with build_tree")
+        n = tree.num_nodes
+        if isinstance(target, TargetLogits):
+            logits = target.all_rows(n + 1)
+        else:  # any object with the same logits(node) (recorded rounds, tables)
+            logits = torch.cat([target.logits(node).reshape(1, -1) for node in range(-1, n)])
+        dev = logits.device
+        ids = on_device(torch.cat([torch.zeros(1, dtype=torch.long), tree.tokens]).view(1, -1), dev)
+        proposals = tree_proposals(tree, dev)
+        depth = tree.max_depth()
+        coins = rejection_coins([self.sampling], [root_position], depth + 1, int(proposals.draws.shape[2]) + 1, dev)
+        walk = rejection_walk(logits.unsqueeze(0), [self.sampling], ids, on_device(tree.parents.view(1, -1), dev),
+                              on_device(torch.tensor([n]), dev), proposals, coins, depth, stop_early=True)
+        if self.trace is not None:
+            self._record(walk, coins)
+        accepted = int(walk.accepted[0])
+        return Acceptance([r - 1 for r in walk.keep[0, 1 : accepted + 1].tolist()], int(walk.bonus[0]))
+
+    def _record(self, walk: RejectionWalk, coins: torch.Tensor) -> None:
+        """The walk's decisions in order into :attr:`trace` (``coins [1, S, K + 1]``): each tested draw, then the
+        bonus draw."""
+        assert self.trace is not None
+        for step in range(int(walk.ended[0]) + 1):
+            for i, on in enumerate(walk.tested[0, step].tolist()):
+                if on:
+                    self.trace.append(("test", float(coins[0, step, i]), float(walk.thresholds[0, step, i])))
+        self.trace.append(("draw", float(walk.bonus_coin[0]), walk.left[0].cpu()))

@@ -1,15 +1,17 @@
 """The acceptance-rule interface: which drafted tokens the target keeps, and which token it adds.
 
 After the one verification forward, a rule sees the draft structure (:class:`~spiffy.arspec.tree.DraftTree`), the
-target's logits at any node (computed lazily by :class:`TargetLogits`: only rows the rule visits pay the head), the
+target's logits at any node (computed lazily by :class:`TargetLogits`: the coupled rule pays the head on the rows
+it visits only; the rejection rule's walk, a tensor program over every row, takes them all in one head call), the
 drafter's per-depth logits and the root position, and returns the accepted path and the bonus token
 (:class:`Acceptance`).
 
 :class:`CoupledRule` is today's rule: the target draws its own token at each visited node with position-keyed noise
 (:mod:`spiffy.arspec.sampling`) and the walk follows the child holding that token, so the output is identical to
-plain AR decoding for a seed, at any temperature. A speculative-sampling rule (accept a child ``x`` with probability
-``min(1, p(x) / q(x))``, resample the bonus from the residual ``max(0, p - q)``) takes ``q`` from ``draft_logits``
-row ``depth - 1`` and ``p`` from :meth:`TargetLogits.logits`, within the same signature.
+plain AR decoding for a seed, at any temperature. The speculative-sampling rule
+(:class:`~spiffy.arspec.rejection.RejectionRule`: accept a child ``x`` with probability ``min(1, p(x) / q(x))``,
+resample the bonus from the residual ``max(0, p - q)``) reads ``q`` from the tree's proposals within the same
+signature.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ class TargetLogits:
         if out is None:
             out = self.lm_head(self.hidden[row : row + 1])
             self._cache[row] = out
+        return out
+
+    def all_rows(self, count: int) -> torch.Tensor:
+        """``[count, V]`` logits of the first ``count`` rows (the root, then nodes in order), in one head call."""
+        out = self.lm_head(self.hidden[:count])
+        self._cache.update({row: out[row : row + 1] for row in range(count)})
         return out
 
     @property

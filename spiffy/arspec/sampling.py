@@ -119,11 +119,12 @@ def keyed_uniforms(key: int, count: int) -> torch.Tensor:
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``[...]`` long: the inverse-CDF draw of each row of ``probs`` ``[..., V]`` (nonnegative, not necessarily
-    normalised) with the uniform of ``u`` ``[...]`` in ``[0, 1)``: the first token whose cumulative mass exceeds
-    ``u * total``. A ``u * total`` that rounds onto the total takes the last token with mass, so a token without
-    mass is never drawn; a row without any mass gives ``-1``. A tensor program: nothing is read to the host."""
+    normalised) with the uniform of ``u`` ``[...]`` (on the same device) in ``[0, 1)``: the first token whose
+    cumulative mass exceeds ``u * total``. A ``u * total`` that rounds onto the total takes the last token with mass,
+    so a token without mass is never drawn; a row without any mass gives ``-1``. A tensor program: nothing is read
+    to the host."""
     cdf = torch.cumsum(probs, dim=-1)
-    target = u.to(device=cdf.device, dtype=cdf.dtype).unsqueeze(-1) * cdf[..., -1:]
+    target = u.to(cdf.dtype).unsqueeze(-1) * cdf[..., -1:]  # u on the device of probs
     idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
     ramp = torch.arange(int(probs.shape[-1]), device=probs.device)
     last = torch.where(probs > 0, ramp, -1).amax(dim=-1)

@@ -54,6 +54,9 @@ class RecordedLogits(TargetLogits):
         r = 0 if node < 0 else node + 1
         return self.rows[r : r + 1]
 
+    def all_rows(self, count: int) -> torch.Tensor:
+        return self.rows[:count]
+
 
 class RecordingRule:
     """An acceptance rule that records each round's outcome, and in full (tree, every node's target logits, the
