@@ -25,7 +25,7 @@ from spiffy.arspec.device_rejection import (Proposals, children_draws, rejection
 from spiffy.arspec.device_tree import ddtree_device
 from spiffy.arspec.rejection import RejectionRule, tree_proposals
 from spiffy.arspec.selfselect import build_sampled_tree
-from spiffy.arspec.tree import DraftTree, build_ddtree
+from spiffy.arspec.tree import DraftTree, build_ddtree, empty_tree
 from spiffy.bench.syncs import SyncCounter
 from spiffy.sampling import SamplingConfig
 
@@ -50,6 +50,8 @@ def _random_tree(kind: str, vocab: int, depth: int, width: int, gen: torch.Gener
     probs = torch.softmax(logits, -1)
     if kind == "ddtree":
         return build_ddtree(torch.log_softmax(logits, -1), width)
+    if width == 0:
+        return empty_tree()
     probs[:, -1] = 0.0  # a token q never proposes
     probs = probs / probs.sum(-1, keepdim=True)
     drafts = torch.multinomial(probs, width, replacement=True, generator=gen).t()  # [K, D]
@@ -65,12 +67,12 @@ def _case(seed: int, kind: str, vocab: int, depth: int, width: int) -> tuple[Dra
 
 @fast_settings(60)
 @given(seed=st.integers(0, 10**6), kind=st.sampled_from(["ddtree", "chain", "specdiff"]),
-       vocab=st.integers(2, 7), depth=st.integers(1, 4), width=st.integers(1, 6),
+       vocab=st.integers(2, 7), depth=st.integers(1, 4), width=st.integers(0, 6),
        temperature=st.sampled_from([0.4, 1.0, 1.8]), top_k=st.sampled_from([0, 2]),
        top_p=st.sampled_from([1.0, 0.7]), root=st.integers(0, 50))
 def test_the_program_takes_the_sequential_rules_decisions(seed, kind, vocab, depth, width, temperature, top_k,
                                                           top_p, root):
-    tree, logits = _case(seed, kind, vocab, depth, 1 if kind == "chain" else width)
+    tree, logits = _case(seed, kind, vocab, depth, min(width, 1) if kind == "chain" else width)  # 0: an empty tree
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed % 7)
     margins: list[float] = []
     expected = reference_accept(tree, logits, sampling, root, margins)
