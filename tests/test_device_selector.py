@@ -47,7 +47,9 @@ def selector_drafts(draw: Any) -> SelectorDraft:
     g = torch.Generator().manual_seed(seed)
     cands = torch.randint(0, max(2, k + draw(st.integers(-1, 4))), (depth, k), generator=g)
     scores = torch.randint(-2, 1, (1 + max(depth - 1, 0) * k, k), generator=g).double()
-    if draw(st.booleans()):  # continuous scores too (distinct values, far from ties)
+    if draw(st.booleans()):  # uniform rows over random subsets: probabilities 1/m, sums tie across parents
+        scores.zero_()
+    elif draw(st.booleans()):  # continuous scores too (distinct values, far from ties)
         scores = scores + torch.randn(scores.shape, generator=g, dtype=torch.float64) * draw(st.sampled_from([0.0, 3.0]))
     hole = torch.rand(scores.shape, generator=g) < draw(st.sampled_from([0.0, 0.2, 0.5]))
     hole[torch.arange(scores.shape[0]), torch.randint(0, k, (scores.shape[0],), generator=g)] = False
@@ -98,6 +100,21 @@ def test_skipped_candidates_leave_padding():
     assert dev.tokens.tolist() == [5, 7, 1, 1, 3, 0, 0, 0]  # 7's only child (log q 0) before 5's first one
     assert dev.parents.tolist() == [-1, -1, 1, 0, 0, -1, -1, -1]
     _assert_same(draft.best_tree(8, 1.0), dev, 5)
+
+
+def test_ties_across_parents_keep_rank_tuple_order():
+    """A depth-3 prefix below a better-scoring parent ties (bit for bit: -log 3 - log 4 == -log 12 + 0) with one
+    below a worse parent that comes first in rank-tuple order: the host pops the latter first, so the kept parents
+    must be back in rank-tuple order before their children are ranked (found by a search over uniform rows)."""
+    inf = float("-inf")
+    cands = torch.tensor([[2, 6, 8, 9], [4, 8, 5, 2], [0, 5, 4, 8]])
+    first = torch.tensor([0.0, 0.0, 0.0, inf], dtype=torch.float64)
+    following = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [inf, inf, 0.0, inf], [inf, inf, 0.0, inf], [inf, inf, inf, 0.0]],
+                              [[inf, inf, inf, 0.0], [0.0, 0.0, 0.0, inf], [0.0, 0.0, 0.0, 0.0], [inf, 0.0, 0.0, inf]]],
+                             dtype=torch.float64)
+    draft = SelectorDraft(cands, first, following, 10)
+    dev = selector_tree_device(draft, 8, 1.0)
+    _assert_same(draft.best_tree(8, 1.0), dev, int(dev.real))
 
 
 def test_building_reads_nothing_back():
