@@ -181,9 +181,10 @@ def test_real_dflash_drafters_on_the_static_drafter(dirs, arch, dtype):
 
 @pytest.mark.parametrize("method", ["deer", "specdiff", "dflash2"])
 def test_host_built_trees_on_hybrids(dirs, tmp_path_factory, method):
-    """Methods whose trees are built on the host (DEER and SpecDiff-2 with a dLLM drafter, DFlash2's selector) walk
-    the captured verification's hidden states on the host, then commit through the same recurrent commit bucket:
-    captured == eager (float32, T = 1)."""
+    """Methods whose trees are built on the host (DEER and SpecDiff-2 with a dLLM drafter) walk the captured
+    verification's hidden states on the host, then commit through the same recurrent commit bucket; DFlash2's chain
+    (coupled rule) is built and walked on the device (:mod:`spiffy.arspec.device_selector`) and commits through the
+    same bucket: captured == eager (float32, T = 1)."""
     target_dir, _ = dirs["qwen3_5"]
     root = tmp_path_factory.mktemp(f"host_{method}")
     path = (make_tiny_dflash2(root / "d", target_dir, seed=4, block_size=BLOCK) if method == "dflash2" else

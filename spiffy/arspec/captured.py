@@ -11,14 +11,15 @@ block) on the device. Static targets are kept per target model and reused across
 cache is large enough, so a bucket is captured once.
 
 :class:`CapturedRounds` runs the loop's rounds on it. When every row's method builds its draft on the device (plain
-AR, the DFlash chain, DDTree: :mod:`spiffy.arspec.device_tree`) and walks it with the coupled rule, a round is draft
+AR, the DFlash chain, DDTree: :mod:`spiffy.arspec.device_tree`; DFlash2's greedy chain and DDTree over its selector:
+:mod:`spiffy.arspec.device_selector`) and walks it with the coupled rule, a round is draft
 -> device tree -> captured verify -> the target's token at every row -> the walk -> the kept rows moved in the cache,
 and ONE host read (accepted lengths, node counts, kept rows and tokens, bonus). Under the rejection rule at T > 0
 the same round walks by :func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program), and
 the drafts sampled from the drafter (DEER, DFlash, SpecDiff-2: :mod:`spiffy.arspec.device_draws`) are drawn and
-merged on the device too. DFlash2's selector, and a round whose rows mix the rules (or point-mass and sampled
-proposals under the rejection rule), build their trees on the host as the eager loop does and walk them on the
-captured step's hidden states; only the verification is captured there.
+merged on the device too. DFlash2's chain sampled through its selector (the rejection rule at T > 0), and a round
+whose rows mix the rules (or point-mass and sampled proposals under the rejection rule), build their trees on the host
+as the eager loop does and walk them on the captured step's hidden states; only the verification is captured there.
 
 A hybrid target (Qwen3.5, Qwen3-Next) runs here too: its Gated-DeltaNet layers keep their committed state per row in
 a :class:`~spiffy.arspec.captured_recurrent.StaticRecurrent`, whose mixers the verification step runs over every
@@ -49,6 +50,7 @@ from spiffy.arspec.captured_drafter import StaticBlockDrafter, StaticDrafter, st
 from spiffy.arspec.captured_recurrent import StaticRecurrent
 from spiffy.arspec.device_draws import SampledDeviceTree, sampled_tree_device
 from spiffy.arspec.device_rejection import rejection_coins, rejection_walk, round_proposals
+from spiffy.arspec.device_selector import selector_chain_device, selector_tree_device
 from spiffy.arspec.device_tree import (DeviceTree, WalkResult, ancestor_visibility, chain_device, coupled_walk,
                                        ddtree_device, position_noise, target_tokens)
 from spiffy.arspec.methods import BestTree, Chain, DraftKnobs, Method
@@ -245,8 +247,15 @@ class StaticTarget:
 def device_tree(method: Method, config: DraftKnobs, draft: Draft | None, root_position: int
                 ) -> DeviceTree | SampledDeviceTree | None:
     """The round's tree built on the device (a sampled one for drafts drawn from the drafter: DEER and DFlash under
-    the rejection rule at T > 0, SpecDiff-2), or ``None`` when the method builds it on the host only."""
-    if draft is None or isinstance(draft, SelectorDraft):
+    the rejection rule at T > 0, SpecDiff-2), or ``None`` when the method builds it on the host only (DFlash2's
+    selector drafts sampled through its chain)."""
+    if draft is None:
+        return None
+    if isinstance(draft, SelectorDraft):  # DFlash2: its DDTree and greedy chain on the device, sampled drafts not
+        if isinstance(method, BestTree):
+            return selector_tree_device(draft, int(config.budget), float(config.sampling.temperature))
+        if isinstance(method, Chain) and not method.samples(config):
+            return selector_chain_device(draft)
         return None
     if isinstance(method, BestTree):
         scores = tempered(draft, float(config.sampling.temperature))
@@ -352,7 +361,8 @@ class CapturedRounds:
         if walk is None:
             host_trees = build_trees(self.methods, self.configs, drafts, roots)
         clock.lap("tree_build")
-        # node counts: exact for host trees, DDTree and the chain; an upper bound for sampled trees (read back below)
+        # node counts: exact for host trees, DDTree and the chains; an upper bound for sampled trees and DFlash2's tree
+        # (their real counts ride in the round's one host read)
         counts = [t.num_nodes for t in host_trees] if host_trees else [0 if t is None else _plain(t).count for t in trees]
         width = 1 + max(counts) if max(counts) == 0 else static.width
         depth = 0 if width == 1 else self.depth
@@ -392,9 +402,13 @@ class CapturedRounds:
             s.counts[:rows] = on_device(torch.tensor([0 if t is None else _plain(t).count for t in trees],
                                                      dtype=torch.long), s.device)
             for b, t in enumerate(trees):
-                if isinstance(t, SampledDeviceTree):  # its real nodes come first; the rest is padding
-                    s.counts[b] = t.real
                 tree = None if t is None else _plain(t)
+                # a data-dependent node count (sampled trees, DFlash2's tree): the real nodes come first, the rest is
+                # padding, and the count stays on the device
+                if isinstance(t, SampledDeviceTree):
+                    s.counts[b] = t.real
+                elif tree is not None and tree.real is not None:
+                    s.counts[b] = tree.real
                 if tree is not None and tree.tokens.numel():
                     n = int(tree.tokens.numel())
                     s.ids[b, 1 : 1 + n], s.parents[b, :n], s.depths[b, :n] = tree.tokens, tree.parents, tree.depths

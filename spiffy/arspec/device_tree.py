@@ -10,7 +10,11 @@ rank-tuple order is its flat index ``parent * K + rank``, and stable sorts keep 
 the tree is the best ``B`` of all kept prefixes, ordered by score, ties by rank tuple (a lexicographic stable sort
 over the ``[L]`` rank tuples, ``-1`` padded so a prefix precedes its extensions). Scores are summed in float64 in
 the host's order (parent score + the depth's log-probability), so the values, the tree and the node order are the
-host builder's. Cost: ``L`` stable sorts of ``B * K`` candidates and ``L + 2`` sorts of ``L * B`` prefixes.
+host builder's. Cost: ``L`` stable sorts of ``B * K`` candidates and ``L + 2`` sorts of ``L * B`` prefixes. The
+selection itself is :func:`best_prefixes`, which takes each depth's children ranked per kept parent (DDTree: the same
+top ``K`` below every parent; DFlash2's selector ranks them by the parent's own token,
+:mod:`spiffy.arspec.device_selector`) and a validity per child (a child of probability 0 is never added, so the
+real node count may be below the budget: :attr:`DeviceTree.real`).
 
 **The walk** (:func:`coupled_walk`): the target's token at every verification row at once (greedy, or position-keyed
 Gumbel-max with the row's depth), a node is accepted when its token is its parent's target token and its parent is
@@ -21,6 +25,7 @@ accepted (``max depth`` vectorised steps), the bonus is the target token at the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -28,8 +33,8 @@ from spiffy.arspec.sampling import gumbel_noise, keyed_seed, tempered
 from spiffy.sampling import SamplingConfig, filter_logits
 from spiffy.topk import top_ranked_static
 
-__all__ = ["DeviceTree", "WalkResult", "ancestor_visibility", "chain_device", "coupled_walk", "ddtree_device",
-           "ddtree_node_count", "position_noise"]
+__all__ = ["DeviceTree", "RankedChildren", "WalkResult", "ancestor_visibility", "best_prefixes", "chain_device",
+           "coupled_walk", "ddtree_device", "ddtree_node_count", "padded_tree", "position_noise"]
 
 
 @dataclass
@@ -39,8 +44,12 @@ class DeviceTree:
     Attributes:
         tokens, parents, depths: ``[N]`` long (``parents``: ``-1`` for children of the root; parents precede
             children); scores: ``[N]`` float64 cumulative log-probability (``-inf`` on padding).
-        count: the real nodes (the first ``count``; a host integer known without reading the device).
-    Padding nodes hang below the root with depth 1; :func:`coupled_walk` never accepts them.
+        count: the real nodes (the first ``count``; a host integer known without reading the device), or, when
+            ``real`` is set, a static upper bound of them.
+        real: ``None`` (``count`` is exact), or a 0-d long device tensor: the real nodes when their number depends
+            on the data (read it only when a host synchronisation is acceptable).
+    Padding nodes (token 0, parent -1, depth 1, score ``-inf``) hang below the root; :func:`coupled_walk` never
+    accepts them.
     """
 
     tokens: torch.Tensor
@@ -48,6 +57,7 @@ class DeviceTree:
     depths: torch.Tensor
     scores: torch.Tensor
     count: int
+    real: torch.Tensor | None = None
 
 
 def ddtree_node_count(budget: int, depth: int, vocab: int) -> int:
@@ -72,32 +82,59 @@ def ddtree_device(logprobs: torch.Tensor, budget: int) -> DeviceTree:
     dev = logprobs.device
     n = ddtree_node_count(budget, depth_limit, vocab)
     if n == 0:
-        return _padded(budget, 0, dev)
+        return padded_tree(budget, 0, dev)
     k = min(int(budget), vocab)
     vals, toks = top_ranked_static(logprobs, k)  # [L, K] each, value descending, ties by token id
     vals = vals.double()
+    every = torch.ones(1, k, dtype=torch.bool, device=dev)
+
+    def ranked(d: int, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the same top K below every parent: DDTree's depths are independent of the parent's token
+        rows = int(after.shape[0])
+        tok = toks[d].expand(rows, k)
+        return vals[d].expand(rows, k), tok, tok, every.expand(rows, k)
+
+    tree, _real = best_prefixes(ranked, depth_limit, k, int(budget), dev)
+    tree.count = n  # every prefix is valid: the first n picks are real, the count is exact
+    return tree
+
+
+#: a depth's children, best first: ``ranked(d, after)`` for depth ``d`` (0-based) below ``P`` parents, ``after [P]``
+#: long (the parents' ``index``; depth 0: ``[1]``, the root's ``-1``), returns ``(logq [P, K] float64 descending,
+#: tokens [P, K] long, index [P, K] long (what the children pass as ``after`` one depth down), ok [P, K] bool (a
+#: child that may be added))``
+RankedChildren = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def best_prefixes(ranked: RankedChildren, depth_limit: int, k: int, budget: int, dev: torch.device
+                  ) -> tuple[DeviceTree, torch.Tensor]:
+    """The best-first heap's first ``budget`` pops (score descending, ties by rank tuple; a prefix is valid when
+    every step's ``ok`` holds) by the level-by-level selection of the module docstring, generalised to children
+    ranked per parent: ``(tree, real)``, the tree padded to ``[budget]`` (``count = budget``: set it when known;
+    invalid picks padded) and ``real`` the 0-d count of valid nodes (the first ``real``). ``1 <= k <= budget``."""
     width = int(budget)
     ramp = torch.arange(width, device=dev)
-    # per depth: the kept prefixes in rank-tuple order: score, token, parent slot, validity, rank tuple [L]
+    # per depth: the kept prefixes in rank-tuple order: score, token, index, parent slot, validity, rank tuple [L]
     scores = torch.full((depth_limit, width), float("-inf"), dtype=torch.float64, device=dev)
     tokens = torch.zeros(depth_limit, width, dtype=torch.long, device=dev)
+    index = torch.zeros(depth_limit, width, dtype=torch.long, device=dev)
     parent_slot = torch.full((depth_limit, width), -1, dtype=torch.long, device=dev)
     valid = torch.zeros(depth_limit, width, dtype=torch.bool, device=dev)
     ranks = torch.full((depth_limit, width, depth_limit), -1, dtype=torch.long, device=dev)
-    first = min(k, width)
-    scores[0, :first] = vals[0, :first]
-    tokens[0, :first] = toks[0, :first]
-    valid[0, :first] = True
-    ranks[0, :first, 0] = ramp[:first]
+    vals, toks, idx, ok = ranked(0, torch.full((1,), -1, dtype=torch.long, device=dev))
+    scores[0, :k], tokens[0, :k], index[0, :k], valid[0, :k] = vals[0], toks[0], idx[0], ok[0]
+    ranks[0, :k, 0] = ramp[:k]
     for d in range(1, depth_limit):
-        cand = (scores[d - 1].unsqueeze(1) + vals[d].unsqueeze(0)).reshape(-1)  # [B * K] flat = parent * K + rank
-        ok = valid[d - 1].unsqueeze(1).expand(width, k).reshape(-1)
-        order = _best_first(cand, ok)[:width].sort().values  # the best B, back in rank-tuple order
+        vals, toks, idx, ok = ranked(d, index[d - 1])  # [B, K] each: every kept slot's own ranked children
+        cand = (scores[d - 1].unsqueeze(1) + vals).reshape(-1)  # [B * K] flat = parent * K + rank
+        fine = (valid[d - 1].unsqueeze(1) & ok).reshape(-1)
+        order = _best_first(cand, fine)[:width].sort().values  # the best B, back in rank-tuple order
         parent, rank = order // k, order % k
         scores[d] = cand[order]
-        tokens[d] = toks[d][rank]
+        tokens[d] = toks.reshape(-1)[order]
+        index[d] = idx.reshape(-1)[order]
         parent_slot[d] = parent
-        valid[d] = ok[order]
+        valid[d] = fine[order]
         ranks[d] = ranks[d - 1][parent]
         ranks[d, :, d] = rank
     # every kept prefix, in rank-tuple order (stable sorts from the last element to the first), then best first
@@ -110,14 +147,11 @@ def ddtree_device(logprobs: torch.Tensor, budget: int) -> DeviceTree:
     where[pick] = ramp
     depth_of = pick // width
     parent_id = torch.where(depth_of > 0, (depth_of - 1) * width + parent_slot.view(-1)[pick], depth_limit * width)
-    out = DeviceTree(tokens.view(-1)[pick], where[parent_id], depth_of + 1, scores.view(-1)[pick], n)
-    if n < width:  # padding below the root (never accepted)
-        pad = ramp >= n
-        out.tokens.masked_fill_(pad, 0)
-        out.parents.masked_fill_(pad, -1)
-        out.depths.masked_fill_(pad, 1)
-        out.scores.masked_fill_(pad, float("-inf"))
-    return out
+    pad = ~valid.view(-1)[pick]  # valid picks come first: padding below the root (never accepted)
+    out = DeviceTree(tokens.view(-1)[pick].masked_fill(pad, 0), where[parent_id].masked_fill(pad, -1),
+                     (depth_of + 1).masked_fill(pad, 1), scores.view(-1)[pick].masked_fill(pad, float("-inf")),
+                     width)
+    return out, (~pad).sum()
 
 
 def _best_first(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -126,7 +160,8 @@ def _best_first(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return order[torch.sort((~valid[order]).to(torch.uint8), stable=True).indices]
 
 
-def _padded(width: int, count: int, dev: torch.device) -> DeviceTree:
+def padded_tree(width: int, count: int, dev: torch.device) -> DeviceTree:
+    """``[width]`` padding nodes only (token 0, parent -1, depth 1, score ``-inf``) with ``count`` real nodes."""
     z = torch.zeros(width, dtype=torch.long, device=dev)
     return DeviceTree(z, z - 1, z + 1, torch.full((width,), float("-inf"), dtype=torch.float64, device=dev), count)
 
@@ -136,7 +171,7 @@ def chain_device(logits: torch.Tensor) -> DeviceTree:
     depth_limit = int(logits.shape[0])
     dev = logits.device
     if depth_limit == 0:
-        return _padded(0, 0, dev)
+        return padded_tree(0, 0, dev)
     tok = logits.argmax(dim=-1)
     work = logits if logits.dtype == torch.float64 else logits.float()
     best = torch.log_softmax(work, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,86 @@
+"""DFlash2's deterministic drafts built on the device: the tensor-program twins of
+:meth:`SelectorDraft.chain <spiffy.arspec.selector.SelectorDraft.chain>` and
+:meth:`SelectorDraft.best_tree <spiffy.arspec.selector.SelectorDraft.best_tree>` for the captured path
+(:mod:`spiffy.arspec.captured`): static shapes, nothing read to the host, the host builders' nodes in their order.
+
+**The chain** (:func:`selector_chain_device`): each depth's argmax of the raw scores in the row of the previous
+choice, one ``index_select`` and one ``argmax`` per depth (the host's ``argmax``: the first maximal index), and the
+score summed one depth at a time in float64 (the host's order of additions, so the values are bit for bit its own).
+
+**The tree** (:func:`selector_tree_device`): the level-by-level selection of
+:func:`~spiffy.arspec.device_tree.best_prefixes` (the one DDTree's :func:`~spiffy.arspec.device_tree.ddtree_device`
+runs), with each kept parent ranking the next depth's ``K`` candidates by its own row of ``log q`` (the parent's
+candidate index is carried down as ``after``): probability descending, equal probabilities by token id ascending,
+equal tokens by candidate index (a stable sort by token, then a stable descending sort by value: Python's ``sorted``
+on the host). A candidate of ``log q = -inf`` is invalid, so how many nodes the tree has depends on the data: the
+tree is padded to the static bound ``count`` and its real node count rides along as the 0-d :attr:`DeviceTree.real`.
+
+Both compute ``log q`` as the host does (``log_softmax`` of :func:`~spiffy.arspec.sampling.tempered` float64 scores,
+the same calls on the same shapes), so on the CPU the scores are the host's bit for bit. Rows whose scores are all
+``-inf`` (``log q`` NaN) have no order on the host either and are not supported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spiffy.arspec.device_tree import DeviceTree, best_prefixes, ddtree_node_count, padded_tree
+from spiffy.arspec.sampling import tempered
+from spiffy.arspec.selector import SelectorDraft
+from spiffy.errors import ConfigError
+
+__all__ = ["selector_chain_device", "selector_tree_device"]
+
+
+def selector_chain_device(draft: SelectorDraft) -> DeviceTree:
+    """:meth:`SelectorDraft.chain`'s greedy chain (``D`` nodes: tokens, parents ``-1 .. D - 2``, depths ``1 .. D``,
+    cumulative ``log q`` at temperature 1 in float64) as ``[D]`` tensors on the draft's device."""
+    depth = draft.depth
+    dev = draft.candidates.device
+    if depth == 0:
+        return padded_tree(0, 0, dev)
+    cands = draft.candidates.long()  # [D, K]
+    raw_first, raw_next = draft.first.double(), draft.following.double()  # [K], [D - 1, K, K]
+    logq_first, logq_next = torch.log_softmax(raw_first, -1), torch.log_softmax(raw_next, -1)
+    index = raw_first.argmax().view(1)  # [1]: a tensor index, never a host int
+    tokens, scores = [cands[0].index_select(0, index)], [logq_first.index_select(0, index)]
+    for d in range(depth - 1):
+        nxt = raw_next[d].index_select(0, index).argmax(-1)  # [1] the best candidate after the previous choice
+        # one float64 addition per depth, as the host's running sum (a cumsum could add in another order)
+        scores.append(scores[-1] + logq_next[d].index_select(0, index).gather(1, nxt.view(1, 1)).view(1))
+        index = nxt
+        tokens.append(cands[d + 1].index_select(0, index))
+    ramp = torch.arange(depth, device=dev)
+    return DeviceTree(torch.cat(tokens), ramp - 1, ramp + 1, torch.cat(scores), depth)
+
+
+def selector_tree_device(draft: SelectorDraft, budget: int, temperature: float) -> DeviceTree:
+    """:meth:`SelectorDraft.best_tree`'s ``budget``-node DDTree at ``temperature`` (``0``: unscaled scores) as
+    ``[budget]`` tensors on the draft's device: the host's nodes in its order first, ``count`` the static bound
+    (:func:`~spiffy.arspec.device_tree.ddtree_node_count` of ``budget``, ``D`` depths and ``K`` candidates), ``real``
+    the 0-d number of real nodes (fewer when candidates of probability 0 are skipped), padding after them."""
+    if budget < 0:
+        raise ConfigError(f"tree budget must be >= 0, got {budget}; fix: pass budget=0 (plain AR) or more")
+    depth, width = draft.depth, int(draft.candidates.shape[1])
+    dev = draft.candidates.device
+    bound = ddtree_node_count(int(budget), depth, width)
+    if bound == 0:
+        return padded_tree(int(budget), 0, dev)
+    cands = draft.candidates.long()  # [D, K]
+    logq_first = torch.log_softmax(tempered(draft.first.double(), temperature), dim=-1)  # [K]
+    logq_next = torch.log_softmax(tempered(draft.following.double(), temperature), dim=-1)  # [D - 1, K, K]
+    k = min(int(budget), width)  # a rank >= budget never pops: its better siblings fill the budget first
+    by_token = torch.sort(cands, dim=-1, stable=True).indices  # [D, K] candidate indices by token id, stable
+
+    def ranked(d: int, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Depth ``d``'s candidates ranked below each parent (``after [P]``: the parents' candidate indices)."""
+        rows = logq_first.unsqueeze(0) if d == 0 else logq_next[d - 1].index_select(0, after)  # [P, K]
+        by_tok = by_token[d].expand(int(rows.shape[0]), width)
+        vals, pos = torch.sort(rows.gather(1, by_tok), dim=-1, descending=True, stable=True)
+        idx = by_tok.gather(1, pos)[:, :k]  # [P, k] candidate indices, best first
+        vals = vals[:, :k]
+        return vals, cands[d][idx], idx, vals != float("-inf")
+
+    tree, real = best_prefixes(ranked, depth, k, int(budget), dev)
+    tree.count, tree.real = bound, real
+    return tree

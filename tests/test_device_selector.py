@@ -1,0 +1,239 @@
+"""DFlash2's drafts on the device (:mod:`spiffy.arspec.device_selector`) are the host builders' node for node, read
+nothing back, and take over the captured path's DFlash2 rounds.
+
+* Random :class:`SelectorDraft`s (depths 1-6, 1-8 candidates with repeated tokens, small integer scores full of
+  ties, ``-inf`` candidates, float32 and float64, budgets 1-40, T in 0 / 0.5 / 1 / 2): the device tree's first
+  ``real`` nodes are :meth:`SelectorDraft.best_tree`'s (tokens, parents, depths, float64 scores bit for bit, order),
+  the rest is padding, ``count`` the static bound; the device chain is :meth:`SelectorDraft.chain`'s.
+* No host read while building either (:class:`~spiffy.bench.syncs.SyncCounter` sees none).
+* ``compile=True`` == ``compile=False`` for ``dflash2`` and ``ddtree-dflash2`` (coupled at T = 0 and 0.7, rejection
+  at 0.9), the captured rounds walking on the device (no host walk) except the sampled chain, and a round reading
+  the device at most twice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spiffy.arspec.batch as batch_module
+import spiffy.arspec.captured as captured_module
+from captured_rounds import captured_round_syncs
+from spiffy.arspec import ARSpecConfig, SamplingConfig, SelectorDraft, as_drafter, speculative_generate
+from spiffy.arspec.captured import CapturedRounds
+from spiffy.arspec.device_selector import selector_chain_device, selector_tree_device
+from spiffy.arspec.device_tree import DeviceTree, ddtree_node_count
+from spiffy.arspec.tree import DraftTree
+from spiffy.bench.syncs import SyncCounter
+from spiffy.models import load_ar_drafter, load_target, make_tiny_dflash2, make_tiny_target
+
+torch.set_num_threads(1)
+
+FIELDS = ("tokens", "parents", "depths", "scores")
+BLOCK = 6
+
+
+@st.composite
+def selector_drafts(draw: Any) -> SelectorDraft:
+    """A random draft: ties (integer scores in -2..0), repeated candidate tokens, ``-inf`` candidates (never a whole
+    row: its log q would be NaN, which has no order on the host either), float32 or float64 scores."""
+    depth, k = draw(st.integers(1, 6)), draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    cands = torch.randint(0, max(2, k + draw(st.integers(-1, 4))), (depth, k), generator=g)
+    scores = torch.randint(-2, 1, (1 + max(depth - 1, 0) * k, k), generator=g).double()
+    if draw(st.booleans()):  # uniform rows over random subsets: probabilities 1/m, sums tie across parents
+        scores.zero_()
+    elif draw(st.booleans()):  # continuous scores too (distinct values, far from ties)
+        scores = scores + torch.randn(scores.shape, generator=g, dtype=torch.float64) * draw(st.sampled_from([0.0, 3.0]))
+    hole = torch.rand(scores.shape, generator=g) < draw(st.sampled_from([0.0, 0.2, 0.5]))
+    hole[torch.arange(scores.shape[0]), torch.randint(0, k, (scores.shape[0],), generator=g)] = False
+    scores = scores.masked_fill(hole, float("-inf"))
+    scores = scores.to(draw(st.sampled_from([torch.float32, torch.float64])))
+    return SelectorDraft(cands, scores[0], scores[1:].reshape(max(depth - 1, 0), k, k), 64)
+
+
+def _assert_same(host: DraftTree, dev: DeviceTree, real: int) -> None:
+    """The device tree's first ``real`` nodes are the host tree's, the rest is DeviceTree's padding."""
+    assert host.num_nodes == real
+    for name in FIELDS:
+        assert torch.equal(getattr(dev, name)[:real], getattr(host, name)), name
+    pad = (slice(real, None),)
+    assert bool((dev.tokens[pad] == 0).all() and (dev.parents[pad] == -1).all() and (dev.depths[pad] == 1).all())
+    assert bool((dev.scores[pad] == float("-inf")).all())
+
+
+@settings(max_examples=250, deadline=None, derandomize=True, database=None)
+@given(draft=selector_drafts(), budget=st.integers(1, 40), temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]))
+def test_device_tree_is_the_host_tree(draft, budget, temperature):
+    """best_tree's nodes and order, ties and -inf candidates included; count the static bound, real the nodes."""
+    host, dev = draft.best_tree(budget, temperature), selector_tree_device(draft, budget, temperature)
+    assert dev.real is not None and dev.tokens.shape == (budget,)
+    assert dev.count == ddtree_node_count(budget, draft.depth, int(draft.candidates.shape[1]))
+    real = int(dev.real)
+    assert real <= dev.count
+    _assert_same(host, dev, real)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None)
+@given(draft=selector_drafts())
+def test_device_chain_is_the_host_chain(draft):
+    host, dev = draft.chain(), selector_chain_device(draft)
+    assert dev.real is None and dev.count == draft.depth
+    _assert_same(host, dev, draft.depth)
+
+
+def test_skipped_candidates_leave_padding():
+    """Candidates of probability 0 are never added: the real count drops below the bound and padding follows."""
+    inf = float("-inf")
+    cands = torch.tensor([[7, 3, 5], [1, 2, 3]])
+    first = torch.tensor([0.0, inf, 0.0], dtype=torch.float64)  # tokens 7 and 5 tie: 5 (lower id) ranks first
+    following = torch.tensor([[[0.0, inf, inf], [0.0, 0.0, 0.0], [1.0, inf, 0.0]]], dtype=torch.float64)
+    draft = SelectorDraft(cands, first, following, 10)
+    dev = selector_tree_device(draft, 8, 1.0)
+    assert dev.count == 8 and int(dev.real) == 5  # 2 depth-1 nodes; 7 has 1 possible child, 5 has 2
+    assert dev.tokens.tolist() == [5, 7, 1, 1, 3, 0, 0, 0]  # 7's only child (log q 0) before 5's first one
+    assert dev.parents.tolist() == [-1, -1, 1, 0, 0, -1, -1, -1]
+    _assert_same(draft.best_tree(8, 1.0), dev, 5)
+
+
+def test_ties_across_parents_keep_rank_tuple_order():
+    """A depth-3 prefix below a better-scoring parent ties (bit for bit: -log 3 - log 4 == -log 12 + 0) with one
+    below a worse parent that comes first in rank-tuple order: the host pops the latter first, so the kept parents
+    must be back in rank-tuple order before their children are ranked (found by a search over uniform rows)."""
+    inf = float("-inf")
+    cands = torch.tensor([[2, 6, 8, 9], [4, 8, 5, 2], [0, 5, 4, 8]])
+    first = torch.tensor([0.0, 0.0, 0.0, inf], dtype=torch.float64)
+    following = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [inf, inf, 0.0, inf], [inf, inf, 0.0, inf], [inf, inf, inf, 0.0]],
+                              [[inf, inf, inf, 0.0], [0.0, 0.0, 0.0, inf], [0.0, 0.0, 0.0, 0.0], [inf, 0.0, 0.0, inf]]],
+                             dtype=torch.float64)
+    draft = SelectorDraft(cands, first, following, 10)
+    dev = selector_tree_device(draft, 8, 1.0)
+    _assert_same(draft.best_tree(8, 1.0), dev, int(dev.real))
+
+
+def test_building_reads_nothing_back():
+    """Neither builder makes a host synchronisation (``.item()``, ``.tolist()``, a mask index, a CPU copy...)."""
+    g = torch.Generator().manual_seed(5)
+    draft = SelectorDraft(torch.randint(0, 30, (5, 6), generator=g), torch.randn(6, generator=g),
+                          torch.randn(4, 6, 6, generator=g).masked_fill(torch.rand(4, 6, 6, generator=g) < 0.2, -1e30),
+                          30)
+    with SyncCounter() as counter:
+        tree = selector_tree_device(draft, 24, 0.7)
+        chain = selector_chain_device(draft)
+    assert counter.total == 0, counter.counts
+    assert tree.tokens.shape == (24,) and chain.tokens.shape == (5,)
+
+
+# ----------------------------------------------------------------------------------------------- the captured path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("device_selector")
+    target = make_tiny_target(base / "target", seed=2, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                              vocab_size=48, weight_std=0.3, with_tokenizer=False)
+    return target, make_tiny_dflash2(base / "drafter", target, seed=4, num_layers=2, target_layer_ids=[0, 1],
+                                     block_size=BLOCK, selector_top_k=5, selector_rank=6, conv_kernel_size=3,
+                                     conv_group_size=16)
+
+
+#: (method, rule, T, budget, holes): with ``holes`` most candidates have probability 0, so DFlash2's trees have fewer
+#: nodes than the budget (the device tree's real count then differs from its static bound)
+CASES = [("dflash2", "coupled", 0.0, 9, False), ("dflash2", "coupled", 0.7, 9, False),
+         ("dflash2", "rejection", 0.9, 9, False), ("ddtree-dflash2", "coupled", 0.0, 9, False),
+         ("ddtree-dflash2", "coupled", 0.7, 9, False), ("ddtree-dflash2", "rejection", 0.9, 9, False),
+         ("ddtree-dflash2", "coupled", 0.7, 16, True), ("ddtree-dflash2", "rejection", 0.9, 16, True)]
+
+
+def _guessing(mp: pytest.MonkeyPatch, prompt_len: int, continuation: list[int], second: set[int], holes: bool
+              ) -> None:
+    """Make every DFlash2 draft (eager and captured rounds alike) guess ``continuation`` (AR's output): candidate 0
+    of each depth becomes the continuation's token and scores best after every parent, except at depths whose
+    continuation index is in ``second``, where candidate 1 scores best (the chain misses, the tree branches).
+    ``holes``: the other candidates (and candidate 1 where it does not branch) get score ``-inf`` (probability 0:
+    never in a tree)."""
+    plain = batch_module.draft
+
+    def draft(drafters: Any, roots: Any, depths: Any) -> Any:
+        out = plain(drafters, roots, depths)
+        for b, (d, (_tok, pos)) in enumerate(zip(out, roots)):
+            if not isinstance(d, SelectorDraft) or int(d.candidates.shape[1]) < 2:
+                continue
+            cands, first, following = d.candidates.clone(), d.first.clone(), d.following.clone()
+            for depth in range(cands.shape[0]):
+                i = pos + 1 + depth - prompt_len
+                scores = first if depth == 0 else following[depth - 1]
+                if 0 <= i < len(continuation):
+                    cands[depth, 0] = continuation[i]
+                    scores[..., 0] = 8.0 if i not in second else 6.0
+                    scores[..., 1] = 8.0 if i in second else scores[..., 1]
+                if holes:  # one candidate per depth, two where the guess branches
+                    scores[..., 2 if i in second else 1 :] = float("-inf")
+            out[b] = SelectorDraft(cands, first, following, d.vocab_size)
+        return out
+
+    mp.setattr(batch_module, "draft", draft)
+
+
+@pytest.mark.parametrize("method,accept,temperature,budget,holes", CASES)
+def test_captured_equals_eager(pair, method, accept, temperature, budget, holes):
+    """compile=True == compile=False (tokens, acceptance, nodes per round) with deep accepted paths; the
+    deterministic drafts are built and walked on the device (no host walk), the sampled chain (rejection at T > 0)
+    on the host."""
+    target = load_target(pair[0], torch.float64, "cpu")
+    sampling = SamplingConfig(temperature=temperature, seed=3)
+    prompt = [5, 9, 2, 17]
+    ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=14, sampling=sampling))
+    config = ARSpecConfig(method=method, budget=budget, max_new_tokens=14, accept=accept, sampling=sampling)
+    runs, host_walks = [], []
+    mp = pytest.MonkeyPatch()
+    walk_host = CapturedRounds._walk_host
+
+    def spy(self: CapturedRounds, *a: Any, **k: Any) -> Any:
+        host_walks.append(1)
+        return walk_host(self, *a, **k)
+
+    try:
+        mp.setattr(CapturedRounds, "_walk_host", spy)
+        _guessing(mp, len(prompt), ar.tokens, {2, 7}, holes)
+        for compile_ in (False, True):
+            drafter = as_drafter(load_ar_drafter(pair[1], dtype=torch.float64))
+            runs.append(speculative_generate(target, drafter, prompt, config, compile=compile_))
+    finally:
+        mp.undo()
+    eager, captured = runs
+    assert captured.tokens == eager.tokens and len(captured.tokens) == 14
+    assert captured.acceptance_lengths == eager.acceptance_lengths
+    assert captured.nodes_per_round == eager.nodes_per_round
+    full = budget if method == "ddtree-dflash2" else BLOCK - 1  # a round's nodes when no candidate is skipped
+    assert (max(captured.nodes_per_round) < full) if holes else (max(captured.nodes_per_round) == full)
+    if accept == "coupled":  # the output is AR's, and the walk went deep
+        assert captured.tokens == ar.tokens and max(captured.acceptance_lengths) > 2, captured.acceptance_lengths
+    sampled = method == "dflash2" and accept == "rejection"
+    assert (len(host_walks) == captured.rounds) if sampled else not host_walks
+
+
+@pytest.mark.parametrize("method,accept,temperature", [("dflash2", "coupled", 0.7), ("ddtree-dflash2", "coupled", 0.0),
+                                                      ("ddtree-dflash2", "rejection", 0.9)])
+def test_captured_round_reads_the_device_at_most_twice(pair, method, accept, temperature, monkeypatch):
+    """A captured DFlash2 round outside the forwards (tree build, walk, commit) reads the device at most twice,
+    and builds its tree with the device builders."""
+    target = load_target(pair[0], torch.float64, "cpu")
+    model = load_ar_drafter(pair[1], dtype=torch.float64)
+    built: list[str] = []
+    for name in ("selector_tree_device", "selector_chain_device"):
+        real = getattr(captured_module, name)
+        monkeypatch.setattr(captured_module, name, lambda *a, _f=real, _n=name: built.append(_n) or _f(*a))
+    config = ARSpecConfig(method=method, budget=9, max_new_tokens=12, accept=accept,
+                          sampling=SamplingConfig(temperature=temperature, seed=4))
+    res, per_round = captured_round_syncs(target, model, lambda: speculative_generate(
+        target, as_drafter(model), [3, 1, 4, 1, 5], config, compile=True))
+    assert len(res.tokens) == 12 and len(per_round) == res.rounds
+    assert len(built) == res.rounds
+    assert max(per_round) <= 2, per_round
