@@ -327,6 +327,8 @@ def markdown(data: dict[str, Any]) -> str:
                           "| method | budget | compile | ms/round | draft ms/round | ms/token | tau | capture s "
                           "(target, drafter) |", "|---|---|---|---|---|---|---|---|"]
                 for r in entry["rows"]:
+                    if r.get("accept", "coupled") != "coupled":  # the rejection row (T = 1)
+                        r = {**r, "method": f"{r['method']} ({r['accept']}, T = 1)"}
                     if "error" in r:
                         lines.append(f"| {r['method']} | {r['budget']} | {r['compile']} | {r['error'][:80]} | | | | |")
                         continue

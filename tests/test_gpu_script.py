@@ -54,6 +54,8 @@ def test_self_check_captured(tmp_path: Path) -> None:
     # the drafter's block forward is a captured step of its own (a bucket per rows x block), timed in the draft stage
     assert all(r["drafter_capture"]["buckets"] >= 1 for r in rows if r["compile"] and r["method"] != "ar")
     assert all(r["ms_per_round_by_stage"]["draft"] > 0 for r in rows if r["method"] != "ar")
+    # DDTree under the rejection rule at T = 1, eager and captured (its walk on the device when captured)
+    assert [(r["method"], r["compile"]) for r in rows if r["accept"] == "rejection"] == [("ddtree", 0), ("ddtree", 1)]
     assert [r["method"] for r in res["Qwen3-30B-A3B"]["rows"]] == ["ar", "ar"]
     assert res["Qwen3-8B"]["transformers_static"]["ms_per_token"] > 0
     assert res["Qwen3-8B"]["bandwidth_limit_ms_per_token"] > 0

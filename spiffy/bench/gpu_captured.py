@@ -6,7 +6,8 @@ round's cost is what is measured; captured, its block forward is a captured step
 (the first captures the buckets; its time is reported as the capture cost, the target's and the drafter's apart),
 with a round's time per stage (draft, tree build, compile, verify, commit), beside transformers'
 ``generate(cache_implementation="static")`` and the memory bandwidth limit of a decode (the target's weight bytes
-over a measured read bandwidth). ms per round and ms per token are measurements at the measured tau; nothing here is
+over a measured read bandwidth). One more DDTree row runs the rejection rule at T = 1 (``speculative_generate``:
+its draws, tree walk and bonus on the device when captured). ms per round and ms per token are measurements at the measured tau; nothing here is
 projected.
 """
 
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from spiffy.arspec import ddtree_generate
+from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_generate, speculative_generate
 from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_drafter import static_drafter_of
 from spiffy.arspec.methods import get_method
@@ -34,12 +35,21 @@ def read_bandwidth(device: torch.device, gib: float = 2.0, reps: int = 5) -> flo
 
 
 def _row(target: torch.nn.Module, drafter: Any, prompt: list[int], method: str, budget: int | None, new: int,
-         mode: bool, device: torch.device) -> dict[str, Any]:
+         mode: bool, device: torch.device, accept: str = "coupled") -> dict[str, Any]:
     kw = {"method": method, "budget": budget, "max_new_tokens": new, "compile": mode}
-    first, first_s = gpu_costs.timed(device, lambda: ddtree_generate(target, drafter, prompt, **kw))
-    res, _s = gpu_costs.timed(device, lambda: ddtree_generate(target, drafter, prompt, **kw))
+
+    def generate() -> Any:
+        if accept == "coupled":  # greedy: the keyword entry point with its defaults
+            return ddtree_generate(target, drafter, prompt, **kw)
+        config = ARSpecConfig(method=method, budget=budget, max_new_tokens=new, accept=accept,
+                              sampling=SamplingConfig(temperature=1.0, seed=0))
+        return speculative_generate(target, as_drafter(drafter), prompt, config, compile=mode)
+
+    first, first_s = gpu_costs.timed(device, generate)
+    res, _s = gpu_costs.timed(device, generate)
     decode = res.seconds - res.prefill_seconds
-    row = {"method": method, "budget": budget, "compile": mode, "tokens": len(res.tokens), "rounds": res.rounds,
+    row = {"method": method, "budget": budget, "accept": accept, "compile": mode, "tokens": len(res.tokens),
+           "rounds": res.rounds,
            "tau": res.tau, "ms_per_round": 1e3 * decode / max(res.rounds, 1),
            "ms_per_token": 1e3 * decode / max(len(res.tokens) - 1, 1), "first_call_s": first_s,
            "same_tokens_as_first_call": first.tokens == res.tokens,
@@ -75,15 +85,16 @@ def captured_timings(device: torch.device, dtype: torch.dtype, small: bool,
         drafter = None
         if name == "Qwen3-8B":  # the one shipped drafter config (z-lab's Qwen3-8B DFlash)
             drafter = gpu_costs.build_random(size(gpu_costs.real_config("z-lab--Qwen3-8B-DFlash-b16")), device, dtype)
-        runs: list[tuple[str, int | None]] = [("ar", None)]
+        runs: list[tuple[str, int | None, str]] = [("ar", None, "coupled")]
         if drafter is not None:
-            runs += [("dflash", None)] + [("ddtree", b) for b in budgets]
-        for method, budget in runs:
+            runs += [("dflash", None, "coupled")] + [("ddtree", b, "coupled") for b in budgets]
+            runs.append(("ddtree", 64 if 64 in budgets else budgets[0], "rejection"))
+        for method, budget, accept in runs:
             for mode in (False, True):
                 try:
-                    entry["rows"].append(_row(target, drafter, prompt, method, budget, new, mode, device))
+                    entry["rows"].append(_row(target, drafter, prompt, method, budget, new, mode, device, accept))
                 except Exception as exc:  # noqa: BLE001  (a failed row is a result to report)
-                    entry["rows"].append({"method": method, "budget": budget, "compile": mode,
+                    entry["rows"].append({"method": method, "budget": budget, "accept": accept, "compile": mode,
                                           "error": f"{type(exc).__name__}: {exc}"[:300]})
         entry["transformers_static"] = _transformers_static(target, prompt, new, device, small)
         out[name] = entry
