@@ -8,6 +8,8 @@ closing a round at each ``round`` call.
 * :class:`RecordedDrafts`: every round's drafts of the eager drafters and of a static one, to compare within a
   rounding tolerance (the static drafters' padded keys sum attention in another order).
 * :data:`DRAFT_TOLERANCE`: that tolerance per dtype; :func:`prompt_ids`: a seeded random prompt.
+* :func:`rejection_round_syncs`: :func:`captured_round_syncs` of a generation under the rejection rule at T > 0.
+* :func:`assert_ragged_batch`: what a ragged batch's captured rows must equal (the static drafters' batch tests).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 import spiffy.arspec.batch as batch_module
+from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, speculative_generate
 from spiffy.arspec.captured import CapturedRounds
 from spiffy.bench.syncs import SyncCounter
 
@@ -111,3 +114,29 @@ class RecordedDrafts:
             for e, s in zip(e_round, s_round):
                 if e is not None:
                     torch.testing.assert_close(s, e, rtol=0, atol=DRAFT_TOLERANCE[dtype])
+
+
+def rejection_round_syncs(target: Any, drafter_model: Any, prompt: list[int], method: str, **knobs: Any) -> list[int]:
+    """Host reads of each captured round of a 12-token generation by ``method`` under the rejection rule at
+    T = 0.9 (seed 4; ``knobs``: more :class:`ARSpecConfig` fields), checked to have made its 12 tokens."""
+    config = ARSpecConfig(method=method, max_new_tokens=12, accept="rejection",
+                          sampling=SamplingConfig(temperature=0.9, seed=4), **knobs)
+    res, per_round = captured_round_syncs(target, drafter_model, lambda: speculative_generate(
+        target, as_drafter(drafter_model), prompt, config, compile=True))
+    assert len(res.tokens) == 12 and len(per_round) == res.rounds
+    return per_round
+
+
+def assert_ragged_batch(eager: list[Any], captured: list[Any], lengths: list[int], ars: list[list[int]], accept: str,
+                        drafts: RecordedDrafts, static: Any, dtype: torch.dtype) -> None:
+    """A ragged batch decoded captured == eager: tokens, acceptance lengths and row lengths (under the coupled rule
+    also plain AR's tokens, with deep accepted paths); the drafts within :data:`DRAFT_TOLERANCE`; and rows that left
+    the batch on the static path (``static``: the static drafter, its buckets ``(rows, block)``)."""
+    assert [r.tokens for r in captured] == [r.tokens for r in eager]
+    assert [r.acceptance_lengths for r in captured] == [r.acceptance_lengths for r in eager]
+    assert [len(r.tokens) for r in captured] == lengths
+    if accept == "coupled":  # (the rejection rule's tokens follow their own draws, not AR's: few guesses accepted)
+        assert [r.tokens for r in captured] == ars and max(max(r.acceptance_lengths) for r in captured) > 2
+    drafts.assert_close(dtype)
+    rows = {rows for rows, _block in static.graphs.stats.runs}
+    assert 3 in rows and min(rows) < 3  # rows left the batch on the static path

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from captured_rounds import RecordedDrafts, captured_round_syncs, prompt_ids
-from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_generate, speculative_generate
+from captured_rounds import RecordedDrafts, assert_ragged_batch, captured_round_syncs, prompt_ids, rejection_round_syncs
+from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter_model, static_dllm_drafter_of
 from spiffy.arspec.dllm_drafter import DLLMDrafter
@@ -135,14 +135,7 @@ def test_static_dllm_drafter_batches(pair, guessing, monkeypatch, accept, temper
                                        compile=False)
     captured = speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, configs,
                                           compile=True)
-    assert [r.tokens for r in captured] == [r.tokens for r in eager]
-    assert [r.acceptance_lengths for r in captured] == [r.acceptance_lengths for r in eager]
-    assert [len(r.tokens) for r in captured] == lengths
-    if accept == "coupled":
-        assert [r.tokens for r in captured] == ars and max(max(r.acceptance_lengths) for r in captured) > 2
-    drafts.assert_close(target.dtype)
-    rows = {rows for rows, _block in static_dllm_drafter_of(model).graphs.stats.runs}
-    assert 3 in rows and min(rows) < 3  # rows left the batch on the static path
+    assert_ragged_batch(eager, captured, lengths, ars, accept, drafts, static_dllm_drafter_of(model), target.dtype)
 
 
 def test_static_dllm_drafter_buckets_are_reused(pair):
@@ -204,11 +197,7 @@ def test_sampled_rejection_round_syncs_at_most_twice(pair, method):
     """DEER's chain and SpecDiff-2's drafts sampled from the drafter, merged into a tree and walked by the rejection
     rule at T > 0, all on the device: a round reads the device at most twice (issue 36)."""
     target, base = pair
-    config = ARSpecConfig(method=method, drafts=3, max_new_tokens=12, accept="rejection",
-                          sampling=SamplingConfig(temperature=0.9, seed=4))
-    res, per_round = captured_round_syncs(target, base, lambda: speculative_generate(
-        target, as_drafter(base), prompt_ids(9, 8), config, compile=True))
-    assert len(res.tokens) == 12 and len(per_round) == res.rounds
+    per_round = rejection_round_syncs(target, base, prompt_ids(9, 8), method, drafts=3)
     assert max(per_round) <= 2, per_round
 
 

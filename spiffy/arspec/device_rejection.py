@@ -40,7 +40,8 @@ from spiffy.sampling import SamplingConfig, filter_logits
 from spiffy.torch_utils import on_device
 
 __all__ = ["REJECTION_STREAM", "Proposals", "RejectionWalk", "children_draws", "rejection_coins", "rejection_walk",
-           "round_proposals", "target_probs_rows"]
+           "round_proposals", "sampling_groups",
+           "target_probs_rows"]
 
 #: stream tag mixed into the seed of the acceptance coins
 REJECTION_STREAM = 0x3E1EC7
@@ -96,17 +97,29 @@ def rejection_coins(samplings: Sequence[SamplingConfig], root_positions: Sequenc
     return on_device(out, device)
 
 
-def target_probs_rows(logits: torch.Tensor, samplings: Sequence[SamplingConfig]) -> torch.Tensor:
-    """``[B, ..., V]`` float64: the distribution the target samples from at ``T > 0`` (tempered in float64, top-k
-    / top-p filtered, softmax) of every row of ``logits`` ``[B, ..., V]``; rows of a greedy sampling are zeros.
-    Rows sharing a rule are computed together."""
-    out = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
+#: the rows of a batch that share a sampling rule: ``(temperature, top_k, top_p, rows)``, rows as a slice (one row)
+#: or a device index
+SamplingGroups = list[tuple[float, int, float, "slice | torch.Tensor"]]
+
+
+def sampling_groups(samplings: Sequence[SamplingConfig], device: torch.device | str) -> SamplingGroups:
+    """The batch rows of each distinct ``(temperature, top_k, top_p)``, in first-seen order (one index copy per
+    group: a walk makes them once, not at every step)."""
     groups: dict[tuple[float, int, float], list[int]] = {}
     for b, s in enumerate(samplings):
-        if float(s.temperature) > 0:
-            groups.setdefault((float(s.temperature), int(s.top_k), float(s.top_p)), []).append(b)
-    for (temperature, top_k, top_p), rows in groups.items():
-        pick = slice(rows[0], rows[0] + 1) if len(rows) == 1 else on_device(torch.tensor(rows), logits.device)
+        groups.setdefault((float(s.temperature), int(s.top_k), float(s.top_p)), []).append(b)
+    return [(t, k, p, slice(rows[0], rows[0] + 1) if len(rows) == 1 else on_device(torch.tensor(rows), device))
+            for (t, k, p), rows in groups.items()]
+
+
+def target_probs_rows(logits: torch.Tensor, samplings: Sequence[SamplingConfig],
+                      groups: SamplingGroups | None = None) -> torch.Tensor:
+    """``[B, ..., V]`` float64: the distribution the target samples from (tempered in float64, top-k / top-p
+    filtered, softmax; a greedy sampling's rows: the softmax of the raw logits) of every row of ``logits``
+    ``[B, ..., V]``. Rows sharing a rule are computed together (``groups``: :func:`sampling_groups` of
+    ``samplings``, made here when not given)."""
+    out = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
+    for temperature, top_k, top_p, pick in groups if groups is not None else sampling_groups(samplings, logits.device):
         scores = filter_logits(tempered(logits[pick].double(), temperature), top_k, top_p, nucleus="reaches")
         out[pick] = torch.softmax(scores, dim=-1)
     return out
@@ -188,8 +201,9 @@ def rejection_walk(logits: torch.Tensor, samplings: Sequence[SamplingConfig], id
     ended = torch.zeros(rows, dtype=torch.long, device=dev)
     thresholds = torch.zeros(rows, steps, k, dtype=torch.float64, device=dev)
     tested = torch.zeros(rows, steps, k, dtype=torch.bool, device=dev)
+    groups = sampling_groups(samplings, dev)
     for step in range(steps):
-        p = target_probs_rows(_row(logits, cur), samplings)  # [B, V]
+        p = target_probs_rows(_row(logits, cur), samplings, groups)  # [B, V]
         x = _row(draws, cur)  # [B, K]
         valid = x >= 0
         u = coins[:, step, : k + 1]

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from spiffy.arspec.device_rejection import (REJECTION_STREAM, Proposals, RejectionWalk, rejection_coins,
-                                            rejection_walk)
+from spiffy.arspec.device_rejection import (REJECTION_STREAM, Proposals, RejectionWalk, children_draws,
+                                            rejection_coins, rejection_walk)
 from spiffy.arspec.rules import Acceptance, CoupledRule, TargetLogits
 from spiffy.arspec.sampling import inverse_cdf
 from spiffy.arspec.tree import DraftTree
@@ -58,25 +58,20 @@ def sample_from(probs: torch.Tensor, u: float) -> int:
 
 
 def tree_proposals(tree: DraftTree, device: torch.device) -> Proposals:
-    """One host tree's :class:`~spiffy.arspec.device_rejection.Proposals` (batch of one): its ``samples`` and the
-    ``q`` of every node they hang below (:meth:`DraftTree.proposal_below`), or its children in node order."""
+    """One host tree of sampled drafts as :class:`~spiffy.arspec.device_rejection.Proposals` (batch of one): its
+    ``samples`` and the ``q`` of every node they hang below (:meth:`DraftTree.proposal_below`). A tree of point-mass
+    children needs none of this: :func:`~spiffy.arspec.device_rejection.children_draws` reads them off its parents."""
+    if tree.samples is None:
+        raise ValueError("tree_proposals needs a tree of sampled drafts (DraftTree.samples)")
     n = tree.num_nodes
-    parents, depths = tree.parents.tolist(), tree.depths.tolist()
-    below: dict[int, list[int]] = {}
-    if tree.samples is not None:
-        below = {node: list(draws) for node, draws in tree.samples.items() if draws}
-    else:
-        for i, (parent, tok) in enumerate(zip(parents, tree.tokens.tolist())):
-            below.setdefault(parent, []).append(tok)
+    depths = tree.depths.tolist()
+    below = {node: list(draws) for node, draws in tree.samples.items() if draws}
     width = max((len(v) for v in below.values()), default=1)  # at least one (padding) column
     draws = torch.full((1, n + 1, width), -1, dtype=torch.long)
-    for node, toks in below.items():
-        draws[0, node + 1, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-    if tree.samples is None:
-        return Proposals(on_device(draws, device))
     q_rows: list[torch.Tensor] = []
     q_row = torch.zeros(1, n + 1, dtype=torch.long)
-    for node in below:
+    for node, toks in below.items():
+        draws[0, node + 1, : len(toks)] = torch.tensor(toks, dtype=torch.long)
         q = tree.proposal_below(node, 0 if node < 0 else depths[node])
         assert q is not None, "a sampled tree names the proposal of every node it draws below"
         q_row[0, node + 1] = len(q_rows)
@@ -117,11 +112,15 @@ class RejectionRule:
             logits = torch.cat([target.logits(node).reshape(1, -1) for node in range(-1, n)])
         dev = logits.device
         ids = on_device(torch.cat([torch.zeros(1, dtype=torch.long), tree.tokens]).view(1, -1), dev)
-        proposals = tree_proposals(tree, dev)
+        parents, counts = on_device(tree.parents.view(1, -1), dev), on_device(torch.tensor([n]), dev)
+        if tree.samples is None:  # point-mass children, as a captured round lists them
+            proposals = Proposals(children_draws(ids, parents, counts, max(n, 1)))
+        else:
+            proposals = tree_proposals(tree, dev)
         depth = tree.max_depth()
         coins = rejection_coins([self.sampling], [root_position], depth + 1, int(proposals.draws.shape[2]) + 1, dev)
-        walk = rejection_walk(logits.unsqueeze(0), [self.sampling], ids, on_device(tree.parents.view(1, -1), dev),
-                              on_device(torch.tensor([n]), dev), proposals, coins, depth, stop_early=True)
+        walk = rejection_walk(logits.unsqueeze(0), [self.sampling], ids, parents, counts, proposals, coins, depth,
+                              stop_early=True)
         if self.trace is not None:
             self._record(walk, coins)
         accepted = int(walk.accepted[0])

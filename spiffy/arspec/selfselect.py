@@ -40,6 +40,7 @@ import math
 
 import torch
 
+from spiffy.arspec.device_rejection import target_probs_rows
 from spiffy.arspec.rules import TargetLogits
 from spiffy.arspec.sampling import inverse_cdf, keyed_seed, keyed_uniforms, position_key, tempered
 from spiffy.arspec.tree import DraftTree, empty_tree
@@ -82,11 +83,9 @@ def proposal_probs(draft_logits: torch.Tensor, sampling: SamplingConfig) -> torc
 
 
 def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """``[V]`` float64 CPU probabilities the target samples from at ``T > 0`` (``logits``: ``[1, V]`` or ``[V]``)."""
-    row = logits.reshape(-1, logits.shape[-1])[:1].double()
-    scores = filter_logits(tempered(row, float(sampling.temperature)), int(sampling.top_k), float(sampling.top_p),
-                           nucleus="reaches")
-    return torch.softmax(scores, dim=-1)[0].cpu()
+    """``[V]`` float64 CPU probabilities the target samples from at ``T > 0`` (``logits``: ``[1, V]`` or ``[V]``):
+    :func:`~spiffy.arspec.device_rejection.target_probs_rows`' rule on one row."""
+    return target_probs_rows(logits.reshape(-1, logits.shape[-1])[:1], [sampling])[0].cpu()
 
 
 def draft_uniforms(sampling: SamplingConfig, num_drafts: int, depth: int, root_position: int) -> torch.Tensor:
