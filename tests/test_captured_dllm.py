@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 
 from batch_cases import (dream, fast_dllm_v2, left_pad, llada, llada2, llada_moe, ragged_prompts,  # noqa: F401 - fixtures
                          sdar, sdar_moe, static_forward_pairs)
+import spiffy.capture.graphs as graphs_module
 from spiffy.api import generate
 from spiffy.bench.overheads import spiffy_sync_counts
 from spiffy.bench.syncs import SyncCounter
+from spiffy.capture import trace_steps
 from spiffy.cli.main import main
 from spiffy.decoding import make_session
 from spiffy.decoding.captured import static_states_of
@@ -70,6 +72,35 @@ def test_forward_states_bitwise(request, family: str, dtype: torch.dtype) -> Non
     for cache in [c for f, c in FAMILY_CACHES if f == family]:
         for block, (a, b) in enumerate(static_forward_pairs(model, prompt, _kw(cache, 0.0, 0, family), seed=1)):
             assert a.dtype == dtype and torch.equal(a, b), f"{family} cache={cache} block={block}"
+
+
+#: the families' static caches (MoE families: one, as the dense ones cover the cache code) and the dtype traced
+TRACED = [("llada", ("none", "prefix", "dual"), torch.float32), ("dream", ("prefix", "dual"), torch.float32),
+          ("sdar", ("prefix",), torch.float32), ("fast_dllm_v2", ("prefix",), torch.float32),
+          ("llada2", ("prefix",), torch.bfloat16), ("llada_moe", ("prefix",), torch.bfloat16),
+          ("sdar_moe", ("prefix",), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("family,caches,dtype", TRACED, ids=[t[0] for t in TRACED])
+def test_static_forwards_trace_as_one_graph(request, monkeypatch, family: str, caches: tuple, dtype: torch.dtype
+                                            ) -> None:
+    """Every family's static forward is one tensor program, the property a CUDA graph needs: TorchDynamo traces
+    each bucket's step whole, with no value read back (:func:`spiffy.capture.trace_steps`), and its logits are the
+    untraced step's. The MoE families in bfloat16: their experts run grouped (``torch._grouped_mm``, whose tracing
+    takes bfloat16 only, the dtype CUDA runs them in)."""
+    traced: list = []
+    real = graphs_module._traced
+    monkeypatch.setattr(graphs_module, "_traced", lambda step, key: traced.append(key) or real(step, key))
+    prompt = ragged_prompts([5])[0]
+    for cache in caches:  # each on models of its own: no bucket is built before the one traced
+        path = request.getfixturevalue(f"tiny_{family}")
+        plain = static_forward_pairs(load_model(path, dtype=dtype), prompt, _kw(cache, 0.0, 0, family), seed=1)
+        with trace_steps():
+            traced_pairs = static_forward_pairs(load_model(path, dtype=dtype), prompt, _kw(cache, 0.0, 0, family),
+                                                seed=1)
+        for (_e, a), (_f, b) in zip(plain, traced_pairs):
+            assert torch.equal(a, b), f"{family} cache={cache}"
+    assert len(traced) >= len(caches), traced
 
 
 @settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -24,6 +24,8 @@ from transformers import AutoConfig
 from oracle_drafter import OracleDrafter
 from pairwise import pairwise_params
 
+import spiffy.arspec.captured as captured_module
+import spiffy.capture.graphs as graphs_module
 from captured_rounds import captured_round_syncs
 from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_generate, speculative_generate
 from spiffy.arspec.batch import speculative_generate_batch
@@ -34,7 +36,7 @@ from spiffy.arspec.stages import (RoundBuffers, TargetRunner, commit, compile_ro
                                   tree_columns, verify)
 from spiffy.arspec.tree import build_ddtree
 from spiffy.bench.syncs import SyncCounter
-from spiffy.capture import StepGraphs, slot_cache_supported
+from spiffy.capture import StepGraphs, slot_cache_supported, trace_steps
 from spiffy.capture.graphs import WARMUP_RUNS
 from spiffy.models import load_drafter, load_target, make_tiny_dflash
 from spiffy.models.ar_checkpoints import make_tiny_dflash2
@@ -368,10 +370,37 @@ def test_root_paths_are_the_eager_branches(seeds, pad):
         assert int(depth[0, c]) == len(want) - 1
 
 
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_steps_trace_as_one_graph(dirs, monkeypatch, arch):
+    """A hybrid's verification (its Gated-DeltaNet mixers over every column's root path) and its recurrent commit are
+    one tensor program each, the property a CUDA graph needs: TorchDynamo traces every bucket whole
+    (:func:`spiffy.capture.trace_steps`), and the tokens stay the eager path's."""
+    traced: list = []
+    real = graphs_module._traced
+    monkeypatch.setattr(graphs_module, "_traced", lambda step, key: traced.append(key) or real(step, key))
+    target = load_target(dirs[arch][0], torch.float32, "cpu")  # its own: every bucket is built (and traced) here
+    vocab = int(target.config.vocab_size)
+    prompt = _prompt(8, 6, vocab)
+    ar = speculative_generate(target, None, prompt, _config("ar", 14)).tokens
+    drafter = _oracle(ar, len(prompt), vocab, torch.float32, 3)
+    eager = speculative_generate(target, drafter, prompt, _config("ddtree", 10), compile=False).tokens
+    with trace_steps():
+        captured = speculative_generate(target, drafter, prompt, _config("ddtree", 10), compile=True).tokens
+    assert captured == eager == ar[:10]
+    assert any(k[0] == "commit" for k in traced) and any(len(k) == 3 and k[0] == 1 for k in traced), traced
+
+
 def test_static_cache_holds_hybrids_and_refuses_other_kinds(dirs):
     """Full + linear attention fit the static cache; a sliding window or another layer kind is refused, by name."""
     target = load_target(dirs["qwen3_next"][0], torch.float32, "cpu")
     assert static_unsupported(target) is None
+    # a CUDA capture of transformers' "eager" experts (spiffy's choice in float64) is refused, by name
+    f64 = _target(dirs, "qwen3_next", torch.float64)
+    assert f64.config._experts_implementation == "eager" and static_unsupported(f64, capture=True) is None  # a CPU
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(captured_module, "execution_device", lambda module: torch.device("cuda"))
+        assert "experts_implementation='eager'" in static_unsupported(f64, capture=True)
+        assert static_unsupported(f64, capture=False) is None and static_unsupported(target, capture=True) is None
     assert slot_cache_supported(target.config) is None
     why = slot_cache_supported(SimpleNamespace(layer_types=["full_attention", "mamba"], num_hidden_layers=2))
     assert why is not None and "not mamba" in why and "linear_attention" in why

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spiffy.arspec.batch as batch_module
-import spiffy.arspec.captured as captured_module
+import spiffy.arspec.captured_walk as captured_module
 from captured_rounds import captured_round_syncs
 from spiffy.arspec import ARSpecConfig, SamplingConfig, SelectorDraft, as_drafter, speculative_generate
 from spiffy.arspec.captured import CapturedRounds

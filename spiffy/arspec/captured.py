@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import nullcontext
-from typing import Any, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -48,20 +48,16 @@ from torch import nn
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter
 from spiffy.arspec.captured_drafter import StaticBlockDrafter, StaticDrafter, static_drafter_model
 from spiffy.arspec.captured_recurrent import StaticRecurrent
-from spiffy.arspec.device_draws import SampledDeviceTree, sampled_tree_device
-from spiffy.arspec.device_rejection import rejection_coins, rejection_walk, round_proposals
-from spiffy.arspec.device_selector import selector_chain_device, selector_tree_device
-from spiffy.arspec.device_tree import (DeviceTree, WalkResult, ancestor_visibility, chain_device, coupled_walk,
-                                       ddtree_device, position_noise, target_tokens)
-from spiffy.arspec.methods import BestTree, Chain, DraftKnobs, Method
-from spiffy.arspec.rejection import RejectionRule
-from spiffy.arspec.rules import AcceptanceRule, CoupledRule, TargetLogits
-from spiffy.arspec.sampling import tempered
-from spiffy.arspec.selector import Draft, SelectorDraft
-from spiffy.arspec.selfselect import proposal_probs, sample_drafts
+from spiffy.arspec.captured_walk import (WalkInputs, WalkPlan, bucket_groups, packed_walk, plain_tree, round_tree,
+                                        unpack_walk, walk_inputs, walk_kind, walk_program)
+from spiffy.arspec.device_draws import SampledDeviceTree
+from spiffy.arspec.device_tree import DeviceTree, ancestor_visibility
+from spiffy.arspec.methods import Method
+from spiffy.arspec.rules import AcceptanceRule, TargetLogits
+from spiffy.arspec.selector import Draft
 from spiffy.arspec.stages import StageClock, build_trees, prefill_inputs
 from spiffy.arspec.tree import DraftTree
-from spiffy.capture import SlotCache, StepGraphs, slot_cache_supported
+from spiffy.capture import SlotCache, StatefulStep, StepGraphs, slot_cache_supported
 from spiffy.errors import ConfigError
 from spiffy.models.cache import hf_cache
 from spiffy.models.dflash import TargetFeatureHooks
@@ -81,10 +77,16 @@ def static_target_of(target: nn.Module) -> "StaticTarget | None":
     return _STATIC.get(target)
 
 
-def static_unsupported(target: nn.Module) -> str | None:
+def static_unsupported(target: nn.Module, capture: bool = False) -> str | None:
     """``None`` when ``target`` runs on the captured path, else why not (layer kinds other than full and linear
     attention, a sliding window, an attention implementation that takes no 4-D mask, layers spread over several
-    devices)."""
+    devices; with ``capture`` on CUDA, a mixture of experts run by transformers' ``"eager"`` experts, whose loop
+    over the experts chosen reads them back: a CUDA graph cannot hold it)."""
+    experts = str(getattr(target.config, "_experts_implementation", None) or "")
+    moe = any(int(getattr(target.config, name, 0) or 0) > 0 for name in ("num_experts", "num_local_experts"))
+    if capture and moe and experts == "eager" and execution_device(target.get_input_embeddings()).type == "cuda":
+        return ("experts_implementation='eager' loops over the experts chosen on the host (a target loaded with "
+                "experts_implementation='grouped_mm', transformers' default outside float64, can be captured)")
     why = slot_cache_supported(target.config)
     if why is not None:
         return why
@@ -116,6 +118,7 @@ class StaticTarget:
         self.counts = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ramp = torch.arange(max(width, slots), device=dev)
         self.graphs = StepGraphs(self._step, dev, capture)
+        self._walk_buffers: dict[tuple, dict[str, torch.Tensor]] = {}  # a fused round bucket's walk inputs
         self.hooks: TargetFeatureHooks | None = None  # the layers drafters read, recorded by the captured step
         # a hybrid's recurrent layers: their committed state per row, verified and advanced in static steps
         self.recurrent = StaticRecurrent.for_target(target, self.cache, rows, width)
@@ -136,6 +139,7 @@ class StaticTarget:
 
     def release(self) -> None:
         self.graphs.clear()
+        self._walk_buffers.clear()
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None
@@ -150,6 +154,7 @@ class StaticTarget:
             self.hooks.remove()
         self.hooks = TargetFeatureHooks(self.target, sorted(have | set(layer_ids)))
         self.graphs.clear()  # steps captured without these hooks would not refresh them
+        self._walk_buffers.clear()
 
     def share_features(self, drafter_hooks: Sequence[TargetFeatureHooks]) -> None:
         """Hand the latest verification's layer outputs to the drafters' hooks (as if theirs had fired)."""
@@ -161,7 +166,11 @@ class StaticTarget:
         if key[0] == "commit":  # a hybrid's recurrent commit, ("commit", rows, span)
             assert self.recurrent is not None
             return self.recurrent.commit_step(key[1], key[2])
-        rows, width, depth = key
+        if key[0] == "round":  # ("round", rows, width, depth, plan, inputs' signature): verify + walk + commit
+            return self._round_step(key[1:])
+        return self._verify_step(*key)
+
+    def _verify_step(self, rows: int, width: int, depth: int) -> Callable[[], torch.Tensor]:
         slots = self.cache.slots[:width]
         nodes = width - 1
         block = torch.zeros(rows, width, width, dtype=torch.bool, device=self.device)
@@ -187,6 +196,57 @@ class StaticTarget:
         if self.recurrent is None:
             return nullcontext()
         return self.recurrent.verify(rows, width, depth, self.parents, self.depths)
+
+    def _round_step(self, key: tuple) -> StatefulStep:
+        """The fused round (:mod:`spiffy.arspec.captured_walk`): ``(keep [rows, D + 1], accepted [rows], packed)``."""
+        rows, width, depth, plan, _signature = key
+        verify = self._verify_step(rows, width, depth)
+        inputs = WalkInputs(**self._walk_buffers[key])
+        groups = bucket_groups(plan, self.device)
+        nodes = width - 1
+
+        def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            logits = self.lm_head(verify())
+            walk = walk_program(plan, logits, self.ids[:rows, :width], self.parents[:rows, :nodes],
+                                self.depths[:rows, :nodes], self.counts[:rows], depth, inputs, groups)
+            self.commit(rows, walk.keep, walk.accepted)
+            return walk.keep, walk.accepted, packed_walk(walk, self.counts[:rows])
+
+        def save() -> Callable[[], None]:
+            # what the round writes: its window's K/V slots, their validity, the context length
+            ctx, cols = self.ctx.clone(), self.ctx + self.ramp[:width]
+            kv = [(t, t[:rows].index_select(2, cols)) for t in self.cache.tensors()]
+            valid = self.valid[:rows].index_select(1, cols)
+
+            def restore() -> None:
+                for t, saved in kv:
+                    t[:rows].index_copy_(2, cols, saved)
+                self.valid[:rows].index_copy_(1, cols, valid)
+                self.ctx.copy_(ctx)
+            return restore
+
+        return StatefulStep(step, save)
+
+    def walk_round(self, rows: int, width: int, depth: int, plan: WalkPlan, inputs: WalkInputs
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Verify the filled round, walk it by ``plan`` and commit it: ``(keep [rows, D + 1], accepted [rows],
+        packed)`` (:func:`~spiffy.arspec.captured_walk.packed_walk`). One bucket's step on an attention-only target
+        (``inputs`` copied into its static buffers first); a hybrid verifies in its bucket and walks and commits
+        eagerly (its recurrent commit is a bucket of its own)."""
+        if self.recurrent is not None:
+            hidden = self.verify(rows, width, depth)
+            nodes = width - 1
+            walk = walk_program(plan, self.lm_head(hidden), self.ids[:rows, :width], self.parents[:rows, :nodes],
+                                self.depths[:rows, :nodes], self.counts[:rows], depth, inputs)
+            self.commit(rows, walk.keep, walk.accepted)
+            return walk.keep, walk.accepted, packed_walk(walk, self.counts[:rows])
+        key = (int(rows), int(width), int(depth), plan, inputs.signature())
+        buffers = self._walk_buffers.get(key)
+        if buffers is None:
+            buffers = self._walk_buffers[key] = {name: torch.empty_like(t) for name, t in inputs.named().items()}
+        for name, t in inputs.named().items():
+            buffers[name].copy_(t)
+        return self.graphs.run(("round",) + key)
 
     def verify(self, rows: int, width: int, depth: int) -> torch.Tensor:
         """The bucket's step on the filled buffers: ``[rows, width, H]`` hidden states (their K/V written at
@@ -244,51 +304,6 @@ class StaticTarget:
         self.valid[: len(kept)] = self.valid.index_select(0, idx)
 
 
-def device_tree(method: Method, config: DraftKnobs, draft: Draft | None, root_position: int
-                ) -> DeviceTree | SampledDeviceTree | None:
-    """The round's tree built on the device (a sampled one for drafts drawn from the drafter: DEER and DFlash under
-    the rejection rule at T > 0, SpecDiff-2), or ``None`` when the method builds it on the host only (DFlash2's
-    selector drafts sampled through its chain)."""
-    if draft is None:
-        return None
-    if isinstance(draft, SelectorDraft):  # DFlash2: its DDTree and greedy chain on the device, sampled drafts not
-        if isinstance(method, BestTree):
-            return selector_tree_device(draft, int(config.budget), float(config.sampling.temperature))
-        if isinstance(method, Chain) and not method.samples(config):
-            return selector_chain_device(draft)
-        return None
-    if isinstance(method, BestTree):
-        scores = tempered(draft, float(config.sampling.temperature))
-        return ddtree_device(torch.log_softmax(scores, dim=-1), int(config.budget))
-    if isinstance(method, Chain) and method.samples(config):
-        probs = proposal_probs(draft, config.sampling)
-        return sampled_tree_device(probs, sample_drafts(probs, method.sample_count(config), config.sampling,
-                                                        root_position))
-    if type(method) is Chain:
-        return chain_device(draft)
-    return None
-
-
-def _plain(tree: DeviceTree | SampledDeviceTree) -> DeviceTree:
-    return tree.tree if isinstance(tree, SampledDeviceTree) else tree
-
-
-def _walk_kind(rules: Sequence[AcceptanceRule], trees: Sequence[DeviceTree | SampledDeviceTree | None],
-               drafts: Sequence[Draft | None]) -> str | None:
-    """How the round's rows are walked on the device: ``"coupled"`` (the coupled rule, or the rejection rule at
-    T = 0, which is the coupled walk), ``"rejection"`` (the rejection rule at T > 0 on trees whose proposals are all
-    point masses or all sampled), or ``None``: on the host (a tree built on the host, or rows that mix the two)."""
-    if any(t is None and d is not None for t, d in zip(trees, drafts)):
-        return None
-    greedy = [type(r) is RejectionRule and float(r.sampling.temperature) == 0 for r in rules]
-    if all(type(r) is CoupledRule or g for r, g in zip(rules, greedy)):
-        return "coupled"
-    if not all(type(r) is RejectionRule and not g for r, g in zip(rules, greedy)):
-        return None
-    kinds = {isinstance(t, SampledDeviceTree) for t in trees if t is not None}
-    return "rejection" if len(kinds) <= 1 else None
-
-
 class CapturedRounds:
     """The rounds of :func:`~spiffy.arspec.batch.speculative_generate_batch` on a :class:`StaticTarget`.
 
@@ -310,7 +325,7 @@ class CapturedRounds:
               feature_layers: Sequence[int], drafters: Sequence[Any] = ()) -> "CapturedRounds":
         """The captured rounds of one generation (ConfigError when the target cannot run them); ``drafters``: the
         rows' active drafters, drafted from by a :class:`StaticDrafter` when they share one plain DFlash model."""
-        why = static_unsupported(target)
+        why = static_unsupported(target, capture)
         if why is not None:
             raise ConfigError(f"compile=True cannot run this target: {why}; fix: pass compile=False (eager)")
         width = 1 + max(widths)
@@ -355,26 +370,27 @@ class CapturedRounds:
               drafter_hooks: Sequence[TargetFeatureHooks]) -> list[tuple[list[int], list[int], int]]:
         """One round of every live row: per row ``(new tokens, kept verification rows, draft nodes)``."""
         static, rows = self.static, len(roots)
-        trees = [device_tree(m, c, d, pos) for m, c, d, (_tok, pos) in zip(self.methods, self.configs, drafts, roots)]
-        walk = _walk_kind(self.rules, trees, drafts)
+        trees = [round_tree(m, c, d, pos) for m, c, d, (_tok, pos) in zip(self.methods, self.configs, drafts, roots)]
+        walk = walk_kind(self.rules, trees, drafts)
         host_trees: list[DraftTree] = []
         if walk is None:
             host_trees = build_trees(self.methods, self.configs, drafts, roots)
         clock.lap("tree_build")
         # node counts: exact for host trees, DDTree and the chains; an upper bound for sampled trees and DFlash2's tree
         # (their real counts ride in the round's one host read)
-        counts = [t.num_nodes for t in host_trees] if host_trees else [0 if t is None else _plain(t).count for t in trees]
+        counts = ([t.num_nodes for t in host_trees] if host_trees
+                  else [0 if t is None else plain_tree(t).count for t in trees])
         width = 1 + max(counts) if max(counts) == 0 else static.width
         depth = 0 if width == 1 else self.depth
         self._fill(roots, trees, host_trees, width)
         clock.lap("compile")
-        hidden = static.verify(rows, width, depth)
-        static.share_features(drafter_hooks)
         if walk is None:
+            hidden = static.verify(rows, width, depth)
+            static.share_features(drafter_hooks)
             out = self._walk_host(roots, hidden, host_trees, drafts, depth)
             done = [(new, keep, n) for (new, keep), n in zip(out, counts)]
         else:
-            done = self._walk_device(roots, hidden, width, depth, trees if walk == "rejection" else None)
+            done = self._walk_device(roots, trees, walk, width, depth, drafter_hooks)
         clock.lap("verify")
         return done
 
@@ -399,10 +415,10 @@ class CapturedRounds:
                     packed = on_device(torch.stack([t.tokens, t.parents, t.depths]), s.device)
                     s.ids[b, 1 : 1 + n], s.parents[b, :n], s.depths[b, :n] = packed[0], packed[1], packed[2]
         else:
-            s.counts[:rows] = on_device(torch.tensor([0 if t is None else _plain(t).count for t in trees],
+            s.counts[:rows] = on_device(torch.tensor([0 if t is None else plain_tree(t).count for t in trees],
                                                      dtype=torch.long), s.device)
             for b, t in enumerate(trees):
-                tree = None if t is None else _plain(t)
+                tree = None if t is None else plain_tree(t)
                 # a data-dependent node count (sampled trees, DFlash2's tree): the real nodes come first, the rest is
                 # padding, and the count stays on the device
                 if isinstance(t, SampledDeviceTree):
@@ -420,36 +436,25 @@ class CapturedRounds:
         if self.drafter is not None:  # the kept rows' features (DFlash) or tokens (a dLLM drafter)
             self.drafter.stage_round(self.static, rows, keep, accepted)
 
-    def _walk_device(self, roots: Sequence[tuple[int, int]], hidden: torch.Tensor, width: int, depth: int,
-                     rejection: Sequence[DeviceTree | SampledDeviceTree | None] | None
+    def _walk_device(self, roots: Sequence[tuple[int, int]], trees: Sequence[DeviceTree | SampledDeviceTree | None],
+                     kind: str, width: int, depth: int, drafter_hooks: Sequence[TargetFeatureHooks]
                      ) -> list[tuple[list[int], list[int], int]]:
-        """The walk of every row on the device (the coupled rule, or with ``rejection`` (the rows' trees) the
-        rejection rule), the commit, and the round's one host read."""
+        """Verify, walk (``kind``: the coupled or the rejection rule) and commit every row on the device (one
+        bucket's step: :meth:`StaticTarget.walk_round`), stage the drafter's next context, and read the round once."""
         s, rows = self.static, len(roots)
-        logits = s.lm_head(hidden)
         samplings = [c.sampling for c in self.configs]
-        positions = [pos for _tok, pos in roots]
-        ids, parents, counts = s.ids[:rows, :width], s.parents[:rows, : width - 1], s.counts[:rows]
-        row_depths = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=s.device), s.depths[:rows, : width - 1]], 1)
-        walk: WalkResult
-        if rejection is None:
-            noise = position_noise(samplings, positions, depth, int(logits.shape[-1]), s.device,
-                                   torch.float64 if logits.dtype == torch.float64 else torch.float32)
-            drawn = target_tokens(logits, row_depths, samplings, noise)
-            walk = coupled_walk(ids, parents, s.depths[:rows, : width - 1], counts, drawn, depth)
-        else:
-            proposals = round_proposals(rejection, ids, parents, counts, row_depths)
-            coins = rejection_coins(samplings, positions, depth + 1, int(proposals.draws.shape[2]) + 1, s.device)
-            walk = rejection_walk(logits, samplings, ids, parents, counts, proposals, coins, depth)
-        self._commit(rows, walk.keep, walk.accepted)
-        packed = torch.cat([walk.accepted.view(-1, 1), walk.bonus.view(-1, 1), counts.view(-1, 1), walk.keep,
-                            walk.kept_tokens], 1)
-        out = []
-        for row in packed.tolist():  # the round's one host read
-            n, bonus, nodes, span = row[0], row[1], row[2], depth + 1
-            keep, toks = row[3 : 3 + span], row[3 + span :]
-            out.append((toks[1 : n + 1] + [bonus], keep[: n + 1], nodes))
-        return out
+        sampled = kind == "rejection" and any(isinstance(t, SampledDeviceTree) for t in trees)
+        plan = WalkPlan.of(kind, samplings, sampled)
+        nodes = s.depths[:rows, : width - 1]
+        row_depths = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=s.device), nodes], 1)
+        vocab = int(getattr(s.lm_head, "out_features", 0) or s.target.config.vocab_size)
+        inputs = walk_inputs(plan, samplings, [pos for _tok, pos in roots], trees, s.ids[:rows, :width],
+                             s.parents[:rows, : width - 1], s.counts[:rows], row_depths, depth, vocab, s.dtype)
+        keep, accepted, packed = s.walk_round(rows, width, depth, plan, inputs)
+        s.share_features(drafter_hooks)
+        if self.drafter is not None:  # the kept rows' features (DFlash) or tokens (a dLLM drafter)
+            self.drafter.stage_round(s, rows, keep, accepted)
+        return unpack_walk(packed.tolist(), depth)  # the round's one host read
 
     def _walk_host(self, roots: Sequence[tuple[int, int]], hidden: torch.Tensor, trees: list[DraftTree],
                    drafts: Sequence[Draft | None], depth: int) -> list[tuple[list[int], list[int]]]:

@@ -39,9 +39,8 @@ from spiffy.arspec.sampling import inverse_cdf, keyed_seed, keyed_uniforms, posi
 from spiffy.sampling import SamplingConfig, filter_logits
 from spiffy.torch_utils import on_device
 
-__all__ = ["REJECTION_STREAM", "Proposals", "RejectionWalk", "children_draws", "rejection_coins", "rejection_walk",
-           "round_proposals", "sampling_groups",
-           "target_probs_rows"]
+__all__ = ["REJECTION_STREAM", "Proposals", "RejectionWalk", "SamplingGroups", "children_draws", "rejection_coins",
+           "rejection_walk", "round_proposals", "sampling_groups", "target_probs_rows"]
 
 #: stream tag mixed into the seed of the acceptance coins
 REJECTION_STREAM = 0x3E1EC7
@@ -173,7 +172,8 @@ def _row(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def rejection_walk(logits: torch.Tensor, samplings: Sequence[SamplingConfig], ids: torch.Tensor,
                    parents: torch.Tensor, counts: torch.Tensor, proposals: Proposals, coins: torch.Tensor,
-                   max_depth: int, stop_early: bool = False) -> RejectionWalk:
+                   max_depth: int, stop_early: bool = False, groups: SamplingGroups | None = None
+                   ) -> RejectionWalk:
     """The rejection rule on every row at once (see the module docstring).
 
     Args:
@@ -184,6 +184,8 @@ def rejection_walk(logits: torch.Tensor, samplings: Sequence[SamplingConfig], id
         max_depth: the deepest node (static).
         stop_early: stop once every row has drawn its bonus (a host read per step: the eager rule's choice, which
             then pays for the visited nodes only; the captured round runs every step and reads nothing).
+        groups: :func:`sampling_groups` of ``samplings``, when made beforehand (a captured step's are made once per
+            bucket: their index tensors are host copies); made here when ``None``.
     """
     rows, width = int(ids.shape[0]), int(ids.shape[1])
     draws = proposals.draws
@@ -201,7 +203,8 @@ def rejection_walk(logits: torch.Tensor, samplings: Sequence[SamplingConfig], id
     ended = torch.zeros(rows, dtype=torch.long, device=dev)
     thresholds = torch.zeros(rows, steps, k, dtype=torch.float64, device=dev)
     tested = torch.zeros(rows, steps, k, dtype=torch.bool, device=dev)
-    groups = sampling_groups(samplings, dev)
+    if groups is None:
+        groups = sampling_groups(samplings, dev)
     for step in range(steps):
         p = target_probs_rows(_row(logits, cur), samplings, groups)  # [B, V]
         x = _row(draws, cur)  # [B, K]

@@ -14,21 +14,38 @@ long as the owner of the buffers lives).
   CPU suite runs: the code a GPU captures is the code the tests check against the eager reference.
 
 Capture is transparent only for steps that are pure tensor programs: no host synchronisation, no Python branch on
-tensor values, no allocation whose size depends on data. Hooks registered on modules fire during the warm-up and the
-capture but not on replay; a step that needs what a hook saw returns it as an output.
+tensor values, no allocation whose size depends on data. A step that changes state it also reads (a round that
+commits what it verified) is a :class:`StatefulStep`: its warm-ups put the state back, so a bucket's first call
+changes the state once, as an eager call does (the CPU suite runs the same warm-ups with :data:`REHEARSE`). Hooks
+registered on modules fire during the warm-up and the capture but not on replay; a step that needs what a hook saw
+returns it as an output.
+
+**Proving that on a CPU.** With :data:`TRACE_STEPS` set (``SPIFFY_TRACE_STEPS=1``, or :func:`trace_steps` in a
+test), an uncaptured bucket's step runs through ``torch.compile(step, fullgraph=True, dynamic=False)`` with a
+backend that runs the traced graph as it is: TorchDynamo must trace the whole step into one graph with no symbol
+left in it, so a host read (``.item()``, ``.tolist()``, ``bool(t)``), a Python branch on a tensor value or a shape
+that depends on the data (``nonzero``, a boolean mask) raises :class:`StepNotCapturable` instead of running. That is
+the property a CUDA graph needs, checked by the suite without a GPU (the step computes with the same kernels as
+without the check).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from spiffy.errors import ConfigError
 
-__all__ = ["AUTO_ON_CUDA", "CaptureStats", "CompileSetting", "StepGraphs", "bucket_size", "resolve_compile"]
+__all__ = ["AUTO_ON_CUDA", "CaptureStats", "CompileSetting", "StatefulStep", "StepGraphs", "StepNotCapturable",
+           "bucket_size", "resolve_compile", "trace_steps"]
 
 #: what ``compile=`` accepts: ``"auto"`` / ``None`` (the default), ``True`` / ``"on"``, ``False`` / ``"off"``
 CompileSetting = bool | str | None
@@ -37,8 +54,14 @@ CompileSetting = bool | str | None
 #: slower than eager after warm-up (``scripts/gpu_run.py``, section ``captured``); CPUs always run eager under auto
 AUTO_ON_CUDA = False
 
+#: trace every uncaptured step as one TorchDynamo graph (module docstring); read when a bucket is built
+TRACE_STEPS = os.environ.get("SPIFFY_TRACE_STEPS", "") not in ("", "0")
+
 #: warm-up runs before a capture (the first run allocates, the second sees a settled allocator)
 WARMUP_RUNS = 2
+
+#: run a capture's warm-ups before an uncaptured bucket's first call too (tests: a warm-up must change nothing)
+REHEARSE = False
 
 
 def resolve_compile(setting: CompileSetting, device: torch.device) -> bool:
@@ -66,6 +89,76 @@ def bucket_size(needed: int, sizes: Sequence[int]) -> int:
         if s >= needed:
             return int(s)
     raise ConfigError(f"no bucket holds {needed} (buckets {list(sizes)}); fix: allocate a larger bucket")
+
+
+class StepNotCapturable(RuntimeError):
+    """A step is not one static tensor program (a host read, a branch on a tensor value, a data-dependent shape):
+    it could not be captured in a CUDA graph. Raised only while :data:`TRACE_STEPS` is on."""
+
+
+@contextmanager
+def trace_steps(on: bool = True) -> Iterator[None]:
+    """Within the block, buckets built from now on trace their steps (:data:`TRACE_STEPS`)."""
+    global TRACE_STEPS
+    before, TRACE_STEPS = TRACE_STEPS, bool(on)
+    try:
+        yield
+    finally:
+        TRACE_STEPS = before
+
+
+_TRACED = itertools.count()  # names the traced steps' code objects
+
+
+def _static_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """A TorchDynamo backend that runs the traced graph as it is (eager kernels) after refusing one with a
+    data-dependent value: with ``dynamic=False`` every symbol left in it (``.item()``, ``nonzero``, a boolean mask)
+    is a value the host would have to read back."""
+    bad = [str(node.target) for node in gm.graph.nodes
+           if (val := node.meta.get("example_value")) is not None and free_unbacked_symbols(val)]
+    if bad:
+        raise StepNotCapturable(f"data-dependent values in the step: {', '.join(dict.fromkeys(bad))}")
+    return gm.forward
+
+
+def _traced(step: Callable[[], Any], key: Hashable) -> Callable[[], Any]:
+    """``step`` compiled as one TorchDynamo graph (eager kernels); a graph break, or a value or shape that depends on
+    the data, raises :class:`StepNotCapturable`."""
+    def call() -> Any:
+        return step()
+
+    # a code object of its own per bucket: TorchDynamo keeps its compiled graphs and guards per code object, and the
+    # buckets of one step kind are closures of one function (a guard of one must never be evaluated on another)
+    own = types.FunctionType(call.__code__.replace(co_name=f"step_{next(_TRACED)}"), call.__globals__,
+                             closure=call.__closure__)
+    compiled = torch.compile(own, backend=_static_graph, fullgraph=True, dynamic=False)
+
+    def run() -> Any:
+        try:
+            # every bucket of a step kind shares one code object: each is a recompile, none is a failure here
+            with torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+                return compiled()
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                torch._dynamo.exc.BackendCompilerFailed) as err:  # graph breaks, host reads, data-dependent shapes
+            raise StepNotCapturable(f"bucket {key!r}'s step is not one tensor program: {err}") from err
+    return run
+
+
+@dataclass
+class StatefulStep:
+    """A step that changes state it also reads (e.g. commits a round into the cache it verifies against).
+
+    Attributes:
+        run: the step (zero arguments, static buffers, returns its outputs).
+        save: snapshots everything ``run`` writes and returns the call that writes the snapshot back; a capture's
+            warm-ups run between the two, so only the replay's change remains.
+    """
+
+    run: Callable[[], Any]
+    save: Callable[[], Callable[[], None]]
+
+    def __call__(self) -> Any:
+        return self.run()
 
 
 @dataclass
@@ -115,10 +208,16 @@ class StepGraphs:
         step = self._steps.get(key)
         if step is None:
             t0 = time.perf_counter()
-            step = self._steps[key] = self.factory(key)
+            step = self.factory(key)
+            if TRACE_STEPS and not self.capture:
+                step = (StatefulStep(_traced(step.run, key), step.save) if isinstance(step, StatefulStep)
+                        else _traced(step, key))
+            self._steps[key] = step
             if self.capture:
                 self._graphs[key] = self._capture(step)
             else:
+                if REHEARSE:
+                    self._warm_up(step)
                 out = step()
                 self.stats.capture_seconds[key] = time.perf_counter() - t0
                 self.stats.runs[key] = 1
@@ -136,8 +235,7 @@ class StepGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
-                step()
+            self._warm_up(step)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -145,6 +243,15 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = step()
         return graph, outputs
+
+    @staticmethod
+    def _warm_up(step: Callable[[], Any]) -> None:
+        """The runs before a capture; a :class:`StatefulStep`'s state is put back after each."""
+        for _ in range(WARMUP_RUNS):
+            restore = step.save() if isinstance(step, StatefulStep) else None
+            step()
+            if restore is not None:
+                restore()
 
     def clear(self) -> None:
         """Forget every bucket (their graphs and memory)."""

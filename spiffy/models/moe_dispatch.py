@@ -163,6 +163,10 @@ def _stacked(experts: nn.ModuleList) -> tuple[torch.Tensor, ...]:
     """``(gate [E, I, H], up [E, I, H], down [E, H, I])``; the experts' weights become views of them (stacked on
     first use, and again if any expert's weight was replaced since: a stale stack would compute with old weights)."""
     have = _STACKS.get(experts)
+    if have is not None and torch.compiler.is_compiling():
+        # traced as a captured step (spiffy.capture.trace_steps): the static path stacked the weights when it was
+        # set up (stack_experts); the pointer check is host-side Python a graph neither holds nor needs
+        return have
     if have is not None and all(getattr(expert, name).weight.data_ptr() == stack[e].data_ptr()
                                 for name, stack in zip(PROJECTIONS, have) for e, expert in enumerate(experts)):
         return have

@@ -1,0 +1,212 @@
+"""The device side of a captured AR round: which tree it builds (:func:`round_tree`), how it is walked
+(:func:`walk_kind`, :func:`walk_program`) and, on an attention-only target, the round fused into one step.
+
+After the captured verification forward, a round on the device (:class:`~spiffy.arspec.captured.CapturedRounds`)
+still has its tail to run: the target's logits, the target's token at every verification row, the walk (the coupled
+rule: :func:`~spiffy.arspec.device_tree.coupled_walk`; the rejection rule at ``T > 0``:
+:func:`~spiffy.arspec.device_rejection.rejection_walk`), the commit that moves the kept rows' K/V to the front of the
+round's window (one gather and one scatter per layer tensor), and the packing of what the host reads. Run eagerly on
+a GPU, that tail is a few hundred kernel launches (two per K/V tensor of every layer alone), several milliseconds a
+round on an 8B target, as much as the replayed verification itself.
+
+So on an attention-only target the whole round after the tree is **one step** of the target's
+:class:`~spiffy.capture.StepGraphs`, bucket ``("round", rows, width, depth, plan)``: verification forward -> logits
+-> walk -> commit -> packed ``[rows, 3 + 2 (D + 1)]`` (accepted, bonus, nodes, kept rows, kept tokens), one CUDA
+graph replay and then the round's one host read. What the walk needs from the host is made before the replay and
+copied into the bucket's static buffers (:class:`WalkInputs`): the Gumbel noise of sampled rows' positions (coupled
+rule at ``T > 0``), the rejection rule's coins, a sampled tree's draws and proposal distributions. The rows' sampling
+rules are static per bucket (:class:`WalkPlan`, part of the key: temperatures, top-k and top-p are constants of the
+captured kernels). A hybrid target keeps the tail eager after its captured verification (its recurrent commit is a
+step of its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from spiffy.arspec.device_draws import SampledDeviceTree, sampled_tree_device
+from spiffy.arspec.device_rejection import (Proposals, SamplingGroups, children_draws, rejection_coins,
+                                            rejection_walk, round_proposals, sampling_groups)
+from spiffy.arspec.device_selector import selector_chain_device, selector_tree_device
+from spiffy.arspec.device_tree import (DeviceTree, WalkResult, chain_device, coupled_walk, ddtree_device,
+                                       position_noise, target_tokens)
+from spiffy.arspec.methods import BestTree, Chain, DraftKnobs, Method
+from spiffy.arspec.rejection import RejectionRule
+from spiffy.arspec.rules import AcceptanceRule, CoupledRule
+from spiffy.arspec.sampling import tempered
+from spiffy.arspec.selector import Draft, SelectorDraft
+from spiffy.arspec.selfselect import proposal_probs, sample_drafts
+from spiffy.sampling import SamplingConfig
+
+__all__ = ["WalkInputs", "WalkPlan", "bucket_groups", "packed_walk", "plain_tree", "round_tree", "unpack_walk",
+           "walk_inputs", "walk_kind", "walk_program"]
+
+
+@dataclass(frozen=True)
+class WalkPlan:
+    """What a round's walk is, static for a bucket (hashable: part of the bucket key).
+
+    Attributes:
+        rule: ``"coupled"`` (the coupled rule, or the rejection rule at ``T = 0``) or ``"rejection"``.
+        samplings: per row ``(temperature, top_k, top_p)``: the rule's constants (seeds enter through the inputs).
+        sampled: the rejection rule over sampled drafts (draws with their proposal distributions ``q``); ``False``
+            for point-mass proposals (the children's tokens, DDTree) and for the coupled rule.
+    """
+
+    rule: str
+    samplings: tuple[tuple[float, int, float], ...]
+    sampled: bool = False
+
+    @classmethod
+    def of(cls, rule: str, samplings: Sequence[SamplingConfig], sampled: bool = False) -> "WalkPlan":
+        return cls(rule, tuple((float(s.temperature), int(s.top_k), float(s.top_p)) for s in samplings),
+                   bool(sampled))
+
+    def configs(self) -> list[SamplingConfig]:
+        """The rows' sampling rules as configs (no seed: the walk reads none)."""
+        return [SamplingConfig(temperature=t, top_k=k, top_p=p) for t, k, p in self.samplings]
+
+
+@dataclass
+class WalkInputs:
+    """What the walk reads besides the round's buffers, made on the host side of the replay (device tensors).
+
+    Attributes:
+        noise: ``[B, D + 1, V]`` Gumbel noise of the rows' positions (coupled rule with a sampled row), else ``None``.
+        coins: ``[B, D + 1, K + 1]`` float64 coins (rejection rule), else ``None``.
+        draws, q, q_row: a sampled tree's proposals (:class:`~spiffy.arspec.device_rejection.Proposals`), else
+            ``None`` (point-mass children are listed inside the step from the round's tree buffers).
+    """
+
+    noise: torch.Tensor | None = None
+    coins: torch.Tensor | None = None
+    draws: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    q_row: torch.Tensor | None = None
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The tensors present, by field name (what a bucket keeps static copies of)."""
+        return {name: t for name in ("noise", "coins", "draws", "q", "q_row")
+                if (t := getattr(self, name)) is not None}
+
+    def signature(self) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+        """Names, shapes and dtypes: equal signatures share a bucket's static buffers."""
+        return tuple((name, tuple(t.shape), t.dtype) for name, t in self.named().items())
+
+
+def walk_inputs(plan: WalkPlan, samplings: Sequence[SamplingConfig], positions: Sequence[int],
+                trees: Sequence[DeviceTree | SampledDeviceTree | None], ids: torch.Tensor, parents: torch.Tensor,
+                counts: torch.Tensor, row_depths: torch.Tensor, depth: int, vocab: int,
+                logits_dtype: torch.dtype) -> WalkInputs:
+    """The round's :class:`WalkInputs` (``positions``: the roots' absolute positions; ``ids``, ``parents``,
+    ``counts``, ``row_depths``: the filled round buffers, read by a sampled tree's proposals only)."""
+    dev = ids.device
+    if plan.rule == "coupled":
+        noise_dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
+        return WalkInputs(noise=position_noise(list(samplings), list(positions), depth, vocab, dev, noise_dtype))
+    k = max(int(ids.shape[1]) - 1, 1)
+    inputs = WalkInputs()
+    if plan.sampled:
+        proposals = round_proposals(trees, ids, parents, counts, row_depths)
+        inputs.draws, inputs.q, inputs.q_row = proposals.draws, proposals.q, proposals.q_row
+        k = int(proposals.draws.shape[2])
+    inputs.coins = rejection_coins(samplings, positions, depth + 1, k + 1, dev)
+    return inputs
+
+
+def walk_program(plan: WalkPlan, logits: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor,
+                 depths: torch.Tensor, counts: torch.Tensor, depth: int, inputs: WalkInputs,
+                 groups: SamplingGroups | None = None) -> WalkResult:
+    """The walk of every row (a tensor program: no host read, static shapes).
+
+    Args:
+        logits: ``[B, R, V]`` the target's logits at every verification row; ids: ``[B, R]``; parents, depths:
+            ``[B, R - 1]``; counts: ``[B]`` real nodes; depth: the deepest node (static).
+        inputs: the round's :class:`WalkInputs` (static copies inside a captured bucket).
+        groups: the rows of each sampling rule (:func:`~spiffy.arspec.device_rejection.sampling_groups`), made once
+            per bucket outside the step (its index tensors are host copies a graph must not hold).
+    """
+    rows = int(ids.shape[0])
+    samplings = plan.configs()
+    if plan.rule == "coupled":
+        row_depths = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=ids.device), depths], 1)
+        drawn = target_tokens(logits, row_depths, samplings, inputs.noise)
+        return coupled_walk(ids, parents, depths, counts, drawn, depth)
+    assert inputs.coins is not None
+    if plan.sampled:
+        assert inputs.draws is not None
+        proposals = Proposals(inputs.draws, inputs.q, inputs.q_row)
+    else:
+        proposals = Proposals(children_draws(ids, parents, counts, max(int(ids.shape[1]) - 1, 1)))
+    return rejection_walk(logits, samplings, ids, parents, counts, proposals, inputs.coins, depth, groups=groups)
+
+
+def packed_walk(walk: WalkResult, counts: torch.Tensor) -> torch.Tensor:
+    """``[B, 3 + 2 (D + 1)]`` long: accepted, bonus, nodes, kept rows, kept tokens (what the round reads once)."""
+    return torch.cat([walk.accepted.view(-1, 1), walk.bonus.view(-1, 1), counts.view(-1, 1), walk.keep,
+                      walk.kept_tokens], 1)
+
+
+def unpack_walk(packed: list[list[int]], depth: int) -> list[tuple[list[int], list[int], int]]:
+    """Per row ``(new tokens, kept verification rows, draft nodes)`` from :func:`packed_walk`'s rows."""
+    out = []
+    span = depth + 1
+    for row in packed:
+        n, bonus, nodes = row[0], row[1], row[2]
+        keep, toks = row[3 : 3 + span], row[3 + span :]
+        out.append((toks[1 : n + 1] + [bonus], keep[: n + 1], nodes))
+    return out
+
+
+def bucket_groups(plan: WalkPlan, device: torch.device) -> SamplingGroups | None:
+    """The sampling groups a rejection bucket's step reads (made when the bucket is built), else ``None``."""
+    return sampling_groups(plan.configs(), device) if plan.rule == "rejection" else None
+
+
+def round_tree(method: Method, config: DraftKnobs, draft: Draft | None, root_position: int
+                ) -> DeviceTree | SampledDeviceTree | None:
+    """The round's tree built on the device (a sampled one for drafts drawn from the drafter: DEER and DFlash under
+    the rejection rule at T > 0, SpecDiff-2), or ``None`` when the method builds it on the host only (DFlash2's
+    selector drafts sampled through its chain)."""
+    if draft is None:
+        return None
+    if isinstance(draft, SelectorDraft):  # DFlash2: its DDTree and greedy chain on the device, sampled drafts not
+        if isinstance(method, BestTree):
+            return selector_tree_device(draft, int(config.budget), float(config.sampling.temperature))
+        if isinstance(method, Chain) and not method.samples(config):
+            return selector_chain_device(draft)
+        return None
+    if isinstance(method, BestTree):
+        scores = tempered(draft, float(config.sampling.temperature))
+        return ddtree_device(torch.log_softmax(scores, dim=-1), int(config.budget))
+    if isinstance(method, Chain) and method.samples(config):
+        probs = proposal_probs(draft, config.sampling)
+        return sampled_tree_device(probs, sample_drafts(probs, method.sample_count(config), config.sampling,
+                                                        root_position))
+    if type(method) is Chain:
+        return chain_device(draft)
+    return None
+
+
+def plain_tree(tree: DeviceTree | SampledDeviceTree) -> DeviceTree:
+    """The tree of a sampled tree (its nodes), or the tree itself."""
+    return tree.tree if isinstance(tree, SampledDeviceTree) else tree
+
+
+def walk_kind(rules: Sequence[AcceptanceRule], trees: Sequence[DeviceTree | SampledDeviceTree | None],
+              drafts: Sequence[Draft | None]) -> str | None:
+    """How the round's rows are walked on the device: ``"coupled"`` (the coupled rule, or the rejection rule at
+    T = 0, which is the coupled walk), ``"rejection"`` (the rejection rule at T > 0 on trees whose proposals are all
+    point masses or all sampled), or ``None``: on the host (a tree built on the host, or rows that mix the two)."""
+    if any(t is None and d is not None for t, d in zip(trees, drafts)):
+        return None
+    greedy = [type(r) is RejectionRule and float(r.sampling.temperature) == 0 for r in rules]
+    if all(type(r) is CoupledRule or g for r, g in zip(rules, greedy)):
+        return "coupled"
+    if not all(type(r) is RejectionRule and not g for r, g in zip(rules, greedy)):
+        return None
+    kinds = {isinstance(t, SampledDeviceTree) for t in trees if t is not None}
+    return "rejection" if len(kinds) <= 1 else None

@@ -1,0 +1,136 @@
+"""What a CUDA graph needs from the captured AR path's steps, proven on a CPU.
+
+A GPU captures each bucket's step once and replays it; that is transparent only when the step is one static tensor
+program (no host read, no branch on a tensor value, no data-dependent shape) and when the warm-up runs before a
+capture leave no trace. Here, without a GPU:
+
+* every step a generation builds (the fused round: verification forward, walk and commit; the static drafter's block)
+  is traced by TorchDynamo as **one graph** (:func:`spiffy.capture.trace_steps`, ``fullgraph=True``) under both rules,
+  greedy and sampled, point-mass and sampled proposals, and still returns the eager loop's tokens;
+* a step with a host read or a data-dependent shape is refused by that check (it can fail);
+* the fused round, which commits what it verified, runs a capture's warm-ups first and changes nothing
+  (:data:`spiffy.capture.graphs.REHEARSE`), and a warm-up that did not put the state back would change the tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import spiffy.capture.graphs as graphs_module
+from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter
+from spiffy.arspec.batch import speculative_generate_batch
+from spiffy.arspec.captured import static_target_of
+from spiffy.arspec.captured_drafter import static_drafter_of
+from spiffy.capture import StatefulStep, StepGraphs, StepNotCapturable, trace_steps
+from spiffy.models import load_target
+from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_target
+from spiffy.models.dflash import load_drafter
+
+torch.set_num_threads(1)
+BLOCK = 5
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("captured_steps")
+    target_dir = make_tiny_target(root / "target", seed=5, num_layers=2, with_tokenizer=False)
+    drafter_dir = make_tiny_dflash(root / "drafter", target_dir, seed=6, num_layers=1, block_size=BLOCK)
+    return target_dir, drafter_dir
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 250, (n,), generator=g).tolist() for n in (6, 3)]
+
+
+def _generate(dirs, method: str, accept: str, temperature: float, compile: bool) -> list[list[int]]:
+    """A ragged batch of two prompts on freshly loaded models (so every bucket is built, and traced, anew)."""
+    target = load_target(dirs[0], torch.float32, "cpu")
+    drafter = load_drafter(dirs[1], dtype=torch.float32)
+    prompts = _prompts()
+    configs = [ARSpecConfig(method=method, budget=6, max_new_tokens=n, accept=accept,
+                            sampling=SamplingConfig(temperature=temperature, seed=s))
+               for n, s in zip((9, 6), (1, 2))]
+    drafters = [None if method == "ar" else as_drafter(drafter) for _ in prompts]
+    out = speculative_generate_batch(target, drafters, prompts, configs, compile=compile)
+    if compile and method != "ar":
+        assert static_drafter_of(drafter) is not None  # the drafter's block ran as a step too
+    assert static_target_of(target) is not None or not compile
+    return [r.tokens for r in out]
+
+
+#: (method, rule, temperature): plain AR, DDTree's coupled walk greedy and sampled, DDTree's point-mass children and
+#: the DFlash chain's sampled drafts under the rejection rule
+CASES = [("ar", "coupled", 0.0), ("ddtree", "coupled", 0.0), ("ddtree", "coupled", 0.8),
+         ("ddtree", "rejection", 0.8), ("dflash", "rejection", 0.8)]
+
+
+@pytest.mark.parametrize("method,accept,temperature", CASES)
+def test_every_step_traces_as_one_graph(dirs, monkeypatch, method, accept, temperature):
+    traced: list[Any] = []
+    real = graphs_module._traced
+    monkeypatch.setattr(graphs_module, "_traced", lambda step, key: traced.append(key) or real(step, key))
+    eager = _generate(dirs, method, accept, temperature, compile=False)
+    with trace_steps():
+        captured = _generate(dirs, method, accept, temperature, compile=True)
+    assert captured == eager
+    rounds = [k for k in traced if isinstance(k, tuple) and k[0] == "round"]
+    assert rounds, traced  # the fused round (verify + walk + commit) is a traced step
+    plans = {k[4] for k in rounds}
+    assert {p.rule for p in plans} == {"coupled" if temperature == 0 else accept}
+    assert {p.sampled for p in plans} == {method == "dflash" and accept == "rejection"}
+    if method != "ar":
+        assert any(isinstance(k, tuple) and len(k) == 2 for k in traced), traced  # the drafter's (rows, block)
+
+
+def test_a_host_read_or_a_data_dependent_shape_is_refused():
+    """The trace check can fail: a step that reads a value back, or whose output shape depends on the data."""
+    x = torch.tensor([3.0, 0.0, 1.0])
+    steps = {"read": lambda: x * float(x.sum()), "nonzero": lambda: x.nonzero(), "branch": lambda: x if x[0] > 0 else -x,
+             "pure": lambda: torch.where(x > 0, x, -x).cumsum(0)}
+    graphs = StepGraphs(lambda key: steps[key], torch.device("cpu"))
+    with trace_steps():
+        for name in ("read", "nonzero", "branch"):
+            with pytest.raises(StepNotCapturable, match=name):
+                graphs.run(name)
+        assert torch.equal(graphs.run("pure"), torch.tensor([3.0, 3.0, 4.0]))
+    assert torch.equal(StepGraphs(lambda key: steps[key], torch.device("cpu")).run("read"), x * 4)  # not traced
+
+
+def test_a_stateful_step_warm_up_is_put_back():
+    """Two warm-ups before the first call (what a capture runs) leave a :class:`StatefulStep`'s state as it was."""
+    state = torch.zeros(1)
+
+    def make(key: Any) -> StatefulStep:
+        def save():
+            saved = state.clone()
+            return lambda: state.copy_(saved)
+        return StatefulStep(lambda: state.add_(1), save)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphs_module, "REHEARSE", True)
+        graphs = StepGraphs(make, torch.device("cpu"))
+        graphs.run("k")
+        assert float(state) == 1.0
+        graphs.run("k")
+        assert float(state) == 2.0
+
+
+@pytest.mark.parametrize("method,accept,temperature", [("ddtree", "coupled", 0.0), ("ddtree", "rejection", 0.8),
+                                                       ("dflash", "rejection", 0.8), ("ar", "coupled", 0.8)])
+def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch, method, accept, temperature):
+    """A bucket's first call after two warm-ups (a GPU's capture) returns the eager tokens; the check can fail: with
+    warm-ups that do not put the committed state back, the tokens change."""
+    eager = _generate(dirs, method, accept, temperature, compile=False)
+    monkeypatch.setattr(graphs_module, "REHEARSE", True)
+    assert _generate(dirs, method, accept, temperature, compile=True) == eager
+
+    def careless(step):  # noqa: ANN001 - warm-ups that forget the state they changed
+        for _ in range(graphs_module.WARMUP_RUNS):
+            step()
+
+    monkeypatch.setattr(StepGraphs, "_warm_up", staticmethod(careless))
+    assert _generate(dirs, method, accept, temperature, compile=True) != eager
