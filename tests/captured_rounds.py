@@ -3,7 +3,7 @@
 * :func:`captured_round_syncs`: host reads per captured round, outside the model forwards (the count issue 36
   bounds: at most 2 per round). It runs a generation with the target's and the drafter's forwards paused in the counter
 (a forward is not the round's bookkeeping) and counts every read of the drafting stage and of
-:meth:`~spiffy.arspec.captured.CapturedRounds.round` (tree build, mask, walk, commit, the drafter's next context),
+:meth:`~spiffy.arspec.captured_rounds.CapturedRounds.round` (tree build, mask, walk, commit, the drafter's next context),
 closing a round at each ``round`` call.
 * :class:`RecordedDrafts`: every round's drafts of the eager drafters and of a static one, to compare within a
   rounding tolerance (the static drafters' padded keys sum attention in another order).
@@ -21,7 +21,7 @@ import torch
 
 import spiffy.arspec.batch as batch_module
 from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, speculative_generate
-from spiffy.arspec.captured import CapturedRounds
+from spiffy.arspec.captured_rounds import CapturedRounds
 from spiffy.bench.syncs import SyncCounter
 
 

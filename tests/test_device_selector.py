@@ -25,7 +25,7 @@ import spiffy.arspec.batch as batch_module
 import spiffy.arspec.captured_walk as captured_module
 from captured_rounds import captured_round_syncs
 from spiffy.arspec import ARSpecConfig, SamplingConfig, SelectorDraft, as_drafter, speculative_generate
-from spiffy.arspec.captured import CapturedRounds
+from spiffy.arspec.captured_rounds import CapturedRounds
 from spiffy.arspec.device_selector import selector_chain_device, selector_tree_device
 from spiffy.arspec.device_tree import DeviceTree, ddtree_node_count
 from spiffy.arspec.tree import DraftTree

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from spiffy.arspec.captured import CapturedRounds
+from spiffy.arspec.captured_rounds import CapturedRounds
 from spiffy.arspec.config import DEFAULT_MAX_NEW_TOKENS, ARSpecConfig
 from spiffy.arspec.dllm_drafter import as_drafter
 from spiffy.arspec.drafter import ContextUpdate, DFlashDrafter, Drafter

@@ -1,7 +1,7 @@
 """The device side of a captured AR round: which tree it builds (:func:`round_tree`), how it is walked
 (:func:`walk_kind`, :func:`walk_program`) and, on an attention-only target, the round fused into one step.
 
-After the captured verification forward, a round on the device (:class:`~spiffy.arspec.captured.CapturedRounds`)
+After the captured verification forward, a round on the device (:class:`~spiffy.arspec.captured_rounds.CapturedRounds`)
 still has its tail to run: the target's logits, the target's token at every verification row, the walk (the coupled
 rule: :func:`~spiffy.arspec.device_tree.coupled_walk`; the rejection rule at ``T > 0``:
 :func:`~spiffy.arspec.device_rejection.rejection_walk`), the commit that moves the kept rows' K/V to the front of the
