@@ -81,7 +81,8 @@ TRACED = [("llada", ("none", "prefix", "dual"), torch.float32), ("dream", ("pref
           ("sdar_moe", ("prefix",), torch.bfloat16)]
 
 
-@pytest.mark.parametrize("family,caches,dtype", TRACED, ids=[t[0] for t in TRACED])
+@pytest.mark.parametrize("family,caches,dtype", [
+    pytest.param(*t, id=t[0], marks=() if t[0] in ("llada", "llada2") else pytest.mark.slow) for t in TRACED])
 def test_static_forwards_trace_as_one_graph(request, monkeypatch, family: str, caches: tuple, dtype: torch.dtype
                                             ) -> None:
     """Every family's static forward is one tensor program, the property a CUDA graph needs: TorchDynamo traces

@@ -4,9 +4,10 @@ A GPU captures each bucket's step once and replays it; that is transparent only 
 program (no host read, no branch on a tensor value, no data-dependent shape) and when the warm-up runs before a
 capture leave no trace. Here, without a GPU:
 
-* every step a generation builds (the fused round: verification forward, walk and commit; the static drafter's block)
-  is traced by TorchDynamo as **one graph** (:func:`spiffy.capture.trace_steps`, ``fullgraph=True``) under both rules,
-  greedy and sampled, point-mass and sampled proposals, and still returns the eager loop's tokens;
+* every step a generation builds (DDTree's tree from the drafts; the fused round: verification forward, walk and
+  commit; the static drafter's block) is traced by TorchDynamo as **one graph** (:func:`spiffy.capture.trace_steps`,
+  ``fullgraph=True``) under both rules, greedy and sampled, point-mass and sampled proposals, and still returns the
+  eager loop's tokens;
 * a step with a host read or a data-dependent shape is refused by that check (it can fail);
 * the fused round, which commits what it verified, runs a capture's warm-ups first and changes nothing
   (:data:`spiffy.capture.graphs.REHEARSE`), and a warm-up that did not put the state back would change the tokens.
@@ -63,9 +64,11 @@ def _generate(dirs, method: str, accept: str, temperature: float, compile: bool)
 
 
 #: (method, rule, temperature): plain AR, DDTree's coupled walk greedy and sampled, DDTree's point-mass children and
-#: the DFlash chain's sampled drafts under the rejection rule
-CASES = [("ar", "coupled", 0.0), ("ddtree", "coupled", 0.0), ("ddtree", "coupled", 0.8),
-         ("ddtree", "rejection", 0.8), ("dflash", "rejection", 0.8)]
+#: the DFlash chain's sampled drafts under the rejection rule (tracing takes seconds a case: the last three are slow)
+CASES = [("ar", "coupled", 0.0), ("ddtree", "coupled", 0.0),
+         pytest.param("ddtree", "coupled", 0.8, marks=pytest.mark.slow),
+         pytest.param("ddtree", "rejection", 0.8, marks=pytest.mark.slow),
+         pytest.param("dflash", "rejection", 0.8, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("method,accept,temperature", CASES)
@@ -84,13 +87,17 @@ def test_every_step_traces_as_one_graph(dirs, monkeypatch, method, accept, tempe
     assert {p.sampled for p in plans} == {method == "dflash" and accept == "rejection"}
     if method != "ar":
         assert any(isinstance(k, tuple) and len(k) == 2 for k in traced), traced  # the drafter's (rows, block)
+    trees = [k for k in traced if isinstance(k, tuple) and k[0] == "tree"]
+    # DDTree's and the greedy chain's trees are built in a step of their own; drafts sampled from the drafter are not
+    assert bool(trees) == (method == "ddtree"), traced
+    assert all(row[0] == "ddtree" for k in trees for row in k[3].rows)
 
 
 def test_a_host_read_or_a_data_dependent_shape_is_refused():
     """The trace check can fail: a step that reads a value back, or whose output shape depends on the data."""
     x = torch.tensor([3.0, 0.0, 1.0])
-    steps = {"read": lambda: x * float(x.sum()), "nonzero": lambda: x.nonzero(), "branch": lambda: x if x[0] > 0 else -x,
-             "pure": lambda: torch.where(x > 0, x, -x).cumsum(0)}
+    steps = {"read": lambda: x * float(x.sum()), "nonzero": lambda: x.nonzero(),
+             "branch": lambda: x if x[0] > 0 else -x, "pure": lambda: torch.where(x > 0, x, -x).cumsum(0)}
     graphs = StepGraphs(lambda key: steps[key], torch.device("cpu"))
     with trace_steps():
         for name in ("read", "nonzero", "branch"):

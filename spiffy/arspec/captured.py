@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from spiffy.arspec.captured_recurrent import StaticRecurrent
-from spiffy.arspec.captured_walk import WalkInputs, WalkPlan, bucket_groups, packed_walk, walk_program
+from spiffy.arspec.captured_walk import (TreePlan, WalkInputs, WalkPlan, bucket_groups, packed_walk, tree_program,
+                                        walk_program)
 from spiffy.arspec.device_tree import ancestor_visibility
 from spiffy.arspec.stages import prefill_inputs
 from spiffy.capture import SlotCache, StatefulStep, StepGraphs, slot_cache_supported
@@ -92,7 +93,7 @@ class StaticTarget:
         self.counts = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ramp = torch.arange(max(width, slots), device=dev)
         self.graphs = StepGraphs(self._step, dev, capture)
-        self._walk_buffers: dict[tuple, dict[str, torch.Tensor]] = {}  # a fused round bucket's walk inputs
+        self._inputs: dict[tuple, dict[str, torch.Tensor]] = {}  # static input buffers per bucket (walk, drafts)
         self.hooks: TargetFeatureHooks | None = None  # the layers drafters read, recorded by the captured step
         # a hybrid's recurrent layers: their committed state per row, verified and advanced in static steps
         self.recurrent = StaticRecurrent.for_target(target, self.cache, rows, width)
@@ -113,7 +114,7 @@ class StaticTarget:
 
     def release(self) -> None:
         self.graphs.clear()
-        self._walk_buffers.clear()
+        self._inputs.clear()
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None
@@ -128,7 +129,7 @@ class StaticTarget:
             self.hooks.remove()
         self.hooks = TargetFeatureHooks(self.target, sorted(have | set(layer_ids)))
         self.graphs.clear()  # steps captured without these hooks would not refresh them
-        self._walk_buffers.clear()
+        self._inputs.clear()
 
     def share_features(self, drafter_hooks: Sequence[TargetFeatureHooks]) -> None:
         """Hand the latest verification's layer outputs to the drafters' hooks (as if theirs had fired)."""
@@ -141,7 +142,9 @@ class StaticTarget:
             assert self.recurrent is not None
             return self.recurrent.commit_step(key[1], key[2])
         if key[0] == "round":  # ("round", rows, width, depth, plan, inputs' signature): verify + walk + commit
-            return self._round_step(key[1:])
+            return self._round_step(key)
+        if key[0] == "tree":  # ("tree", rows, width, tree plan, draft dtype): every row's tree from its draft
+            return self._tree_step(key)
         return self._verify_step(*key)
 
     def _verify_step(self, rows: int, width: int, depth: int) -> Callable[[], torch.Tensor]:
@@ -173,9 +176,9 @@ class StaticTarget:
 
     def _round_step(self, key: tuple) -> StatefulStep:
         """The fused round (:mod:`spiffy.arspec.captured_walk`): ``(keep [rows, D + 1], accepted [rows], packed)``."""
-        rows, width, depth, plan, _signature = key
+        _kind, rows, width, depth, plan, _signature = key
         verify = self._verify_step(rows, width, depth)
-        inputs = WalkInputs(**self._walk_buffers[key])
+        inputs = WalkInputs(**self._inputs[key])
         groups = bucket_groups(plan, self.device)
         nodes = width - 1
 
@@ -214,13 +217,41 @@ class StaticTarget:
                                 self.depths[:rows, :nodes], self.counts[:rows], depth, inputs)
             self.commit(rows, walk.keep, walk.accepted)
             return walk.keep, walk.accepted, packed_walk(walk, self.counts[:rows])
-        key = (int(rows), int(width), int(depth), plan, inputs.signature())
-        buffers = self._walk_buffers.get(key)
+        key = ("round", int(rows), int(width), int(depth), plan, inputs.signature())
+        self._load(key, inputs.named())
+        return self.graphs.run(key)
+
+    def _tree_step(self, key: tuple) -> Callable[[], None]:
+        _kind, rows, width, plan, _dtype = key
+        drafts = self._inputs[key]["drafts"]
+
+        def step() -> None:
+            tree_program(plan, drafts, self.ids[:rows, :width], self.parents[:rows, : width - 1],
+                         self.depths[:rows, : width - 1], self.counts[:rows], self.positions[:rows, :width])
+        return step
+
+    def build_trees(self, rows: int, width: int, plan: TreePlan, drafts: Sequence[torch.Tensor | None]) -> None:
+        """Every row's tree (``plan``) from its draft logits ``[depth, V]`` into the round buffers, in one bucket's
+        step (:func:`~spiffy.arspec.captured_walk.tree_program`): the drafts copied into its static ``[rows, L, V]``
+        buffer first (the roots' tokens and positions are already in column 0)."""
+        first = next(d for d in drafts if d is not None)
+        key = ("tree", int(rows), int(width), plan, first.dtype)
+        if key not in self._inputs:
+            self._inputs[key] = {"drafts": torch.zeros(rows, plan.depth, int(first.shape[-1]), dtype=first.dtype,
+                                                       device=self.device)}
+        buffer = self._inputs[key]["drafts"]
+        for b, draft in enumerate(drafts):
+            if draft is not None:
+                buffer[b, : draft.shape[0]].copy_(draft)
+        self.graphs.run(key)
+
+    def _load(self, key: tuple, tensors: dict[str, torch.Tensor]) -> None:
+        """``tensors`` copied into bucket ``key``'s static input buffers (made on first use)."""
+        buffers = self._inputs.get(key)
         if buffers is None:
-            buffers = self._walk_buffers[key] = {name: torch.empty_like(t) for name, t in inputs.named().items()}
-        for name, t in inputs.named().items():
+            buffers = self._inputs[key] = {name: torch.empty_like(t) for name, t in tensors.items()}
+        for name, t in tensors.items():
             buffers[name].copy_(t)
-        return self.graphs.run(("round",) + key)
 
     def verify(self, rows: int, width: int, depth: int) -> torch.Tensor:
         """The bucket's step on the filled buffers: ``[rows, width, H]`` hidden states (their K/V written at

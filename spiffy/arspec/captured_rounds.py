@@ -32,7 +32,8 @@ from torch import nn
 from spiffy.arspec.captured import SLOT_ROUNDING, StaticTarget, static_unsupported
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter
 from spiffy.arspec.captured_drafter import StaticBlockDrafter, StaticDrafter, static_drafter_model
-from spiffy.arspec.captured_walk import WalkPlan, plain_tree, round_tree, unpack_walk, walk_inputs, walk_kind
+from spiffy.arspec.captured_walk import (WalkPlan, plain_tree, round_tree, tree_plan, unpack_walk, walk_inputs,
+                                        walk_kind)
 from spiffy.arspec.device_draws import SampledDeviceTree
 from spiffy.arspec.device_tree import DeviceTree
 from spiffy.arspec.methods import Method
@@ -113,6 +114,19 @@ class CapturedRounds:
               drafter_hooks: Sequence[TargetFeatureHooks]) -> list[tuple[list[int], list[int], int]]:
         """One round of every live row: per row ``(new tokens, kept verification rows, draft nodes)``."""
         static, rows = self.static, len(roots)
+        # the rule alone decides the walk of point-mass trees (DDTree, the chain): no tree, no draft to check
+        plan, rule_walk = tree_plan(self.methods, self.configs, drafts), walk_kind(self.rules, [None] * rows, [])
+        if plan is not None and rule_walk is not None:  # trees built in a captured step, from the drafts alone
+            width = static.width if max(plan.counts()) else 1
+            depth = self.depth if width > 1 else 0
+            self._fill_roots(roots, width)
+            if width > 1:
+                static.build_trees(rows, width, plan, drafts)
+            clock.lap("tree_build")
+            clock.lap("compile")
+            done = self._walk_device(roots, [None] * rows, rule_walk, width, depth, drafter_hooks)
+            clock.lap("verify")
+            return done
         trees = [round_tree(m, c, d, pos) for m, c, d, (_tok, pos) in zip(self.methods, self.configs, drafts, roots)]
         walk = walk_kind(self.rules, trees, drafts)
         host_trees: list[DraftTree] = []
@@ -141,9 +155,7 @@ class CapturedRounds:
               host_trees: list[DraftTree], width: int) -> None:
         """Write the round's rows into the static buffers (host values as one copy each; device trees on device)."""
         s, rows = self.static, len(roots)
-        root_t = on_device(torch.tensor([[tok, pos] for tok, pos in roots], dtype=torch.long), s.device)
-        s.ids[:rows, 0] = root_t[:, 0]
-        s.positions[:rows, :width] = root_t[:, 1:2]
+        self._fill_roots(roots, width)
         nodes = width - 1
         if nodes == 0:
             return
@@ -173,6 +185,13 @@ class CapturedRounds:
                     s.ids[b, 1 : 1 + n], s.parents[b, :n], s.depths[b, :n] = tree.tokens, tree.parents, tree.depths
         s.positions[:rows, 1:width] += s.depths[:rows, :nodes]
 
+    def _fill_roots(self, roots: Sequence[tuple[int, int]], width: int) -> None:
+        """The roots' tokens and positions into column 0 (and their positions into every column: one copy)."""
+        s, rows = self.static, len(roots)
+        root_t = on_device(torch.tensor([[tok, pos] for tok, pos in roots], dtype=torch.long), s.device)
+        s.ids[:rows, 0] = root_t[:, 0]
+        s.positions[:rows, :width] = root_t[:, 1:2]
+
     def _commit(self, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
         """The round's kept rows into the target's cache and, as the next draft's new context, the static drafter's."""
         self.static.commit(rows, keep, accepted)
@@ -188,11 +207,10 @@ class CapturedRounds:
         samplings = [c.sampling for c in self.configs]
         sampled = kind == "rejection" and any(isinstance(t, SampledDeviceTree) for t in trees)
         plan = WalkPlan.of(kind, samplings, sampled)
-        nodes = s.depths[:rows, : width - 1]
-        row_depths = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=s.device), nodes], 1)
         vocab = int(getattr(s.lm_head, "out_features", 0) or s.target.config.vocab_size)
         inputs = walk_inputs(plan, samplings, [pos for _tok, pos in roots], trees, s.ids[:rows, :width],
-                             s.parents[:rows, : width - 1], s.counts[:rows], row_depths, depth, vocab, s.dtype)
+                             s.parents[:rows, : width - 1], s.counts[:rows], s.depths[:rows, : width - 1], depth,
+                             vocab, s.dtype)
         keep, accepted, packed = s.walk_round(rows, width, depth, plan, inputs)
         s.share_features(drafter_hooks)
         if self.drafter is not None:  # the kept rows' features (DFlash) or tokens (a dLLM drafter)

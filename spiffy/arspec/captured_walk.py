@@ -32,7 +32,7 @@ from spiffy.arspec.device_rejection import (Proposals, SamplingGroups, children_
                                             rejection_walk, round_proposals, sampling_groups)
 from spiffy.arspec.device_selector import selector_chain_device, selector_tree_device
 from spiffy.arspec.device_tree import (DeviceTree, WalkResult, chain_device, coupled_walk, ddtree_device,
-                                       position_noise, target_tokens)
+                                       ddtree_node_count, position_noise, target_tokens)
 from spiffy.arspec.methods import BestTree, Chain, DraftKnobs, Method
 from spiffy.arspec.rejection import RejectionRule
 from spiffy.arspec.rules import AcceptanceRule, CoupledRule
@@ -41,8 +41,8 @@ from spiffy.arspec.selector import Draft, SelectorDraft
 from spiffy.arspec.selfselect import proposal_probs, sample_drafts
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["WalkInputs", "WalkPlan", "bucket_groups", "packed_walk", "plain_tree", "round_tree", "unpack_walk",
-           "walk_inputs", "walk_kind", "walk_program"]
+__all__ = ["TreePlan", "WalkInputs", "WalkPlan", "bucket_groups", "packed_walk", "plain_tree", "round_tree",
+           "tree_plan", "tree_program", "unpack_walk", "walk_inputs", "walk_kind", "walk_program"]
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,10 @@ class WalkInputs:
 
 def walk_inputs(plan: WalkPlan, samplings: Sequence[SamplingConfig], positions: Sequence[int],
                 trees: Sequence[DeviceTree | SampledDeviceTree | None], ids: torch.Tensor, parents: torch.Tensor,
-                counts: torch.Tensor, row_depths: torch.Tensor, depth: int, vocab: int,
+                counts: torch.Tensor, depths: torch.Tensor, depth: int, vocab: int,
                 logits_dtype: torch.dtype) -> WalkInputs:
     """The round's :class:`WalkInputs` (``positions``: the roots' absolute positions; ``ids``, ``parents``,
-    ``counts``, ``row_depths``: the filled round buffers, read by a sampled tree's proposals only)."""
+    ``counts``, ``depths [B, R - 1]``: the filled round buffers, read by a sampled tree's proposals only)."""
     dev = ids.device
     if plan.rule == "coupled":
         noise_dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
@@ -110,11 +110,16 @@ def walk_inputs(plan: WalkPlan, samplings: Sequence[SamplingConfig], positions: 
     k = max(int(ids.shape[1]) - 1, 1)
     inputs = WalkInputs()
     if plan.sampled:
-        proposals = round_proposals(trees, ids, parents, counts, row_depths)
+        proposals = round_proposals(trees, ids, parents, counts, with_root(depths))
         inputs.draws, inputs.q, inputs.q_row = proposals.draws, proposals.q, proposals.q_row
         k = int(proposals.draws.shape[2])
     inputs.coins = rejection_coins(samplings, positions, depth + 1, k + 1, dev)
     return inputs
+
+
+def with_root(depths: torch.Tensor) -> torch.Tensor:
+    """``[B, R]`` every verification row's depth (the root's 0, then ``depths [B, R - 1]``)."""
+    return torch.cat([torch.zeros(int(depths.shape[0]), 1, dtype=torch.long, device=depths.device), depths], 1)
 
 
 def walk_program(plan: WalkPlan, logits: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor,
@@ -129,11 +134,9 @@ def walk_program(plan: WalkPlan, logits: torch.Tensor, ids: torch.Tensor, parent
         groups: the rows of each sampling rule (:func:`~spiffy.arspec.device_rejection.sampling_groups`), made once
             per bucket outside the step (its index tensors are host copies a graph must not hold).
     """
-    rows = int(ids.shape[0])
     samplings = plan.configs()
     if plan.rule == "coupled":
-        row_depths = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=ids.device), depths], 1)
-        drawn = target_tokens(logits, row_depths, samplings, inputs.noise)
+        drawn = target_tokens(logits, with_root(depths), samplings, inputs.noise)
         return coupled_walk(ids, parents, depths, counts, drawn, depth)
     assert inputs.coins is not None
     if plan.sampled:
@@ -210,3 +213,71 @@ def walk_kind(rules: Sequence[AcceptanceRule], trees: Sequence[DeviceTree | Samp
         return None
     kinds = {isinstance(t, SampledDeviceTree) for t in trees if t is not None}
     return "rejection" if len(kinds) <= 1 else None
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """Every row's tree when it is built inside a captured step from the round's draft logits (hashable: part of the
+    tree bucket's key). ``rows``: per row ``("ddtree", depth, budget, temperature, vocab)`` (DDTree over the
+    tempered draft), ``("chain", depth)`` (the DFlash chain) or ``("none",)`` (no draft this round)."""
+
+    rows: tuple[tuple, ...]
+
+    def counts(self) -> list[int]:
+        """Each row's node count (exact: DDTree's is :func:`~spiffy.arspec.device_tree.ddtree_node_count`)."""
+        return [ddtree_node_count(r[2], r[1], r[4]) if r[0] == "ddtree" else r[1] if r[0] == "chain" else 0
+                for r in self.rows]
+
+    @property
+    def depth(self) -> int:
+        """The deepest draft (the draft buffer's length)."""
+        return max([r[1] for r in self.rows if r[0] != "none"], default=0)
+
+
+def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: Sequence[Draft | None]
+              ) -> TreePlan | None:
+    """The round's :class:`TreePlan` when every row's tree is one :func:`round_tree` builds from its draft logits
+    alone (DDTree, the greedy DFlash chain), else ``None`` (sampled drafts, DFlash2's selector: built eagerly)."""
+    rows: list[tuple] = []
+    for method, config, draft in zip(methods, configs, drafts):
+        if draft is None:
+            rows.append(("none",))
+        elif not isinstance(draft, torch.Tensor):
+            return None
+        elif isinstance(method, BestTree):
+            rows.append(("ddtree", int(draft.shape[0]), int(config.budget), float(config.sampling.temperature),
+                         int(draft.shape[-1])))
+        elif type(method) is Chain and not method.samples(config):
+            rows.append(("chain", int(draft.shape[0])))
+        else:
+            return None
+    return TreePlan(tuple(rows))
+
+
+def tree_program(plan: TreePlan, drafts: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor,
+                 depths: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write every row's tree (:func:`round_tree`'s, node for node) into the round buffers (a tensor program).
+
+    Args:
+        drafts: ``[B, L, V]`` the rows' draft logits (row ``b``'s first ``depth`` positions).
+        ids, positions: ``[B, R]`` (column 0, the root's token and position, already written); parents, depths:
+            ``[B, R - 1]``; counts: ``[B]``. Padding nodes (token 0, parent -1, depth 1) fill what the trees leave.
+    """
+    parents.fill_(-1)
+    depths.fill_(1)
+    ids[:, 1:] = 0
+    counts.zero_()
+    for b, row in enumerate(plan.rows):
+        if row[0] == "none":
+            continue
+        draft = drafts[b, : row[1]]
+        if row[0] == "ddtree":
+            tree = ddtree_device(torch.log_softmax(tempered(draft, row[3]), dim=-1), row[2])
+        else:
+            tree = chain_device(draft)
+        n = int(tree.tokens.numel())
+        ids[b, 1 : 1 + n] = tree.tokens
+        parents[b, :n] = tree.parents
+        depths[b, :n] = tree.depths
+        counts[b] = tree.count
+    positions[:, 1:] = positions[:, :1] + depths
