@@ -23,6 +23,8 @@ section writes its rows to ``results.json`` as soon as it ends (a run cut short 
    ``dllm_captured``: ``spiffy.generate`` eager against ``compile=True`` for LLaDA-8B, SDAR-8B and LLaDA2.0-mini
    (baseline, Spiffy, FreeDave, SSD at 4 states per forward; ms per forward and per token beside the bandwidth
    limit; LLaDA-8B's prefix-cache forward alone at 1 and 4 states) (:mod:`spiffy.bench.gpu_dllm`).
+   ``inductor``: Qwen3-8B plain AR and DDTree@64 with ``compile="inductor"`` (the captured steps compiled by
+   TorchInductor first: fused kernels), the first call's seconds being the compilation (skipped by the self-check).
 5. ``exactness``: random-weight LLaDA-8B, SDAR-8B and Qwen3-8B + DFlash drafter in float32 (TF32 off), bfloat16 and
    bfloat16 in batch-invariant mode: Spiffy vs baseline, DFlash / DDTree vs AR, batched rows vs alone; float32 and
    the batch-invariant mode must be bitwise, every bfloat16 divergence a proven near tie
@@ -58,7 +60,7 @@ import spiffy
 from spiffy.arspec import ddtree_generate
 from spiffy.bench import exactness as exact
 from spiffy.bench import gpu_costs as gc_costs
-from spiffy.bench.gpu_captured import captured_timings
+from spiffy.bench.gpu_captured import captured_timings, inductor_timings
 from spiffy.bench.gpu_dllm import dllm_captured_markdown, dllm_captured_timings
 from spiffy.decoding import DecodeConfig
 from spiffy.io import atomic_write_json, atomic_write_text
@@ -338,6 +340,18 @@ def markdown(data: dict[str, Any]) -> str:
                     lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['compile']} | {r['ms_per_round']:.2f} | "
                                  f"{draft_ms:.2f} | {r['ms_per_token']:.2f} | {r['tau']:.2f} | {cap} |")
                 lines.append("")
+        elif name == "inductor":
+            if "skipped" in res:
+                lines.append(f"skipped: {res['skipped']}")
+                continue
+            lines += [f"**{res['label']}**; Qwen3-8B, compile='inductor' (first call: every bucket compiled)", "",
+                      "| method | budget | ms/round | ms/token | tau | first call s |", "|---|---|---|---|---|---|"]
+            for r in res["rows"]:
+                if "error" in r:
+                    lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['error'][:80]} | | | |")
+                    continue
+                lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['ms_per_round']:.2f} | "
+                             f"{r['ms_per_token']:.2f} | {r['tau']:.2f} | {r['first_call_s']:.1f} |")
         elif name == "exactness":
             lines += ["| model | mode | identical | unproven | first divergences |", "|---|---|---|---|---|"]
             for model, modes in res.items():
@@ -372,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--self-check", action="store_true", help="toy sizes on the CPU (what the suite runs)")
     parser.add_argument("--time-budget", type=float, default=510.0, help="seconds; later sections are skipped when "
                         "too little is left (default 510 = 8.5 minutes)")
-    parser.add_argument("--sections", default="captured,dllm_captured,lossless,bench,costs,exactness,projections",
+    parser.add_argument("--sections", default="captured,dllm_captured,lossless,bench,costs,inductor,exactness,"
+                        "projections",
                         help="comma-separated subset")
     args = parser.parse_args(argv)
     small = args.self_check or not torch.cuda.is_available()
@@ -388,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = [("captured", lambda: captured_timings(device, dtype, small), 0),
                 ("dllm_captured", lambda: dllm_captured_timings(device, dtype, small), 0),
                 ("costs", lambda: costs(device, dtype, small), 0),
+                ("inductor", lambda: inductor_timings(device, dtype, small), 240),
                 ("bench", lambda: bench(device, dtype, args.out, small), 90),
                 ("lossless", lambda: lossless(device, dtype, Path(tmp), small), 60),
                 ("exactness", lambda: exact.real_size_exactness(device, small), 120),

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from spiffy.batch_invariance import batch_invariant as invariant_mode
 from spiffy.batch_invariance import is_batch_invariant
-from spiffy.capture import CompileSetting, resolve_compile
+from spiffy.capture import CompileSetting, compile_fuses, resolve_compile
 from spiffy.decoding.batch import row_generators, run_baseline_batch
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.factory import make_row_sessions, make_session
@@ -143,7 +143,8 @@ def generate(
             every dtype and on every device; compare with a baseline decoded in the same mode).
         compile: the static path of every step's forward (``True`` / ``"on"``): static buffers, one CUDA graph per
             (states, window) bucket on a GPU, the same code eagerly on a CPU; ``False`` / ``"off"``: eager (the
-            reference); ``None`` / ``"auto"``: :func:`spiffy.capture.resolve_compile`. Same tokens either way;
+            reference); ``None`` / ``"auto"``: :func:`spiffy.capture.resolve_compile`; ``"inductor"``: the steps
+            compiled by TorchInductor too (fused kernels: tokens equal eager's up to near ties). Same tokens either way;
             ``result.stats["capture"]`` reports the buckets. Every family has a static path; Fast-dLLM v2's sub-block
             cache (``cache="dual"``, whose forward's shape depends on the state) refuses ``True``.
     Returns:
@@ -172,7 +173,7 @@ def generate(
     if settings is not None:
         check_graph(settings.graph, model, rows[0])
     if resolve_compile(compile, session.x.device):
-        session.use_static(capture=True)
+        session.use_static(capture=True, fuse=compile_fuses(compile))
     return _decode(model, session, rows, settings, tokenizer=tokenizer, observer=observer, progress=progress)
 
 

@@ -370,8 +370,8 @@ def test_root_paths_are_the_eager_branches(seeds, pad):
         assert int(depth[0, c]) == len(want) - 1
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=() if i == 0 else pytest.mark.slow)
-                                  for i, a in enumerate(HYBRIDS)])
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", HYBRIDS)
 def test_steps_trace_as_one_graph(dirs, monkeypatch, arch):
     """A hybrid's verification (its Gated-DeltaNet mixers over every column's root path) and its recurrent commit are
     one tensor program each, the property a CUDA graph needs: TorchDynamo traces every bucket whole

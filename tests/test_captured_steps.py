@@ -10,7 +10,8 @@ capture leave no trace. Here, without a GPU:
   eager loop's tokens;
 * a step with a host read or a data-dependent shape is refused by that check (it can fail);
 * the fused round, which commits what it verified, runs a capture's warm-ups first and changes nothing
-  (:data:`spiffy.capture.graphs.REHEARSE`), and a warm-up that did not put the state back would change the tokens.
+  (:data:`spiffy.capture.graphs.REHEARSE`), and a warm-up that did not put the state back would change the tokens;
+* ``compile="inductor"`` (every step compiled by TorchInductor before its capture) gives the eager tokens.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import pytest
 import torch
 
 import spiffy.capture.graphs as graphs_module
-from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter
+from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_generate
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_drafter import static_drafter_of
-from spiffy.capture import StatefulStep, StepGraphs, StepNotCapturable, trace_steps
+from spiffy.batch_invariance import batch_invariant
+from spiffy.capture import StatefulStep, StepGraphs, StepNotCapturable, compile_fuses, resolve_compile, trace_steps
+from spiffy.cli.main import build_parser
+from spiffy.errors import ConfigError
 from spiffy.models import load_target
 from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_target
 from spiffy.models.dflash import load_drafter
@@ -47,12 +51,12 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, 250, (n,), generator=g).tolist() for n in (6, 3)]
 
 
-def _generate(dirs, method: str, accept: str, temperature: float, compile: bool) -> list[list[int]]:
+def _generate(dirs, method: str, accept: str, temperature: float, compile: bool, budget: int = 6) -> list[list[int]]:
     """A ragged batch of two prompts on freshly loaded models (so every bucket is built, and traced, anew)."""
     target = load_target(dirs[0], torch.float32, "cpu")
     drafter = load_drafter(dirs[1], dtype=torch.float32)
     prompts = _prompts()
-    configs = [ARSpecConfig(method=method, budget=6, max_new_tokens=n, accept=accept,
+    configs = [ARSpecConfig(method=method, budget=budget, max_new_tokens=n, accept=accept,
                             sampling=SamplingConfig(temperature=temperature, seed=s))
                for n, s in zip((9, 6), (1, 2))]
     drafters = [None if method == "ar" else as_drafter(drafter) for _ in prompts]
@@ -64,8 +68,9 @@ def _generate(dirs, method: str, accept: str, temperature: float, compile: bool)
 
 
 #: (method, rule, temperature): plain AR, DDTree's coupled walk greedy and sampled, DDTree's point-mass children and
-#: the DFlash chain's sampled drafts under the rejection rule (tracing takes seconds a case: the last three are slow)
-CASES = [("ar", "coupled", 0.0), ("ddtree", "coupled", 0.0),
+#: the DFlash chain's sampled drafts under the rejection rule (tracing takes seconds a case: DDTree's greedy case,
+#: whose tree, round and drafter steps cover the most, runs in the fast tier, the others are slow)
+CASES = [pytest.param("ar", "coupled", 0.0, marks=pytest.mark.slow), ("ddtree", "coupled", 0.0),
          pytest.param("ddtree", "coupled", 0.8, marks=pytest.mark.slow),
          pytest.param("ddtree", "rejection", 0.8, marks=pytest.mark.slow),
          pytest.param("dflash", "rejection", 0.8, marks=pytest.mark.slow)]
@@ -126,18 +131,52 @@ def test_a_stateful_step_warm_up_is_put_back():
         assert float(state) == 2.0
 
 
-@pytest.mark.parametrize("method,accept,temperature", [("ddtree", "coupled", 0.0), ("ddtree", "rejection", 0.8),
-                                                       ("dflash", "rejection", 0.8), ("ar", "coupled", 0.8)])
-def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch, method, accept, temperature):
-    """A bucket's first call after two warm-ups (a GPU's capture) returns the eager tokens; the check can fail: with
-    warm-ups that do not put the committed state back, the tokens change."""
-    eager = _generate(dirs, method, accept, temperature, compile=False)
+@pytest.mark.parametrize("method,accept,temperature,budget", [
+    ("ddtree", "coupled", 0.0, 6), ("ddtree", "coupled", 0.0, 2), ("ddtree", "rejection", 0.8, 6),
+    ("dflash", "rejection", 0.8, 6), ("ar", "coupled", 0.8, 6)])
+def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch, method, accept, temperature, budget):
+    """A bucket's first call after two warm-ups (a GPU's capture) returns the eager tokens (budget 2: a tree narrower
+    than the draft is deep, so the commit moves past the verified window); the check can fail: with warm-ups that
+    do not put the committed state back, the tokens change."""
+    eager = _generate(dirs, method, accept, temperature, compile=False, budget=budget)
     monkeypatch.setattr(graphs_module, "REHEARSE", True)
-    assert _generate(dirs, method, accept, temperature, compile=True) == eager
+    assert _generate(dirs, method, accept, temperature, compile=True, budget=budget) == eager
 
     def careless(step):  # noqa: ANN001 - warm-ups that forget the state they changed
         for _ in range(graphs_module.WARMUP_RUNS):
             step()
 
     monkeypatch.setattr(StepGraphs, "_warm_up", staticmethod(careless))
-    assert _generate(dirs, method, accept, temperature, compile=True) != eager
+    assert _generate(dirs, method, accept, temperature, compile=True, budget=budget) != eager
+
+
+def test_the_inductor_setting(dirs):
+    """``compile="inductor"`` turns the captured path on with fused steps, on the CLI too; it is refused inside the
+    batch-invariant mode (whose exact sums fused kernels would replace), by name."""
+    cpu = torch.device("cpu")
+    assert resolve_compile("inductor", cpu) and compile_fuses("inductor") and compile_fuses("Inductor")
+    assert not any(compile_fuses(s) for s in (True, "on", None, "auto", False))
+    assert build_parser().parse_args(["generate", "--model", "m", "--compile", "inductor"]).compile == "inductor"
+    with batch_invariant(), pytest.raises(ConfigError, match="batch-invariant.*fix: pass compile=True"):
+        compile_fuses("inductor")
+
+
+@pytest.mark.slow
+def test_inductor_fused_steps_give_the_eager_tokens(dirs, monkeypatch):
+    """Every step compiled by TorchInductor (fused C++ kernels on a CPU, what a GPU compiles to Triton) before it is
+    captured: plain AR and DDTree give the eager tokens in float64 (fused kernels round differently; float64 leaves
+    no near tie to flip) and the buckets report themselves fused."""
+    compiled: list[Any] = []
+    real = graphs_module._fused
+    monkeypatch.setattr(graphs_module, "_fused", lambda step: compiled.append(step) or real(step))
+    target = load_target(dirs[0], torch.float64, "cpu")
+    drafter = load_drafter(dirs[1], dtype=torch.float64)
+    prompt = _prompts()[0]
+    for method in ("ar", "ddtree"):
+        kw = {"method": method, "budget": 6, "max_new_tokens": 8}
+        eager = ddtree_generate(target, drafter, prompt, compile=False, **kw)
+        fused = ddtree_generate(target, drafter, prompt, compile="inductor", **kw)
+        assert fused.tokens == eager.tokens and fused.acceptance_lengths == eager.acceptance_lengths, method
+    stats = static_target_of(target).graphs.stats
+    assert stats.fused and stats.as_dict()["fused"] and {k[0] for k in stats.runs} >= {"round", "tree"}
+    assert len(compiled) == len(stats.runs)  # every bucket's step was compiled (the drafter's stays eager)

@@ -60,7 +60,7 @@ from spiffy.arspec.stages import (
     verify,
 )
 from spiffy.arspec.tree import empty_tree
-from spiffy.capture import CompileSetting, resolve_compile
+from spiffy.capture import CompileSetting, compile_fuses, resolve_compile
 from spiffy.batch_invariance import batch_invariant as invariant_mode
 from spiffy.errors import ConfigError
 from spiffy.torch_utils import execution_device
@@ -148,6 +148,8 @@ def speculative_generate_batch(
         compile: the captured path (:mod:`spiffy.arspec.captured`: a static cache, static shapes per bucket, CUDA
             graphs on a GPU, trees built and walked on the device): ``True``, ``False`` (eager, the reference) or
             ``"auto"`` / ``None`` (:func:`spiffy.capture.resolve_compile`). Same tokens either way.
+            ``"inductor"``: the target's steps compiled by TorchInductor too (fused kernels; tokens equal eager's up
+            to near ties: :func:`spiffy.capture.compile_fuses`).
     Returns:
         One :class:`ARGenerationResult` per row, in order. Per-row: tokens, rounds, τ, acceptance lengths,
         histogram, nodes per round. Shared by the batch: ``seconds``, ``prefill_seconds`` and ``stage_times`` (wall
@@ -178,7 +180,7 @@ def speculative_generate_batch(
                                       [cfgs[b].draft_nodes(blocks[b]) for b in live],
                                       max(cfgs[b].draft_depth(blocks[b]) for b in live),
                                       capture=True, feature_layers=_feature_layers([active[b] for b in live]),
-                                      drafters=[active[b] for b in live])
+                                      drafters=[active[b] for b in live], fuse=compile_fuses(compile))
     owned = engine is not None and engine.drafter is not None  # the static drafter drafts and commits every row
     buffers = RoundBuffers.allocate(len(live), 1 + max(cfgs[b].draft_nodes(blocks[b]) for b in live))
     attached: list[Drafter] = []

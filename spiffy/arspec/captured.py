@@ -31,6 +31,7 @@ from torch import nn
 from spiffy.arspec.captured_recurrent import StaticRecurrent
 from spiffy.arspec.captured_walk import (TreePlan, WalkInputs, WalkPlan, bucket_groups, packed_walk, tree_program,
                                         walk_program)
+from spiffy.arspec.device_rejection import SamplingGroups
 from spiffy.arspec.device_tree import ancestor_visibility
 from spiffy.arspec.stages import prefill_inputs
 from spiffy.capture import SlotCache, StatefulStep, StepGraphs, slot_cache_supported
@@ -76,7 +77,8 @@ def static_unsupported(target: nn.Module, capture: bool = False) -> str | None:
 class StaticTarget:
     """A target's static cache, round buffers and captured steps (see the module docstring)."""
 
-    def __init__(self, target: nn.Module, rows: int, slots: int, width: int, capture: bool) -> None:
+    def __init__(self, target: nn.Module, rows: int, slots: int, width: int, capture: bool,
+                 fuse: bool = False) -> None:
         self.target = target
         self.backbone, self.lm_head = target.model, target.lm_head
         embed = target.get_input_embeddings()
@@ -92,24 +94,26 @@ class StaticTarget:
         self.depths = torch.ones(rows, max(width - 1, 0), dtype=torch.long, device=dev)
         self.counts = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ramp = torch.arange(max(width, slots), device=dev)
-        self.graphs = StepGraphs(self._step, dev, capture)
+        self.graphs = StepGraphs(self._step, dev, capture, fuse)
         self._inputs: dict[tuple, dict[str, torch.Tensor]] = {}  # static input buffers per bucket (walk, drafts)
         self.hooks: TargetFeatureHooks | None = None  # the layers drafters read, recorded by the captured step
         # a hybrid's recurrent layers: their committed state per row, verified and advanced in static steps
         self.recurrent = StaticRecurrent.for_target(target, self.cache, rows, width)
 
     @classmethod
-    def for_target(cls, target: nn.Module, rows: int, slots: int, width: int, capture: bool) -> "StaticTarget":
+    def for_target(cls, target: nn.Module, rows: int, slots: int, width: int, capture: bool, fuse: bool = False
+                   ) -> "StaticTarget":
         """The target's static target if it holds ``rows x slots`` and rounds of ``width`` (and is not more than
-        twice the slots needed: attention reads every slot), else a new one (replacing it)."""
+        twice the slots needed: attention reads every slot) with the same capture and fuse settings, else a new one
+        (replacing it)."""
         slots = -(-int(slots) // SLOT_ROUNDING) * SLOT_ROUNDING
         have = _STATIC.get(target)
         if (have is not None and have.rows >= rows and slots <= have.slots <= 2 * slots and have.width >= width
-                and have.graphs.capture == (capture and have.device.type == "cuda")):
+                and have.graphs.capture == (capture and have.device.type == "cuda") and have.graphs.fuse == fuse):
             return have
         if have is not None:
             have.release()
-        made = _STATIC[target] = cls(target, rows, slots, width, capture)
+        made = _STATIC[target] = cls(target, rows, slots, width, capture, fuse)
         return made
 
     def release(self) -> None:
@@ -180,18 +184,15 @@ class StaticTarget:
         verify = self._verify_step(rows, width, depth)
         inputs = WalkInputs(**self._inputs[key])
         groups = bucket_groups(plan, self.device)
-        nodes = width - 1
 
         def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            logits = self.lm_head(verify())
-            walk = walk_program(plan, logits, self.ids[:rows, :width], self.parents[:rows, :nodes],
-                                self.depths[:rows, :nodes], self.counts[:rows], depth, inputs, groups)
-            self.commit(rows, walk.keep, walk.accepted)
-            return walk.keep, walk.accepted, packed_walk(walk, self.counts[:rows])
+            return self._walk_and_commit(verify(), rows, width, depth, plan, inputs, groups)
+
+        span = max(width, depth + 1)  # the verification writes `width` slots, the commit moves `depth + 1`
 
         def save() -> Callable[[], None]:
             # what the round writes: its window's K/V slots, their validity, the context length
-            ctx, cols = self.ctx.clone(), self.ctx + self.ramp[:width]
+            ctx, cols = self.ctx.clone(), self.ctx + self.ramp[:span]
             kv = [(t, t[:rows].index_select(2, cols)) for t in self.cache.tensors()]
             valid = self.valid[:rows].index_select(1, cols)
 
@@ -211,15 +212,20 @@ class StaticTarget:
         (``inputs`` copied into its static buffers first); a hybrid verifies in its bucket and walks and commits
         eagerly (its recurrent commit is a bucket of its own)."""
         if self.recurrent is not None:
-            hidden = self.verify(rows, width, depth)
-            nodes = width - 1
-            walk = walk_program(plan, self.lm_head(hidden), self.ids[:rows, :width], self.parents[:rows, :nodes],
-                                self.depths[:rows, :nodes], self.counts[:rows], depth, inputs)
-            self.commit(rows, walk.keep, walk.accepted)
-            return walk.keep, walk.accepted, packed_walk(walk, self.counts[:rows])
+            return self._walk_and_commit(self.verify(rows, width, depth), rows, width, depth, plan, inputs, None)
         key = ("round", int(rows), int(width), int(depth), plan, inputs.signature())
         self._load(key, inputs.named())
         return self.graphs.run(key)
+
+    def _walk_and_commit(self, hidden: torch.Tensor, rows: int, width: int, depth: int, plan: WalkPlan,
+                         inputs: WalkInputs, groups: SamplingGroups | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The walk of the verified rows (``hidden [rows, width, H]``) and its commit: keep, accepted, packed."""
+        nodes = width - 1
+        walk = walk_program(plan, self.lm_head(hidden), self.ids[:rows, :width], self.parents[:rows, :nodes],
+                            self.depths[:rows, :nodes], self.counts[:rows], depth, inputs, groups)
+        self.commit(rows, walk.keep, walk.accepted)
+        return walk.keep, walk.accepted, packed_walk(walk, self.counts[:rows])
 
     def _tree_step(self, key: tuple) -> Callable[[], None]:
         _kind, rows, width, plan, _dtype = key

@@ -4,9 +4,10 @@
 :class:`CapturedRounds` runs the loop's rounds on the static target. When every row's method builds its draft on the
 device (plain AR, the DFlash chain, DDTree: :mod:`spiffy.arspec.device_tree`; DFlash2's greedy chain and DDTree over
 its selector: :mod:`spiffy.arspec.device_selector`) and walks it with the coupled rule, a round is draft -> device
-tree -> captured verify -> the target's token at every row -> the walk -> the kept rows moved in the cache (one
-fused step on an attention-only target: :meth:`~spiffy.arspec.captured.StaticTarget.walk_round`), and ONE host read (accepted lengths, node counts, kept rows and tokens, bonus). Under the rejection rule at T > 0
-the same round walks by :func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program), and
+tree (DDTree's and the greedy chain's: a captured step, :meth:`~spiffy.arspec.captured.StaticTarget.build_trees`) ->
+captured verify -> the target's token at every row -> the walk -> the kept rows moved in the cache (one fused step
+on an attention-only target: :meth:`~spiffy.arspec.captured.StaticTarget.walk_round`), and ONE host read (accepted
+lengths, node counts, kept rows and tokens, bonus). Under the rejection rule at T > 0 the same round walks by :func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program), and
 the drafts sampled from the drafter (DEER, DFlash, SpecDiff-2: :mod:`spiffy.arspec.device_draws`) are drawn and
 merged on the device too. DFlash2's chain sampled through its selector (the rejection rule at T > 0), and a round
 whose rows mix the rules (or point-mass and sampled proposals under the rejection rule), build their trees on the host
@@ -66,9 +67,10 @@ class CapturedRounds:
     @classmethod
     def start(cls, target: nn.Module, prompts: Sequence[Sequence[int]], configs: list[Any],
               rules: list[AcceptanceRule], widths: Sequence[int], depth: int, capture: bool,
-              feature_layers: Sequence[int], drafters: Sequence[Any] = ()) -> "CapturedRounds":
+              feature_layers: Sequence[int], drafters: Sequence[Any] = (), fuse: bool = False) -> "CapturedRounds":
         """The captured rounds of one generation (ConfigError when the target cannot run them); ``drafters``: the
-        rows' active drafters, drafted from by a :class:`StaticDrafter` when they share one plain DFlash model."""
+        rows' active drafters, drafted from by a :class:`StaticDrafter` when they share one plain DFlash model;
+        ``fuse``: the target's steps compiled by TorchInductor (:func:`spiffy.capture.compile_fuses`)."""
         why = static_unsupported(target, capture)
         if why is not None:
             raise ConfigError(f"compile=True cannot run this target: {why}; fix: pass compile=False (eager)")
@@ -76,7 +78,7 @@ class CapturedRounds:
         longest = max(len(p) for p in prompts)
         # each round advances the shared context by the longest commit: at most the tokens of every row
         slots = longest + sum(int(c.max_new_tokens) for c in configs) + width + 1
-        static = StaticTarget.for_target(target, len(prompts), slots, width, capture)
+        static = StaticTarget.for_target(target, len(prompts), slots, width, capture, fuse)
         if feature_layers:
             static.record_layers(feature_layers)
         model = static_drafter_model(drafters, target)

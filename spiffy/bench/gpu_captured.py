@@ -7,8 +7,9 @@ round's cost is what is measured; captured, its block forward is a captured step
 with a round's time per stage (draft, tree build, compile, verify, commit), beside transformers'
 ``generate(cache_implementation="static")`` and the memory bandwidth limit of a decode (the target's weight bytes
 over a measured read bandwidth). One more DDTree row runs the rejection rule at T = 1 (``speculative_generate``:
-its draws, tree walk and bonus on the device when captured). ms per round and ms per token are measurements at the measured tau; nothing here is
-projected.
+its draws, tree walk and bonus on the device when captured). ms per round and ms per token are measurements at the
+measured tau; nothing here is projected. :func:`inductor_timings` times ``compile="inductor"`` (section
+``inductor``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from spiffy.arspec.captured_drafter import static_drafter_of
 from spiffy.arspec.methods import get_method
 from spiffy.bench import gpu_costs
 
-__all__ = ["captured_timings", "read_bandwidth"]
+__all__ = ["captured_timings", "inductor_timings", "read_bandwidth"]
 
 
 def read_bandwidth(device: torch.device, gib: float = 2.0, reps: int = 5) -> float:
@@ -35,7 +36,7 @@ def read_bandwidth(device: torch.device, gib: float = 2.0, reps: int = 5) -> flo
 
 
 def _row(target: torch.nn.Module, drafter: Any, prompt: list[int], method: str, budget: int | None, new: int,
-         mode: bool, device: torch.device, accept: str = "coupled") -> dict[str, Any]:
+         mode: bool | str, device: torch.device, accept: str = "coupled") -> dict[str, Any]:
     kw = {"method": method, "budget": budget, "max_new_tokens": new, "compile": mode}
 
     def generate() -> Any:
@@ -101,6 +102,29 @@ def captured_timings(device: torch.device, dtype: torch.dtype, small: bool,
         del target, drafter
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return out
+
+
+def inductor_timings(device: torch.device, dtype: torch.dtype, small: bool) -> dict[str, Any]:
+    """Qwen3-8B plain AR and DDTree@64 with ``compile="inductor"`` (the captured steps compiled by TorchInductor:
+    fused kernels), timed as :func:`captured_timings` times its rows; the first call's seconds include the
+    compilation of every bucket. Its own section, after the others: compiling an 8B target takes minutes. The CPU
+    self-check skips it (``tests/test_captured_steps.py`` runs the mode on tiny models)."""
+    if small:
+        return {"skipped": "the self-check does not compile with TorchInductor (minutes on a CPU)"}
+    target = gpu_costs.build_random(gpu_costs.real_config("Qwen--Qwen3-8B"), device, dtype)
+    drafter = gpu_costs.build_random(gpu_costs.real_config("z-lab--Qwen3-8B-DFlash-b16"), device, dtype)
+    vocab = int(target.config.vocab_size)
+    prompt_len, new = 512, 64
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    out: dict[str, Any] = {"prompt_tokens": prompt_len, "new_tokens": new, "rows": [],
+                           "label": "MEASURED: random weights (tau near 1: the cost of a round)"}
+    for method, budget in (("ar", None), ("ddtree", 64)):
+        try:
+            out["rows"].append(_row(target, drafter, prompt, method, budget, new, "inductor", device))
+        except Exception as exc:  # noqa: BLE001  (a failed row is a result to report)
+            out["rows"].append({"method": method, "budget": budget, "compile": "inductor",
+                                "error": f"{type(exc).__name__}: {exc}"[:300]})
     return out
 
 

@@ -42,12 +42,14 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from spiffy.batch_invariance import is_batch_invariant
 from spiffy.errors import ConfigError
 
 __all__ = ["AUTO_ON_CUDA", "CaptureStats", "CompileSetting", "StatefulStep", "StepGraphs", "StepNotCapturable",
-           "bucket_size", "resolve_compile", "trace_steps"]
+           "bucket_size", "compile_fuses", "resolve_compile", "trace_steps"]
 
-#: what ``compile=`` accepts: ``"auto"`` / ``None`` (the default), ``True`` / ``"on"``, ``False`` / ``"off"``
+#: what ``compile=`` accepts: ``"auto"`` / ``None`` (the default), ``True`` / ``"on"``, ``"inductor"``, ``False`` /
+#: ``"off"``
 CompileSetting = bool | str | None
 
 #: whether ``compile="auto"`` turns the captured path on on CUDA. Off until a GPU run shows the captured path never
@@ -67,20 +69,34 @@ REHEARSE = False
 def resolve_compile(setting: CompileSetting, device: torch.device) -> bool:
     """Whether the static (captured on CUDA) path runs for ``setting`` on ``device``.
 
-    ``True`` / ``"on"``: always (the static code runs eagerly where nothing can be captured); ``False`` /
-    ``"off"``: never (eager, the reference); ``None`` / ``"auto"``: on CUDA when :data:`AUTO_ON_CUDA`, never on a CPU.
+    ``True`` / ``"on"``: always (the static code runs eagerly where nothing can be captured); ``"inductor"``: always,
+    with fused steps (:func:`compile_fuses`); ``False`` / ``"off"``: never (eager, the reference); ``None`` /
+    ``"auto"``: on CUDA when :data:`AUTO_ON_CUDA`, never on a CPU.
     """
     if isinstance(setting, bool):
         return setting
     name = "auto" if setting is None else str(setting).lower()
-    if name in ("on", "true", "1"):
+    if name in ("on", "true", "1", "inductor"):
         return True
     if name in ("off", "false", "0"):
         return False
     if name == "auto":
         return AUTO_ON_CUDA and device.type == "cuda"
-    raise ConfigError(f"compile={setting!r} is not a setting; fix: pass compile=True, False or 'auto' "
-                      "(--compile on|off|auto)")
+    raise ConfigError(f"compile={setting!r} is not a setting; fix: pass compile=True, False, 'inductor' or 'auto' "
+                      "(--compile on|off|inductor|auto)")
+
+
+def compile_fuses(setting: CompileSetting) -> bool:
+    """Whether ``setting`` asks for fused steps (``"inductor"``): each bucket's step compiled by TorchInductor
+    (``torch.compile(fullgraph=True, dynamic=False)``: fused kernels) before it is captured. Fused kernels round
+    differently from the eager ones (a reduction's order, fused multiply-adds), so tokens equal eager's only up to
+    near ties, in every dtype; ``compile=True`` keeps the eager kernels (bitwise in float32 and float64).
+    Refused inside :func:`spiffy.batch_invariant` mode, whose exact sums fused kernels would replace."""
+    fuse = isinstance(setting, str) and setting.lower() == "inductor"
+    if fuse and is_batch_invariant():
+        raise ConfigError("compile='inductor' fuses its own kernels, which the batch-invariant mode's exact sums "
+                          "must replace; fix: pass compile=True (captured, eager kernels) or batch_invariant=False")
+    return fuse
 
 
 def bucket_size(needed: int, sizes: Sequence[int]) -> int:
@@ -121,17 +137,28 @@ def _static_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callab
     return gm.forward
 
 
-def _traced(step: Callable[[], Any], key: Hashable) -> Callable[[], Any]:
-    """``step`` compiled as one TorchDynamo graph (eager kernels); a graph break, or a value or shape that depends on
-    the data, raises :class:`StepNotCapturable`."""
+def _own_code(step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step`` called through a function with a code object of its own: TorchDynamo keeps its compiled graphs and
+    guards per code object, and the buckets of one step kind are closures of one function (a guard of one must never
+    be evaluated on another, nor count as its recompile)."""
     def call() -> Any:
         return step()
 
-    # a code object of its own per bucket: TorchDynamo keeps its compiled graphs and guards per code object, and the
-    # buckets of one step kind are closures of one function (a guard of one must never be evaluated on another)
-    own = types.FunctionType(call.__code__.replace(co_name=f"step_{next(_TRACED)}"), call.__globals__,
-                             closure=call.__closure__)
-    compiled = torch.compile(own, backend=_static_graph, fullgraph=True, dynamic=False)
+    return types.FunctionType(call.__code__.replace(co_name=f"step_{next(_TRACED)}"), call.__globals__,
+                              closure=call.__closure__)
+
+
+def _fused(step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step`` compiled by TorchInductor as one graph (:func:`compile_fuses`); a :class:`StatefulStep` stays one."""
+    if isinstance(step, StatefulStep):
+        return StatefulStep(_fused(step.run), step.save)
+    return torch.compile(_own_code(step), fullgraph=True, dynamic=False)
+
+
+def _traced(step: Callable[[], Any], key: Hashable) -> Callable[[], Any]:
+    """``step`` compiled as one TorchDynamo graph (eager kernels); a graph break, or a value or shape that depends on
+    the data, raises :class:`StepNotCapturable`."""
+    compiled = torch.compile(_own_code(step), backend=_static_graph, fullgraph=True, dynamic=False)
 
     def run() -> Any:
         try:
@@ -163,10 +190,11 @@ class StatefulStep:
 
 @dataclass
 class CaptureStats:
-    """What a :class:`StepGraphs` did: ``capture_seconds`` per bucket (warm-up + capture, or the first eager run),
-    ``runs`` per bucket, and whether its buckets are CUDA graphs."""
+    """What a :class:`StepGraphs` did: ``capture_seconds`` per bucket (warm-up + capture, or the first eager run;
+    with ``fused`` steps, their compilation too), ``runs`` per bucket, and whether its buckets are CUDA graphs."""
 
     captured: bool
+    fused: bool = False
     capture_seconds: dict[Hashable, float] = field(default_factory=dict)
     runs: dict[Hashable, int] = field(default_factory=dict)
 
@@ -175,7 +203,7 @@ class CaptureStats:
         return float(sum(self.capture_seconds.values()))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"captured": self.captured, "buckets": len(self.capture_seconds),
+        return {"captured": self.captured, "fused": self.fused, "buckets": len(self.capture_seconds),
                 "capture_seconds": round(self.total_capture_seconds, 4),
                 "runs": int(sum(self.runs.values()))}
 
@@ -188,14 +216,16 @@ class StepGraphs:
             buffers for that bucket, returning its output tensor(s).
         device: where the steps run.
         capture: capture CUDA graphs when ``device`` is CUDA (``False``: run every step eagerly, static shapes kept).
+        fuse: compile every step with TorchInductor first (:func:`compile_fuses`; on a CPU the compiled step runs).
     """
 
     def __init__(self, factory: Callable[[Hashable], Callable[[], Any]], device: torch.device,
-                 capture: bool = True) -> None:
+                 capture: bool = True, fuse: bool = False) -> None:
         self.factory = factory
         self.device = torch.device(device)
         self.capture = bool(capture) and self.device.type == "cuda"
-        self.stats = CaptureStats(self.capture)
+        self.fuse = bool(fuse)
+        self.stats = CaptureStats(self.capture, self.fuse)
         self._steps: dict[Hashable, Callable[[], Any]] = {}
         self._graphs: dict[Hashable, tuple[Any, Any]] = {}  # key -> (CUDAGraph, its outputs)
         self._pool: Any = None
@@ -209,7 +239,9 @@ class StepGraphs:
         if step is None:
             t0 = time.perf_counter()
             step = self.factory(key)
-            if TRACE_STEPS and not self.capture:
+            if self.fuse:  # compiled on its first call (a capture's first warm-up)
+                step = _fused(step)
+            elif TRACE_STEPS and not self.capture:
                 step = (StatefulStep(_traced(step.run, key), step.save) if isinstance(step, StatefulStep)
                         else _traced(step, key))
             self._steps[key] = step

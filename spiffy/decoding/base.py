@@ -289,10 +289,10 @@ class BidirectionalSession(DecodeSession):
         """The Python values :meth:`window_logits` reads from the session itself (a static bucket's key holds them)."""
         return (self.cache_mode, self.prompt_len, float(self.config.cfg_scale), self.mask_id, self.shifted_logits)
 
-    def use_static(self, capture: bool = True) -> None:
+    def use_static(self, capture: bool = True, fuse: bool = False) -> None:
         """Run :meth:`forward_states` on the model's static buffers, one step per ``(states, window)`` bucket,
         captured in a CUDA graph on a GPU when ``capture`` (:class:`spiffy.decoding.captured.StaticStates`)."""
-        self.static = StaticStates.for_model(self.model, model_device(self.model), capture)
+        self.static = StaticStates.for_model(self.model, model_device(self.model), capture, fuse)
 
     def begin_block_rule(self, block: int) -> None:
         self.on_block_start(block)

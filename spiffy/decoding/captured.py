@@ -64,9 +64,9 @@ class StaticStates:
         device: where the model runs; capture: capture CUDA graphs there when it is a GPU.
     """
 
-    def __init__(self, device: torch.device, capture: bool) -> None:
+    def __init__(self, device: torch.device, capture: bool, fuse: bool = False) -> None:
         self.device = torch.device(device)
-        self.graphs = StepGraphs(self._build, self.device, capture)
+        self.graphs = StepGraphs(self._build, self.device, capture, fuse)
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._cache_buf: KVCache | None = None
         self._cache_src: list[Any] = []  # weak references to the source tensors the buffer holds now
@@ -74,8 +74,9 @@ class StaticStates:
         self.current: Any = None  # the session whose forward runs now (Python values only; never kept)
 
     @classmethod
-    def for_model(cls, model: nn.Module, device: torch.device, capture: bool) -> "StaticStates":
-        """``model``'s static buffers (made on first use; replaced when the capture setting differs).
+    def for_model(cls, model: nn.Module, device: torch.device, capture: bool, fuse: bool = False) -> "StaticStates":
+        """``model``'s static buffers (made on first use; replaced when the capture or fuse setting differs; ``fuse``:
+        steps compiled by TorchInductor, :func:`spiffy.capture.compile_fuses`).
 
         An MoE model's (LLaDA-MoE, SDAR-MoE, LLaDA2.0) static forwards run its experts grouped
         (:mod:`spiffy.models.moe_dispatch`: no host read); where they cannot (a dtype ``torch._grouped_mm`` does not
@@ -90,11 +91,12 @@ class StaticStates:
                 "load the model in bfloat16 (plain weights, torch >= 2.9) or pass compile=False (eager, same tokens)")
         stack_experts(model)  # before any static forward: eager and static then read the same weight memory
         have = _STATIC.get(model)
-        if have is not None and have.graphs.capture == (bool(capture) and torch.device(device).type == "cuda"):
+        if (have is not None and have.graphs.capture == (bool(capture) and torch.device(device).type == "cuda")
+                and have.graphs.fuse == bool(fuse)):
             return have
         if have is not None:
             have.graphs.clear()
-        made = _STATIC[model] = cls(device, capture)
+        made = _STATIC[model] = cls(device, capture, fuse)
         return made
 
     @property

@@ -233,7 +233,7 @@ class FastDLLMv2Session(DecodeSession):
         logits = self._masked_call(states[:, start:end], start, False, OFFICIAL_MASK_BLOCK, rows, inputs)
         return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
 
-    def use_static(self, capture: bool = True) -> None:
+    def use_static(self, capture: bool = True, fuse: bool = False) -> None:
         """Run :meth:`forward_states` on the model's static buffers (:class:`~spiffy.decoding.captured.StaticStates`,
         a CUDA graph per bucket on a GPU; on a CPU the static code runs eagerly). ``cache="prefix"`` only: the
         sub-block cache's forward is refused (ConfigError)."""
@@ -244,7 +244,7 @@ class FastDLLMv2Session(DecodeSession):
                 "K/V in place, so its forward has no fixed shape to capture; fix: use cache='prefix' (the official "
                 "default) or pass compile=False (eager, same tokens)"
             )
-        self.static = StaticStates.for_model(self.model, model_device(self.model), capture)
+        self.static = StaticStates.for_model(self.model, model_device(self.model), capture, fuse)
 
     def _commit(self, end: int) -> torch.Tensor:
         """Append the K/V of columns ``[committed, end)``: ``[B, 1, V]`` the logits of column ``end - 1``."""

@@ -300,11 +300,11 @@ class SDARSession(DecodeSession):
         q_start, start, end = window
         return self._call(states[:, q_start:end], q_start, False, rows, inputs)[:, start - q_start :]
 
-    def use_static(self, capture: bool = True) -> None:
+    def use_static(self, capture: bool = True, fuse: bool = False) -> None:
         """Run :meth:`forward_states` on the model's static buffers (:class:`~spiffy.decoding.captured.StaticStates`;
         an MoE model, SDAR-MoE or LLaDA2.0, runs its experts grouped there, or has its CUDA capture refused). On a
         CPU the static code runs as a GPU would capture it."""
-        self.static = StaticStates.for_model(self.model, model_device(self.model), capture)
+        self.static = StaticStates.for_model(self.model, model_device(self.model), capture, fuse)
 
     def query_start(self) -> int:
         """First row a denoising forward computes: the block start (the rows before it are in the cache)."""

@@ -325,7 +325,7 @@ class DecodeSession(ABC):
         self.nfe += 1
         return logits
 
-    def use_static(self, capture: bool = True) -> None:
+    def use_static(self, capture: bool = True, fuse: bool = False) -> None:
         """Run :meth:`forward_states` with static shapes per bucket, captured in CUDA graphs on a GPU (the
         ``compile=`` switch). Default: refused (a session without a static path; every shipped family has one, and
         Fast-dLLM v2's sub-block cache refuses it with its own reason)."""
