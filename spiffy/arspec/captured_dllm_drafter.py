@@ -98,7 +98,7 @@ def static_dllm_drafter_model(drafters: Sequence[Any], target: nn.Module) -> nn.
 
 
 def static_dllm_drafter(drafters: Sequence[Any], target: nn.Module, prompts: Sequence[Sequence[int]],
-                        max_new_tokens: int, capture: bool) -> "StaticDLLMDrafter | None":
+                        max_new_tokens: int, capture: bool, fuse: bool = False) -> "StaticDLLMDrafter | None":
     """The rows' static dLLM drafter for one generation (emptied), or ``None`` when they keep the eager ones."""
     model = static_dllm_drafter_model(drafters, target)
     if model is None:
@@ -108,7 +108,7 @@ def static_dllm_drafter(drafters: Sequence[Any], target: nn.Module, prompts: Seq
     # the committed prefix, then a round's context and block written after it (hidden, overwritten next round)
     need = max(len(p) for p in prompts) + int(max_new_tokens) + 2 * block + 1
     return StaticDLLMDrafter.for_model(model, first, len(prompts), -(-need // SLOT_ROUNDING) * SLOT_ROUNDING,
-                                       block, capture)
+                                       block, capture, fuse)
 
 
 class _SlotKV(KVCache):
@@ -143,7 +143,7 @@ class StaticDLLMDrafter(StaticBlockDrafter):
     """
 
     def __init__(self, model: nn.Module, drafter: DLLMDrafter, rows: int, slots: int, block: int,
-                 capture: bool) -> None:
+                 capture: bool, fuse: bool = False) -> None:
         self.model = model
         embed = model.get_input_embeddings()
         self.device, dtype = execution_device(embed), embed.weight.dtype
@@ -157,21 +157,21 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         self.ids = torch.full((rows, block), self.mask_token_id, dtype=torch.long, device=dev)
         self.depths = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ramp = torch.arange(slots + 2 * block, device=dev)
-        self.graphs = StepGraphs(self._step, dev, capture)
+        self.graphs = StepGraphs(self._step, dev, capture, fuse)
         self._prompt: torch.Tensor | None = None  # the prompts [rows, P] until the first round drafts from them
         self._staged = False  # whether committed tokens wait for the next draft (it must be drafted from)
 
     @classmethod
     def for_model(cls, model: nn.Module, drafter: DLLMDrafter, rows: int, slots: int, block: int,
-                  capture: bool) -> "StaticDLLMDrafter":
+                  capture: bool, fuse: bool = False) -> "StaticDLLMDrafter":
         """The model's static drafter if it fits ``rows x slots`` and blocks of ``block`` (and holds at most twice
         the slots needed: attention reads every slot), else a new one (replacing it); emptied."""
         have = _STATIC.get(model)
-        if not (have is not None and have.holds(rows, slots, block, capture)
+        if not (have is not None and have.holds(rows, slots, block, capture, fuse)
                 and have.mask_token_id == int(drafter.mask_token_id) and have.shifted == bool(drafter.shifted)):
             if have is not None:
                 have.graphs.clear()
-            have = _STATIC[model] = cls(model, drafter, rows, slots, block, capture)
+            have = _STATIC[model] = cls(model, drafter, rows, slots, block, capture, fuse)
         return have.emptied()
 
     def _program(self, rows: int, context: torch.Tensor, block: int) -> Callable[[], torch.Tensor]:

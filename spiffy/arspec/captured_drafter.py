@@ -132,11 +132,11 @@ class StaticBlockDrafter:
         context, from ``target``'s verification step (device tensors only)."""
         raise NotImplementedError
 
-    def holds(self, rows: int, slots: int, block: int, capture: bool) -> bool:
+    def holds(self, rows: int, slots: int, block: int, capture: bool, fuse: bool = False) -> bool:
         """Whether this drafter serves a generation of ``rows x slots`` and blocks of ``block`` (holding at most twice
-        the slots needed: attention reads every slot) with the same capture setting."""
+        the slots needed: attention reads every slot) with the same capture and fuse settings."""
         return (self.rows >= rows and slots <= self.slots <= 2 * slots and self.block == block
-                and self.graphs.capture == (capture and self.device.type == "cuda"))
+                and self.graphs.capture == (capture and self.device.type == "cuda") and self.graphs.fuse == fuse)
 
     def emptied(self) -> "StaticBlockDrafter":
         """This drafter with no context and nothing staged (a new generation starts), for chaining."""
@@ -186,11 +186,12 @@ class StaticDrafter(StaticBlockDrafter):
     Args:
         model: the drafter; target: the target whose embeddings and head it borrows (and whose features it reads);
         rows: batch rows; slots: context slots per row (the prompt, every committed token and two blocks);
-        block: the block ``B`` (root + the deepest draft); capture: CUDA graphs on a GPU.
+        block: the block ``B`` (root + the deepest draft); capture: CUDA graphs on a GPU; fuse: steps compiled by
+        TorchInductor (:func:`spiffy.capture.compile_fuses`).
     """
 
     def __init__(self, model: DFlashDraftModel, target: nn.Module, rows: int, slots: int, block: int,
-                 capture: bool) -> None:
+                 capture: bool, fuse: bool = False) -> None:
         self.model, self.target = model, target
         self.embed, self.head = target.get_input_embeddings(), target.lm_head
         self.device = model.device
@@ -204,20 +205,20 @@ class StaticDrafter(StaticBlockDrafter):
         self.ids = torch.full((rows, block), model.mask_token_id, dtype=torch.long, device=dev)
         self.depths = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ramp = torch.arange(max(slots, block), device=dev)
-        self.graphs = StepGraphs(self._step, dev, capture)
+        self.graphs = StepGraphs(self._step, dev, capture, fuse)
         self._prompt: torch.Tensor | None = None  # the prompt's features until the first round drafts from them
         self._staged = False  # whether a committed context waits for the next draft (it must be drafted from)
 
     @classmethod
     def for_model(cls, model: DFlashDraftModel, target: nn.Module, rows: int, slots: int, block: int,
-                  capture: bool) -> "StaticDrafter":
+                  capture: bool, fuse: bool = False) -> "StaticDrafter":
         """The model's static drafter if it fits ``rows x slots`` and blocks of ``block`` for ``target`` (and holds
         at most twice the slots needed: attention reads every slot), else a new one (replacing it); emptied."""
         have = _STATIC.get(model)
-        if not (have is not None and have.target is target and have.holds(rows, slots, block, capture)):
+        if not (have is not None and have.target is target and have.holds(rows, slots, block, capture, fuse)):
             if have is not None:
                 have.graphs.clear()
-            have = _STATIC[model] = cls(model, target, rows, slots, block, capture)
+            have = _STATIC[model] = cls(model, target, rows, slots, block, capture, fuse)
         return have.emptied()
 
     def _program(self, rows: int, feats: torch.Tensor, block: int) -> Callable[[], torch.Tensor]:

@@ -70,7 +70,8 @@ class CapturedRounds:
               feature_layers: Sequence[int], drafters: Sequence[Any] = (), fuse: bool = False) -> "CapturedRounds":
         """The captured rounds of one generation (ConfigError when the target cannot run them); ``drafters``: the
         rows' active drafters, drafted from by a :class:`StaticDrafter` when they share one plain DFlash model;
-        ``fuse``: the target's steps compiled by TorchInductor (:func:`spiffy.capture.compile_fuses`)."""
+        ``fuse``: the target's and the static drafter's steps compiled by TorchInductor
+        (:func:`spiffy.capture.compile_fuses`)."""
         why = static_unsupported(target, capture)
         if why is not None:
             raise ConfigError(f"compile=True cannot run this target: {why}; fix: pass compile=False (eager)")
@@ -87,10 +88,10 @@ class CapturedRounds:
             block = max(int(d.block_size) for d in drafters)
             need = longest + max(int(c.max_new_tokens) for c in configs) + 2 * block + 1
             drafter = StaticDrafter.for_model(model, target, len(prompts), -(-need // SLOT_ROUNDING) * SLOT_ROUNDING,
-                                              block, capture)
+                                              block, capture, fuse)
         else:  # one plain dLLM drafter (root layout, one denoising step): its own static drafter, or None
             drafter = static_dllm_drafter(drafters, target, prompts, max(int(c.max_new_tokens) for c in configs),
-                                          capture)
+                                          capture, fuse)
         return cls(static, [c.spec for c in configs], list(configs), list(rules), depth, drafter)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
