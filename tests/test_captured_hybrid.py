@@ -31,13 +31,12 @@ from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_gener
 from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.captured import StaticTarget, static_target_of, static_unsupported
 from spiffy.arspec.captured_drafter import static_drafter_of
-from spiffy.arspec.captured_recurrent import root_paths
+from spiffy.arspec.captured_recurrent import StaticRecurrent, root_paths
 from spiffy.arspec.stages import (RoundBuffers, TargetRunner, commit, compile_round, prefill, prefill_inputs,
                                   tree_columns, verify)
 from spiffy.arspec.tree import build_ddtree
 from spiffy.bench.syncs import SyncCounter
-from spiffy.capture import StepGraphs, slot_cache_supported, trace_steps
-from spiffy.capture.graphs import WARMUP_RUNS
+from spiffy.capture import StatefulStep, slot_cache_supported, trace_steps
 from spiffy.models import load_drafter, load_target, make_tiny_dflash
 from spiffy.models.ar_checkpoints import make_tiny_dflash2
 from spiffy.models.ar_drafters import load_ar_drafter, make_tiny_dllm_drafter
@@ -205,8 +204,9 @@ def test_host_built_trees_on_hybrids(dirs, tmp_path_factory, method):
 
 def test_round_syncs_at_most_twice_and_steps_read_nothing_back(dirs):
     """A captured DDTree round on a hybrid with the static drafter reads the device at most twice outside the model
-    forwards (the recurrent commit bucket included: it is not a forward); the verification and commit steps read
-    nothing back and are idempotent (a capture's warm-up runs them more than once)."""
+    forwards (the recurrent commit included: it is not a forward); every step reads nothing back, and runs twice
+    alike (a capture's warm-ups run it more than once): the tree step as it is, the fused round (verification,
+    walk, recurrent and attention commit) with its state put back in between (a StatefulStep)."""
     target_dir, drafter_dir = dirs["qwen3_5"]
     target, base = load_target(target_dir, torch.float32, "cpu"), load_drafter(drafter_dir, dtype=torch.float32)
     res, per_round = captured_round_syncs(target, base, lambda: ddtree_generate(
@@ -219,37 +219,33 @@ def test_round_syncs_at_most_twice_and_steps_read_nothing_back(dirs):
     static = static_target_of(target)
     recurrent = static.recurrent
     keys = list(static.graphs.stats.runs)
-    assert any(k[0] == "commit" for k in keys) and any(k[0] != "commit" for k in keys)
+    assert {k[0] for k in keys} == {"round", "tree"}, keys
     committed = {i: tuple(t.clone() for t in s) for i, s in recurrent.state.items()}
     with torch.inference_mode():
         for key in keys:
             outs = []
+            step = static.graphs._steps[key]
             for _ in range(2):
+                restore = step.save() if isinstance(step, StatefulStep) else (lambda: None)
                 with SyncCounter() as c:
                     out = static.graphs.run(key)
                 assert {k: v for k, v in c.counts.items() if k != "to_cpu"} == {}, (key, c.counts)
-                outs.append((out.clone() if out is not None else None,
+                outs.append(([t.clone() for t in out] if out is not None else None,
                              {i: tuple(t.clone() for t in s) for i, s in recurrent.pending.items()}))
+                restore()
             (out0, pending0), (out1, pending1) = outs
-            assert (out0 is None and out1 is None) or torch.equal(out0, out1), key
+            assert (out0 is None and out1 is None) or all(torch.equal(a, b) for a, b in zip(out0, out1)), key
             for i in pending0:
                 assert all(torch.equal(a, b) for a, b in zip(pending0[i], pending1[i])), key
-    for i, state in recurrent.state.items():  # steps never write the committed state
+    for i, state in recurrent.state.items():  # put back as it was
         assert all(torch.equal(a, b) for a, b in zip(state, committed[i]))
 
 
 def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch):
     """On a GPU a bucket's first call runs its step three times (two warm-ups, then the captured graph's replay):
-    every step of the hybrid's captured path (verification, recurrent commit, the static drafter's block) runs so
-    here, and the tokens stay the eager path's (no step advances a state by itself)."""
-    original = StepGraphs.run
-
-    def run_like_a_capture(self, key):  # noqa: ANN001
-        fresh = key not in self
-        out = original(self, key)
-        for _ in range(WARMUP_RUNS if fresh else 0):
-            out = self._steps[key]()
-        return out
+    every step of the hybrid's captured path (the tree, the fused round with its recurrent commit, the static
+    drafter's block) runs so here (:data:`spiffy.capture.graphs.REHEARSE`), and the tokens stay the eager path's
+    (the fused round's warm-ups put the committed state back)."""
 
     target = _target(dirs, "qwen3_5", torch.float32)
     vocab = int(target.config.vocab_size)
@@ -262,11 +258,16 @@ def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch):
         cfgs = [_config(method, n, seed=s) for n, s in zip((12, 7), (3, 4))]
         eager = [r.tokens for r in speculative_generate_batch(target, drafters(), prompts, cfgs, compile=False)]
         with monkeypatch.context() as m:
-            m.setattr(StepGraphs, "run", run_like_a_capture)
+            m.setattr(graphs_module, "REHEARSE", True)
             if static_target_of(target) is not None:
                 static_target_of(target).release()  # every bucket made afresh, so its first call warms up
             captured = [r.tokens for r in speculative_generate_batch(target, drafters(), prompts, cfgs, compile=True)]
-        assert captured == eager, method
+            assert captured == eager, method
+            if method == "ddtree":  # the check can fail: warm-ups that leave the recurrent state advanced
+                m.setattr(StaticRecurrent, "save", lambda self, rows: (lambda: None))
+                static_target_of(target).release()
+                careless = speculative_generate_batch(target, drafters(), prompts, cfgs, compile=True)
+                assert [r.tokens for r in careless] != eager
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, database=None)
@@ -388,7 +389,7 @@ def test_steps_trace_as_one_graph(dirs, monkeypatch, arch):
     with trace_steps():
         captured = speculative_generate(target, drafter, prompt, _config("ddtree", 10), compile=True).tokens
     assert captured == eager == ar[:10]
-    assert any(k[0] == "commit" for k in traced) and any(len(k) == 3 and k[0] == 1 for k in traced), traced
+    assert {k[0] for k in traced if isinstance(k, tuple)} >= {"round", "tree"}, traced  # the fused round, the tree
 
 
 def test_static_cache_holds_hybrids_and_refuses_other_kinds(dirs):

@@ -15,8 +15,8 @@ its tree is one step here (:meth:`StaticTarget.walk_round`, :mod:`spiffy.arspec.
 
 A hybrid target (Qwen3.5, Qwen3-Next) runs here too: its Gated-DeltaNet layers keep their committed state per row in
 a :class:`~spiffy.arspec.captured_recurrent.StaticRecurrent`, whose mixers the verification step runs over every
-column's root path from that state, and whose own commit bucket ``("commit", rows, span)`` re-advances it over the
-accepted path (both static: no host read).
+column's root path from that state, and whose commit re-advances it over the accepted path (inside the fused round;
+a round walked on the host commits in a bucket of its own, ``("commit", rows, span)``; both static: no host read).
 """
 
 from __future__ import annotations
@@ -195,12 +195,15 @@ class StaticTarget:
             ctx, cols = self.ctx.clone(), self.ctx + self.ramp[:span]
             kv = [(t, t[:rows].index_select(2, cols)) for t in self.cache.tensors()]
             valid = self.valid[:rows].index_select(1, cols)
+            recurrent = None if self.recurrent is None else self.recurrent.save(rows)  # a hybrid's committed state
 
             def restore() -> None:
                 for t, saved in kv:
                     t[:rows].index_copy_(2, cols, saved)
                 self.valid[:rows].index_copy_(1, cols, valid)
                 self.ctx.copy_(ctx)
+                if recurrent is not None:
+                    recurrent()
             return restore
 
         return StatefulStep(step, save)
@@ -208,11 +211,8 @@ class StaticTarget:
     def walk_round(self, rows: int, width: int, depth: int, plan: WalkPlan, inputs: WalkInputs
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Verify the filled round, walk it by ``plan`` and commit it: ``(keep [rows, D + 1], accepted [rows],
-        packed)`` (:func:`~spiffy.arspec.captured_walk.packed_walk`). One bucket's step on an attention-only target
-        (``inputs`` copied into its static buffers first); a hybrid verifies in its bucket and walks and commits
-        eagerly (its recurrent commit is a bucket of its own)."""
-        if self.recurrent is not None:
-            return self._walk_and_commit(self.verify(rows, width, depth), rows, width, depth, plan, inputs, None)
+        packed)`` (:func:`~spiffy.arspec.captured_walk.packed_walk`): one bucket's step (``inputs`` copied into its
+        static buffers first), a hybrid's recurrent commit included."""
         key = ("round", int(rows), int(width), int(depth), plan, inputs.signature())
         self._load(key, inputs.named())
         return self.graphs.run(key)
@@ -220,11 +220,14 @@ class StaticTarget:
     def _walk_and_commit(self, hidden: torch.Tensor, rows: int, width: int, depth: int, plan: WalkPlan,
                          inputs: WalkInputs, groups: SamplingGroups | None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The walk of the verified rows (``hidden [rows, width, H]``) and its commit: keep, accepted, packed."""
+        """The walk of the verified rows (``hidden [rows, width, H]``) and its commit (inside the round's step: a
+        hybrid's recurrent commit runs inline): keep, accepted, packed."""
         nodes = width - 1
         walk = walk_program(plan, self.lm_head(hidden), self.ids[:rows, :width], self.parents[:rows, :nodes],
                             self.depths[:rows, :nodes], self.counts[:rows], depth, inputs, groups)
-        self.commit(rows, walk.keep, walk.accepted)
+        if self.recurrent is not None:  # before ctx moves; the state after each row's accepted path
+            self.recurrent.commit_inline(rows, width, walk.keep, walk.accepted)
+        self._commit_window(rows, walk.keep, walk.accepted)
         return walk.keep, walk.accepted, packed_walk(walk, self.counts[:rows])
 
     def _tree_step(self, key: tuple) -> Callable[[], None]:
@@ -298,9 +301,13 @@ class StaticTarget:
         """Move each row's kept verification rows (``keep [rows, W]``, root first; ``accepted [rows]``: kept
         nodes) to the front of the round's window, mark them valid (shorter rows leave holes) and advance ``ctx``
         by the longest (device tensors only)."""
-        width = int(keep.shape[1])
         if self.recurrent is not None:  # before ctx moves; the state after each row's accepted path
             self.recurrent.commit(self.graphs, rows, keep, accepted)
+        self._commit_window(rows, keep, accepted)
+
+    def _commit_window(self, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
+        """:meth:`commit`'s K/V, validity and context length (the attention layers' part)."""
+        width = int(keep.shape[1])
         self.cache.move_window(self.ctx, keep, rows)
         cols = self.ctx + self.ramp[:width]
         self.valid[:rows].index_copy_(1, cols, self.ramp[:width].view(1, -1) <= accepted.view(-1, 1))

@@ -217,6 +217,27 @@ class StaticRecurrent:
                             dst[:rows].copy_(torch.where(where, src, dst[:rows]))
         return step
 
+    def commit_inline(self, rows: int, width: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
+        """:meth:`commit` inside a step of the static target (its fused round, verification ``width`` wide: static
+        per bucket): the commit step's program run in place of its bucket, then the pending state adopted."""
+        if width != 1:  # a one-token step's state is pending already
+            span = min(int(keep.shape[1]), self.width)
+            self.keep[:rows, :span].copy_(keep[:, :span])
+            self.accepted[:rows].copy_(accepted)
+            self.commit_step(rows, span)()
+        for committed, pending in self._stacks:
+            committed[:, :rows].copy_(pending[:, :rows])
+
+    def save(self, rows: int) -> Callable[[], None]:
+        """Snapshot the first ``rows`` rows' committed state; returns the call that writes it back (a capture's
+        warm-ups of a fused round run between the two)."""
+        saved = [(committed, committed[:, :rows].clone()) for committed, _pending in self._stacks]
+
+        def restore() -> None:
+            for committed, copy in saved:
+                committed[:, :rows].copy_(copy)
+        return restore
+
     def commit(self, graphs: StepGraphs, rows: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
         """Advance the committed state of the first ``rows`` rows over their accepted paths (``keep [rows, S]``
         verification columns, root first; ``accepted [rows]`` nodes): the commit bucket of ``graphs`` (device

@@ -5,11 +5,11 @@
 device (plain AR, the DFlash chain, DDTree: :mod:`spiffy.arspec.device_tree`; DFlash2's greedy chain and DDTree over
 its selector: :mod:`spiffy.arspec.device_selector`) and walks it with the coupled rule, a round is draft -> device
 tree (DDTree's and the greedy chain's: a captured step, :meth:`~spiffy.arspec.captured.StaticTarget.build_trees`) ->
-captured verify -> the target's token at every row -> the walk -> the kept rows moved in the cache (one fused step
-on an attention-only target: :meth:`~spiffy.arspec.captured.StaticTarget.walk_round`), and ONE host read (accepted
-lengths, node counts, kept rows and tokens, bonus). Under the rejection rule at T > 0 the same round walks by :func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program), and
-the drafts sampled from the drafter (DEER, DFlash, SpecDiff-2: :mod:`spiffy.arspec.device_draws`) are drawn and
-merged on the device too. DFlash2's chain sampled through its selector (the rejection rule at T > 0), and a round
+captured verify -> the target's token at every row -> the walk -> the kept rows moved in the cache (one fused step:
+:meth:`~spiffy.arspec.captured.StaticTarget.walk_round`), and ONE host read (accepted lengths, node counts, kept rows
+and tokens, bonus). Under the rejection rule at T > 0 the same round walks by
+:func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program), and the drafts sampled from the
+drafter (DEER, DFlash, SpecDiff-2: :mod:`spiffy.arspec.device_draws`) are drawn and merged on the device too. DFlash2's chain sampled through its selector (the rejection rule at T > 0), and a round
 whose rows mix the rules (or point-mass and sampled proposals under the rejection rule), build their trees on the host
 as the eager loop does and walk them on the captured step's hidden states; only the verification is captured there.
 

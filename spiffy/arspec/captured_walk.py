@@ -1,5 +1,5 @@
 """The device side of a captured AR round: which tree it builds (:func:`round_tree`), how it is walked
-(:func:`walk_kind`, :func:`walk_program`) and, on an attention-only target, the round fused into one step.
+(:func:`walk_kind`, :func:`walk_program`) and the round fused into one step.
 
 After the captured verification forward, a round on the device (:class:`~spiffy.arspec.captured_rounds.CapturedRounds`)
 still has its tail to run: the target's logits, the target's token at every verification row, the walk (the coupled
@@ -9,15 +9,15 @@ round's window (one gather and one scatter per layer tensor), and the packing of
 a GPU, that tail is a few hundred kernel launches (two per K/V tensor of every layer alone), several milliseconds a
 round on an 8B target, as much as the replayed verification itself.
 
-So on an attention-only target the whole round after the tree is **one step** of the target's
+So the whole round after the tree is **one step** of the target's
 :class:`~spiffy.capture.StepGraphs`, bucket ``("round", rows, width, depth, plan)``: verification forward -> logits
 -> walk -> commit -> packed ``[rows, 3 + 2 (D + 1)]`` (accepted, bonus, nodes, kept rows, kept tokens), one CUDA
 graph replay and then the round's one host read. What the walk needs from the host is made before the replay and
 copied into the bucket's static buffers (:class:`WalkInputs`): the Gumbel noise of sampled rows' positions (coupled
 rule at ``T > 0``), the rejection rule's coins, a sampled tree's draws and proposal distributions. The rows' sampling
 rules are static per bucket (:class:`WalkPlan`, part of the key: temperatures, top-k and top-p are constants of the
-captured kernels). A hybrid target keeps the tail eager after its captured verification (its recurrent commit is a
-step of its own).
+captured kernels). A hybrid target's round commits its recurrent state in the same step
+(:meth:`~spiffy.arspec.captured_recurrent.StaticRecurrent.commit_inline`).
 """
 
 from __future__ import annotations
