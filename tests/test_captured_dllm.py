@@ -10,6 +10,7 @@ built once serves later prompts and calls.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -234,6 +235,8 @@ def test_moe_capture_on_cuda_needs_grouped_experts(request, moe_family: str, sda
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="TorchInductor compiles C++ on a CPU: no compiler here")
 def test_inductor_fused_forwards_give_the_eager_tokens(llada) -> None:
     """``compile="inductor"``: every static forward compiled by TorchInductor before its capture (fused C++ kernels
     on a CPU); in float64 the baseline and Spiffy on FreeDave's graph give the eager tokens and forward counts (fused

@@ -16,6 +16,7 @@ capture leave no trace. Here, without a GPU:
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import pytest
@@ -162,6 +163,8 @@ def test_the_inductor_setting(dirs):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="TorchInductor compiles C++ on a CPU: no compiler here")
 def test_inductor_fused_steps_give_the_eager_tokens(dirs, monkeypatch):
     """Every step compiled by TorchInductor (fused C++ kernels on a CPU, what a GPU compiles to Triton) before it is
     captured: plain AR and DDTree give the eager tokens in float64 (fused kernels round differently; float64 leaves

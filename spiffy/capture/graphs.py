@@ -123,7 +123,7 @@ def trace_steps(on: bool = True) -> Iterator[None]:
         TRACE_STEPS = before
 
 
-_TRACED = itertools.count()  # names the traced steps' code objects
+_STEP_NAMES = itertools.count()  # names the compiled steps' code objects
 
 
 def _static_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -144,15 +144,23 @@ def _own_code(step: Callable[[], Any]) -> Callable[[], Any]:
     def call() -> Any:
         return step()
 
-    return types.FunctionType(call.__code__.replace(co_name=f"step_{next(_TRACED)}"), call.__globals__,
+    return types.FunctionType(call.__code__.replace(co_name=f"step_{next(_STEP_NAMES)}"), call.__globals__,
                               closure=call.__closure__)
+
+
+def _unlimited(compiled: Callable[[], Any]) -> Any:
+    """Call ``compiled`` with no recompile limit: a step recompiles when a Python value it read changed (a dLLM
+    step's session: a new generation), which is no failure (on a GPU only the warm-ups and the capture call it)."""
+    with torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+        return compiled()
 
 
 def _fused(step: Callable[[], Any]) -> Callable[[], Any]:
     """``step`` compiled by TorchInductor as one graph (:func:`compile_fuses`); a :class:`StatefulStep` stays one."""
     if isinstance(step, StatefulStep):
         return StatefulStep(_fused(step.run), step.save)
-    return torch.compile(_own_code(step), fullgraph=True, dynamic=False)
+    compiled = torch.compile(_own_code(step), fullgraph=True, dynamic=False)
+    return lambda: _unlimited(compiled)
 
 
 def _traced(step: Callable[[], Any], key: Hashable) -> Callable[[], Any]:
@@ -162,9 +170,7 @@ def _traced(step: Callable[[], Any], key: Hashable) -> Callable[[], Any]:
 
     def run() -> Any:
         try:
-            # every bucket of a step kind shares one code object: each is a recompile, none is a failure here
-            with torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
-                return compiled()
+            return _unlimited(compiled)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
                 torch._dynamo.exc.BackendCompilerFailed) as err:  # graph breaks, host reads, data-dependent shapes
             raise StepNotCapturable(f"bucket {key!r}'s step is not one tensor program: {err}") from err
