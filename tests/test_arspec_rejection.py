@@ -247,7 +247,8 @@ def _biased_round_distribution() -> dict[tuple[int, ...], float]:
     return {seq: float(out[seq]) for seq in itertools.product(range(V), repeat=LENGTH)}
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", pytest.param("specdiff", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", [pytest.param("chain", marks=pytest.mark.slow), "tree",
+                                  pytest.param("specdiff", marks=pytest.mark.slow)])  # the fast tier: the tree
 def test_rejection_round_matches_the_exact_distribution(kind, exact_round):
     counts = _round_samples(kind, RejectionRule, N_ROUND)
     assert _pearson(counts, exact_round, N_ROUND) >= ALPHA, kind

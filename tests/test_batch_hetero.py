@@ -358,7 +358,7 @@ def check_batch(paths: dict[str, Path], case: dict[str, Any]) -> None:
 
 
 @given(case=batches)
-@fast_settings(40)
+@fast_settings(20)  # 400 more in the slow tier (below)
 def test_heterogeneous_batch_rows_are_their_prompts_alone(paths, case) -> None:
     check_batch(paths, case)
 

@@ -78,6 +78,7 @@ def test_rejection_round_over_the_selector_matches_the_exact_distribution(kind, 
     assert _pearson(counts, exact_round, N_ROUND) >= ALPHA, kind
 
 
+@pytest.mark.slow  # the power check: the round test's own failure, shown once per CI run
 def test_a_marginal_proposal_for_the_selectors_draws_is_caught(exact_round):
     """Power check: treating the selector's conditional draws as if they came from the depth's marginal (the
     proposal a position-wise drafter would give) is biased, and the round test sees it."""
