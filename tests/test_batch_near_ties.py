@@ -182,8 +182,8 @@ def _ar_prompts(trial: int) -> list[list[int]]:
 #: (trial, row, method, acceptance rule, temperature, kind)
 AR_CASES = [
     (6, 2, "dflash", "coupled", 0.0, "greedy"),
-    (8, 0, "dflash", "coupled", 0.7, "sampled"),
-    pytest.param(4, 1, "dflash", "rejection", 0.7, "sampled", marks=pytest.mark.slow),  # the heaviest two: slow tier
+    pytest.param(8, 0, "dflash", "coupled", 0.7, "sampled", marks=pytest.mark.slow),
+    pytest.param(4, 1, "dflash", "rejection", 0.7, "sampled", marks=pytest.mark.slow),  # the heaviest three: slow tier
     pytest.param(13, 0, "ddtree", "coupled", 0.0, "draft", marks=pytest.mark.slow),
 ]
 

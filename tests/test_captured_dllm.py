@@ -83,7 +83,7 @@ TRACED = [("llada", ("none", "prefix", "dual"), torch.float32), ("dream", ("pref
 
 
 @pytest.mark.parametrize("family,caches,dtype", [
-    pytest.param(*t, id=t[0], marks=() if t[0] == "llada" else pytest.mark.slow) for t in TRACED])
+    pytest.param(*t, id=t[0], marks=pytest.mark.slow) for t in TRACED])  # seconds each: the slow tier
 def test_static_forwards_trace_as_one_graph(request, monkeypatch, family: str, caches: tuple, dtype: torch.dtype
                                             ) -> None:
     """Every family's static forward is one tensor program, the property a CUDA graph needs: TorchDynamo traces
