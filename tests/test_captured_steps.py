@@ -79,6 +79,7 @@ CASES = [("ar", "coupled", 0.0), pytest.param("ddtree", "coupled", 0.0, marks=py
 
 @pytest.mark.parametrize("method,accept,temperature", CASES)
 def test_every_step_traces_as_one_graph(dirs, monkeypatch, method, accept, temperature):
+    """Every bucket a ragged batch builds is traced whole (no value read back), and the tokens are eager's."""
     traced: list[Any] = []
     real = graphs_module._traced
     monkeypatch.setattr(graphs_module, "_traced", lambda step, key: traced.append(key) or real(step, key))
