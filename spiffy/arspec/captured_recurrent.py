@@ -220,13 +220,7 @@ class StaticRecurrent:
     def commit_inline(self, rows: int, width: int, keep: torch.Tensor, accepted: torch.Tensor) -> None:
         """:meth:`commit` inside a step of the static target (its fused round, verification ``width`` wide: static
         per bucket): the commit step's program run in place of its bucket, then the pending state adopted."""
-        if width != 1:  # a one-token step's state is pending already
-            span = min(int(keep.shape[1]), self.width)
-            self.keep[:rows, :span].copy_(keep[:, :span])
-            self.accepted[:rows].copy_(accepted)
-            self.commit_step(rows, span)()
-        for committed, pending in self._stacks:
-            committed[:, :rows].copy_(pending[:, :rows])
+        self._advance(rows, keep, accepted, None if width == 1 else lambda span: self.commit_step(rows, span)())
 
     def save(self, rows: int) -> Callable[[], None]:
         """Snapshot the first ``rows`` rows' committed state; returns the call that writes it back (a capture's
@@ -242,13 +236,19 @@ class StaticRecurrent:
         """Advance the committed state of the first ``rows`` rows over their accepted paths (``keep [rows, S]``
         verification columns, root first; ``accepted [rows]`` nodes): the commit bucket of ``graphs`` (device
         tensors only), then the pending state copied over the committed one."""
-        if not self._adopt:
+        self._advance(rows, keep, accepted, None if self._adopt else lambda span: graphs.run(("commit", rows, span)))
+        self._adopt = False
+
+    def _advance(self, rows: int, keep: torch.Tensor, accepted: torch.Tensor,
+                 run_commit: Callable[[int], Any] | None) -> None:
+        """The commit: the accepted paths staged and ``run_commit(span)`` run (the commit step, as a bucket or
+        inline; ``None`` after a one-token step, whose state is pending already), then the pending state adopted."""
+        if run_commit is not None:
             # keep is as wide as the deepest draft allows; a path has at most one column per verified column
             span = min(int(keep.shape[1]), self.width)
             self.keep[:rows, :span].copy_(keep[:, :span])
             self.accepted[:rows].copy_(accepted)
-            graphs.run(("commit", rows, span))
-        self._adopt = False
+            run_commit(span)
         for committed, pending in self._stacks:
             committed[:, :rows].copy_(pending[:, :rows])
 

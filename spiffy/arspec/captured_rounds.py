@@ -33,8 +33,8 @@ from torch import nn
 from spiffy.arspec.captured import SLOT_ROUNDING, StaticTarget, static_unsupported
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter
 from spiffy.arspec.captured_drafter import StaticBlockDrafter, StaticDrafter, static_drafter_model
-from spiffy.arspec.captured_walk import (WalkPlan, plain_tree, round_tree, tree_plan, unpack_walk, walk_inputs,
-                                        walk_kind)
+from spiffy.arspec.captured_walk import (WalkPlan, plain_tree, round_tree, rule_walk, tree_plan, unpack_walk,
+                                        walk_inputs, walk_kind)
 from spiffy.arspec.device_draws import SampledDeviceTree
 from spiffy.arspec.device_tree import DeviceTree
 from spiffy.arspec.methods import Method
@@ -117,9 +117,8 @@ class CapturedRounds:
               drafter_hooks: Sequence[TargetFeatureHooks]) -> list[tuple[list[int], list[int], int]]:
         """One round of every live row: per row ``(new tokens, kept verification rows, draft nodes)``."""
         static, rows = self.static, len(roots)
-        # the rule alone decides the walk of point-mass trees (DDTree, the chain): no tree, no draft to check
-        plan, rule_walk = tree_plan(self.methods, self.configs, drafts), walk_kind(self.rules, [None] * rows, [])
-        if plan is not None and rule_walk is not None:  # trees built in a captured step, from the drafts alone
+        plan, by_rule = tree_plan(self.methods, self.configs, drafts), rule_walk(self.rules)
+        if plan is not None and by_rule is not None:  # trees built in a captured step, from the drafts alone
             width = static.width if max(plan.counts()) else 1
             depth = self.depth if width > 1 else 0
             self._fill_roots(roots, width)
@@ -127,7 +126,7 @@ class CapturedRounds:
                 static.build_trees(rows, width, plan, drafts)
             clock.lap("tree_build")
             clock.lap("compile")
-            done = self._walk_device(roots, [None] * rows, rule_walk, width, depth, drafter_hooks)
+            done = self._walk_device(roots, [None] * rows, by_rule, width, depth, drafter_hooks)
             clock.lap("verify")
             return done
         trees = [round_tree(m, c, d, pos) for m, c, d, (_tok, pos) in zip(self.methods, self.configs, drafts, roots)]

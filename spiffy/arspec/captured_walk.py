@@ -41,8 +41,9 @@ from spiffy.arspec.selector import Draft, SelectorDraft
 from spiffy.arspec.selfselect import proposal_probs, sample_drafts
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["TreePlan", "WalkInputs", "WalkPlan", "bucket_groups", "packed_walk", "plain_tree", "round_tree",
-           "tree_plan", "tree_program", "unpack_walk", "walk_inputs", "walk_kind", "walk_program"]
+__all__ = ["TreePlan", "WalkInputs", "WalkPlan", "bucket_groups", "ddtree_of", "packed_walk", "plain_tree",
+           "round_tree", "rule_walk", "tree_plan", "tree_program", "unpack_walk", "walk_inputs", "walk_kind",
+           "walk_program"]
 
 
 @dataclass(frozen=True)
@@ -183,8 +184,7 @@ def round_tree(method: Method, config: DraftKnobs, draft: Draft | None, root_pos
             return selector_chain_device(draft)
         return None
     if isinstance(method, BestTree):
-        scores = tempered(draft, float(config.sampling.temperature))
-        return ddtree_device(torch.log_softmax(scores, dim=-1), int(config.budget))
+        return ddtree_of(draft, int(config.budget), float(config.sampling.temperature))
     if isinstance(method, Chain) and method.samples(config):
         probs = proposal_probs(draft, config.sampling)
         return sampled_tree_device(probs, sample_drafts(probs, method.sample_count(config), config.sampling,
@@ -192,6 +192,11 @@ def round_tree(method: Method, config: DraftKnobs, draft: Draft | None, root_pos
     if type(method) is Chain:
         return chain_device(draft)
     return None
+
+
+def ddtree_of(draft: torch.Tensor, budget: int, temperature: float) -> DeviceTree:
+    """DDTree's tree of ``draft [L, V]`` logits: the best-first tree of their tempered log-probabilities."""
+    return ddtree_device(torch.log_softmax(tempered(draft, temperature), dim=-1), budget)
 
 
 def plain_tree(tree: DeviceTree | SampledDeviceTree) -> DeviceTree:
@@ -206,13 +211,23 @@ def walk_kind(rules: Sequence[AcceptanceRule], trees: Sequence[DeviceTree | Samp
     point masses or all sampled), or ``None``: on the host (a tree built on the host, or rows that mix the two)."""
     if any(t is None and d is not None for t, d in zip(trees, drafts)):
         return None
+    kind = rule_walk(rules)
+    if kind != "rejection":
+        return kind
+    kinds = {isinstance(t, SampledDeviceTree) for t in trees if t is not None}
+    return "rejection" if len(kinds) <= 1 else None
+
+
+def rule_walk(rules: Sequence[AcceptanceRule]) -> str | None:
+    """The walk the rows' rules ask for, whatever their trees: ``"coupled"`` (the coupled rule, or the rejection
+    rule at T = 0), ``"rejection"`` (the rejection rule at T > 0 on every row), or ``None`` (rows that mix the two,
+    or another rule): what :func:`walk_kind` decides for point-mass trees (DDTree, the chain)."""
     greedy = [type(r) is RejectionRule and float(r.sampling.temperature) == 0 for r in rules]
     if all(type(r) is CoupledRule or g for r, g in zip(rules, greedy)):
         return "coupled"
-    if not all(type(r) is RejectionRule and not g for r, g in zip(rules, greedy)):
-        return None
-    kinds = {isinstance(t, SampledDeviceTree) for t in trees if t is not None}
-    return "rejection" if len(kinds) <= 1 else None
+    if all(type(r) is RejectionRule and not g for r, g in zip(rules, greedy)):
+        return "rejection"
+    return None
 
 
 @dataclass(frozen=True)
@@ -271,10 +286,7 @@ def tree_program(plan: TreePlan, drafts: torch.Tensor, ids: torch.Tensor, parent
         if row[0] == "none":
             continue
         draft = drafts[b, : row[1]]
-        if row[0] == "ddtree":
-            tree = ddtree_device(torch.log_softmax(tempered(draft, row[3]), dim=-1), row[2])
-        else:
-            tree = chain_device(draft)
+        tree = ddtree_of(draft, row[2], row[3]) if row[0] == "ddtree" else chain_device(draft)
         n = int(tree.tokens.numel())
         ids[b, 1 : 1 + n] = tree.tokens
         parents[b, :n] = tree.parents
