@@ -159,6 +159,31 @@ def test_rejection_round_syncs_at_most_twice(pair, method, budget):
     assert max(per_round) <= 2, per_round
 
 
+@pytest.mark.parametrize("methods,accept,temperature", [
+    (("specdiff", "dflash", "ar"), "rejection", 0.9),  # sampled trees built in a step, their draws walked
+    (("ddtree", "dflash", "specdiff"), "rejection", 0.9),  # point masses beside draws: the eager tree build
+    (("ddtree", "specdiff", "dflash"), "coupled", 0.7)])  # every tree in one step, walked by the coupled rule
+def test_rows_mixing_methods(dirs, methods, accept, temperature):
+    """A batch whose rows draft differently (DDTree's tree, the DFlash chain, SpecDiff-2's joint drafts, plain AR):
+    captured rows == eager rows. Trees sampled from the drafter are built in the tree step (drawn from host uniforms
+    keyed as the eager draws, merged, their proposals handed to the round's walk), except beside point-mass trees
+    under the rejection rule, whose walk takes one kind of proposal: that round builds its trees eagerly."""
+    prompts = [_prompt(4, 6), _prompt(5, 3), _prompt(6, 9)]
+    runs = []
+    for compile_ in (False, True):
+        target, drafter = load_target(dirs[0], torch.float32, "cpu"), load_drafter(dirs[1], dtype=torch.float32)
+        configs = [ARSpecConfig(method=m, budget=6, drafts=3, max_new_tokens=n, accept=accept,
+                                sampling=SamplingConfig(temperature=temperature, seed=s))
+                   for m, n, s in zip(methods, (10, 7, 8), (1, 2, 3))]
+        drafters = [None if m == "ar" else DFlashDrafter(drafter, BLOCK) for m in methods]
+        runs.append([r.tokens for r in speculative_generate_batch(target, drafters, prompts, configs,
+                                                                   compile=compile_)])
+    assert runs[1] == runs[0]
+    kinds = {row[0] for key in static_target_of(target).graphs.stats.runs if key[0] == "tree" for row in key[3].rows}
+    mixed = accept == "rejection" and "ddtree" in methods
+    assert ("sampled" in kinds) == (not mixed), kinds
+
+
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)
 @given(depth=st.integers(1, 6), vocab=st.integers(1, 40), budget=st.integers(1, 60), ties=st.booleans(),
        seed=st.integers(0, 10**6), double=st.booleans())

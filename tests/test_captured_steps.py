@@ -69,12 +69,13 @@ def _generate(dirs, method: str, accept: str, temperature: float, compile: bool,
 
 
 #: (method, rule, temperature): plain AR, DDTree's coupled walk greedy and sampled, DDTree's point-mass children and
-#: the DFlash chain's sampled drafts under the rejection rule (tracing takes seconds a case: plain AR's fused round
-#: runs in the fast tier, the tree, drafter and walk variants in the slow tier)
+#: the sampled drafts of the DFlash chain and SpecDiff-2 under the rejection rule (tracing takes seconds a case:
+#: plain AR's fused round runs in the fast tier, the tree, drafter and walk variants in the slow tier)
 CASES = [("ar", "coupled", 0.0), pytest.param("ddtree", "coupled", 0.0, marks=pytest.mark.slow),
          pytest.param("ddtree", "coupled", 0.8, marks=pytest.mark.slow),
          pytest.param("ddtree", "rejection", 0.8, marks=pytest.mark.slow),
-         pytest.param("dflash", "rejection", 0.8, marks=pytest.mark.slow)]
+         pytest.param("dflash", "rejection", 0.8, marks=pytest.mark.slow),
+         pytest.param("specdiff", "rejection", 0.8, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("method,accept,temperature", CASES)
@@ -91,13 +92,15 @@ def test_every_step_traces_as_one_graph(dirs, monkeypatch, method, accept, tempe
     assert rounds, traced  # the fused round (verify + walk + commit) is a traced step
     plans = {k[4] for k in rounds}
     assert {p.rule for p in plans} == {"coupled" if temperature == 0 else accept}
-    assert {p.sampled for p in plans} == {method == "dflash" and accept == "rejection"}
+    assert {p.sampled for p in plans} == {method in ("dflash", "specdiff") and accept == "rejection"}
     if method != "ar":
         assert any(isinstance(k, tuple) and len(k) == 2 for k in traced), traced  # the drafter's (rows, block)
     trees = [k for k in traced if isinstance(k, tuple) and k[0] == "tree"]
-    # DDTree's and the greedy chain's trees are built in a step of their own; drafts sampled from the drafter are not
-    assert bool(trees) == (method == "ddtree"), traced
-    assert all(row[0] == "ddtree" for k in trees for row in k[3].rows)
+    # every tree is built in a step of its own: DDTree's, and the drafts sampled from the drafter (DFlash's chain
+    # under the rejection rule, SpecDiff-2's joint drafts: drawn, merged and their proposals handed to the walk)
+    assert bool(trees) == (method != "ar"), traced
+    kind = {"ddtree": "ddtree", "dflash": "sampled", "specdiff": "sampled"}.get(method)
+    assert all(row[0] in (kind, "none") for k in trees for row in k[3].rows), traced
 
 
 def test_a_host_read_or_a_data_dependent_shape_is_refused():
@@ -135,7 +138,7 @@ def test_a_stateful_step_warm_up_is_put_back():
 
 @pytest.mark.parametrize("method,accept,temperature,budget", [
     ("ddtree", "coupled", 0.0, 6), ("ddtree", "coupled", 0.0, 2), ("ddtree", "rejection", 0.8, 6),
-    ("dflash", "rejection", 0.8, 6), ("ar", "coupled", 0.8, 6)])
+    ("dflash", "rejection", 0.8, 6), ("specdiff", "rejection", 0.8, 6), ("ar", "coupled", 0.8, 6)])
 def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch, method, accept, temperature, budget):
     """A bucket's first call after two warm-ups (a GPU's capture) returns the eager tokens (budget 2: a tree narrower
     than the draft is deep, so the commit moves past the verified window); the check can fail: with warm-ups that

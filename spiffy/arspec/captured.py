@@ -31,13 +31,13 @@ from torch import nn
 from spiffy.arspec.captured_recurrent import StaticRecurrent
 from spiffy.arspec.captured_walk import (TreePlan, WalkInputs, WalkPlan, bucket_groups, packed_walk, tree_program,
                                         walk_program)
-from spiffy.arspec.device_rejection import SamplingGroups
+from spiffy.arspec.device_rejection import Proposals, SamplingGroups
 from spiffy.arspec.device_tree import ancestor_visibility
 from spiffy.arspec.stages import prefill_inputs
 from spiffy.capture import SlotCache, StatefulStep, StepGraphs, slot_cache_supported
 from spiffy.models.cache import hf_cache
 from spiffy.models.dflash import TargetFeatureHooks
-from spiffy.torch_utils import device_tensor, execution_device
+from spiffy.torch_utils import device_tensor, execution_device, on_device
 
 __all__ = ["SLOT_ROUNDING", "StaticTarget", "static_target_of", "static_unsupported"]
 
@@ -232,27 +232,47 @@ class StaticTarget:
 
     def _tree_step(self, key: tuple) -> Callable[[], None]:
         _kind, rows, width, plan, _dtype = key
-        drafts = self._inputs[key]["drafts"]
+        buffers = self._inputs[key]
+        proposals = (Proposals(buffers["draws"], buffers["q"], buffers["q_row"]) if plan.draws else None)
 
         def step() -> None:
-            tree_program(plan, drafts, self.ids[:rows, :width], self.parents[:rows, : width - 1],
-                         self.depths[:rows, : width - 1], self.counts[:rows], self.positions[:rows, :width])
+            tree_program(plan, buffers["drafts"], self.ids[:rows, :width], self.parents[:rows, : width - 1],
+                         self.depths[:rows, : width - 1], self.counts[:rows], self.positions[:rows, :width],
+                         buffers.get("uniforms"), proposals)
         return step
 
-    def build_trees(self, rows: int, width: int, plan: TreePlan, drafts: Sequence[torch.Tensor | None]) -> None:
+    def build_trees(self, rows: int, width: int, plan: TreePlan, drafts: Sequence[torch.Tensor | None],
+                    uniforms: torch.Tensor | None = None) -> Proposals | None:
         """Every row's tree (``plan``) from its draft logits ``[depth, V]`` into the round buffers, in one bucket's
-        step (:func:`~spiffy.arspec.captured_walk.tree_program`): the drafts copied into its static ``[rows, L, V]``
-        buffer first (the roots' tokens and positions are already in column 0)."""
+        step (:func:`~spiffy.arspec.captured_walk.tree_program`): the drafts (and a sampled row's host ``uniforms``
+        ``[rows, L, K]``, :func:`~spiffy.arspec.captured_walk.tree_uniforms`) copied into its static buffers first
+        (the roots' tokens and positions are already in column 0). Returns the bucket's proposal buffers when a row
+        samples its drafts (what the rejection walk reads), else ``None``."""
         first = next(d for d in drafts if d is not None)
         key = ("tree", int(rows), int(width), plan, first.dtype)
-        if key not in self._inputs:
-            self._inputs[key] = {"drafts": torch.zeros(rows, plan.depth, int(first.shape[-1]), dtype=first.dtype,
-                                                       device=self.device)}
-        buffer = self._inputs[key]["drafts"]
+        buffers = self._inputs.get(key)
+        if buffers is None:
+            buffers = self._inputs[key] = self._tree_buffers(rows, width, plan, first)
         for b, draft in enumerate(drafts):
             if draft is not None:
-                buffer[b, : draft.shape[0]].copy_(draft)
+                buffers["drafts"][b, : draft.shape[0]].copy_(draft)
+        if plan.draws:
+            assert uniforms is not None
+            buffers["uniforms"].copy_(on_device(uniforms, self.device))
         self.graphs.run(key)
+        return Proposals(buffers["draws"], buffers["q"], buffers["q_row"]) if plan.draws else None
+
+    def _tree_buffers(self, rows: int, width: int, plan: TreePlan, first: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A tree bucket's static buffers: the drafts ``[rows, L, V]``; with a sampled row, its uniforms
+        ``[rows, L, K]`` and the proposals it writes (draws ``[rows, width, K]``, ``q [rows, L, V]``, ``q_row``)."""
+        dev, vocab = self.device, int(first.shape[-1])
+        out = {"drafts": torch.zeros(rows, plan.depth, vocab, dtype=first.dtype, device=dev)}
+        if plan.draws:
+            out["uniforms"] = torch.zeros(rows, plan.depth, plan.draws, dtype=torch.float64, device=dev)
+            out["draws"] = torch.full((rows, width, plan.draws), -1, dtype=torch.long, device=dev)
+            out["q"] = torch.zeros(rows, plan.depth, vocab, dtype=torch.float64, device=dev)
+            out["q_row"] = torch.zeros(rows, width, dtype=torch.long, device=dev)
+        return out
 
     def _load(self, key: tuple, tensors: dict[str, torch.Tensor]) -> None:
         """``tensors`` copied into bucket ``key``'s static input buffers (made on first use)."""

@@ -1,17 +1,21 @@
 """The rounds of a generation on the captured path (``compile=True``): :class:`CapturedRounds` over a
 :class:`~spiffy.arspec.captured.StaticTarget`.
 
-:class:`CapturedRounds` runs the loop's rounds on the static target. When every row's method builds its draft on the
-device (plain AR, the DFlash chain, DDTree: :mod:`spiffy.arspec.device_tree`; DFlash2's greedy chain and DDTree over
-its selector: :mod:`spiffy.arspec.device_selector`) and walks it with the coupled rule, a round is draft -> device
-tree (DDTree's and the greedy chain's: a captured step, :meth:`~spiffy.arspec.captured.StaticTarget.build_trees`) ->
-captured verify -> the target's token at every row -> the walk -> the kept rows moved in the cache (one fused step:
+:class:`CapturedRounds` runs the loop's rounds on the static target. When every row's tree is built from its draft
+logits alone (plain AR, the DFlash chain, DDTree, and the drafts sampled from the drafter: DEER and DFlash under the
+rejection rule at T > 0, SpecDiff-2), a round is draft -> every row's tree in one captured step
+(:meth:`~spiffy.arspec.captured.StaticTarget.build_trees`; a sampled row draws from host uniforms keyed as the eager
+draws, merges its drafts and writes their proposals ``q`` for the walk) -> captured verify -> the target's token at
+every row -> the walk -> the kept rows moved in the cache (one fused step:
 :meth:`~spiffy.arspec.captured.StaticTarget.walk_round`), and ONE host read (accepted lengths, node counts, kept rows
-and tokens, bonus). Under the rejection rule at T > 0 the same round walks by
-:func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program), and the drafts sampled from the
-drafter (DEER, DFlash, SpecDiff-2: :mod:`spiffy.arspec.device_draws`) are drawn and merged on the device too. DFlash2's chain sampled through its selector (the rejection rule at T > 0), and a round
-whose rows mix the rules (or point-mass and sampled proposals under the rejection rule), build their trees on the host
-as the eager loop does and walk them on the captured step's hidden states; only the verification is captured there.
+and tokens, bonus). The walk is the coupled rule's, or under the rejection rule at T > 0
+:func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program) over point-mass children
+(DDTree, the chain) or over the sampled drafts' draws. DFlash2's trees are built by eager kernels
+(:mod:`spiffy.arspec.device_selector`) and walked in the same fused step; a round whose rows mix point-mass and
+sampled proposals under the rejection rule builds its trees by the same eager kernels; DFlash2's chain sampled
+through its selector (the rejection rule at T > 0), and a round whose rows mix the rules, build their trees on the
+host as the eager loop does and walk them on the captured step's hidden states; only the verification is captured
+there.
 
 When every row drafts with one plain DFlash model, the drafter's block forward is captured too: a
 :class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets) drafts every row
@@ -33,8 +37,9 @@ from torch import nn
 from spiffy.arspec.captured import SLOT_ROUNDING, StaticTarget, static_unsupported
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter
 from spiffy.arspec.captured_drafter import StaticBlockDrafter, StaticDrafter, static_drafter_model
-from spiffy.arspec.captured_walk import (WalkPlan, plain_tree, round_tree, rule_walk, tree_plan, unpack_walk,
-                                        walk_inputs, walk_kind)
+from spiffy.arspec.captured_walk import (WalkPlan, plain_tree, round_tree, rule_walk, tree_plan, tree_uniforms,
+                                        unpack_walk, walk_inputs, walk_kind)
+from spiffy.arspec.device_rejection import Proposals
 from spiffy.arspec.device_draws import SampledDeviceTree
 from spiffy.arspec.device_tree import DeviceTree
 from spiffy.arspec.methods import Method
@@ -118,15 +123,21 @@ class CapturedRounds:
         """One round of every live row: per row ``(new tokens, kept verification rows, draft nodes)``."""
         static, rows = self.static, len(roots)
         plan, by_rule = tree_plan(self.methods, self.configs, drafts), rule_walk(self.rules)
-        if plan is not None and by_rule is not None:  # trees built in a captured step, from the drafts alone
+        # the rejection walk takes the children of every row as point masses or every row's draws: not both
+        mixed = by_rule == "rejection" and plan is not None and plan.draws > 0 and plan.point_mass
+        if plan is not None and by_rule is not None and not mixed:  # trees built in a captured step, from the drafts
             width = static.width if max(plan.counts()) else 1
             depth = self.depth if width > 1 else 0
             self._fill_roots(roots, width)
+            proposals = None
             if width > 1:
-                static.build_trees(rows, width, plan, drafts)
+                uniforms = tree_uniforms(plan, self.configs, roots) if plan.draws else None
+                proposals = static.build_trees(rows, width, plan, drafts, uniforms)
             clock.lap("tree_build")
             clock.lap("compile")
-            done = self._walk_device(roots, [None] * rows, by_rule, width, depth, drafter_hooks)
+            sampled = by_rule == "rejection" and proposals is not None
+            done = self._walk_device(roots, [None] * rows, by_rule, width, depth, drafter_hooks,
+                                     proposals if sampled else None)
             clock.lap("verify")
             return done
         trees = [round_tree(m, c, d, pos) for m, c, d, (_tok, pos) in zip(self.methods, self.configs, drafts, roots)]
@@ -201,18 +212,20 @@ class CapturedRounds:
             self.drafter.stage_round(self.static, rows, keep, accepted)
 
     def _walk_device(self, roots: Sequence[tuple[int, int]], trees: Sequence[DeviceTree | SampledDeviceTree | None],
-                     kind: str, width: int, depth: int, drafter_hooks: Sequence[TargetFeatureHooks]
-                     ) -> list[tuple[list[int], list[int], int]]:
+                     kind: str, width: int, depth: int, drafter_hooks: Sequence[TargetFeatureHooks],
+                     proposals: Proposals | None = None) -> list[tuple[list[int], list[int], int]]:
         """Verify, walk (``kind``: the coupled or the rejection rule) and commit every row on the device (one
-        bucket's step: :meth:`StaticTarget.walk_round`), stage the drafter's next context, and read the round once."""
+        bucket's step: :meth:`StaticTarget.walk_round`), stage the drafter's next context, and read the round once
+        (``proposals``: the sampled drafts' draws and ``q`` a tree step wrote, walked by the rejection rule)."""
         s, rows = self.static, len(roots)
         samplings = [c.sampling for c in self.configs]
-        sampled = kind == "rejection" and any(isinstance(t, SampledDeviceTree) for t in trees)
+        sampled = kind == "rejection" and (proposals is not None
+                                           or any(isinstance(t, SampledDeviceTree) for t in trees))
         plan = WalkPlan.of(kind, samplings, sampled)
         vocab = int(getattr(s.lm_head, "out_features", 0) or s.target.config.vocab_size)
         inputs = walk_inputs(plan, samplings, [pos for _tok, pos in roots], trees, s.ids[:rows, :width],
                              s.parents[:rows, : width - 1], s.counts[:rows], s.depths[:rows, : width - 1], depth,
-                             vocab, s.dtype)
+                             vocab, s.dtype, proposals)
         keep, accepted, packed = s.walk_round(rows, width, depth, plan, inputs)
         s.share_features(drafter_hooks)
         if self.drafter is not None:  # the kept rows' features (DFlash) or tokens (a dLLM drafter)

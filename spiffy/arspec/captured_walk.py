@@ -14,7 +14,8 @@ So the whole round after the tree is **one step** of the target's
 -> walk -> commit -> packed ``[rows, 3 + 2 (D + 1)]`` (accepted, bonus, nodes, kept rows, kept tokens), one CUDA
 graph replay and then the round's one host read. What the walk needs from the host is made before the replay and
 copied into the bucket's static buffers (:class:`WalkInputs`): the Gumbel noise of sampled rows' positions (coupled
-rule at ``T > 0``), the rejection rule's coins, a sampled tree's draws and proposal distributions. The rows' sampling
+rule at ``T > 0``), the rejection rule's coins, a sampled tree's draws and proposal distributions (written by the
+round's tree step, :func:`tree_program`, or by the eager kernels of :func:`round_tree`). The rows' sampling
 rules are static per bucket (:class:`WalkPlan`, part of the key: temperatures, top-k and top-p are constants of the
 captured kernels). A hybrid target's round commits its recurrent state in the same step
 (:meth:`~spiffy.arspec.captured_recurrent.StaticRecurrent.commit_inline`).
@@ -38,12 +39,12 @@ from spiffy.arspec.rejection import RejectionRule
 from spiffy.arspec.rules import AcceptanceRule, CoupledRule
 from spiffy.arspec.sampling import tempered
 from spiffy.arspec.selector import Draft, SelectorDraft
-from spiffy.arspec.selfselect import proposal_probs, sample_drafts
+from spiffy.arspec.selfselect import draft_uniforms, drafts_from_uniforms, proposal_probs, sample_drafts
 from spiffy.sampling import SamplingConfig
 
 __all__ = ["TreePlan", "WalkInputs", "WalkPlan", "bucket_groups", "ddtree_of", "packed_walk", "plain_tree",
-           "round_tree", "rule_walk", "tree_plan", "tree_program", "unpack_walk", "walk_inputs", "walk_kind",
-           "walk_program"]
+           "round_tree", "rule_walk", "tree_plan", "tree_program", "tree_uniforms", "unpack_walk", "walk_inputs",
+           "walk_kind", "walk_program"]
 
 
 @dataclass(frozen=True)
@@ -101,9 +102,10 @@ class WalkInputs:
 def walk_inputs(plan: WalkPlan, samplings: Sequence[SamplingConfig], positions: Sequence[int],
                 trees: Sequence[DeviceTree | SampledDeviceTree | None], ids: torch.Tensor, parents: torch.Tensor,
                 counts: torch.Tensor, depths: torch.Tensor, depth: int, vocab: int,
-                logits_dtype: torch.dtype) -> WalkInputs:
+                logits_dtype: torch.dtype, proposals: Proposals | None = None) -> WalkInputs:
     """The round's :class:`WalkInputs` (``positions``: the roots' absolute positions; ``ids``, ``parents``,
-    ``counts``, ``depths [B, R - 1]``: the filled round buffers, read by a sampled tree's proposals only)."""
+    ``counts``, ``depths [B, R - 1]``: the filled round buffers, read by a sampled tree's proposals only;
+    ``proposals``: the sampled trees' proposals when a tree step wrote them, else made here from ``trees``)."""
     dev = ids.device
     if plan.rule == "coupled":
         noise_dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
@@ -111,7 +113,8 @@ def walk_inputs(plan: WalkPlan, samplings: Sequence[SamplingConfig], positions: 
     k = max(int(ids.shape[1]) - 1, 1)
     inputs = WalkInputs()
     if plan.sampled:
-        proposals = round_proposals(trees, ids, parents, counts, with_root(depths))
+        if proposals is None:
+            proposals = round_proposals(trees, ids, parents, counts, with_root(depths))
         inputs.draws, inputs.q, inputs.q_row = proposals.draws, proposals.q, proposals.q_row
         k = int(proposals.draws.shape[2])
     inputs.coins = rejection_coins(samplings, positions, depth + 1, k + 1, dev)
@@ -234,25 +237,39 @@ def rule_walk(rules: Sequence[AcceptanceRule]) -> str | None:
 class TreePlan:
     """Every row's tree when it is built inside a captured step from the round's draft logits (hashable: part of the
     tree bucket's key). ``rows``: per row ``("ddtree", depth, budget, temperature, vocab)`` (DDTree over the
-    tempered draft), ``("chain", depth)`` (the DFlash chain) or ``("none",)`` (no draft this round)."""
+    tempered draft), ``("chain", depth)`` (the DFlash chain), ``("sampled", depth, drafts, temperature, top_k,
+    top_p)`` (``drafts`` joint drafts drawn from the drafter: DEER and DFlash under the rejection rule at T > 0,
+    SpecDiff-2) or ``("none",)`` (no draft this round)."""
 
     rows: tuple[tuple, ...]
 
     def counts(self) -> list[int]:
-        """Each row's node count (exact: DDTree's is :func:`~spiffy.arspec.device_tree.ddtree_node_count`)."""
-        return [ddtree_node_count(r[2], r[1], r[4]) if r[0] == "ddtree" else r[1] if r[0] == "chain" else 0
-                for r in self.rows]
+        """Each row's node count (exact: DDTree's is :func:`~spiffy.arspec.device_tree.ddtree_node_count`; a sampled
+        tree's is its upper bound ``drafts x depth``, the real count stays on the device)."""
+        return [ddtree_node_count(r[2], r[1], r[4]) if r[0] == "ddtree" else r[1] if r[0] == "chain"
+                else r[1] * r[2] if r[0] == "sampled" else 0 for r in self.rows]
 
     @property
     def depth(self) -> int:
         """The deepest draft (the draft buffer's length)."""
         return max([r[1] for r in self.rows if r[0] != "none"], default=0)
 
+    @property
+    def draws(self) -> int:
+        """The most drafts a sampled row draws (``0``: no row samples): the width of the proposals' draws buffer."""
+        return max([r[2] for r in self.rows if r[0] == "sampled"], default=0)
+
+    @property
+    def point_mass(self) -> bool:
+        """Whether some row's tree is chosen by rank (DDTree, the chain), whose children are point-mass proposals."""
+        return any(r[0] in ("ddtree", "chain") for r in self.rows)
+
 
 def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: Sequence[Draft | None]
               ) -> TreePlan | None:
     """The round's :class:`TreePlan` when every row's tree is one :func:`round_tree` builds from its draft logits
-    alone (DDTree, the greedy DFlash chain), else ``None`` (sampled drafts, DFlash2's selector: built eagerly)."""
+    alone (DDTree, the greedy DFlash chain, drafts sampled from the drafter), else ``None`` (DFlash2's selector:
+    built eagerly)."""
     rows: list[tuple] = []
     for method, config, draft in zip(methods, configs, drafts):
         if draft is None:
@@ -262,34 +279,71 @@ def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: 
         elif isinstance(method, BestTree):
             rows.append(("ddtree", int(draft.shape[0]), int(config.budget), float(config.sampling.temperature),
                          int(draft.shape[-1])))
-        elif type(method) is Chain and not method.samples(config):
+        elif isinstance(method, Chain) and method.samples(config):
+            s = config.sampling
+            rows.append(("sampled", int(draft.shape[0]), int(method.sample_count(config)), float(s.temperature),
+                         int(s.top_k), float(s.top_p)))
+        elif type(method) is Chain:
             rows.append(("chain", int(draft.shape[0])))
         else:
             return None
     return TreePlan(tuple(rows))
 
 
+def tree_uniforms(plan: TreePlan, configs: Sequence[DraftKnobs], roots: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """``[B, L, K]`` float64 host uniforms of the sampled rows' draws (``L = plan.depth``, ``K = plan.draws``; row
+    ``b``'s first ``depth x drafts`` are :func:`~spiffy.arspec.selfselect.draft_uniforms` keyed by its root
+    position, exactly what :func:`~spiffy.arspec.selfselect.sample_drafts` draws with; zeros elsewhere)."""
+    out = torch.zeros(len(plan.rows), plan.depth, plan.draws, dtype=torch.float64)
+    for b, (row, config, (_tok, pos)) in enumerate(zip(plan.rows, configs, roots)):
+        if row[0] == "sampled" and row[1] and row[2]:
+            out[b, : row[1], : row[2]] = draft_uniforms(config.sampling, row[2], row[1], pos)
+    return out
+
+
 def tree_program(plan: TreePlan, drafts: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor,
-                 depths: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor) -> None:
+                 depths: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor,
+                 uniforms: torch.Tensor | None = None, proposals: Proposals | None = None) -> None:
     """Write every row's tree (:func:`round_tree`'s, node for node) into the round buffers (a tensor program).
 
     Args:
         drafts: ``[B, L, V]`` the rows' draft logits (row ``b``'s first ``depth`` positions).
         ids, positions: ``[B, R]`` (column 0, the root's token and position, already written); parents, depths:
             ``[B, R - 1]``; counts: ``[B]``. Padding nodes (token 0, parent -1, depth 1) fill what the trees leave.
+        uniforms: ``[B, L, K]`` float64 (:func:`tree_uniforms`), with ``plan.draws > 0``.
+        proposals: with ``plan.draws > 0``, the buffers a sampled tree's draws go to for the rejection walk
+            (:class:`~spiffy.arspec.device_rejection.Proposals`: ``draws [B, R, K]``, ``q [B, L, V]`` float64,
+            ``q_row [B, R]``), laid out as :func:`~spiffy.arspec.device_rejection.round_proposals` lays them out.
     """
     parents.fill_(-1)
     depths.fill_(1)
     ids[:, 1:] = 0
     counts.zero_()
+    if proposals is not None:
+        assert proposals.q is not None and proposals.q_row is not None
+        proposals.draws.fill_(-1)
+        proposals.q.zero_()
     for b, row in enumerate(plan.rows):
         if row[0] == "none":
             continue
         draft = drafts[b, : row[1]]
-        tree = ddtree_of(draft, row[2], row[3]) if row[0] == "ddtree" else chain_device(draft)
+        if row[0] == "sampled":
+            assert uniforms is not None and proposals is not None and proposals.q is not None
+            sampling = SamplingConfig(temperature=row[3], top_k=row[4], top_p=row[5])
+            probs = proposal_probs(draft, sampling)
+            drawn = sampled_tree_device(probs, drafts_from_uniforms(probs, uniforms[b, : row[1], : row[2]]))
+            proposals.draws[b, : drawn.draws.shape[0], : row[2]] = drawn.draws
+            proposals.q[b, : row[1]] = probs
+            tree, count = drawn.tree, drawn.real
+        else:
+            tree = ddtree_of(draft, row[2], row[3]) if row[0] == "ddtree" else chain_device(draft)
+            count = tree.count
         n = int(tree.tokens.numel())
         ids[b, 1 : 1 + n] = tree.tokens
         parents[b, :n] = tree.parents
         depths[b, :n] = tree.depths
-        counts[b] = tree.count
+        counts[b] = count
     positions[:, 1:] = positions[:, :1] + depths
+    if proposals is not None:  # a leaf's depth may be past the last q row: it draws nothing, any row serves
+        assert proposals.q_row is not None
+        proposals.q_row.copy_(with_root(depths).clamp(max=plan.depth - 1))
