@@ -19,9 +19,9 @@ from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
 from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
 from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_drafter import static_drafter_of
-from spiffy.arspec.device_tree import ddtree_device
+from spiffy.arspec.device_tree import chain_device, ddtree_device
 from spiffy.arspec.drafter import DFlashDrafter
-from spiffy.arspec.tree import build_ddtree
+from spiffy.arspec.tree import build_chain, build_ddtree
 from spiffy.capture import StepGraphs, resolve_compile
 from spiffy.errors import ConfigError
 from spiffy.models import load_target
@@ -135,6 +135,11 @@ def test_buckets_are_reused_across_prompts_and_calls(pair):
     # the rounds' fused buckets ("round", rows, width, depth, walk plan, inputs): one, replayed every round
     rounds = {key: n for key, n in static.graphs.stats.runs.items() if key[:4] == ("round", 1, 9, BLOCK - 1)}
     assert len(rounds) == 1 and next(iter(rounds.values())) > 2
+    # the last rounds draft less (their drafts stop at max_new_tokens) and replay the same tree and drafter buckets
+    # (the draft's length is data of the step): one bucket each per generation, not one per draft length
+    trees = [key for key in static.graphs.stats.runs if key[0] == "tree"]
+    assert len(trees) == 1 and trees[0][3].rows == (("ddtree", BLOCK - 1, 8, 0.0, int(target.config.vocab_size)),)
+    assert list(static_drafter_of(base).graphs.stats.runs) == [(1, BLOCK)]
 
 
 @pytest.mark.parametrize("budget", [1, 4, 16, 64, 256])
@@ -182,6 +187,27 @@ def test_rows_mixing_methods(dirs, methods, accept, temperature):
     kinds = {row[0] for key in static_target_of(target).graphs.stats.runs if key[0] == "tree" for row in key[3].rows}
     mixed = accept == "rejection" and "ddtree" in methods
     assert ("sampled" in kinds) == (not mixed), kinds
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(depth=st.integers(1, 6), cut=st.integers(1, 6), vocab=st.integers(1, 40), budget=st.integers(1, 60),
+       ties=st.booleans(), seed=st.integers(0, 10**6))
+def test_a_shorter_draft_in_the_same_shapes_is_its_own_tree(depth, cut, vocab, budget, ties, seed):
+    """DDTree and the chain of a draft's first ``d`` rows, built over all ``L`` rows with ``d`` as data (one captured
+    tree step for every draft length): the host builder's tree of those rows, node for node, with its node count."""
+    d = min(cut, depth)
+    g = torch.Generator().manual_seed(seed)
+    raw = (torch.randint(-3, 1, (depth, vocab), generator=g).double() if ties
+           else torch.randn(depth, vocab, generator=g, dtype=torch.float64))
+    logprobs = torch.log_softmax(raw, dim=-1)
+    length = torch.tensor(d)
+    for host, dev in ((build_ddtree(logprobs[:d], budget), ddtree_device(logprobs, budget, length)),
+                      (build_chain(logprobs[:d]), chain_device(logprobs, length))):
+        n = int(dev.real)
+        assert n == host.num_nodes and dev.count >= n
+        for name in ("tokens", "parents", "depths", "scores"):
+            assert torch.equal(getattr(host, name), getattr(dev, name)[:n]), name
+        assert bool((dev.parents[n:] == -1).all()) and bool((dev.depths[n:] == 1).all())  # padding below the root
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)

@@ -236,7 +236,8 @@ class StaticTarget:
         proposals = (Proposals(buffers["draws"], buffers["q"], buffers["q_row"]) if plan.draws else None)
 
         def step() -> None:
-            tree_program(plan, buffers["drafts"], self.ids[:rows, :width], self.parents[:rows, : width - 1],
+            tree_program(plan, buffers["drafts"], buffers["lengths"], self.ids[:rows, :width],
+                         self.parents[:rows, : width - 1],
                          self.depths[:rows, : width - 1], self.counts[:rows], self.positions[:rows, :width],
                          buffers.get("uniforms"), proposals)
         return step
@@ -256,6 +257,8 @@ class StaticTarget:
         for b, draft in enumerate(drafts):
             if draft is not None:
                 buffers["drafts"][b, : draft.shape[0]].copy_(draft)
+        lengths = torch.tensor([0 if d is None else int(d.shape[0]) for d in drafts], dtype=torch.long)
+        buffers["lengths"].copy_(on_device(lengths, self.device))
         if plan.draws:
             assert uniforms is not None
             buffers["uniforms"].copy_(on_device(uniforms, self.device))
@@ -266,7 +269,8 @@ class StaticTarget:
         """A tree bucket's static buffers: the drafts ``[rows, L, V]``; with a sampled row, its uniforms
         ``[rows, L, K]`` and the proposals it writes (draws ``[rows, width, K]``, ``q [rows, L, V]``, ``q_row``)."""
         dev, vocab = self.device, int(first.shape[-1])
-        out = {"drafts": torch.zeros(rows, plan.depth, vocab, dtype=first.dtype, device=dev)}
+        out = {"drafts": torch.zeros(rows, plan.depth, vocab, dtype=first.dtype, device=dev),
+               "lengths": torch.zeros(rows, dtype=torch.long, device=dev)}
         if plan.draws:
             out["uniforms"] = torch.zeros(rows, plan.depth, plan.draws, dtype=torch.float64, device=dev)
             out["draws"] = torch.full((rows, width, plan.draws), -1, dtype=torch.long, device=dev)

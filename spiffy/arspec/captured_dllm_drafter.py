@@ -29,8 +29,8 @@ are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter
 warm-up runs the step more than once), so the drafted rows are never seen again (the eager drafter crops them).
 Nothing of the step is read from the host. Its output is ``[rows, L - 1, V]``: block rows ``1 .. L - 1`` (SDAR and
 LLaDA: the row at ``p`` predicts ``p``) or ``0 .. L - 2`` (Dream, shifted); row ``b``'s draft is its first
-``depths[b]``. ``L`` is one more than the deepest draft (a bidirectional block: only a block as long as the eager
-one gives its values).
+``depths[b]``. ``L`` is one more than the generation's deepest draft, in every round (the shorter drafts of the
+last rounds are masked to their own block rows, as for any row: one bucket, not one per draft length).
 
 The prompt (hundreds of tokens, once per generation) does not fit the ``B``-column context: the first round runs the
 same step program eagerly at the prompt's width, every later round replays the bucket. Unlike the eager loop, which

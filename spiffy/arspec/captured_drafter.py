@@ -17,9 +17,11 @@ GPU, the same static code run eagerly on a CPU) is the model's own forward over 
 context (B rows) ; block (L rows)]`` keys with a mask that shows row ``b`` its ``lengths[b]`` cached rows, its
 ``counts[b]`` new rows and its ``depths[b] + 1`` block rows, so each row attends over exactly the keys the eager
 drafter's forward of that row sees, in the same order (padded with hidden keys, so the attention sums in another
-order: the logits agree to rounding, the tokens exactly). ``L`` is one more than the deepest row's draft: ``B`` in
-every round but the last few of a generation (a draft that reaches ``max_new_tokens`` is shorter), where a bucket of
-the shorter block gives the draft the eager drafter's shorter block gives (a DFlash block is bidirectional). The new
+order: the logits agree to rounding, the tokens exactly). ``L`` is one more than the generation's deepest draft, in
+every round: a draft of the last rounds (it stops at ``max_new_tokens``) is shorter, and its row sees only its own
+``depths[b] + 1`` block rows, the keys the eager drafter's shorter block has (a DFlash block is bidirectional), so
+those rounds replay the same bucket instead of capturing (or, with ``compile="inductor"``, compiling) one per length.
+The new
 context's K/V are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter`, per row), and
 ``lengths`` advances by ``counts`` after the step (which stays idempotent: a capture's warm-up runs it more than
 once); the root's position is ``lengths + counts`` (every committed token precedes it), so nothing of the step is
@@ -145,14 +147,22 @@ class StaticBlockDrafter:
         self._prompt, self._staged = None, False
         return self
 
-    def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int]) -> list[torch.Tensor | None]:
+    def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int], block: int | None = None
+              ) -> list[torch.Tensor | None]:
         """Every row's ``[depth, V]`` draft logits (``None`` where ``depths[b] == 0``), in one block forward that
         also commits the staged context (so it runs even when no row drafts). Returns views of the step's output:
-        read them before the next draft."""
+        read them before the next draft.
+
+        ``block``: the bucket's block (``1 +`` the deepest draft of the generation, so that the last rounds, whose
+        drafts stop at ``max_new_tokens``, replay the same bucket instead of capturing, or compiling, one per
+        depth); ``None``: ``1 +`` the deepest of these drafts. Either way each row's query sees exactly its own
+        ``depths[b] + 1`` block rows (the step's mask), as the eager drafter's block of that length does (a block is
+        bidirectional): the values agree to rounding, as every padded key of the step does."""
         rows = len(roots)
-        # the block is as long as the deepest row's draft, as the eager drafter's is (a DFlash block is
-        # bidirectional, so only a shorter block gives a shorter draft the eager one's values)
-        block = 1 + max(int(d) for d in depths)
+        deepest = 1 + max(int(d) for d in depths)
+        block = deepest if block is None else int(block)
+        if block < deepest:
+            raise ValueError(f"a block of {block} cannot hold a draft of depth {deepest - 1}")
         meta = on_device(torch.tensor([[tok, d] for (tok, _pos), d in zip(roots, depths)], dtype=torch.long),
                          self.device)
         self.ids[:rows, 0] = meta[:, 0]

@@ -109,7 +109,8 @@ class CapturedRounds:
     def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int]) -> list[Draft | None]:
         """Every row's draft from the static drafter (one block forward: a bucket's replay)."""
         assert self.drafter is not None
-        return list(self.drafter.draft(roots, depths))
+        # one bucket for every round: the last rounds' shorter drafts are masked inside the generation's block
+        return list(self.drafter.draft(roots, depths, 1 + self.depth))
 
     def keep_rows(self, kept: Sequence[int]) -> None:
         self.static.keep_rows(kept)
@@ -122,7 +123,7 @@ class CapturedRounds:
               drafter_hooks: Sequence[TargetFeatureHooks]) -> list[tuple[list[int], list[int], int]]:
         """One round of every live row: per row ``(new tokens, kept verification rows, draft nodes)``."""
         static, rows = self.static, len(roots)
-        plan, by_rule = tree_plan(self.methods, self.configs, drafts), rule_walk(self.rules)
+        plan, by_rule = tree_plan(self.methods, self.configs, drafts, self.depth), rule_walk(self.rules)
         # the rejection walk takes the children of every row as point masses or every row's draws: not both
         mixed = by_rule == "rejection" and plan is not None and plan.draws > 0 and plan.point_mass
         if plan is not None and by_rule is not None and not mixed:  # trees built in a captured step, from the drafts

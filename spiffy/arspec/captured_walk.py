@@ -197,9 +197,11 @@ def round_tree(method: Method, config: DraftKnobs, draft: Draft | None, root_pos
     return None
 
 
-def ddtree_of(draft: torch.Tensor, budget: int, temperature: float) -> DeviceTree:
-    """DDTree's tree of ``draft [L, V]`` logits: the best-first tree of their tempered log-probabilities."""
-    return ddtree_device(torch.log_softmax(tempered(draft, temperature), dim=-1), budget)
+def ddtree_of(draft: torch.Tensor, budget: int, temperature: float, depth: torch.Tensor | None = None
+              ) -> DeviceTree:
+    """DDTree's tree of ``draft [L, V]`` logits: the best-first tree of their tempered log-probabilities (of the
+    first ``depth`` rows when that 0-d tensor is given: :func:`~spiffy.arspec.device_tree.ddtree_device`)."""
+    return ddtree_device(torch.log_softmax(tempered(draft, temperature), dim=-1), budget, depth)
 
 
 def plain_tree(tree: DeviceTree | SampledDeviceTree) -> DeviceTree:
@@ -239,7 +241,10 @@ class TreePlan:
     tree bucket's key). ``rows``: per row ``("ddtree", depth, budget, temperature, vocab)`` (DDTree over the
     tempered draft), ``("chain", depth)`` (the DFlash chain), ``("sampled", depth, drafts, temperature, top_k,
     top_p)`` (``drafts`` joint drafts drawn from the drafter: DEER and DFlash under the rejection rule at T > 0,
-    SpecDiff-2) or ``("none",)`` (no draft this round)."""
+    SpecDiff-2) or ``("none",)`` (no draft this round). A DDTree or chain row's ``depth`` is the generation's
+    deepest draft (the draft's own length is data of the step, so the last rounds of a generation, whose drafts
+    stop at ``max_new_tokens``, replay the same bucket); a sampled row's is its draft's (the merge's node order
+    depends on it)."""
 
     rows: tuple[tuple, ...]
 
@@ -265,11 +270,11 @@ class TreePlan:
         return any(r[0] in ("ddtree", "chain") for r in self.rows)
 
 
-def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: Sequence[Draft | None]
-              ) -> TreePlan | None:
+def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: Sequence[Draft | None],
+              depth: int) -> TreePlan | None:
     """The round's :class:`TreePlan` when every row's tree is one :func:`round_tree` builds from its draft logits
     alone (DDTree, the greedy DFlash chain, drafts sampled from the drafter), else ``None`` (DFlash2's selector:
-    built eagerly)."""
+    built eagerly). ``depth``: the generation's deepest draft (at least every draft's length)."""
     rows: list[tuple] = []
     for method, config, draft in zip(methods, configs, drafts):
         if draft is None:
@@ -277,14 +282,14 @@ def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: 
         elif not isinstance(draft, torch.Tensor):
             return None
         elif isinstance(method, BestTree):
-            rows.append(("ddtree", int(draft.shape[0]), int(config.budget), float(config.sampling.temperature),
+            rows.append(("ddtree", int(depth), int(config.budget), float(config.sampling.temperature),
                          int(draft.shape[-1])))
         elif isinstance(method, Chain) and method.samples(config):
             s = config.sampling
             rows.append(("sampled", int(draft.shape[0]), int(method.sample_count(config)), float(s.temperature),
                          int(s.top_k), float(s.top_p)))
         elif type(method) is Chain:
-            rows.append(("chain", int(draft.shape[0])))
+            rows.append(("chain", int(depth)))
         else:
             return None
     return TreePlan(tuple(rows))
@@ -301,13 +306,14 @@ def tree_uniforms(plan: TreePlan, configs: Sequence[DraftKnobs], roots: Sequence
     return out
 
 
-def tree_program(plan: TreePlan, drafts: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor,
-                 depths: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor,
+def tree_program(plan: TreePlan, drafts: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor,
+                 parents: torch.Tensor, depths: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor,
                  uniforms: torch.Tensor | None = None, proposals: Proposals | None = None) -> None:
     """Write every row's tree (:func:`round_tree`'s, node for node) into the round buffers (a tensor program).
 
     Args:
-        drafts: ``[B, L, V]`` the rows' draft logits (row ``b``'s first ``depth`` positions).
+        drafts: ``[B, L, V]`` the rows' draft logits (row ``b``'s first ``lengths[b]`` positions); lengths: ``[B]``
+            long, each draft's length (data: a DDTree or chain row's tree stops there).
         ids, positions: ``[B, R]`` (column 0, the root's token and position, already written); parents, depths:
             ``[B, R - 1]``; counts: ``[B]``. Padding nodes (token 0, parent -1, depth 1) fill what the trees leave.
         uniforms: ``[B, L, K]`` float64 (:func:`tree_uniforms`), with ``plan.draws > 0``.
@@ -336,8 +342,10 @@ def tree_program(plan: TreePlan, drafts: torch.Tensor, ids: torch.Tensor, parent
             proposals.q[b, : row[1]] = probs
             tree, count = drawn.tree, drawn.real
         else:
-            tree = ddtree_of(draft, row[2], row[3]) if row[0] == "ddtree" else chain_device(draft)
-            count = tree.count
+            length = lengths[b]
+            tree = ddtree_of(draft, row[2], row[3], length) if row[0] == "ddtree" else chain_device(draft, length)
+            assert tree.real is not None
+            count = tree.real
         n = int(tree.tokens.numel())
         ids[b, 1 : 1 + n] = tree.tokens
         parents[b, :n] = tree.parents

@@ -75,9 +75,14 @@ def ddtree_node_count(budget: int, depth: int, vocab: int) -> int:
     return total
 
 
-def ddtree_device(logprobs: torch.Tensor, budget: int) -> DeviceTree:
+def ddtree_device(logprobs: torch.Tensor, budget: int, depth: torch.Tensor | None = None) -> DeviceTree:
     """The host builder's tree (:func:`~spiffy.arspec.tree.build_ddtree`: same nodes, same order) of ``[L, V]``
-    log-probabilities, as ``[budget]`` device tensors (see the module docstring)."""
+    log-probabilities, as ``[budget]`` device tensors (see the module docstring).
+
+    ``depth``: a 0-d long device tensor ``d <= L``: the tree of the first ``d`` rows only (``build_ddtree`` of
+    ``logprobs[:d]``), in a program whose shapes do not depend on ``d`` (one captured step for every draft length:
+    a prefix deeper than ``d`` is invalid, and validity, not the shape, ends the tree); its node count is then data
+    (:attr:`DeviceTree.real`, ``count`` the bound of ``L`` rows). Rows past ``d`` are never read for the result."""
     depth_limit, vocab = int(logprobs.shape[0]), int(logprobs.shape[1])
     dev = logprobs.device
     n = ddtree_node_count(budget, depth_limit, vocab)
@@ -87,15 +92,19 @@ def ddtree_device(logprobs: torch.Tensor, budget: int) -> DeviceTree:
     vals, toks = top_ranked_static(logprobs, k)  # [L, K] each, value descending, ties by token id
     vals = vals.double()
     every = torch.ones(1, k, dtype=torch.bool, device=dev)
+    drafted = None if depth is None else torch.arange(depth_limit, device=dev) < depth  # [L]
 
     def ranked(d: int, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # the same top K below every parent: DDTree's depths are independent of the parent's token
         rows = int(after.shape[0])
         tok = toks[d].expand(rows, k)
-        return vals[d].expand(rows, k), tok, tok, every.expand(rows, k)
+        ok = every if drafted is None else every & drafted[d]
+        return vals[d].expand(rows, k), tok, tok, ok.expand(rows, k)
 
-    tree, _real = best_prefixes(ranked, depth_limit, k, int(budget), dev)
-    tree.count = n  # every prefix is valid: the first n picks are real, the count is exact
+    tree, real = best_prefixes(ranked, depth_limit, k, int(budget), dev)
+    tree.count = n  # every prefix of the L rows is valid: the first n picks are real, the count is exact
+    if depth is not None:
+        tree.real = real
     return tree
 
 
@@ -166,8 +175,10 @@ def padded_tree(width: int, count: int, dev: torch.device) -> DeviceTree:
     return DeviceTree(z, z - 1, z + 1, torch.full((width,), float("-inf"), dtype=torch.float64, device=dev), count)
 
 
-def chain_device(logits: torch.Tensor) -> DeviceTree:
-    """The DFlash chain (:func:`~spiffy.arspec.tree.build_chain`: the argmax at every depth) as device tensors."""
+def chain_device(logits: torch.Tensor, depth: torch.Tensor | None = None) -> DeviceTree:
+    """The DFlash chain (:func:`~spiffy.arspec.tree.build_chain`: the argmax at every depth) as device tensors;
+    ``depth`` (0-d long, ``<= L``): the chain of the first ``depth`` rows, padded to ``L`` nodes (its node count in
+    :attr:`DeviceTree.real`), as :func:`ddtree_device` takes it."""
     depth_limit = int(logits.shape[0])
     dev = logits.device
     if depth_limit == 0:
@@ -176,7 +187,13 @@ def chain_device(logits: torch.Tensor) -> DeviceTree:
     work = logits if logits.dtype == torch.float64 else logits.float()
     best = torch.log_softmax(work, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
     ramp = torch.arange(depth_limit, device=dev)
-    return DeviceTree(tok.long(), ramp - 1, ramp + 1, best.double().cumsum(0), depth_limit)
+    chain = DeviceTree(tok.long(), ramp - 1, ramp + 1, best.double().cumsum(0), depth_limit)
+    if depth is None:
+        return chain
+    pad = ramp >= depth  # nodes past the draft: padding below the root (never accepted)
+    return DeviceTree(chain.tokens.masked_fill(pad, 0), chain.parents.masked_fill(pad, -1),
+                      chain.depths.masked_fill(pad, 1), chain.scores.masked_fill(pad, float("-inf")), depth_limit,
+                      depth.clamp(max=depth_limit).to(torch.long).reshape(()))
 
 
 def ancestor_visibility(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
