@@ -97,6 +97,20 @@ def test_device_tree_is_the_host_tree(data, vocab, k, depth, seed, hand_made):
     _assert_same_tree(build_sampled_tree(probs, drafts), sampled_tree_device(probs, drafts), k, depth)
 
 
+@fast_settings(100)
+@given(data=st.data(), vocab=st.integers(2, 12), k=st.integers(1, 6), depth=st.integers(1, 6),
+       cut=st.integers(1, 6), seed=st.integers(0, 10**6))
+def test_a_shorter_draft_in_the_same_shapes_is_its_own_tree(data, vocab, k, depth, cut, seed):
+    """The tree of the drafts' first ``d`` tokens built in the shapes of ``D`` (``length=d``: one captured tree step
+    for every draft length) is the host builder's tree of ``drafts[:, :d]``, node for node, draws included."""
+    d = min(cut, depth)
+    gen = torch.Generator().manual_seed(seed)
+    probs = _probs(gen, depth, vocab, zero_frac=0.4)
+    drafts = _shared_drafts(data, k, depth, data.draw(st.integers(1, vocab)))
+    dev = sampled_tree_device(probs, drafts, torch.tensor(d))
+    _assert_same_tree(build_sampled_tree(probs[:d], drafts[:, :d]), dev, k, depth)
+
+
 def test_chains_and_wide_trees_match_the_host():
     """``K = 1`` (the DEER / DFlash chain under rejection) and the largest sizes: K = 16 drafts of depth 32."""
     gen = torch.Generator().manual_seed(5)

@@ -132,7 +132,8 @@ class CapturedRounds:
             self._fill_roots(roots, width)
             proposals = None
             if width > 1:
-                uniforms = tree_uniforms(plan, self.configs, roots) if plan.draws else None
+                lengths = [0 if d is None else int(d.shape[0]) for d in drafts]  # type: ignore[union-attr]
+                uniforms = tree_uniforms(plan, self.configs, roots, lengths) if plan.draws else None
                 proposals = static.build_trees(rows, width, plan, drafts, uniforms)
             clock.lap("tree_build")
             clock.lap("compile")

@@ -241,16 +241,15 @@ class TreePlan:
     tree bucket's key). ``rows``: per row ``("ddtree", depth, budget, temperature, vocab)`` (DDTree over the
     tempered draft), ``("chain", depth)`` (the DFlash chain), ``("sampled", depth, drafts, temperature, top_k,
     top_p)`` (``drafts`` joint drafts drawn from the drafter: DEER and DFlash under the rejection rule at T > 0,
-    SpecDiff-2) or ``("none",)`` (no draft this round). A DDTree or chain row's ``depth`` is the generation's
-    deepest draft (the draft's own length is data of the step, so the last rounds of a generation, whose drafts
-    stop at ``max_new_tokens``, replay the same bucket); a sampled row's is its draft's (the merge's node order
-    depends on it)."""
+    SpecDiff-2) or ``("none",)`` (no draft this round). A row's ``depth`` is the generation's deepest draft: the
+    draft's own length is data of the step (:func:`tree_program`'s ``lengths``), so the last rounds of a
+    generation, whose drafts stop at ``max_new_tokens``, replay the same bucket."""
 
     rows: tuple[tuple, ...]
 
     def counts(self) -> list[int]:
-        """Each row's node count (exact: DDTree's is :func:`~spiffy.arspec.device_tree.ddtree_node_count`; a sampled
-        tree's is its upper bound ``drafts x depth``, the real count stays on the device)."""
+        """Each row's node count for a draft of the generation's depth (an upper bound: a shorter draft's tree, and
+        a sampled tree, have their real count on the device)."""
         return [ddtree_node_count(r[2], r[1], r[4]) if r[0] == "ddtree" else r[1] if r[0] == "chain"
                 else r[1] * r[2] if r[0] == "sampled" else 0 for r in self.rows]
 
@@ -286,7 +285,7 @@ def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: 
                          int(draft.shape[-1])))
         elif isinstance(method, Chain) and method.samples(config):
             s = config.sampling
-            rows.append(("sampled", int(draft.shape[0]), int(method.sample_count(config)), float(s.temperature),
+            rows.append(("sampled", int(depth), int(method.sample_count(config)), float(s.temperature),
                          int(s.top_k), float(s.top_p)))
         elif type(method) is Chain:
             rows.append(("chain", int(depth)))
@@ -295,14 +294,15 @@ def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: 
     return TreePlan(tuple(rows))
 
 
-def tree_uniforms(plan: TreePlan, configs: Sequence[DraftKnobs], roots: Sequence[tuple[int, int]]) -> torch.Tensor:
+def tree_uniforms(plan: TreePlan, configs: Sequence[DraftKnobs], roots: Sequence[tuple[int, int]],
+                  lengths: Sequence[int]) -> torch.Tensor:
     """``[B, L, K]`` float64 host uniforms of the sampled rows' draws (``L = plan.depth``, ``K = plan.draws``; row
-    ``b``'s first ``depth x drafts`` are :func:`~spiffy.arspec.selfselect.draft_uniforms` keyed by its root
+    ``b``'s first ``lengths[b] x drafts`` are :func:`~spiffy.arspec.selfselect.draft_uniforms` keyed by its root
     position, exactly what :func:`~spiffy.arspec.selfselect.sample_drafts` draws with; zeros elsewhere)."""
     out = torch.zeros(len(plan.rows), plan.depth, plan.draws, dtype=torch.float64)
-    for b, (row, config, (_tok, pos)) in enumerate(zip(plan.rows, configs, roots)):
-        if row[0] == "sampled" and row[1] and row[2]:
-            out[b, : row[1], : row[2]] = draft_uniforms(config.sampling, row[2], row[1], pos)
+    for b, (row, config, (_tok, pos), length) in enumerate(zip(plan.rows, configs, roots, lengths)):
+        if row[0] == "sampled" and length and row[2]:
+            out[b, :length, : row[2]] = draft_uniforms(config.sampling, row[2], int(length), pos)
     return out
 
 
@@ -337,7 +337,8 @@ def tree_program(plan: TreePlan, drafts: torch.Tensor, lengths: torch.Tensor, id
             assert uniforms is not None and proposals is not None and proposals.q is not None
             sampling = SamplingConfig(temperature=row[3], top_k=row[4], top_p=row[5])
             probs = proposal_probs(draft, sampling)
-            drawn = sampled_tree_device(probs, drafts_from_uniforms(probs, uniforms[b, : row[1], : row[2]]))
+            drawn = sampled_tree_device(probs, drafts_from_uniforms(probs, uniforms[b, : row[1], : row[2]]),
+                                        lengths[b])
             proposals.draws[b, : drawn.draws.shape[0], : row[2]] = drawn.draws
             proposals.q[b, : row[1]] = probs
             tree, count = drawn.tree, drawn.real

@@ -55,10 +55,16 @@ class SampledDeviceTree:
     proposal: torch.Tensor
 
 
-def sampled_tree_device(probs: torch.Tensor, drafts: torch.Tensor) -> SampledDeviceTree:
+def sampled_tree_device(probs: torch.Tensor, drafts: torch.Tensor, length: torch.Tensor | None = None
+                        ) -> SampledDeviceTree:
     """:func:`~spiffy.arspec.selfselect.build_sampled_tree`'s tree of ``drafts`` ``[K, D]`` long (tokens in
     ``[0, V)``, e.g. from :func:`~spiffy.arspec.selfselect.sample_drafts`) drawn from ``probs`` ``[D, V]`` float64,
-    built by tensor programs of static shape with no host read (see the module docstring)."""
+    built by tensor programs of static shape with no host read (see the module docstring).
+
+    ``length``: a 0-d long tensor ``d <= D``: the tree of the drafts' first ``d`` tokens (``drafts[:, :d]`` from
+    ``probs[:d]``) in the shapes of ``D`` (one captured step for every draft length): a ``(k, d')`` with ``d' >= d``
+    is never new, so the running count of new flags is still the host's creation order over ``[K, d]``, and no draw
+    below a depth-``d`` node is written."""
     k, depth = int(drafts.shape[0]), int(drafts.shape[1])
     n = k * depth
     dev = drafts.device
@@ -73,6 +79,11 @@ def sampled_tree_device(probs: torch.Tensor, drafts: torch.Tensor) -> SampledDev
     same = (drafts.unsqueeze(1) == drafts.unsqueeze(0)).to(torch.long).cumprod(dim=-1).bool()  # [K, K, D]
     first = torch.where(same, ramp_k.view(k, 1, 1), k).amin(dim=0)  # [K, D]; same[k, k, d] holds, so <= k
     new = first == ramp_k.view(k, 1)  # [K, D]
+    below_real = None  # [K, D - 1]: the draw below (k, d') is a token of the draft (d' + 1 < d)
+    if length is not None:
+        drafted = torch.arange(depth, device=dev) < length  # [D]
+        new = new & drafted.view(1, depth)
+        below_real = drafted[1:].view(1, depth - 1).expand(k, depth - 1)
     ids = torch.cumsum(new.view(-1).to(torch.long), dim=0).view(k, depth) - 1  # host creation order
     node = ids.gather(0, first)  # [K, D] the node draft k passes through at depth d
     parent = torch.cat([torch.full((k, 1), -1, dtype=torch.long, device=dev), node[:, :-1]], dim=1)
@@ -91,9 +102,12 @@ def sampled_tree_device(probs: torch.Tensor, drafts: torch.Tensor) -> SampledDev
     # the draws below node[k, d] (depths d < D - 1): draft k's next token, in column rank[k, d]
     earlier = (ramp_k.view(k, 1) < ramp_k.view(1, k)).unsqueeze(-1)  # [j, k, 1]: j < k
     rank = (same & earlier).sum(dim=0)  # [K, D]
-    at = (node[:, :-1] * k + rank[:, :-1]).reshape(-1)
-    below = torch.full((n * k,), -1, dtype=torch.long, device=dev).scatter_(0, at, drafts[:, 1:].reshape(-1))
-    draws = torch.cat([drafts[:, 0].view(1, k), below.view(n, k)], dim=0)
+    at = node[:, :-1] * k + rank[:, :-1]  # [K, D - 1]
+    if below_real is not None:  # the draws past the draft go to one spare slot, cut below
+        at = torch.where(below_real, at, n * k)
+    below = torch.full((n * k + 1,), -1, dtype=torch.long, device=dev).scatter_(0, at.reshape(-1),
+                                                                                drafts[:, 1:].reshape(-1))
+    draws = torch.cat([drafts[:, 0].view(1, k), below[: n * k].view(n, k)], dim=0)
     return SampledDeviceTree(DeviceTree(tokens, parents, depths, scores, n), new.sum(), draws, probs)
 
 
