@@ -7,12 +7,15 @@ nothing back, and take over the captured path's DFlash2 rounds.
   the rest is padding, ``count`` the static bound; the device chain is :meth:`SelectorDraft.chain`'s.
 * No host read while building either (:class:`~spiffy.bench.syncs.SyncCounter` sees none).
 * ``compile=True`` == ``compile=False`` for ``dflash2`` and ``ddtree-dflash2`` (coupled at T = 0 and 0.7, rejection
-  at 0.9), the captured rounds walking on the device (no host walk) except the sampled chain, and a round reading
-  the device at most twice.
+  at 0.9), the captured rounds building their trees in the tree step and walking on the device (no host walk)
+  except the sampled chain, and a round reading the device at most twice; the tree step traces as one graph.
+* A shorter draft (the last rounds of a generation) built in the shapes of the full one, its length as data, is the
+  host builders' tree of the cut draft.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +28,13 @@ import spiffy.arspec.batch as batch_module
 import spiffy.arspec.captured_walk as captured_module
 from captured_rounds import captured_round_syncs
 from spiffy.arspec import ARSpecConfig, SamplingConfig, SelectorDraft, as_drafter, speculative_generate
+from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_rounds import CapturedRounds
 from spiffy.arspec.device_selector import selector_chain_device, selector_tree_device
 from spiffy.arspec.device_tree import DeviceTree, ddtree_node_count
 from spiffy.arspec.tree import DraftTree
 from spiffy.bench.syncs import SyncCounter
+from spiffy.capture import trace_steps
 from spiffy.models import load_ar_drafter, load_target, make_tiny_dflash2, make_tiny_target
 
 torch.set_num_threads(1)
@@ -86,6 +91,22 @@ def test_device_chain_is_the_host_chain(draft):
     host, dev = draft.chain(), selector_chain_device(draft)
     assert dev.real is None and dev.count == draft.depth
     _assert_same(host, dev, draft.depth)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None)
+@given(draft=selector_drafts(), cut=st.integers(1, 6), budget=st.integers(1, 40),
+       temperature=st.sampled_from([0.0, 0.7]))
+def test_a_shorter_draft_in_the_same_shapes_is_its_own_tree(draft, cut, budget, temperature):
+    """The tree and chain of the first ``d`` depths, built in the shapes of all ``D`` with ``d`` as data (one captured
+    tree step for every draft length): the host builders' of the draft cut to ``d`` depths."""
+    d = min(cut, draft.depth)
+    short = SelectorDraft(draft.candidates[:d], draft.first, draft.following[: d - 1], draft.vocab_size)
+    length = torch.tensor(d)
+    tree = selector_tree_device(draft, budget, temperature, length)
+    _assert_same(short.best_tree(budget, temperature), tree, int(tree.real))
+    chain = selector_chain_device(draft, length)
+    assert int(chain.real) == d
+    _assert_same(short.chain(), chain, d)
 
 
 def test_skipped_candidates_leave_padding():
@@ -209,6 +230,12 @@ def test_captured_equals_eager(pair, method, accept, temperature, budget, holes)
         mp.undo()
     eager, captured = runs
     assert captured.tokens == eager.tokens and len(captured.tokens) == 14
+    # DFlash2's deterministic trees are built in the captured tree step; its chain sampled through the selector
+    # (the rejection rule at T > 0) on the host
+    kinds = {row[0] for key in static_target_of(target).graphs.stats.runs if key[0] == "tree"
+             for row in key[3].rows} - {"none"}
+    sampled_chain = method == "dflash2" and accept == "rejection" and temperature > 0
+    assert kinds == (set() if sampled_chain else {"selector_tree" if method == "ddtree-dflash2" else "selector_chain"})
     assert captured.acceptance_lengths == eager.acceptance_lengths
     assert captured.nodes_per_round == eager.nodes_per_round
     full = budget if method == "ddtree-dflash2" else BLOCK - 1  # a round's nodes when no candidate is skipped
@@ -237,3 +264,22 @@ def test_captured_round_reads_the_device_at_most_twice(pair, method, accept, tem
     assert len(res.tokens) == 12 and len(per_round) == res.rounds
     assert len(built) == res.rounds
     assert max(per_round) <= 2, per_round
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,accept,temperature", [("ddtree-dflash2", "rejection", 0.9),
+                                                      ("dflash2", "coupled", 0.7)])
+def test_dflash2_tree_steps_trace_as_one_graph(pair, method, accept, temperature):
+    """DFlash2's tree step (its DDTree and greedy chain over the selector's scores) is one graph for TorchDynamo
+    (:func:`spiffy.capture.trace_steps`: no host read, no data-dependent shape), and returns the eager tokens."""
+    config = ARSpecConfig(method=method, budget=9, max_new_tokens=12, accept=accept,
+                          sampling=SamplingConfig(temperature=temperature, seed=3))
+    runs = []
+    for compile_ in (False, True):
+        target = load_target(pair[0], torch.float32, "cpu")
+        drafter = as_drafter(load_ar_drafter(pair[1], dtype=torch.float32))
+        with trace_steps() if compile_ else contextlib.nullcontext():
+            runs.append(speculative_generate(target, drafter, [5, 9, 2, 17], config, compile=compile_).tokens)
+    assert runs[1] == runs[0]
+    kinds = {row[0] for key in static_target_of(target).graphs.stats.runs if key[0] == "tree" for row in key[3].rows}
+    assert kinds == {"selector_tree" if method == "ddtree-dflash2" else "selector_chain"}

@@ -29,10 +29,11 @@ import torch
 from torch import nn
 
 from spiffy.arspec.captured_recurrent import StaticRecurrent
-from spiffy.arspec.captured_walk import (TreePlan, WalkInputs, WalkPlan, bucket_groups, packed_walk, tree_program,
-                                        walk_program)
+from spiffy.arspec.captured_walk import (TreePlan, WalkInputs, WalkPlan, bucket_groups, draft_length, packed_walk,
+                                        tree_program, walk_program)
 from spiffy.arspec.device_rejection import Proposals, SamplingGroups
 from spiffy.arspec.device_tree import ancestor_visibility
+from spiffy.arspec.selector import Draft, SelectorDraft
 from spiffy.arspec.stages import prefill_inputs
 from spiffy.capture import SlotCache, StatefulStep, StepGraphs, slot_cache_supported
 from spiffy.models.cache import hf_cache
@@ -231,51 +232,71 @@ class StaticTarget:
         return walk.keep, walk.accepted, packed_walk(walk, self.counts[:rows])
 
     def _tree_step(self, key: tuple) -> Callable[[], None]:
-        _kind, rows, width, plan, _dtype = key
+        _kind, rows, width, plan, _dtypes = key
         buffers = self._inputs[key]
         proposals = (Proposals(buffers["draws"], buffers["q"], buffers["q_row"]) if plan.draws else None)
+        selector = (SelectorDraft(buffers["candidates"], buffers["first"], buffers["following"], 0)
+                    if plan.candidates else None)
 
         def step() -> None:
-            tree_program(plan, buffers["drafts"], buffers["lengths"], self.ids[:rows, :width],
-                         self.parents[:rows, : width - 1],
-                         self.depths[:rows, : width - 1], self.counts[:rows], self.positions[:rows, :width],
-                         buffers.get("uniforms"), proposals)
+            tree_program(plan, buffers.get("drafts"), buffers["lengths"], self.ids[:rows, :width],
+                         self.parents[:rows, : width - 1], self.depths[:rows, : width - 1], self.counts[:rows],
+                         self.positions[:rows, :width], buffers.get("uniforms"), proposals, selector)
         return step
 
-    def build_trees(self, rows: int, width: int, plan: TreePlan, drafts: Sequence[torch.Tensor | None],
+    def build_trees(self, rows: int, width: int, plan: TreePlan, drafts: Sequence[Draft | None],
                     uniforms: torch.Tensor | None = None) -> Proposals | None:
-        """Every row's tree (``plan``) from its draft logits ``[depth, V]`` into the round buffers, in one bucket's
-        step (:func:`~spiffy.arspec.captured_walk.tree_program`): the drafts (and a sampled row's host ``uniforms``
-        ``[rows, L, K]``, :func:`~spiffy.arspec.captured_walk.tree_uniforms`) copied into its static buffers first
-        (the roots' tokens and positions are already in column 0). Returns the bucket's proposal buffers when a row
-        samples its drafts (what the rejection walk reads), else ``None``."""
-        first = next(d for d in drafts if d is not None)
-        key = ("tree", int(rows), int(width), plan, first.dtype)
+        """Every row's tree (``plan``) from its draft (logits ``[depth, V]``, or DFlash2's
+        :class:`~spiffy.arspec.selector.SelectorDraft`) into the round buffers, in one bucket's step
+        (:func:`~spiffy.arspec.captured_walk.tree_program`): the drafts, their lengths (and a sampled row's host
+        ``uniforms`` ``[rows, L, K]``, :func:`~spiffy.arspec.captured_walk.tree_uniforms`) copied into its static
+        buffers first (the roots' tokens and positions are already in column 0). Returns the bucket's proposal
+        buffers when a row samples its drafts (what the rejection walk reads), else ``None``."""
+        logits = next((d for d in drafts if isinstance(d, torch.Tensor)), None)
+        scores = next((d for d in drafts if isinstance(d, SelectorDraft)), None)
+        dtypes = (None if logits is None else logits.dtype, None if scores is None else scores.first.dtype)
+        key = ("tree", int(rows), int(width), plan, dtypes)
         buffers = self._inputs.get(key)
         if buffers is None:
-            buffers = self._inputs[key] = self._tree_buffers(rows, width, plan, first)
+            buffers = self._inputs[key] = self._tree_buffers(rows, width, plan, logits, scores)
         for b, draft in enumerate(drafts):
-            if draft is not None:
+            if isinstance(draft, SelectorDraft):
+                depth = draft.depth
+                buffers["candidates"][b, :depth].copy_(draft.candidates)
+                buffers["first"][b].copy_(draft.first)
+                buffers["following"][b, : max(depth - 1, 0)].copy_(draft.following)
+            elif draft is not None:
                 buffers["drafts"][b, : draft.shape[0]].copy_(draft)
-        lengths = torch.tensor([0 if d is None else int(d.shape[0]) for d in drafts], dtype=torch.long)
-        buffers["lengths"].copy_(on_device(lengths, self.device))
+        lengths = [draft_length(d) for d in drafts]
+        buffers["lengths"].copy_(on_device(torch.tensor(lengths, dtype=torch.long), self.device))
         if plan.draws:
             assert uniforms is not None
             buffers["uniforms"].copy_(on_device(uniforms, self.device))
         self.graphs.run(key)
         return Proposals(buffers["draws"], buffers["q"], buffers["q_row"]) if plan.draws else None
 
-    def _tree_buffers(self, rows: int, width: int, plan: TreePlan, first: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A tree bucket's static buffers: the drafts ``[rows, L, V]``; with a sampled row, its uniforms
-        ``[rows, L, K]`` and the proposals it writes (draws ``[rows, width, K]``, ``q [rows, L, V]``, ``q_row``)."""
-        dev, vocab = self.device, int(first.shape[-1])
-        out = {"drafts": torch.zeros(rows, plan.depth, vocab, dtype=first.dtype, device=dev),
-               "lengths": torch.zeros(rows, dtype=torch.long, device=dev)}
+    def _tree_buffers(self, rows: int, width: int, plan: TreePlan, logits: torch.Tensor | None,
+                      scores: SelectorDraft | None) -> dict[str, torch.Tensor]:
+        """A tree bucket's static buffers: the draft lengths ``[rows]``; with rows of logits, the drafts
+        ``[rows, L, V]`` and, with a sampled row, its uniforms ``[rows, L, K]`` and the proposals it writes (draws
+        ``[rows, width, K]``, ``q [rows, L, V]``, ``q_row``); with DFlash2 rows, their candidates ``[rows, L, K]``
+        and scores (first ``[rows, K]``, following ``[rows, L - 1, K, K]``)."""
+        dev, depth = self.device, plan.depth
+        out = {"lengths": torch.zeros(rows, dtype=torch.long, device=dev)}
+        if logits is not None:
+            vocab = int(logits.shape[-1])
+            out["drafts"] = torch.zeros(rows, depth, vocab, dtype=logits.dtype, device=dev)
         if plan.draws:
-            out["uniforms"] = torch.zeros(rows, plan.depth, plan.draws, dtype=torch.float64, device=dev)
+            assert logits is not None
+            out["uniforms"] = torch.zeros(rows, depth, plan.draws, dtype=torch.float64, device=dev)
             out["draws"] = torch.full((rows, width, plan.draws), -1, dtype=torch.long, device=dev)
-            out["q"] = torch.zeros(rows, plan.depth, vocab, dtype=torch.float64, device=dev)
+            out["q"] = torch.zeros(rows, depth, vocab, dtype=torch.float64, device=dev)
             out["q_row"] = torch.zeros(rows, width, dtype=torch.long, device=dev)
+        if scores is not None:
+            k = plan.candidates
+            out["candidates"] = torch.zeros(rows, depth, k, dtype=torch.long, device=dev)
+            out["first"] = torch.zeros(rows, k, dtype=scores.first.dtype, device=dev)
+            out["following"] = torch.zeros(rows, max(depth - 1, 0), k, k, dtype=scores.following.dtype, device=dev)
         return out
 
     def _load(self, key: tuple, tensors: dict[str, torch.Tensor]) -> None:

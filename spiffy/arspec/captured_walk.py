@@ -42,9 +42,9 @@ from spiffy.arspec.selector import Draft, SelectorDraft
 from spiffy.arspec.selfselect import draft_uniforms, drafts_from_uniforms, proposal_probs, sample_drafts
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["TreePlan", "WalkInputs", "WalkPlan", "bucket_groups", "ddtree_of", "packed_walk", "plain_tree",
-           "round_tree", "rule_walk", "tree_plan", "tree_program", "tree_uniforms", "unpack_walk", "walk_inputs",
-           "walk_kind", "walk_program"]
+__all__ = ["TreePlan", "WalkInputs", "WalkPlan", "bucket_groups", "ddtree_of", "draft_length", "packed_walk",
+           "plain_tree", "round_tree", "rule_walk", "tree_plan", "tree_program", "tree_uniforms", "unpack_walk",
+           "walk_inputs", "walk_kind", "walk_program"]
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,9 @@ class TreePlan:
     tree bucket's key). ``rows``: per row ``("ddtree", depth, budget, temperature, vocab)`` (DDTree over the
     tempered draft), ``("chain", depth)`` (the DFlash chain), ``("sampled", depth, drafts, temperature, top_k,
     top_p)`` (``drafts`` joint drafts drawn from the drafter: DEER and DFlash under the rejection rule at T > 0,
-    SpecDiff-2) or ``("none",)`` (no draft this round). A row's ``depth`` is the generation's deepest draft: the
+    SpecDiff-2), DFlash2's ``("selector_tree", depth, budget, temperature, candidates, vocab)`` (DDTree over its
+    selector) and ``("selector_chain", depth, candidates, vocab)`` (its greedy chain), or ``("none",)`` (no draft
+    this round). A row's ``depth`` is the generation's deepest draft: the
     draft's own length is data of the step (:func:`tree_program`'s ``lengths``), so the last rounds of a
     generation, whose drafts stop at ``max_new_tokens``, replay the same bucket."""
 
@@ -250,8 +252,10 @@ class TreePlan:
     def counts(self) -> list[int]:
         """Each row's node count for a draft of the generation's depth (an upper bound: a shorter draft's tree, and
         a sampled tree, have their real count on the device)."""
-        return [ddtree_node_count(r[2], r[1], r[4]) if r[0] == "ddtree" else r[1] if r[0] == "chain"
-                else r[1] * r[2] if r[0] == "sampled" else 0 for r in self.rows]
+        bound = {"ddtree": lambda r: ddtree_node_count(r[2], r[1], r[4]), "chain": lambda r: r[1],
+                 "sampled": lambda r: r[1] * r[2], "selector_tree": lambda r: ddtree_node_count(r[2], r[1], r[4]),
+                 "selector_chain": lambda r: r[1], "none": lambda r: 0}
+        return [bound[r[0]](r) for r in self.rows]
 
     @property
     def depth(self) -> int:
@@ -266,18 +270,38 @@ class TreePlan:
     @property
     def point_mass(self) -> bool:
         """Whether some row's tree is chosen by rank (DDTree, the chain), whose children are point-mass proposals."""
-        return any(r[0] in ("ddtree", "chain") for r in self.rows)
+        return any(r[0] in ("ddtree", "chain", "selector_tree", "selector_chain") for r in self.rows)
+
+    @property
+    def logits(self) -> bool:
+        """Whether some row's tree is built from draft logits (every kind but DFlash2's selector rows)."""
+        return any(r[0] in ("ddtree", "chain", "sampled") for r in self.rows)
+
+    @property
+    def candidates(self) -> int:
+        """The selector's candidates per depth (``0``: no DFlash2 row)."""
+        return max([r[-2] for r in self.rows if r[0].startswith("selector")], default=0)
 
 
 def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: Sequence[Draft | None],
               depth: int) -> TreePlan | None:
     """The round's :class:`TreePlan` when every row's tree is one :func:`round_tree` builds from its draft logits
-    alone (DDTree, the greedy DFlash chain, drafts sampled from the drafter), else ``None`` (DFlash2's selector:
-    built eagerly). ``depth``: the generation's deepest draft (at least every draft's length)."""
+    alone (DDTree, the greedy DFlash chain, drafts sampled from the drafter, DFlash2's DDTree and greedy chain over
+    its selector), else ``None`` (DFlash2's drafts sampled through its selector: built on the host). ``depth``: the
+    generation's deepest draft (at least every draft's length)."""
     rows: list[tuple] = []
     for method, config, draft in zip(methods, configs, drafts):
         if draft is None:
             rows.append(("none",))
+        elif isinstance(draft, SelectorDraft):
+            k = int(draft.candidates.shape[1])
+            if isinstance(method, BestTree):
+                rows.append(("selector_tree", int(depth), int(config.budget), float(config.sampling.temperature),
+                             k, int(draft.vocab_size)))
+            elif isinstance(method, Chain) and not method.samples(config):
+                rows.append(("selector_chain", int(depth), k, int(draft.vocab_size)))
+            else:
+                return None
         elif not isinstance(draft, torch.Tensor):
             return None
         elif isinstance(method, BestTree):
@@ -294,6 +318,13 @@ def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: 
     return TreePlan(tuple(rows))
 
 
+def draft_length(draft: Draft | None) -> int:
+    """How many positions ``draft`` drafts (``0``: no draft)."""
+    if draft is None:
+        return 0
+    return draft.depth if isinstance(draft, SelectorDraft) else int(draft.shape[0])
+
+
 def tree_uniforms(plan: TreePlan, configs: Sequence[DraftKnobs], roots: Sequence[tuple[int, int]],
                   lengths: Sequence[int]) -> torch.Tensor:
     """``[B, L, K]`` float64 host uniforms of the sampled rows' draws (``L = plan.depth``, ``K = plan.draws``; row
@@ -306,9 +337,10 @@ def tree_uniforms(plan: TreePlan, configs: Sequence[DraftKnobs], roots: Sequence
     return out
 
 
-def tree_program(plan: TreePlan, drafts: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor,
+def tree_program(plan: TreePlan, drafts: torch.Tensor | None, lengths: torch.Tensor, ids: torch.Tensor,
                  parents: torch.Tensor, depths: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor,
-                 uniforms: torch.Tensor | None = None, proposals: Proposals | None = None) -> None:
+                 uniforms: torch.Tensor | None = None, proposals: Proposals | None = None,
+                 selector: SelectorDraft | None = None) -> None:
     """Write every row's tree (:func:`round_tree`'s, node for node) into the round buffers (a tensor program).
 
     Args:
@@ -320,6 +352,8 @@ def tree_program(plan: TreePlan, drafts: torch.Tensor, lengths: torch.Tensor, id
         proposals: with ``plan.draws > 0``, the buffers a sampled tree's draws go to for the rejection walk
             (:class:`~spiffy.arspec.device_rejection.Proposals`: ``draws [B, R, K]``, ``q [B, L, V]`` float64,
             ``q_row [B, R]``), laid out as :func:`~spiffy.arspec.device_rejection.round_proposals` lays them out.
+        selector: with DFlash2 rows, their drafts batched (``candidates [B, L, K]``, ``first [B, K]``, ``following
+            [B, L - 1, K, K]``); ``drafts`` may then be ``None`` (no row drafts logits).
     """
     parents.fill_(-1)
     depths.fill_(1)
@@ -332,6 +366,14 @@ def tree_program(plan: TreePlan, drafts: torch.Tensor, lengths: torch.Tensor, id
     for b, row in enumerate(plan.rows):
         if row[0] == "none":
             continue
+        if row[0].startswith("selector"):
+            assert selector is not None
+            mine = SelectorDraft(selector.candidates[b], selector.first[b], selector.following[b], row[-1])
+            tree = (selector_tree_device(mine, row[2], row[3], lengths[b]) if row[0] == "selector_tree"
+                    else selector_chain_device(mine, lengths[b]))
+            _write_tree(b, tree, ids, parents, depths, counts)
+            continue
+        assert drafts is not None
         draft = drafts[b, : row[1]]
         if row[0] == "sampled":
             assert uniforms is not None and proposals is not None and proposals.q is not None
@@ -345,14 +387,21 @@ def tree_program(plan: TreePlan, drafts: torch.Tensor, lengths: torch.Tensor, id
         else:
             length = lengths[b]
             tree = ddtree_of(draft, row[2], row[3], length) if row[0] == "ddtree" else chain_device(draft, length)
-            assert tree.real is not None
             count = tree.real
-        n = int(tree.tokens.numel())
-        ids[b, 1 : 1 + n] = tree.tokens
-        parents[b, :n] = tree.parents
-        depths[b, :n] = tree.depths
-        counts[b] = count
+        _write_tree(b, tree, ids, parents, depths, counts, count)
     positions[:, 1:] = positions[:, :1] + depths
     if proposals is not None:  # a leaf's depth may be past the last q row: it draws nothing, any row serves
         assert proposals.q_row is not None
         proposals.q_row.copy_(with_root(depths).clamp(max=plan.depth - 1))
+
+
+def _write_tree(b: int, tree: DeviceTree, ids: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                counts: torch.Tensor, count: torch.Tensor | None = None) -> None:
+    """Row ``b``'s tree into the round buffers; its node count: ``count``, else the tree's data-dependent one."""
+    n = int(tree.tokens.numel())
+    ids[b, 1 : 1 + n] = tree.tokens
+    parents[b, :n] = tree.parents
+    depths[b, :n] = tree.depths
+    real = tree.real if count is None else count
+    assert real is not None  # a tree of a draft's length given as data: its count is data too
+    counts[b] = real

@@ -32,9 +32,11 @@ from spiffy.errors import ConfigError
 __all__ = ["selector_chain_device", "selector_tree_device"]
 
 
-def selector_chain_device(draft: SelectorDraft) -> DeviceTree:
+def selector_chain_device(draft: SelectorDraft, length: torch.Tensor | None = None) -> DeviceTree:
     """:meth:`SelectorDraft.chain`'s greedy chain (``D`` nodes: tokens, parents ``-1 .. D - 2``, depths ``1 .. D``,
-    cumulative ``log q`` at temperature 1 in float64) as ``[D]`` tensors on the draft's device."""
+    cumulative ``log q`` at temperature 1 in float64) as ``[D]`` tensors on the draft's device; ``length`` (0-d long,
+    ``<= D``): the chain of the first ``length`` depths, padded to ``D`` nodes (its count in :attr:`DeviceTree.real`:
+    one captured tree step for every draft length)."""
     depth = draft.depth
     dev = draft.candidates.device
     if depth == 0:
@@ -51,14 +53,23 @@ def selector_chain_device(draft: SelectorDraft) -> DeviceTree:
         index = nxt
         tokens.append(cands[d + 1].index_select(0, index))
     ramp = torch.arange(depth, device=dev)
-    return DeviceTree(torch.cat(tokens), ramp - 1, ramp + 1, torch.cat(scores), depth)
+    chain = DeviceTree(torch.cat(tokens), ramp - 1, ramp + 1, torch.cat(scores), depth)
+    if length is None:
+        return chain
+    pad = ramp >= length  # depths past the draft: padding below the root (never accepted)
+    return DeviceTree(chain.tokens.masked_fill(pad, 0), chain.parents.masked_fill(pad, -1),
+                      chain.depths.masked_fill(pad, 1), chain.scores.masked_fill(pad, float("-inf")), depth,
+                      length.clamp(max=depth).to(torch.long).reshape(()))
 
 
-def selector_tree_device(draft: SelectorDraft, budget: int, temperature: float) -> DeviceTree:
+def selector_tree_device(draft: SelectorDraft, budget: int, temperature: float,
+                         length: torch.Tensor | None = None) -> DeviceTree:
     """:meth:`SelectorDraft.best_tree`'s ``budget``-node DDTree at ``temperature`` (``0``: unscaled scores) as
     ``[budget]`` tensors on the draft's device: the host's nodes in its order first, ``count`` the static bound
     (:func:`~spiffy.arspec.device_tree.ddtree_node_count` of ``budget``, ``D`` depths and ``K`` candidates), ``real``
-    the 0-d number of real nodes (fewer when candidates of probability 0 are skipped), padding after them."""
+    the 0-d number of real nodes (fewer when candidates of probability 0 are skipped), padding after them.
+    ``length`` (0-d long, ``<= D``): the tree of the first ``length`` depths in the shapes of ``D`` (a deeper child
+    is invalid, as :func:`~spiffy.arspec.device_tree.ddtree_device` takes it)."""
     if budget < 0:
         raise ConfigError(f"tree budget must be >= 0, got {budget}; fix: pass budget=0 (plain AR) or more")
     depth, width = draft.depth, int(draft.candidates.shape[1])
@@ -71,6 +82,7 @@ def selector_tree_device(draft: SelectorDraft, budget: int, temperature: float) 
     logq_next = torch.log_softmax(tempered(draft.following.double(), temperature), dim=-1)  # [D - 1, K, K]
     k = min(int(budget), width)  # a rank >= budget never pops: its better siblings fill the budget first
     by_token = torch.sort(cands, dim=-1, stable=True).indices  # [D, K] candidate indices by token id, stable
+    drafted = None if length is None else torch.arange(depth, device=dev) < length  # [D]
 
     def ranked(d: int, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Depth ``d``'s candidates ranked below each parent (``after [P]``: the parents' candidate indices)."""
@@ -79,7 +91,8 @@ def selector_tree_device(draft: SelectorDraft, budget: int, temperature: float) 
         vals, pos = torch.sort(rows.gather(1, by_tok), dim=-1, descending=True, stable=True)
         idx = by_tok.gather(1, pos)[:, :k]  # [P, k] candidate indices, best first
         vals = vals[:, :k]
-        return vals, cands[d][idx], idx, vals != float("-inf")
+        ok = vals != float("-inf")
+        return vals, cands[d][idx], idx, ok if drafted is None else ok & drafted[d]
 
     tree, real = best_prefixes(ranked, depth, k, int(budget), dev)
     tree.count, tree.real = bound, real
