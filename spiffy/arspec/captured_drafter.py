@@ -21,8 +21,7 @@ order: the logits agree to rounding, the tokens exactly). ``L`` is one more than
 every round: a draft of the last rounds (it stops at ``max_new_tokens``) is shorter, and its row sees only its own
 ``depths[b] + 1`` block rows, the keys the eager drafter's shorter block has (a DFlash block is bidirectional), so
 those rounds replay the same bucket instead of capturing (or, with ``compile="inductor"``, compiling) one per length.
-The new
-context's K/V are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter`, per row), and
+The new context's K/V are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter`, per row), and
 ``lengths`` advances by ``counts`` after the step (which stays idempotent: a capture's warm-up runs it more than
 once); the root's position is ``lengths + counts`` (every committed token precedes it), so nothing of the step is
 read from the host. Its output is the block's ``[rows, L - 1, V]`` logits; row ``b``'s draft is its first

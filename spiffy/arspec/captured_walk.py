@@ -237,15 +237,15 @@ def rule_walk(rules: Sequence[AcceptanceRule]) -> str | None:
 
 @dataclass(frozen=True)
 class TreePlan:
-    """Every row's tree when it is built inside a captured step from the round's draft logits (hashable: part of the
-    tree bucket's key). ``rows``: per row ``("ddtree", depth, budget, temperature, vocab)`` (DDTree over the
+    """Every row's tree when it is built inside a captured step from the round's drafts (hashable: part of the tree
+    bucket's key). ``rows``: per row ``("ddtree", depth, budget, temperature, vocab)`` (DDTree over the
     tempered draft), ``("chain", depth)`` (the DFlash chain), ``("sampled", depth, drafts, temperature, top_k,
     top_p)`` (``drafts`` joint drafts drawn from the drafter: DEER and DFlash under the rejection rule at T > 0,
     SpecDiff-2), DFlash2's ``("selector_tree", depth, budget, temperature, candidates, vocab)`` (DDTree over its
     selector) and ``("selector_chain", depth, candidates, vocab)`` (its greedy chain), or ``("none",)`` (no draft
-    this round). A row's ``depth`` is the generation's deepest draft: the
-    draft's own length is data of the step (:func:`tree_program`'s ``lengths``), so the last rounds of a
-    generation, whose drafts stop at ``max_new_tokens``, replay the same bucket."""
+    this round). A row's ``depth`` is the generation's deepest draft: the draft's own length is data of the step
+    (:func:`tree_program`'s ``lengths``), so the last rounds of a generation, whose drafts stop at
+    ``max_new_tokens``, replay the same bucket."""
 
     rows: tuple[tuple, ...]
 
@@ -273,11 +273,6 @@ class TreePlan:
         return any(r[0] in ("ddtree", "chain", "selector_tree", "selector_chain") for r in self.rows)
 
     @property
-    def logits(self) -> bool:
-        """Whether some row's tree is built from draft logits (every kind but DFlash2's selector rows)."""
-        return any(r[0] in ("ddtree", "chain", "sampled") for r in self.rows)
-
-    @property
     def candidates(self) -> int:
         """The selector's candidates per depth (``0``: no DFlash2 row)."""
         return max([r[-2] for r in self.rows if r[0].startswith("selector")], default=0)
@@ -285,8 +280,8 @@ class TreePlan:
 
 def tree_plan(methods: Sequence[Method], configs: Sequence[DraftKnobs], drafts: Sequence[Draft | None],
               depth: int) -> TreePlan | None:
-    """The round's :class:`TreePlan` when every row's tree is one :func:`round_tree` builds from its draft logits
-    alone (DDTree, the greedy DFlash chain, drafts sampled from the drafter, DFlash2's DDTree and greedy chain over
+    """The round's :class:`TreePlan` when every row's tree is one :func:`round_tree` builds from its draft alone
+    (DDTree, the greedy DFlash chain, drafts sampled from the drafter, DFlash2's DDTree and greedy chain over
     its selector), else ``None`` (DFlash2's drafts sampled through its selector: built on the host). ``depth``: the
     generation's deepest draft (at least every draft's length)."""
     rows: list[tuple] = []
@@ -371,7 +366,7 @@ def tree_program(plan: TreePlan, drafts: torch.Tensor | None, lengths: torch.Ten
             mine = SelectorDraft(selector.candidates[b], selector.first[b], selector.following[b], row[-1])
             tree = (selector_tree_device(mine, row[2], row[3], lengths[b]) if row[0] == "selector_tree"
                     else selector_chain_device(mine, lengths[b]))
-            _write_tree(b, tree, ids, parents, depths, counts)
+            _write_tree(b, tree, tree.real, ids, parents, depths, counts)
             continue
         assert drafts is not None
         draft = drafts[b, : row[1]]
@@ -383,25 +378,24 @@ def tree_program(plan: TreePlan, drafts: torch.Tensor | None, lengths: torch.Ten
                                         lengths[b])
             proposals.draws[b, : drawn.draws.shape[0], : row[2]] = drawn.draws
             proposals.q[b, : row[1]] = probs
-            tree, count = drawn.tree, drawn.real
+            _write_tree(b, drawn.tree, drawn.real, ids, parents, depths, counts)
         else:
             length = lengths[b]
             tree = ddtree_of(draft, row[2], row[3], length) if row[0] == "ddtree" else chain_device(draft, length)
-            count = tree.real
-        _write_tree(b, tree, ids, parents, depths, counts, count)
+            _write_tree(b, tree, tree.real, ids, parents, depths, counts)
     positions[:, 1:] = positions[:, :1] + depths
     if proposals is not None:  # a leaf's depth may be past the last q row: it draws nothing, any row serves
         assert proposals.q_row is not None
         proposals.q_row.copy_(with_root(depths).clamp(max=plan.depth - 1))
 
 
-def _write_tree(b: int, tree: DeviceTree, ids: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                counts: torch.Tensor, count: torch.Tensor | None = None) -> None:
-    """Row ``b``'s tree into the round buffers; its node count: ``count``, else the tree's data-dependent one."""
+def _write_tree(b: int, tree: DeviceTree, real: torch.Tensor | None, ids: torch.Tensor, parents: torch.Tensor,
+                depths: torch.Tensor, counts: torch.Tensor) -> None:
+    """Row ``b``'s tree into the round buffers with its real node count (0-d, on the device: a tree built with the
+    draft's length as data has a data-dependent count)."""
+    assert real is not None
     n = int(tree.tokens.numel())
     ids[b, 1 : 1 + n] = tree.tokens
     parents[b, :n] = tree.parents
     depths[b, :n] = tree.depths
-    real = tree.real if count is None else count
-    assert real is not None  # a tree of a draft's length given as data: its count is data too
     counts[b] = real
