@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from spiffy.arspec.device_tree import DeviceTree, best_prefixes, ddtree_node_count, padded_tree
+from spiffy.arspec.device_tree import DeviceTree, best_prefixes, cut_chain, ddtree_node_count, padded_tree
 from spiffy.arspec.sampling import tempered
 from spiffy.arspec.selector import SelectorDraft
 from spiffy.errors import ConfigError
@@ -53,13 +53,7 @@ def selector_chain_device(draft: SelectorDraft, length: torch.Tensor | None = No
         index = nxt
         tokens.append(cands[d + 1].index_select(0, index))
     ramp = torch.arange(depth, device=dev)
-    chain = DeviceTree(torch.cat(tokens), ramp - 1, ramp + 1, torch.cat(scores), depth)
-    if length is None:
-        return chain
-    pad = ramp >= length  # depths past the draft: padding below the root (never accepted)
-    return DeviceTree(chain.tokens.masked_fill(pad, 0), chain.parents.masked_fill(pad, -1),
-                      chain.depths.masked_fill(pad, 1), chain.scores.masked_fill(pad, float("-inf")), depth,
-                      length.clamp(max=depth).to(torch.long).reshape(()))
+    return cut_chain(DeviceTree(torch.cat(tokens), ramp - 1, ramp + 1, torch.cat(scores), depth), length)
 
 
 def selector_tree_device(draft: SelectorDraft, budget: int, temperature: float,

@@ -34,7 +34,7 @@ from spiffy.sampling import SamplingConfig, filter_logits
 from spiffy.topk import top_ranked_static
 
 __all__ = ["DeviceTree", "RankedChildren", "WalkResult", "ancestor_visibility", "best_prefixes", "chain_device",
-           "coupled_walk", "ddtree_device", "ddtree_node_count", "padded_tree", "position_noise"]
+           "coupled_walk", "cut_chain", "ddtree_device", "ddtree_node_count", "padded_tree", "position_noise"]
 
 
 @dataclass
@@ -187,13 +187,19 @@ def chain_device(logits: torch.Tensor, depth: torch.Tensor | None = None) -> Dev
     work = logits if logits.dtype == torch.float64 else logits.float()
     best = torch.log_softmax(work, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
     ramp = torch.arange(depth_limit, device=dev)
-    chain = DeviceTree(tok.long(), ramp - 1, ramp + 1, best.double().cumsum(0), depth_limit)
-    if depth is None:
+    return cut_chain(DeviceTree(tok.long(), ramp - 1, ramp + 1, best.double().cumsum(0), depth_limit), depth)
+
+
+def cut_chain(chain: DeviceTree, length: torch.Tensor | None) -> DeviceTree:
+    """A chain of ``L`` nodes (node ``i`` at depth ``i + 1``) cut to its first ``length`` (0-d long, data) and padded
+    back to ``L`` (its node count in :attr:`DeviceTree.real`); ``None``: the chain as it is."""
+    if length is None:
         return chain
-    pad = ramp >= depth  # nodes past the draft: padding below the root (never accepted)
+    n = int(chain.tokens.numel())
+    pad = torch.arange(n, device=chain.tokens.device) >= length  # past the draft: padding below the root
     return DeviceTree(chain.tokens.masked_fill(pad, 0), chain.parents.masked_fill(pad, -1),
-                      chain.depths.masked_fill(pad, 1), chain.scores.masked_fill(pad, float("-inf")), depth_limit,
-                      depth.clamp(max=depth_limit).to(torch.long).reshape(()))
+                      chain.depths.masked_fill(pad, 1), chain.scores.masked_fill(pad, float("-inf")), n,
+                      length.clamp(max=n).to(torch.long).reshape(()))
 
 
 def ancestor_visibility(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
