@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from captured_rounds import captured_round_syncs, rejection_round_syncs
-from spiffy.arspec import ARSpecConfig, SamplingConfig, ddtree_generate
+from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_generate
 from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
 from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_drafter import static_drafter_of
@@ -24,8 +24,8 @@ from spiffy.arspec.drafter import DFlashDrafter
 from spiffy.arspec.tree import build_chain, build_ddtree
 from spiffy.capture import StepGraphs, resolve_compile
 from spiffy.errors import ConfigError
-from spiffy.models import load_target
-from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_target
+from spiffy.models import load_ar_drafter, load_target
+from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_dflash2, make_tiny_target
 from spiffy.models.dflash import DFlashDraftModel, load_drafter
 from spiffy.topk import top_ranked, top_ranked_static
 
@@ -236,3 +236,52 @@ def test_switch_and_refusals(dirs):
     graphs = StepGraphs(lambda key: (lambda: torch.ones(key)), torch.device("cpu"))
     assert graphs.run(3).shape == (3,) and graphs.run(3).shape == (3,)
     assert graphs.stats.as_dict()["buckets"] == 1 and graphs.stats.runs[3] == 2 and not graphs.stats.captured
+
+
+@pytest.fixture(scope="module")
+def dflash2_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("captured_dflash2")
+    target = make_tiny_target(root / "target", seed=2, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                              vocab_size=48, weight_std=0.3, with_tokenizer=False)
+    drafter = make_tiny_dflash2(root / "drafter", target, seed=4, num_layers=2, target_layer_ids=[0, 1],
+                                block_size=BLOCK, selector_top_k=5, selector_rank=6, conv_kernel_size=3,
+                                conv_group_size=16)
+    return target, drafter
+
+
+@st.composite
+def _batches(draw):
+    """A random batch: a drafter family, each row's method (one for all, or mixed), the rule, T, top-k, dtype, and
+    per row a prompt, a length (short ones end in shorter drafts), a budget and a draft count."""
+    family = draw(st.sampled_from(["dflash", "dflash2"]))
+    pool = ["ar", "dflash", "ddtree", "specdiff"] if family == "dflash" else ["ar", "dflash2", "ddtree-dflash2"]
+    rows = draw(st.integers(1, 3))
+    methods = ([draw(st.sampled_from(pool))] * rows if draw(st.booleans())
+               else [draw(st.sampled_from(pool)) for _ in range(rows)])
+    vocab = 250 if family == "dflash" else 45
+    prompts = [draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=10)) for _ in range(rows)]
+    knobs = [(draw(st.integers(1, 17)), draw(st.sampled_from([1, 3, 6, 12])), draw(st.sampled_from([1, 2, 4])))
+             for _ in range(rows)]
+    return (family, methods, draw(st.sampled_from(["coupled", "rejection"])), draw(st.sampled_from([0.0, 0.7, 1.0])),
+            draw(st.sampled_from([0, 5])), draw(st.sampled_from([torch.float32, torch.float64])), prompts, knobs)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(batch=_batches())
+def test_random_batches_captured_equal_eager(dirs, dflash2_dirs, batch):
+    """Random batches over every tree the captured path builds (DDTree, the DFlash chain, SpecDiff-2's sampled
+    drafts, DFlash2's tree and chain, plain AR; mixed or not, both rules, greedy and sampled, ragged lengths whose
+    last drafts are shorter): compile=True gives compile=False's tokens and acceptance lengths, row for row."""
+    family, methods, accept, temperature, top_k, dtype, prompts, knobs = batch
+    target_dir, drafter_dir = dirs if family == "dflash" else dflash2_dirs
+    runs = []
+    for compile_ in (False, True):
+        target, model = load_target(target_dir, dtype, "cpu"), load_ar_drafter(drafter_dir, dtype=dtype)
+        configs = [ARSpecConfig(method=m, budget=b, drafts=k, max_new_tokens=n, accept=accept,
+                                sampling=SamplingConfig(temperature=temperature, top_k=top_k, seed=s))
+                   for s, (m, (n, b, k)) in enumerate(zip(methods, knobs))]
+        drafters = [None if m == "ar" else as_drafter(model) for m in methods]
+        out = speculative_generate_batch(target, drafters, prompts, configs, compile=compile_)
+        runs.append([(r.tokens, r.acceptance_lengths) for r in out])
+    assert runs[1] == runs[0]
