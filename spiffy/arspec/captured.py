@@ -234,7 +234,7 @@ class StaticTarget:
     def _tree_step(self, key: tuple) -> Callable[[], None]:
         _kind, rows, width, plan, _dtypes = key
         buffers = self._inputs[key]
-        proposals = (Proposals(buffers["draws"], buffers["q"], buffers["q_row"]) if plan.draws else None)
+        proposals = _tree_proposals(buffers)
         selector = (SelectorDraft(buffers["candidates"], buffers["first"], buffers["following"], 0)
                     if plan.candidates else None)
 
@@ -273,7 +273,7 @@ class StaticTarget:
             assert uniforms is not None
             buffers["uniforms"].copy_(on_device(uniforms, self.device))
         self.graphs.run(key)
-        return Proposals(buffers["draws"], buffers["q"], buffers["q_row"]) if plan.draws else None
+        return _tree_proposals(buffers)
 
     def _tree_buffers(self, rows: int, width: int, plan: TreePlan, logits: torch.Tensor | None,
                       scores: SelectorDraft | None) -> dict[str, torch.Tensor]:
@@ -365,3 +365,8 @@ class StaticTarget:
             self.recurrent.keep_rows(kept)
         idx = device_tensor(list(kept), torch.long, self.device)
         self.valid[: len(kept)] = self.valid.index_select(0, idx)
+
+
+def _tree_proposals(buffers: dict[str, torch.Tensor]) -> Proposals | None:
+    """The proposals a tree bucket's sampled rows write (its draws, ``q`` and ``q_row`` buffers), else ``None``."""
+    return Proposals(buffers["draws"], buffers["q"], buffers["q_row"]) if "draws" in buffers else None

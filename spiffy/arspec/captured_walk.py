@@ -197,11 +197,11 @@ def round_tree(method: Method, config: DraftKnobs, draft: Draft | None, root_pos
     return None
 
 
-def ddtree_of(draft: torch.Tensor, budget: int, temperature: float, depth: torch.Tensor | None = None
+def ddtree_of(draft: torch.Tensor, budget: int, temperature: float, length: torch.Tensor | None = None
               ) -> DeviceTree:
     """DDTree's tree of ``draft [L, V]`` logits: the best-first tree of their tempered log-probabilities (of the
-    first ``depth`` rows when that 0-d tensor is given: :func:`~spiffy.arspec.device_tree.ddtree_device`)."""
-    return ddtree_device(torch.log_softmax(tempered(draft, temperature), dim=-1), budget, depth)
+    first ``length`` rows when that 0-d tensor is given: :func:`~spiffy.arspec.device_tree.ddtree_device`)."""
+    return ddtree_device(torch.log_softmax(tempered(draft, temperature), dim=-1), budget, length)
 
 
 def plain_tree(tree: DeviceTree | SampledDeviceTree) -> DeviceTree:

@@ -75,11 +75,11 @@ def ddtree_node_count(budget: int, depth: int, vocab: int) -> int:
     return total
 
 
-def ddtree_device(logprobs: torch.Tensor, budget: int, depth: torch.Tensor | None = None) -> DeviceTree:
+def ddtree_device(logprobs: torch.Tensor, budget: int, length: torch.Tensor | None = None) -> DeviceTree:
     """The host builder's tree (:func:`~spiffy.arspec.tree.build_ddtree`: same nodes, same order) of ``[L, V]``
     log-probabilities, as ``[budget]`` device tensors (see the module docstring).
 
-    ``depth``: a 0-d long device tensor ``d <= L``: the tree of the first ``d`` rows only (``build_ddtree`` of
+    ``length``: a 0-d long device tensor ``d <= L``: the tree of the first ``d`` rows only (``build_ddtree`` of
     ``logprobs[:d]``), in a program whose shapes do not depend on ``d`` (one captured step for every draft length:
     a prefix deeper than ``d`` is invalid, and validity, not the shape, ends the tree); its node count is then data
     (:attr:`DeviceTree.real`, ``count`` the bound of ``L`` rows). Rows past ``d`` are never read for the result."""
@@ -92,7 +92,7 @@ def ddtree_device(logprobs: torch.Tensor, budget: int, depth: torch.Tensor | Non
     vals, toks = top_ranked_static(logprobs, k)  # [L, K] each, value descending, ties by token id
     vals = vals.double()
     every = torch.ones(1, k, dtype=torch.bool, device=dev)
-    drafted = None if depth is None else torch.arange(depth_limit, device=dev) < depth  # [L]
+    drafted = None if length is None else torch.arange(depth_limit, device=dev) < length  # [L]
 
     def ranked(d: int, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # the same top K below every parent: DDTree's depths are independent of the parent's token
@@ -103,7 +103,7 @@ def ddtree_device(logprobs: torch.Tensor, budget: int, depth: torch.Tensor | Non
 
     tree, real = best_prefixes(ranked, depth_limit, k, int(budget), dev)
     tree.count = n  # every prefix of the L rows is valid: the first n picks are real, the count is exact
-    if depth is not None:
+    if length is not None:
         tree.real = real
     return tree
 
@@ -175,9 +175,9 @@ def padded_tree(width: int, count: int, dev: torch.device) -> DeviceTree:
     return DeviceTree(z, z - 1, z + 1, torch.full((width,), float("-inf"), dtype=torch.float64, device=dev), count)
 
 
-def chain_device(logits: torch.Tensor, depth: torch.Tensor | None = None) -> DeviceTree:
+def chain_device(logits: torch.Tensor, length: torch.Tensor | None = None) -> DeviceTree:
     """The DFlash chain (:func:`~spiffy.arspec.tree.build_chain`: the argmax at every depth) as device tensors;
-    ``depth`` (0-d long, ``<= L``): the chain of the first ``depth`` rows, padded to ``L`` nodes (its node count in
+    ``length`` (0-d long, ``<= L``): the chain of the first ``length`` rows, padded to ``L`` nodes (its node count in
     :attr:`DeviceTree.real`), as :func:`ddtree_device` takes it."""
     depth_limit = int(logits.shape[0])
     dev = logits.device
@@ -187,7 +187,7 @@ def chain_device(logits: torch.Tensor, depth: torch.Tensor | None = None) -> Dev
     work = logits if logits.dtype == torch.float64 else logits.float()
     best = torch.log_softmax(work, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
     ramp = torch.arange(depth_limit, device=dev)
-    return cut_chain(DeviceTree(tok.long(), ramp - 1, ramp + 1, best.double().cumsum(0), depth_limit), depth)
+    return cut_chain(DeviceTree(tok.long(), ramp - 1, ramp + 1, best.double().cumsum(0), depth_limit), length)
 
 
 def cut_chain(chain: DeviceTree, length: torch.Tensor | None) -> DeviceTree:
