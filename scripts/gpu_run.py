@@ -28,7 +28,8 @@ section writes its rows to ``results.json`` as soon as it ends (a run cut short 
 5. ``exactness``: random-weight LLaDA-8B, SDAR-8B and Qwen3-8B + DFlash drafter in float32 (TF32 off), bfloat16 and
    bfloat16 in batch-invariant mode: Spiffy vs baseline, DFlash / DDTree vs AR, batched rows vs alone; float32 and
    the batch-invariant mode must be bitwise, every bfloat16 divergence a proven near tie
-   (:mod:`spiffy.bench.exactness`); the mode's cost per token.
+   (:mod:`spiffy.bench.exactness`); the mode's cost per token, eager and captured (``compile=True``: AR and
+   DDTree@16), the mode's linear layers on int8 digit products (:mod:`spiffy.exact_linear`).
 6. ``projections``: measured acceptance x measured costs. Labelled projections: a real model's acceptance is not
    the tiny models'.
 
@@ -360,6 +361,9 @@ def markdown(data: dict[str, Any]) -> str:
                         firsts = ", ".join(f"{x['pair']}: {x['first_divergence']}" for x in r["rows"] if not x["identical"])
                         lines.append(f"| {model} | {label} | {r['identical']} | {r['unproven'] or '-'} | {firsts or '-'} |")
                 lines.append(f"| {model} | batch-invariant cost (x bfloat16 per token) | {modes.get('batch_invariant_cost')} | | |")
+                same = {label: r["captured_equals_eager"] for label, r in modes.items() if "captured_equals_eager" in r}
+                if same:
+                    lines.append(f"| {model} | captured tokens == eager (compile=True) | {same} | | |")
         elif name == "dllm_captured":
             lines += dllm_captured_markdown(res)
         elif name == "projections":

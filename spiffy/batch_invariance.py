@@ -16,10 +16,13 @@ takes another road that holds on every device and dtype by construction: **every
   grid fixed by the slice's largest magnitude (``2**-SUM_BITS`` of it) and added in float64, where every partial
   sum is an integer below ``2**53`` and therefore exact. The result is a function of the multiset of terms: no
   order, blocking, thread count or inserted zero (a masked key, a padded position) can change it.
-* A matrix product (:func:`exact_matmul`, ``F.linear``): each row of ``a`` and each column of ``b`` is rounded to
-  integers of ``(53 - ceil(log2 K)) // 2`` bits relative to its largest magnitude, and the product runs in float64
-  (BLAS / cuBLAS): every partial sum is again an exact integer, so the kernel's blocking does not matter. Weights'
-  integer copies are cached for the mode's lifetime.
+* A linear layer (``F.linear``, :func:`spiffy.exact_linear.exact_linear`): each row of ``x`` and of the weight is
+  rounded to integers on its own grid (22 and 14 bits below its largest magnitude), so every dot product is an
+  exact integer, computed by one float64 product on a CPU and by int8 digit products (``torch._int_mm``, int32
+  accumulation) on CUDA: the same integer either way, so the CPU suite proves the GPU's numbers; weights' integer
+  copies are cached for the mode's lifetime (on CUDA as many bytes as bfloat16 weights). Other matrix products
+  (:func:`exact_matmul`: attention scores, ``matmul`` / ``bmm``) round both operands to ``(53 - ceil(log2 K)) // 2``
+  bits and multiply in float64: exact partial sums again, so the kernel's blocking does not matter.
 * Attention (``F.scaled_dot_product_attention``): exact query-key products, a max (exact), ``exp``, and exact sums of
   the exponentials and of their products with the values, over the keys a query sees.
 * ``softmax`` / ``log_softmax`` / ``logsumexp`` / ``sum`` / ``mean`` / ``rms_norm`` / ``layer_norm``: exact sums.
@@ -28,10 +31,12 @@ takes another road that holds on every device and dtype by construction: **every
   depends on where it sits; the mode computes them on flat chunks padded to whole SIMD blocks (one code path for
   every element). Additions, products, quotients and square roots are correctly rounded and need nothing.
 
-Cost: float64 products and copies (measured in the README and by ``scripts/batch_near_ties.py --batch-invariant``).
+Cost: rounding to the grids, float64 element-wise work and exact sums (measured in the README and by
+``scripts/batch_near_ties.py --batch-invariant``; on a GPU by ``scripts/gpu_run.py``, section ``exactness``).
 Under the mode, speculative rows equal the baseline's rows *under the mode*; its numbers are not those of the
-default kernels (they are at least as accurate). Attention must be ``sdpa`` or ``eager`` (flex and flash-attn run
-their own kernels); in-place transcendental ops and reductions other than the ones above are left as they are.
+default kernels (their error is below the output's own bfloat16/float16 rounding, see :mod:`spiffy.exact_linear`).
+Attention must be ``sdpa`` (:data:`ATTENTION`); in-place transcendental ops and reductions other than the ones above
+are left as they are.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from spiffy.errors import ConfigError
+from spiffy.exact_linear import WeightGrid, exact_linear, power_grid
 
 #: integer bits each term of an exact sum keeps below its slice's largest magnitude
 SUM_BITS = 34
@@ -53,18 +59,10 @@ SUM_BITS_HEADROOM = 53 - SUM_BITS
 #: elements per chunk of a CPU element-wise call (a multiple of every SIMD block, below torch's parallel grain)
 CHUNK = 8192
 _SIMD_BLOCK = 64
-
-
-def _pow2(k: torch.Tensor) -> torch.Tensor:
-    """``2.0 ** k`` in float64, exactly, from the exponent bits (``k`` integer-valued, clamped to normal range)."""
-    return ((k.to(torch.int64).clamp_(-1022, 1023) + 1023) << 52).view(torch.float64)
-
-
-def _grid(x: torch.Tensor, dim: int | tuple[int, ...], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, unscale)``: powers of two such that ``x * scale`` has magnitude below ``2**bits`` over ``dim``."""
-    _, e = torch.frexp(x.abs().amax(dim=dim, keepdim=True))  # max = m * 2**e, m in [0.5, 1); e = 0 for zeros
-    k = e.to(torch.int64) - bits
-    return _pow2(-k), _pow2(k)
+#: integer bits of attention weights and values below their grids' largest magnitude (fixed, whatever the key count)
+ATTENTION_BITS = 18
+#: the most keys whose weighted values stay exact integers (``2 * ATTENTION_BITS + log2(MAX_KEYS) <= 53``)
+MAX_KEYS = 2**17
 
 
 def exact_sum(terms: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> torch.Tensor:
@@ -84,7 +82,7 @@ def exact_sum(terms: torch.Tensor, dim: int | tuple[int, ...] | None = None, kee
                           "run this reduction outside the mode")
     if n == 0:
         return x.sum(dim=dims, keepdim=keepdim)
-    scale, unscale = _grid(x, dims, SUM_BITS)
+    scale, unscale = power_grid(x, dims, SUM_BITS)
     total = torch.round(x * scale).sum(dim=dims, keepdim=True) * unscale
     return total if keepdim else total.squeeze(dims) if dims else total
 
@@ -99,41 +97,9 @@ def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return exact_matmul(a.unsqueeze(0), b).squeeze(-2)
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
     bits = (53 - max(1, math.ceil(math.log2(max(a.shape[-1], 2))))) // 2
-    sa, ua = _grid(a64, -1, bits)
-    sb, ub = _grid(b64, -2, bits)
+    sa, ua = power_grid(a64, -1, bits)
+    sb, ub = power_grid(b64, -2, bits)
     return torch.matmul(torch.round(a64 * sa), torch.round(b64 * sb)) * ua * ub
-
-
-class _WeightGrid:
-    """Integer copies of weights (``[N, K]`` -> ``[K, N]`` float64 integers and ``[1, N]`` unscale), cached per
-    tensor version for one mode's lifetime (weights do not change inside a decode)."""
-
-    def __init__(self) -> None:
-        self.cache: dict[int, tuple[Any, int, torch.Tensor, torch.Tensor]] = {}
-
-    def get(self, weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = id(weight)
-        hit = self.cache.get(key)
-        if hit is not None and hit[0] is weight and hit[1] == weight._version:
-            return hit[2], hit[3]
-        w64 = weight.detach().to(torch.float64)
-        scale, unscale = _grid(w64, -1, bits)
-        ints, un = torch.round(w64 * scale).t().contiguous(), unscale.reshape(1, -1)
-        self.cache[key] = (weight, weight._version, ints, un)
-        return ints, un
-
-
-def _linear(grid: _WeightGrid, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with exact sums: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]`` in ``x``'s dtype."""
-    k = x.shape[-1]
-    bits = (53 - max(1, math.ceil(math.log2(max(k, 2))))) // 2
-    w_int, w_un = grid.get(weight, bits)
-    x64 = x.reshape(-1, k).to(torch.float64)
-    sx, ux = _grid(x64, -1, bits)
-    out = torch.mm(torch.round(x64 * sx), w_int) * ux * w_un
-    if bias is not None:
-        out = out + bias.to(torch.float64)
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _elementwise(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -252,15 +218,29 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Te
         else:
             scores = scores + attn_mask.to(torch.float64)
     _, exps, total = _softmax_parts(scores, -1)  # masked keys: exactly 0
-    v64 = v.to(torch.float64)
-    outs = []
-    step = max(1, (1 << 22) // max(1, lk * v.shape[-1] * math.prod(scores.shape[:-2])))  # bound the [.., Lq, Lk, D]
-    for start in range(0, lq, step):
-        e = exps[..., start : start + step, :]
-        outs.append(exact_sum(e.unsqueeze(-1) * v64.unsqueeze(-3), -2))
-    num = torch.cat(outs, dim=-2)
+    num = _weighted_values(exps, v)
     out = torch.where(total > 0, num / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(num))
     return out.to(q.dtype)
+
+
+def _weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``weights @ v`` as exact integer dot products: ``weights [..., Lq, Lk]`` (float64, >= 0; a masked key's weight
+    exactly 0), ``v [..., Lk, D]`` -> ``[..., Lq, D]`` float64.
+
+    Each value row is rounded on its own grid (a key's grid depends on that key alone); its unscale, a power of two,
+    moves exactly into the key's weight; each query's weights are then rounded on a grid fixed by its largest weight
+    over the keys it sees (a masked key's 0 moves nothing). Every dot product is then an integer of at most
+    ``2**53`` (``ATTENTION_BITS`` bits a factor, at most ``MAX_KEYS`` terms): one float64 matrix product, exact
+    whatever the kernel, instead of materialising ``[..., Lq, Lk, D]`` terms."""
+    if v.shape[-2] > MAX_KEYS:
+        raise ConfigError(f"batch-invariant attention sums over at most {MAX_KEYS} keys exactly, got {v.shape[-2]}; "
+                          "fix: run this context outside the mode")
+    bits = ATTENTION_BITS  # not a function of the key count: padding keys must not move a query's grid
+    v64 = v.to(torch.float64)
+    sv, uv = power_grid(v64, -1, bits)
+    scaled = weights * uv.transpose(-1, -2)
+    sw, uw = power_grid(scaled, -1, bits)
+    return torch.matmul(torch.round(scaled * sw), torch.round(v64 * sv)) * uw
 
 
 _ELEMENTWISE = (
@@ -276,9 +256,9 @@ class BatchInvariantMode(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.weights = _WeightGrid()
+        self.weights = WeightGrid()
         self.table: dict[Any, Callable[..., Any]] = {
-            F.linear: lambda x, w, b=None: _linear(self.weights, x, w, b),
+            F.linear: lambda x, w, b=None: exact_linear(self.weights, x, w, b),
             torch.matmul: _matmul, torch.Tensor.__matmul__: _matmul, torch.mm: _matmul, torch.Tensor.mm: _matmul,
             torch.bmm: _matmul, torch.Tensor.bmm: _matmul,
             F.scaled_dot_product_attention: _sdpa,
@@ -314,16 +294,17 @@ def _needs_grad(args: tuple) -> bool:
 _ACTIVE: list[BatchInvariantMode] = []
 
 
-#: attention implementations the mode reaches (the others run kernels of their own)
-ATTENTION = ("sdpa", "eager")
+#: attention implementations the mode reaches: sdpa alone. Flex attention and flash-attn run kernels of their own;
+#: "eager" attention multiplies its probabilities by the values in ``torch.matmul``, whose grids span every key of the
+#: call, masked ones included, so a masked key's values would move a query's last bits (seen in float32)
+ATTENTION = ("sdpa",)
 
 
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True, model: Any = None) -> Iterator[None]:
     """Run the body in batch-invariant mode (a no-op when ``enabled`` is false or the mode is already on).
 
-    ``model`` (optional): checked to attend with ``sdpa`` or ``eager`` (flex attention and flash-attn run their own
-    kernels, which the mode does not reach). Example::
+    ``model`` (optional): checked to attend with ``sdpa`` (see :data:`ATTENTION`). Example::
 
         with spiffy.batch_invariant():
             base = spiffy.generate(model, ids, cfg)
@@ -337,8 +318,8 @@ def batch_invariant(enabled: bool = True, model: Any = None) -> Iterator[None]:
         return
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     if impl not in ATTENTION:
-        raise ConfigError(f"batch-invariant mode needs attention through sdpa or eager, the model uses {impl!r}; fix: "
-                          "load it with attn_implementation='sdpa'")
+        raise ConfigError(f"batch-invariant mode computes attention in F.scaled_dot_product_attention, the model "
+                          f"attends with {impl!r}; fix: load it with attn_implementation='sdpa'")
     mode = BatchInvariantMode()
     _ACTIVE.append(mode)
     try:
@@ -353,5 +334,5 @@ def is_batch_invariant() -> bool:
     return bool(_ACTIVE)
 
 
-__all__ = ["ATTENTION", "BatchInvariantMode", "CHUNK", "SUM_BITS", "batch_invariant", "exact_matmul", "exact_sum",
-           "is_batch_invariant"]
+__all__ = ["ATTENTION", "ATTENTION_BITS", "BatchInvariantMode", "CHUNK", "MAX_KEYS", "SUM_BITS", "batch_invariant",
+           "exact_matmul", "exact_sum", "is_batch_invariant"]

@@ -80,7 +80,9 @@ def dllm_exactness(model: torch.nn.Module, device: torch.device, small: bool, in
 
 def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torch.device, small: bool,
                  invariant: bool) -> dict[str, Any]:
-    """DFlash and DDTree@16 vs AR (one prompt, greedy), and DFlash batched rows vs alone."""
+    """DFlash and DDTree@16 vs AR (one prompt, greedy), and DFlash batched rows vs alone; AR and DDTree@16 timed on
+    the captured path too (``compile=True``, after a first call that captures), with whether its tokens are the
+    eager path's (``captured_equals_eager``: informative; bfloat16 kernels chosen by shape may round otherwise)."""
     new = 16 if small else 32
     vocab = int(target.get_input_embeddings().weight.shape[0])
     prompts = _prompts(vocab, (5, 8) if small else (48, 64), seed=1)
@@ -88,9 +90,11 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
     rows, seconds = [], {}
     with batch_invariant(invariant, model=target):
         ar, seconds["ar"] = gpu_costs.timed(device, lambda: ddtree_generate(target, None, prompts[0], method="ar", **kw))
+        eager = {"ar": ar}
         for method, budget in (("dflash", None), ("ddtree", 16)):
             got, seconds[method] = gpu_costs.timed(device, lambda: ddtree_generate(target, drafter, prompts[0], method=method,
                                                                          budget=budget, **kw))
+            eager[method] = got
             div = None
             if list(ar.tokens) != list(got.tokens):
                 spec_cfg = ARSpecConfig(method=method, max_new_tokens=new, sampling=SamplingConfig(temperature=0.0),
@@ -98,13 +102,22 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
                 div = prove_ar_divergence(target, DFlashDrafter(drafter), prompts[0], spec_cfg,
                                           outputs=(list(ar.tokens), list(got.tokens)))
             rows.append(_pair(f"{method} vs ar", list(ar.tokens), list(got.tokens), div))
+        captured = {}
+        for method, budget in (("ar", None), ("ddtree", 16)):  # what a GPU user runs: the captured path
+            def run(method: str = method, budget: int | None = budget) -> Any:
+                return ddtree_generate(target, None if method == "ar" else drafter, prompts[0], method=method,
+                                       budget=budget, compile=True, **kw)
+            run()  # the first call captures the buckets
+            got, seconds[f"{method} captured"] = gpu_costs.timed(device, run)
+            captured[method] = list(got.tokens) == list(eager[method].tokens)
         cfg = ARSpecConfig(method="dflash", max_new_tokens=new, sampling=SamplingConfig(temperature=0.0))
         for r in range(len(prompts)):
             proof = explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), prompts, r, cfg)
             rows.append({"pair": f"dflash batched row {r} vs alone", "identical": proof is None,
                          "first_divergence": None if proof is None else proof.position,
                          **({} if proof is None else {"near_tie": bool(proof.near_tie), "proof": proof.to_dict()})})
-    return {"rows": rows, "seconds_per_token": {k: v / new for k, v in seconds.items()}}
+    return {"rows": rows, "seconds_per_token": {k: v / new for k, v in seconds.items()},
+            "captured_equals_eager": captured}
 
 
 def real_size_exactness(device: torch.device, small: bool) -> dict[str, Any]:

@@ -1,0 +1,174 @@
+"""Exact integer products for the batch-invariant mode's linear layers, the same numbers on a CPU and a GPU.
+
+A row of a linear layer's output must not depend on the other rows of the call. The mode gets that by making every
+dot product an exact integer: each row of ``x`` and each row of the weight is rounded to integers on a grid fixed
+by the row's largest magnitude (:func:`power_grid`: ``ACTIVATION_BITS`` and ``WEIGHT_BITS`` bits below it), so the
+dot product over ``K <= MAX_REDUCTION`` terms is an integer below ``2**52``, and any kernel, blocking or summation
+order computes it exactly. Two backends compute that same integer:
+
+* **float64** (a CPU, or any device without int8 matrix products): one float64 matrix product of the integer
+  copies; every product is below ``2**36`` and every partial sum an integer below ``2**53``, so no rounding occurs.
+* **int8 digits** (CUDA, :data:`INT8_DEVICES`): each integer written as balanced base-256 digits (``int8``, three
+  for an activation, two for a weight), one ``torch._int_mm`` (int8 tensor cores, int32 accumulation: exact below
+  ``2**31``) per weight digit over the stacked activation digits, and the digit products shifted and added in int64.
+  The weights' digits take as many bytes as bfloat16 weights, so a batch-1 decode reads what the default mode
+  reads (a float64 copy would read four times as much, at a GPU's float64 rate).
+
+Both give the exact integer, so they agree bit for bit (``tests/test_batch_invariance.py`` runs the int8 backend on
+a CPU and compares); the suite's CPU runs therefore prove the arithmetic a GPU runs. The result is then scaled back
+by powers of two (exact) in float64, the bias added, and cast to ``x``'s dtype.
+
+Accuracy: a weight keeps ``WEIGHT_BITS`` = 14 bits below its row's largest magnitude (every bfloat16 weight within
+``2**6`` of it exactly), an activation 22 bits below its row's (outliers 1000x the typical value still leave ~12
+bits); the default bfloat16 product rounds its output to 8 bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from spiffy.errors import ConfigError
+
+#: integer bits of a weight row below its largest magnitude (two balanced base-256 digits)
+WEIGHT_BITS = 14
+#: integer bits of an activation row below its largest magnitude (three balanced base-256 digits)
+ACTIVATION_BITS = 22
+#: the longest reduction whose integer dot products stay exact in float64 (< 2**53) and in int32 digit sums (< 2**31)
+MAX_REDUCTION = 2**16
+#: device types whose products run on int8 digits (``torch._int_mm``); the others in float64
+INT8_DEVICES = {"cuda"}
+
+_WEIGHT_DIGITS, _ACTIVATION_DIGITS = 2, 3
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** k`` in float64, exactly, from the exponent bits (``k`` integer-valued, clamped to normal range)."""
+    return ((k.to(torch.int64).clamp_(-1022, 1023) + 1023) << 52).view(torch.float64)
+
+
+def power_grid(x: torch.Tensor, dim: int | tuple[int, ...], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, unscale)``: powers of two (float64, ``keepdim`` over ``dim``) such that ``x * scale`` has magnitude
+    at most ``2**bits`` over ``dim`` (``2**(bits - 1)`` or more for its largest element, unless all are zero)."""
+    _, e = torch.frexp(x.abs().amax(dim=dim, keepdim=True))  # max = m * 2**e, m in [0.5, 1); e = 0 for zeros
+    k = e.to(torch.int64) - bits
+    return _pow2(-k), _pow2(k)
+
+
+def balanced_digits(ints: torch.Tensor, count: int) -> torch.Tensor:
+    """``[count, *ints.shape]`` int8: base-256 digits in ``[-128, 127]``, least significant first, of the int64
+    ``ints`` (``sum(d[i] * 256**i) == ints`` when ``|ints| <= 2**(8 * count - 2)``).
+
+    Adding ``128 * (1 + 256 + ...)`` makes every value non-negative and every digit its byte minus 128 (the top
+    one unmasked): one broadcast over the shifts instead of a carry loop (fewer kernels on a GPU)."""
+    bias, shifts, masks = _digit_constants(count, ints.dim(), ints.device)
+    return ((((ints + bias).unsqueeze(0) >> shifts) & masks) - 128).to(torch.int8)
+
+
+@functools.lru_cache(maxsize=64)
+def _digit_constants(count: int, dims: int, device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``(bias, shifts, masks)`` of :func:`balanced_digits` (built once per device: a captured step reads them)."""
+    shape = (count,) + (1,) * dims
+    shifts = torch.arange(0, 8 * count, 8, device=device).reshape(shape)
+    masks = torch.tensor([255] * (count - 1) + [-1], device=device).reshape(shape)  # the top digit keeps its bits
+    return sum(128 << (8 * i) for i in range(count)), shifts, masks
+
+
+def int8_digit_products(x_digits: torch.Tensor, w_digits: torch.Tensor) -> torch.Tensor:
+    """The exact integer products ``X @ W.T`` from digits: ``x_digits [Dx, M, K]``, ``w_digits [Dw * N, K]`` (int8,
+    the weight's digits stacked along its rows, :class:`GridWeight`) -> ``[M, N]`` float64 (exact integers).
+
+    One ``torch._int_mm`` of the stacked activation digits by the stacked weight digits (each weight byte read once);
+    its int32 digit products are exact, and so are their sums scaled by ``256**(i + j)`` in float64 (integers below
+    ``2**53``, in any order). Rows are padded with zeros (exact) to the more than 16 that ``torch._int_mm`` takes on
+    CUDA; the weight's ``K`` and ``N`` come padded to multiples of 8."""
+    dx, m, k = x_digits.shape
+    rows = dx * m
+    stacked = x_digits.reshape(rows, k)
+    pad_rows, pad_k = max(17 - rows, (-rows) % 8), w_digits.shape[1] - k
+    if pad_rows or pad_k:
+        stacked = torch.nn.functional.pad(stacked, (0, pad_k, 0, pad_rows))
+    products = torch._int_mm(stacked, w_digits.t())[:rows]  # [Dx * M, Dw * N'] int32
+    dw = _WEIGHT_DIGITS
+    n = products.shape[1] // dw
+    places = _places(dx, dw, products.device)  # [Dx, 1, Dw, 1]: 256 ** (i + j)
+    return (products.reshape(dx, m, dw, n).to(torch.float64) * places).sum(dim=(0, 2))
+
+
+@functools.lru_cache(maxsize=64)
+def _places(dx: int, dw: int, device: torch.device) -> torch.Tensor:
+    """``[Dx, 1, Dw, 1]`` float64: ``256 ** (i + j)``, the place of activation digit ``i`` times weight digit ``j``."""
+    i = torch.arange(dx).reshape(dx, 1, 1, 1)
+    j = torch.arange(dw).reshape(1, 1, dw, 1)
+    return torch.ldexp(torch.ones(dx, 1, dw, 1, dtype=torch.float64), 8 * (i + j)).to(device)
+
+
+class GridWeight:
+    """One weight's integer copy: ``unscale [1, N]`` (float64 powers of two) and, by backend, ``ints [K, N]``
+    (float64 integers) or ``digits [2 * N', K']`` (int8: digit ``j`` of row ``n`` at row ``j * N' + n``; ``N'``
+    and ``K'`` padded with zeros to multiples of 8)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w64 = weight.detach().to(torch.float64)
+        scale, unscale = power_grid(w64, -1, WEIGHT_BITS)
+        ints = torch.round(w64 * scale)
+        self.unscale = unscale.reshape(1, -1)
+        self.out_features = int(weight.shape[0])
+        self.ints: torch.Tensor | None = None
+        self.digits: torch.Tensor | None = None
+        if weight.device.type in INT8_DEVICES:
+            n, k = ints.shape
+            padded = torch.nn.functional.pad(ints.to(torch.int64), (0, (-k) % 8, 0, (-n) % 8))
+            self.digits = balanced_digits(padded, _WEIGHT_DIGITS).reshape(-1, padded.shape[1])
+        else:
+            self.ints = ints.t().contiguous()
+
+
+class WeightGrid:
+    """The integer copies of the weights a mode has seen, per tensor version, for the mode's lifetime (weights do not
+    change inside a decode)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[int, tuple[Any, int, GridWeight]] = {}
+
+    def get(self, weight: torch.Tensor) -> GridWeight:
+        hit = self.cache.get(id(weight))
+        if hit is not None and hit[0] is weight and hit[1] == weight._version:
+            return hit[2]
+        grid = GridWeight(weight)
+        self.cache[id(weight)] = (weight, weight._version, grid)
+        return grid
+
+
+def exact_linear(grid: WeightGrid, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with exact integer dot products: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` ->
+    ``[..., N]`` in ``x``'s dtype; a row's result depends only on that row, the weight and the bias.
+
+    Raises:
+        ConfigError: ``K > MAX_REDUCTION``.
+    """
+    k = x.shape[-1]
+    if k > MAX_REDUCTION:
+        raise ConfigError(f"batch-invariant mode's exact products reduce over at most {MAX_REDUCTION} features, this "
+                          f"layer has {k}; fix: run this model without batch_invariant")
+    w = grid.get(weight)
+    x64 = x.reshape(-1, k).to(torch.float64)
+    scale, unscale = power_grid(x64, -1, ACTIVATION_BITS)
+    ints = torch.round(x64 * scale)
+    if w.digits is not None:
+        digits = balanced_digits(ints.to(torch.int64), _ACTIVATION_DIGITS)
+        out = int8_digit_products(digits, w.digits)[:, : w.out_features]
+    else:
+        assert w.ints is not None
+        out = torch.mm(ints, w.ints)
+    out = out * unscale * w.unscale
+    if bias is not None:
+        out = out + bias.to(torch.float64)
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+__all__ = ["ACTIVATION_BITS", "INT8_DEVICES", "MAX_REDUCTION", "WEIGHT_BITS", "GridWeight", "WeightGrid",
+           "balanced_digits", "exact_linear", "int8_digit_products", "power_grid"]
