@@ -83,6 +83,11 @@ class Run:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
+    def partial(self, name: str, result: Any) -> None:
+        """A section's results so far, saved at once (replaced by the whole result when the section ends)."""
+        self.data["sections"][name] = {"partial": result}
+        atomic_write_json(self.out / "results.json", self.data)
+
     def section(self, name: str, fn: Callable[[], Any], min_left_s: float = 0.0) -> None:
         if self.left() < min_left_s:
             self.data["sections"][name] = {"skipped": f"{self.left():.0f} s left, needs {min_left_s:.0f} s"}
@@ -283,7 +288,9 @@ def markdown(data: dict[str, Any]) -> str:
         if "error" in sec or "skipped" in sec:
             lines.append(f"**{'error' if 'error' in sec else 'skipped'}**: {sec.get('error', sec.get('skipped'))}")
             continue
-        res = sec["result"]
+        if "partial" in sec:  # the run was cut inside this section: what it had measured
+            lines.append("**partial**: the run ended inside this section")
+        res = sec.get("result", sec.get("partial"))
         if name == "lossless":
             lines += [f"dLLM single prompt identical: {res['dllm_single_identical']}; batched Spiffy = batched "
                       f"baseline: {res['dllm_batch_identical']}; DFlash/DDTree = AR: {res['ar_identical']}", ""]
@@ -393,7 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="captured,dllm_captured,lossless,bench,costs,inductor,exactness,"
                         "projections",
                         help="comma-separated subset")
+    parser.add_argument("--render", action="store_true", help="only rewrite GPU_RESULTS.md from --out's results.json "
+                        "(a run cut short saved every finished section, and the exactness section's models so far)")
     args = parser.parse_args(argv)
+    if args.render:
+        atomic_write_text(args.out / "GPU_RESULTS.md", markdown(json.loads((args.out / "results.json").read_text())))
+        return 0
     small = args.self_check or not torch.cuda.is_available()
     device = torch.device("cpu" if small else "cuda")
     dtype = torch.float32 if small else torch.bfloat16
@@ -410,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("inductor", lambda: inductor_timings(device, dtype, small), 240),
                 ("bench", lambda: bench(device, dtype, args.out, small), 90),
                 ("lossless", lambda: lossless(device, dtype, Path(tmp), small), 60),
-                ("exactness", lambda: exact.real_size_exactness(device, small), 120),
+                ("exactness", lambda: exact.real_size_exactness(device, small, lambda r: run.partial("exactness", r)),
+                 120),
                 ("projections", lambda: projections(run.data), 0)]
         for name, fn, need in plan:
             if name in wanted:

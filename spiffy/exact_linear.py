@@ -42,6 +42,7 @@ MAX_REDUCTION = 2**16
 INT8_DEVICES = {"cuda"}
 
 _WEIGHT_DIGITS, _ACTIVATION_DIGITS = 2, 3
+_ROWS_PER_CHUNK = 4096
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,7 @@ def _places(dx: int, dw: int, device: torch.device) -> torch.Tensor:
     """``[Dx, 1, Dw, 1]`` float64: ``256 ** (i + j)``, the place of activation digit ``i`` times weight digit ``j``."""
     i = torch.arange(dx).reshape(dx, 1, 1, 1)
     j = torch.arange(dw).reshape(1, 1, dw, 1)
-    return torch.ldexp(torch.ones(dx, 1, dw, 1, dtype=torch.float64), 8 * (i + j)).to(device)
+    return _pow2(8 * (i + j)).to(device)
 
 
 class GridWeight:
@@ -111,19 +112,24 @@ class GridWeight:
     and ``K'`` padded with zeros to multiples of 8)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        w64 = weight.detach().to(torch.float64)
-        scale, unscale = power_grid(w64, -1, WEIGHT_BITS)
-        ints = torch.round(w64 * scale)
-        self.unscale = unscale.reshape(1, -1)
-        self.out_features = int(weight.shape[0])
+        n, k = weight.shape
+        self.out_features = int(n)
         self.ints: torch.Tensor | None = None
         self.digits: torch.Tensor | None = None
-        if weight.device.type in INT8_DEVICES:
-            n, k = ints.shape
-            padded = torch.nn.functional.pad(ints.to(torch.int64), (0, (-k) % 8, 0, (-n) % 8))
-            self.digits = balanced_digits(padded, _WEIGHT_DIGITS).reshape(-1, padded.shape[1])
+        int8 = weight.device.type in INT8_DEVICES
+        unscales, parts = [], []
+        for start in range(0, n, _ROWS_PER_CHUNK):  # row chunks: float64/int64 temporaries of a vocabulary stay small
+            w64 = weight[start : start + _ROWS_PER_CHUNK].detach().to(torch.float64)
+            scale, unscale = power_grid(w64, -1, WEIGHT_BITS)
+            ints = torch.round(w64 * scale)
+            unscales.append(unscale)
+            parts.append(balanced_digits(ints.to(torch.int64), _WEIGHT_DIGITS) if int8 else ints)
+        self.unscale = torch.cat(unscales).reshape(1, -1)
+        if int8:  # [Dw, N, K] -> zero-padded [Dw, N', K'] -> [Dw * N', K']
+            digits = torch.nn.functional.pad(torch.cat(parts, dim=1), (0, (-k) % 8, 0, (-n) % 8))
+            self.digits = digits.reshape(-1, digits.shape[-1])
         else:
-            self.ints = ints.t().contiguous()
+            self.ints = torch.cat(parts).t().contiguous()
 
 
 class WeightGrid:

@@ -78,6 +78,8 @@ def test_int8_digits_give_the_float64_products(rows, k, n, dtype, outlier, seed)
     cpu = exact_linear(WeightGrid(), x, w, b)
     grid = WeightGrid()
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(exact_linear_module, "_ROWS_PER_CHUNK", 3)  # a weight's rows prepared in chunks: same copy
+        assert torch.equal(exact_linear(WeightGrid(), x, w, b), cpu)
         patch.setattr(exact_linear_module, "INT8_DEVICES", {"cpu"})
         digits = exact_linear(grid, x, w, b)
     assert grid.get(w).digits is not None and grid.get(w).ints is None  # the int8 backend did run

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spiffy.bench import gpu_costs
+from spiffy.bench import exactness, gpu_costs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,6 +131,24 @@ def test_self_check_exactness(tmp_path: Path) -> None:
             assert all(r["identical"] for r in modes[label]["rows"]), (model, label, modes[label]["rows"])
         assert not modes["bfloat16"]["unproven"]
         assert all(v > 0 for v in modes["batch_invariant_cost"].values())
+    qwen = res["Qwen3-8B + DFlash"]
+    assert {"ar captured", "ddtree captured"} <= set(qwen["batch_invariant_cost"])
+    for label in ("float32", "bfloat16 batch-invariant"):  # compile=True gives the eager tokens
+        assert qwen[label]["captured_equals_eager"] == {"ar": True, "ddtree": True}, label
+    # every model and mode reports its summary as it ends (the script saves each at once)
+    calls: list[dict] = []
+    torch.set_num_threads(1)
+    exactness.real_size_exactness(torch.device("cpu"), True, progress=calls.append)
+    assert len(calls) == 9 and set(calls[0]) == {"LLaDA-8B"} and set(calls[-1]) == set(res)
+    assert calls[0]["LLaDA-8B"]["float32"]["identical"] == "3/3"
+    # a run cut inside the section keeps the models it finished, and --render writes their tables
+    data["sections"]["exactness"] = {"partial": {"LLaDA-8B": res["LLaDA-8B"]}}
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_run.py"), "--render", "--out", str(tmp_path)],
+                   check=True, env=env, timeout=120)
+    md = (tmp_path / "GPU_RESULTS.md").read_text()
+    assert "**partial**" in md and "| LLaDA-8B | bfloat16 batch-invariant | 3/3 |" in md and "Qwen3" not in md
 
 
 @pytest.mark.slow

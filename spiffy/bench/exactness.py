@@ -13,7 +13,8 @@ on a GPU (section ``exactness``); ``small=True`` builds the same architectures a
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, Callable
 
 import torch
 
@@ -120,8 +121,10 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
             "captured_equals_eager": captured}
 
 
-def real_size_exactness(device: torch.device, small: bool) -> dict[str, Any]:
-    """Every model in every mode (see the module docstring); ``small``: toy sizes."""
+def real_size_exactness(device: torch.device, small: bool,
+                        progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every model in every mode (see the module docstring); ``small``: toy sizes; ``progress``: called with the
+    summary so far after every model and mode (a run cut short keeps what it measured)."""
     size = gpu_costs.shrink_config if small else (lambda c: c)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 products
@@ -135,12 +138,16 @@ def real_size_exactness(device: torch.device, small: bool) -> dict[str, Any]:
                 out.setdefault(name, {})[label] = dllm_exactness(model, device, small, invariant)
                 del model
                 _free(device)
+                if progress is not None:
+                    progress(summarize(copy.deepcopy(out)))
         for label, dtype, invariant in MODES:
             target = gpu_costs.build_random(size(gpu_costs.real_config("Qwen--Qwen3-8B")), device, dtype)
             drafter = gpu_costs.build_random(size(gpu_costs.real_config("z-lab--Qwen3-8B-DFlash-b16")), device, dtype)
             out.setdefault("Qwen3-8B + DFlash", {})[label] = ar_exactness(target, drafter, device, small, invariant)
             del target, drafter
             _free(device)
+            if progress is not None:
+                progress(summarize(copy.deepcopy(out)))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return summarize(out)
