@@ -361,8 +361,14 @@ def markdown(data: dict[str, Any]) -> str:
                 lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['ms_per_round']:.2f} | "
                              f"{r['ms_per_token']:.2f} | {r['tau']:.2f} | {r['first_call_s']:.1f} |")
         elif name == "exactness":
+            backends = res.get(exact.BACKEND_KEY)
+            if backends:
+                lines += [f"The mode's linear layer, int8 digit products == float64 products (bfloat16 inputs, shapes "
+                          f"{[r['shape'] for r in backends['rows']]}): **{backends['identical']}** identical", ""]
             lines += ["| model | mode | identical | unproven | first divergences |", "|---|---|---|---|---|"]
             for model, modes in res.items():
+                if model == exact.BACKEND_KEY:
+                    continue
                 for label, r in modes.items():
                     if label != "batch_invariant_cost":
                         firsts = ", ".join(f"{x['pair']}: {x['first_divergence']}" for x in r["rows"] if not x["identical"])

@@ -111,12 +111,12 @@ class GridWeight:
     (float64 integers) or ``digits [2 * N', K']`` (int8: digit ``j`` of row ``n`` at row ``j * N' + n``; ``N'``
     and ``K'`` padded with zeros to multiples of 8)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, int8: bool | None = None) -> None:
         n, k = weight.shape
         self.out_features = int(n)
         self.ints: torch.Tensor | None = None
         self.digits: torch.Tensor | None = None
-        int8 = weight.device.type in INT8_DEVICES
+        int8 = weight.device.type in INT8_DEVICES if int8 is None else int8
         unscales, parts = [], []
         for start in range(0, n, _ROWS_PER_CHUNK):  # row chunks: float64/int64 temporaries of a vocabulary stay small
             w64 = weight[start : start + _ROWS_PER_CHUNK].detach().to(torch.float64)
@@ -134,16 +134,17 @@ class GridWeight:
 
 class WeightGrid:
     """The integer copies of the weights a mode has seen, per tensor version, for the mode's lifetime (weights do not
-    change inside a decode)."""
+    change inside a decode); ``int8``: the backend (``None``: int8 digits on :data:`INT8_DEVICES`, else float64)."""
 
-    def __init__(self) -> None:
+    def __init__(self, int8: bool | None = None) -> None:
         self.cache: dict[int, tuple[Any, int, GridWeight]] = {}
+        self.int8 = int8
 
     def get(self, weight: torch.Tensor) -> GridWeight:
         hit = self.cache.get(id(weight))
         if hit is not None and hit[0] is weight and hit[1] == weight._version:
             return hit[2]
-        grid = GridWeight(weight)
+        grid = GridWeight(weight, self.int8)
         self.cache[id(weight)] = (weight, weight._version, grid)
         return grid
 

@@ -76,11 +76,10 @@ def test_int8_digits_give_the_float64_products(rows, k, n, dtype, outlier, seed)
     x[:, 0] *= 1.0 + outlier  # activation outliers: the grid follows the row's largest magnitude
     x, w, b = x.to(dtype), w.to(dtype), torch.randn(n, generator=g).to(dtype)
     cpu = exact_linear(WeightGrid(), x, w, b)
-    grid = WeightGrid()
+    grid = WeightGrid(int8=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(exact_linear_module, "_ROWS_PER_CHUNK", 3)  # a weight's rows prepared in chunks: same copy
         assert torch.equal(exact_linear(WeightGrid(), x, w, b), cpu)
-        patch.setattr(exact_linear_module, "INT8_DEVICES", {"cpu"})
         digits = exact_linear(grid, x, w, b)
     assert grid.get(w).digits is not None and grid.get(w).ints is None  # the int8 backend did run
     assert torch.equal(cpu, digits)
@@ -103,7 +102,7 @@ def test_balanced_digits_write_every_integer_back(values) -> None:
     assert torch.equal(sum(d.long() << (8 * i) for i, d in enumerate(balanced_digits(small, 2))), small)
 
 
-def test_products_at_the_bounds_stay_exact(monkeypatch) -> None:
+def test_products_at_the_bounds_stay_exact() -> None:
     """The longest reduction (``MAX_REDUCTION`` terms) at the grids' largest integers (each row's first entry sets
     its grid: activation ``X`` near ``2**22``, weight ``W`` near ``2**14``), the other entries chosen so that their
     low digits are all -128 (a digit product sum near ``2**30``, int32's limit is ``2**31``): both backends give the
@@ -116,8 +115,7 @@ def test_products_at_the_bounds_stay_exact(monkeypatch) -> None:
     w[:, 0] = torch.tensor([big_w, -big_w, big_w]) * 2.0**-14
     w[2, 1:] = -low_w * 2.0**-14
     cpu = exact_linear(WeightGrid(), x, w)
-    monkeypatch.setattr(exact_linear_module, "INT8_DEVICES", {"cpu"})
-    digits = exact_linear(WeightGrid(), x, w)
+    digits = exact_linear(WeightGrid(int8=True), x, w)
     assert torch.equal(cpu, digits)
     ints_x = [[big_x] + [low_x] * (k - 1), [-big_x] + [low_x] * (k - 1)]
     ints_w = [[big_w] + [low_w] * (k - 1), [-big_w] + [low_w] * (k - 1), [big_w] + [-low_w] * (k - 1)]

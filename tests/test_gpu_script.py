@@ -124,8 +124,11 @@ def test_self_check_exactness(tmp_path: Path) -> None:
     """The real-size exactness section (issue 38) at toy size on the CPU: float32 and the batch-invariant mode
     bitwise for Spiffy, batched rows, DFlash and DDTree; every bfloat16 divergence proven; the mode's cost reported."""
     data = _run(tmp_path, "exactness")
+    assert "int8 digit products == float64 products" in (tmp_path / "GPU_RESULTS.md").read_text()
     res = data["sections"]["exactness"]["result"]
-    assert set(res) == {"LLaDA-8B", "SDAR-8B", "Qwen3-8B + DFlash"}
+    assert set(res) == {"LLaDA-8B", "SDAR-8B", "Qwen3-8B + DFlash", exactness.BACKEND_KEY}
+    backends = res.pop(exactness.BACKEND_KEY)
+    assert backends["identical"] == f"{len(exactness.BACKEND_SHAPES)}/{len(exactness.BACKEND_SHAPES)}"
     for model, modes in res.items():
         for label in ("float32", "bfloat16 batch-invariant"):
             assert all(r["identical"] for r in modes[label]["rows"]), (model, label, modes[label]["rows"])
@@ -139,7 +142,8 @@ def test_self_check_exactness(tmp_path: Path) -> None:
     calls: list[dict] = []
     torch.set_num_threads(1)
     exactness.real_size_exactness(torch.device("cpu"), True, progress=calls.append)
-    assert len(calls) == 9 and set(calls[0]) == {"LLaDA-8B"} and set(calls[-1]) == set(res)
+    assert len(calls) == 9 and set(calls[0]) == {"LLaDA-8B", exactness.BACKEND_KEY}
+    assert set(calls[-1]) == set(res) | {exactness.BACKEND_KEY}
     assert calls[0]["LLaDA-8B"]["float32"]["identical"] == "3/3"
     # a run cut inside the section keeps the models it finished, and --render writes their tables
     data["sections"]["exactness"] = {"partial": {"LLaDA-8B": res["LLaDA-8B"]}}

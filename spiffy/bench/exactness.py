@@ -27,6 +27,7 @@ from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
 from spiffy.bench.common import first_mismatch
 from spiffy.bench.spec_fidelity import prove_ar_divergence, prove_dllm_divergence
 from spiffy.decoding import DecodeConfig
+from spiffy.exact_linear import WeightGrid, exact_linear
 from spiffy.selfspec.freedave import chain_graph_for
 
 #: (label, dtype, batch-invariant mode)
@@ -121,6 +122,28 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
             "captured_equals_eager": captured}
 
 
+#: the result's entry for :func:`int8_backend_check`
+BACKEND_KEY = "int8 backend"
+#: (rows, in features, out features) of the backend check: a decode step, a verification, Qwen3-8B's MLP and
+#: vocabulary shapes, and sizes that are no multiples of 8
+BACKEND_SHAPES = ((1, 4096, 4096), (17, 4096, 1024), (65, 12288, 4096), (3, 4096, 151936), (5, 100, 37))
+
+
+def int8_backend_check(device: torch.device, small: bool) -> dict[str, Any]:
+    """The batch-invariant mode's linear layer on int8 digits against float64 on ``device`` (both compute exact
+    integers, so they must be bitwise equal), bfloat16 inputs of :data:`BACKEND_SHAPES` (``small``: shrunk)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for m, k, n in BACKEND_SHAPES:
+        if small:
+            k, n = min(k, 200), min(n, 120)
+        x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+        w, b = torch.randn(n, k, generator=g).to(device, torch.bfloat16), torch.randn(n, generator=g).to(device)
+        same = torch.equal(exact_linear(WeightGrid(int8=True), x, w, b), exact_linear(WeightGrid(int8=False), x, w, b))
+        rows.append({"shape": [m, k, n], "identical": bool(same)})
+    return {"rows": rows, "identical": f"{sum(r['identical'] for r in rows)}/{len(rows)}"}
+
+
 def real_size_exactness(device: torch.device, small: bool,
                         progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every model in every mode (see the module docstring); ``small``: toy sizes; ``progress``: called with the
@@ -130,6 +153,7 @@ def real_size_exactness(device: torch.device, small: bool,
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 products
     out: dict[str, Any] = {}
     try:
+        backends = int8_backend_check(device, small)
         for name, fixture, _ in DLLMS:
             config = gpu_costs.real_config(fixture)
             config.setdefault("mask_token_id", 151669)  # SDAR's <|MASK|> lives in its tokenizer, not its config
@@ -139,7 +163,7 @@ def real_size_exactness(device: torch.device, small: bool,
                 del model
                 _free(device)
                 if progress is not None:
-                    progress(summarize(copy.deepcopy(out)))
+                    progress(summarize(copy.deepcopy(out)) | {BACKEND_KEY: backends})
         for label, dtype, invariant in MODES:
             target = gpu_costs.build_random(size(gpu_costs.real_config("Qwen--Qwen3-8B")), device, dtype)
             drafter = gpu_costs.build_random(size(gpu_costs.real_config("z-lab--Qwen3-8B-DFlash-b16")), device, dtype)
@@ -147,10 +171,10 @@ def real_size_exactness(device: torch.device, small: bool,
             del target, drafter
             _free(device)
             if progress is not None:
-                progress(summarize(copy.deepcopy(out)))
+                progress(summarize(copy.deepcopy(out)) | {BACKEND_KEY: backends})
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    return summarize(out)
+    return summarize(out) | {BACKEND_KEY: backends}
 
 
 def _free(device: torch.device) -> None:
@@ -174,9 +198,14 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def failures(result: dict[str, Any]) -> list[str]:
-    """What the run must not show: float32 or batch-invariant pairs that differ, bfloat16 divergences unproven."""
+    """What the run must not show: float32 or batch-invariant pairs that differ, bfloat16 divergences unproven, the
+    mode's two product backends apart."""
     bad = []
     for model, modes in result.items():
+        if model == BACKEND_KEY:
+            if modes["identical"].split("/")[0] != modes["identical"].split("/")[1]:
+                bad.append(f"int8 digit products != float64 products: {modes['identical']} identical")
+            continue
         for label, res in modes.items():
             if label == "batch_invariant_cost":
                 continue
@@ -187,4 +216,5 @@ def failures(result: dict[str, Any]) -> list[str]:
     return bad
 
 
-__all__ = ["MODES", "ar_exactness", "dllm_exactness", "failures", "real_size_exactness", "summarize"]
+__all__ = ["BACKEND_KEY", "MODES", "ar_exactness", "dllm_exactness", "failures", "int8_backend_check",
+           "real_size_exactness", "summarize"]
