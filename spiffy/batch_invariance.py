@@ -23,8 +23,9 @@ takes another road that holds on every device and dtype by construction: **every
   copies are cached for the mode's lifetime (on CUDA as many bytes as bfloat16 weights). Other matrix products
   (:func:`exact_matmul`: attention scores, ``matmul`` / ``bmm``) round both operands to ``(53 - ceil(log2 K)) // 2``
   bits and multiply in float64: exact partial sums again, so the kernel's blocking does not matter.
-* Attention (``F.scaled_dot_product_attention``): exact query-key products, a max (exact), ``exp``, and exact sums of
-  the exponentials and of their products with the values, over the keys a query sees.
+* Attention (``F.scaled_dot_product_attention``): exact query-key products, a max (exact), ``exp``, the exact sum of
+  the exponentials, and the values weighted by one exact integer product on grids that a masked key cannot move
+  (``ATTENTION_BITS`` bits, whatever the key count), over the keys a query sees.
 * ``softmax`` / ``log_softmax`` / ``logsumexp`` / ``sum`` / ``mean`` / ``rms_norm`` / ``layer_norm``: exact sums.
 * Transcendental element-wise functions (``exp``, ``log``, ``silu``, ``cos``, ...): on a CPU torch computes a
   tensor's elements with SIMD code and its tail with scalar code, whose last bits can differ, so an element's value

@@ -105,10 +105,9 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
                                           outputs=(list(ar.tokens), list(got.tokens)))
             rows.append(_pair(f"{method} vs ar", list(ar.tokens), list(got.tokens), div))
         captured = {}
-        for method, budget in (("ar", None), ("ddtree", 16)):  # what a GPU user runs: the captured path
-            def run(method: str = method, budget: int | None = budget) -> Any:
-                return ddtree_generate(target, None if method == "ar" else drafter, prompts[0], method=method,
-                                       budget=budget, compile=True, **kw)
+        for method, budget, draft in (("ar", None, None), ("ddtree", 16, drafter)):  # the captured path, as used
+            def run(method: str = method, budget: int | None = budget, draft: Any = draft) -> Any:
+                return ddtree_generate(target, draft, prompts[0], method=method, budget=budget, compile=True, **kw)
             run()  # the first call captures the buckets
             got, seconds[f"{method} captured"] = gpu_costs.timed(device, run)
             captured[method] = list(got.tokens) == list(eager[method].tokens)
