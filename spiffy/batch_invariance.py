@@ -275,6 +275,8 @@ class BatchInvariantMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if "out" in kwargs or _writes_in_place(getattr(func, "__name__", "")):
+            self.weights.forget_activation()
         impl = self.table.get(func)
         if impl is None or torch.is_grad_enabled() and _needs_grad(args):
             return func(*args, **kwargs)
@@ -285,6 +287,17 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not (torch.is_floating_point(a) and torch.is_floating_point(b)):
         return torch.matmul(a, b)
     return exact_matmul(a, b).to(torch.promote_types(a.dtype, b.dtype))
+
+
+#: the dunder methods that write into their tensor
+_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__delitem__", "__set__", "__iadd__", "__isub__", "__imul__",
+                               "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
+                               "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
+
+
+def _writes_in_place(name: str) -> bool:
+    """Whether a torch function of this name writes into a tensor (``add_``, ``copy_``, ``x[i] = v``, ``x += y``)."""
+    return name in _IN_PLACE_DUNDERS if name.startswith("__") else name.endswith("_")
 
 
 def _needs_grad(args: tuple) -> bool:

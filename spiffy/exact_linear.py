@@ -145,6 +145,28 @@ class WeightGrid:
     def __init__(self, int8: bool | None = None) -> None:
         self.cache: dict[int, tuple[Any, int, GridWeight]] = {}
         self.int8 = int8
+        #: the last activation's integer form: ``(x, version, int8, ints or digits, unscale)``. The projections
+        #: that read one input (q / k / v, gate / up) round it once. ``x`` is held (it cannot be freed and its id
+        #: reused while cached); the mode drops the entry at every in-place call (:meth:`forget_activation`), and
+        #: the version counter, where the tensor has one (inference tensors do not), must match too
+        self.last: tuple[torch.Tensor, int | None, bool, torch.Tensor, torch.Tensor] | None = None
+
+    def activation(self, x: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [..., K]`` on its grid: ``(ints [M, K] float64 or digits [3, M, K] int8, unscale [M, 1])``."""
+        version = None if x.is_inference() else x._version
+        last = self.last
+        if last is not None and last[0] is x and last[1] == version and last[2] == int8:
+            return last[3], last[4]
+        x64 = x.reshape(-1, x.shape[-1]).to(torch.float64)
+        scale, unscale = power_grid(x64, -1, ACTIVATION_BITS)
+        ints = torch.round(x64 * scale)
+        form = balanced_digits(ints.to(torch.int64), _ACTIVATION_DIGITS) if int8 else ints
+        self.last = (x, version, int8, form, unscale)
+        return form, unscale
+
+    def forget_activation(self) -> None:
+        """Drop the cached activation (a tensor may have been written in place)."""
+        self.last = None
 
     def get(self, weight: torch.Tensor) -> GridWeight:
         hit = self.cache.get(id(weight))
@@ -168,15 +190,12 @@ def exact_linear(grid: WeightGrid, x: torch.Tensor, weight: torch.Tensor,
         raise ConfigError(f"batch-invariant mode's exact products reduce over at most {MAX_REDUCTION} features, this "
                           f"layer has {k}; fix: run this model without batch_invariant")
     w = grid.get(weight)
-    x64 = x.reshape(-1, k).to(torch.float64)
-    scale, unscale = power_grid(x64, -1, ACTIVATION_BITS)
-    ints = torch.round(x64 * scale)
+    form, unscale = grid.activation(x, w.digits is not None)
     if w.digits is not None:
-        digits = balanced_digits(ints.to(torch.int64), _ACTIVATION_DIGITS)
-        out = int8_digit_products(digits, w.digits)[:, : w.out_features]
+        out = int8_digit_products(form, w.digits)[:, : w.out_features]
     else:
         assert w.ints is not None
-        out = torch.mm(ints, w.ints)
+        out = torch.mm(form, w.ints)
     out = out * unscale * w.unscale
     if bias is not None:
         out = out + bias.to(torch.float64)

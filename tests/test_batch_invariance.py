@@ -123,6 +123,37 @@ def test_products_at_the_bounds_stay_exact() -> None:
     assert torch.equal(cpu, torch.tensor(exact, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("write", ["mul_", "setitem", "iadd", "out"])
+@pytest.mark.parametrize("inference", [False, True])
+def test_an_input_read_twice_is_rounded_once_until_written(write, inference) -> None:
+    """Projections of one input (q / k / v) share its rounding; a write into it in place (a method ending in ``_``,
+    ``x[i] = v``, ``x += y``, ``out=``), also on an inference tensor (no version counter), rounds it again."""
+    g = torch.Generator().manual_seed(0)
+    w1, w2, y = (torch.randn(5, 8, generator=g).bfloat16() for _ in range(3))
+    context = torch.inference_mode() if inference else torch.no_grad()
+    with context, batch_invariant():
+        x = torch.randn(3, 8, generator=g).bfloat16()
+        first = F.linear(x, w1)
+        cached = batch_invariance._ACTIVE[0].weights.last
+        assert cached is not None and cached[0] is x
+        second = F.linear(x, w2)
+        assert batch_invariance._ACTIVE[0].weights.last is cached  # shared
+        before = x.clone()
+        if write == "mul_":
+            x.mul_(3)
+        elif write == "setitem":
+            x[0] = 7
+        elif write == "iadd":
+            x += y[:3]
+        else:
+            torch.add(x, 1, out=x)
+        again = F.linear(x, w1)
+    # the references, outside the mode (whose in-place calls would drop the cached rounding)
+    assert torch.equal(first, exact_linear(WeightGrid(), before, w1))
+    assert torch.equal(second, exact_linear(WeightGrid(), before, w2))
+    assert torch.equal(again, exact_linear(WeightGrid(), x, w1)) and not torch.equal(again, first)
+
+
 def test_a_longer_reduction_than_exact_products_hold_is_refused() -> None:
     with pytest.raises(ConfigError, match="at most 65536 features.*fix"):
         exact_linear(WeightGrid(), torch.zeros(1, MAX_REDUCTION + 1), torch.zeros(2, MAX_REDUCTION + 1))
