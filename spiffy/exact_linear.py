@@ -10,7 +10,8 @@ order computes it exactly. Two backends compute that same integer:
   copies; every product is below ``2**36`` and every partial sum an integer below ``2**53``, so no rounding occurs.
 * **int8 digits** (CUDA, :data:`INT8_DEVICES`): each integer written as balanced base-256 digits (``int8``, three
   for an activation, two for a weight), one ``torch._int_mm`` (int8 tensor cores, int32 accumulation: exact below
-  ``2**31``) per weight digit over the stacked activation digits, and the digit products shifted and added in int64.
+  ``2**31``) of the stacked activation digits by the stacked weight digits, and the digit products scaled by their
+  places and added in float64 (integers below ``2**53``: exact in any order).
   The weights' digits take as many bytes as bfloat16 weights, so a batch-1 decode reads what the default mode
   reads (a float64 copy would read four times as much, at a GPU's float64 rate).
 

@@ -4,7 +4,8 @@ baseline bitwise in bfloat16 too.
 
 The primitives are checked on random inputs (hypothesis): an exact sum does not move under permutation or inserted
 zeros and stays within its error bound of the true sum; a linear layer's row and an attention query do not move
-when other rows, queries or masked keys join the call. End to end, batched rows that diverge in bfloat16 by default
+when other rows, queries or masked keys join the call; the linear layer's two backends (int8 digit products, what
+CUDA runs, and float64) give the same integers, at the bounds too, within the stated error. End to end, batched rows that diverge in bfloat16 by default
 (a dLLM case and an AR case) are identical under the mode; breaking the mode on purpose (default attention kernel
 back in, or the padded row's positions counting its padding) brings the divergence back.
 """
