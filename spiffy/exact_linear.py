@@ -46,11 +46,6 @@ _WEIGHT_DIGITS, _ACTIVATION_DIGITS = 2, 3
 _ROWS_PER_CHUNK = 4096
 
 
-def _pow2(k: torch.Tensor) -> torch.Tensor:
-    """``2.0 ** k`` in float64, exactly, from the exponent bits (``k`` integer-valued, clamped to normal range)."""
-    return ((k.to(torch.int64).clamp_(-1022, 1023) + 1023) << 52).view(torch.float64)
-
-
 def power_grid(x: torch.Tensor, dim: int | tuple[int, ...], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, unscale)``: powers of two (float64, ``keepdim`` over ``dim``) such that ``x * scale`` (``x``
     float64) has magnitude at most ``2**bits`` over ``dim`` (``2**(bits - 1)`` or more for its largest element,
@@ -108,9 +103,8 @@ def int8_digit_products(x_digits: torch.Tensor, w_digits: torch.Tensor) -> torch
 @functools.lru_cache(maxsize=64)
 def _places(dx: int, dw: int, device: torch.device) -> torch.Tensor:
     """``[Dx, 1, Dw, 1]`` float64: ``256 ** (i + j)``, the place of activation digit ``i`` times weight digit ``j``."""
-    i = torch.arange(dx).reshape(dx, 1, 1, 1)
-    j = torch.arange(dw).reshape(1, 1, dw, 1)
-    return _pow2(8 * (i + j)).to(device)
+    places = [[float(256 ** (i + j)) for j in range(dw)] for i in range(dx)]  # powers of two: exact floats
+    return torch.tensor(places, dtype=torch.float64).reshape(dx, 1, dw, 1).to(device)
 
 
 class GridWeight:

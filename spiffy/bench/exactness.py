@@ -151,6 +151,10 @@ def real_size_exactness(device: torch.device, small: bool,
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 products
     out: dict[str, Any] = {}
+
+    def summary() -> dict[str, Any]:  # summarize() annotates in place: the running results stay raw
+        return summarize(copy.deepcopy(out)) | {BACKEND_KEY: backends}
+
     try:
         backends = int8_backend_check(device, small)
         for name, fixture, _ in DLLMS:
@@ -162,7 +166,7 @@ def real_size_exactness(device: torch.device, small: bool,
                 del model
                 _free(device)
                 if progress is not None:
-                    progress(summarize(copy.deepcopy(out)) | {BACKEND_KEY: backends})
+                    progress(summary())
         for label, dtype, invariant in MODES:
             target = gpu_costs.build_random(size(gpu_costs.real_config("Qwen--Qwen3-8B")), device, dtype)
             drafter = gpu_costs.build_random(size(gpu_costs.real_config("z-lab--Qwen3-8B-DFlash-b16")), device, dtype)
@@ -170,10 +174,10 @@ def real_size_exactness(device: torch.device, small: bool,
             del target, drafter
             _free(device)
             if progress is not None:
-                progress(summarize(copy.deepcopy(out)) | {BACKEND_KEY: backends})
+                progress(summary())
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    return summarize(out) | {BACKEND_KEY: backends}
+    return summary()
 
 
 def _free(device: torch.device) -> None:
@@ -202,17 +206,23 @@ def failures(result: dict[str, Any]) -> list[str]:
     bad = []
     for model, modes in result.items():
         if model == BACKEND_KEY:
-            if modes["identical"].split("/")[0] != modes["identical"].split("/")[1]:
+            if not _all(modes["identical"]):
                 bad.append(f"int8 digit products != float64 products: {modes['identical']} identical")
             continue
         for label, res in modes.items():
             if label == "batch_invariant_cost":
                 continue
-            if label != "bfloat16" and res["identical"].split("/")[0] != res["identical"].split("/")[1]:
+            if label != "bfloat16" and not _all(res["identical"]):
                 bad.append(f"{model} {label}: {res['identical']} identical")
             elif label == "bfloat16" and res["unproven"]:
                 bad.append(f"{model} bfloat16: unproven {res['unproven']}")
     return bad
+
+
+def _all(identical: str) -> bool:
+    """Whether a ``"k/n"`` count is every one."""
+    k, n = identical.split("/")
+    return k == n
 
 
 __all__ = ["BACKEND_KEY", "MODES", "ar_exactness", "dllm_exactness", "failures", "int8_backend_check",
