@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 from spiffy.errors import ConfigError
 from spiffy.exact_linear import WeightGrid, exact_linear, power_grid
+from spiffy.fused_stages import fuses, run_stage
 
 #: integer bits each term of an exact sum keeps below its slice's largest magnitude
 SUM_BITS = 34
@@ -73,7 +74,7 @@ def exact_sum(terms: torch.Tensor, dim: int | tuple[int, ...] | None = None, kee
     magnitude), summed exactly (every partial sum an integer below ``2**53``) and scaled back. Absolute error at most
     ``n * 2**-(SUM_BITS + 1)`` times the largest term; the value depends only on the multiset of terms.
     """
-    x = terms.to(torch.float64)
+    x = terms
     if dim is None:
         x, dim = x.reshape(-1), 0
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
@@ -82,10 +83,29 @@ def exact_sum(terms: torch.Tensor, dim: int | tuple[int, ...] | None = None, kee
         raise ConfigError(f"batch-invariant mode sums at most 2**{SUM_BITS_HEADROOM} terms exactly, got {n}; fix: "
                           "run this reduction outside the mode")
     if n == 0:
-        return x.sum(dim=dims, keepdim=keepdim)
+        return x.to(torch.float64).sum(dim=dims, keepdim=keepdim)
+    return run_stage(_grid_sum_stage, _fused(x), x, dims, keepdim)
+
+
+def _grid_sum_stage(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
+    """:func:`exact_sum`'s arithmetic (a stage, :func:`~spiffy.fused_stages.run_stage`: every operation exact)."""
+    x = x.to(torch.float64)
     scale, unscale = power_grid(x, dims, SUM_BITS)
     total = torch.round(x * scale).sum(dim=dims, keepdim=True) * unscale
     return total if keepdim else total.squeeze(dims) if dims else total
+
+
+def _grid_ints_stage(x: torch.Tensor, dims: tuple[int, ...], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(round(x * scale), unscale)`` in float64 on :func:`~spiffy.exact_linear.power_grid`'s grids of ``bits`` over
+    ``dims`` (a stage: every operation exact)."""
+    x64 = x.to(torch.float64)
+    scale, unscale = power_grid(x64, dims, bits)
+    return torch.round(x64 * scale), unscale
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Whether the exact stages of ``x`` run fused: the active mode's ``fused``, else by device."""
+    return fuses(x.device, _ACTIVE[-1].fused if _ACTIVE else None)
 
 
 def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -96,11 +116,10 @@ def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return exact_matmul(a, b.unsqueeze(-1)).squeeze(-1)
     if a.dim() == 1:
         return exact_matmul(a.unsqueeze(0), b).squeeze(-2)
-    a64, b64 = a.to(torch.float64), b.to(torch.float64)
     bits = (53 - max(1, math.ceil(math.log2(max(a.shape[-1], 2))))) // 2
-    sa, ua = power_grid(a64, -1, bits)
-    sb, ub = power_grid(b64, -2, bits)
-    return torch.matmul(torch.round(a64 * sa), torch.round(b64 * sb)) * ua * ub
+    ints_a, ua = run_stage(_grid_ints_stage, _fused(a), a, (-1,), bits)
+    ints_b, ub = run_stage(_grid_ints_stage, _fused(b), b, (-2,), bits)
+    return torch.matmul(ints_a, ints_b) * ua * ub
 
 
 def _elementwise(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -237,11 +256,10 @@ def _weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise ConfigError(f"batch-invariant attention sums over at most {MAX_KEYS} keys exactly, got {v.shape[-2]}; "
                           "fix: run this context outside the mode")
     bits = ATTENTION_BITS  # not a function of the key count: padding keys must not move a query's grid
-    v64 = v.to(torch.float64)
-    sv, uv = power_grid(v64, -1, bits)
-    scaled = weights * uv.transpose(-1, -2)
-    sw, uw = power_grid(scaled, -1, bits)
-    return torch.matmul(torch.round(scaled * sw), torch.round(v64 * sv)) * uw
+    fused = _fused(v)
+    ints_v, uv = run_stage(_grid_ints_stage, fused, v, (-1,), bits)
+    ints_w, uw = run_stage(_grid_ints_stage, fused, weights * uv.transpose(-1, -2), (-1,), bits)
+    return torch.matmul(ints_w, ints_v) * uw
 
 
 _ELEMENTWISE = (
@@ -255,9 +273,10 @@ _ELEMENTWISE = (
 class BatchInvariantMode(TorchFunctionMode):
     """The torch function mode behind :func:`batch_invariant` (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool | None = None) -> None:
         super().__init__()
-        self.weights = WeightGrid()
+        self.fused = fused
+        self.weights = WeightGrid(fused=fused)
         self.table: dict[Any, Callable[..., Any]] = {
             F.linear: lambda x, w, b=None: exact_linear(self.weights, x, w, b),
             torch.matmul: _matmul, torch.Tensor.__matmul__: _matmul, torch.mm: _matmul, torch.Tensor.mm: _matmul,
@@ -315,10 +334,12 @@ ATTENTION = ("sdpa",)
 
 
 @contextlib.contextmanager
-def batch_invariant(enabled: bool = True, model: Any = None) -> Iterator[None]:
+def batch_invariant(enabled: bool = True, model: Any = None, fused: bool | None = None) -> Iterator[None]:
     """Run the body in batch-invariant mode (a no-op when ``enabled`` is false or the mode is already on).
 
-    ``model`` (optional): checked to attend with ``sdpa`` (see :data:`ATTENTION`). Example::
+    ``model`` (optional): checked to attend with ``sdpa`` (see :data:`ATTENTION`). ``fused``: whether the mode's
+    exact stages run compiled (:mod:`spiffy.fused_stages`: the same numbers in fewer kernels); ``None``: on
+    :data:`~spiffy.fused_stages.FUSED_DEVICES` (CUDA). Example::
 
         with spiffy.batch_invariant():
             base = spiffy.generate(model, ids, cfg)
@@ -334,7 +355,7 @@ def batch_invariant(enabled: bool = True, model: Any = None) -> Iterator[None]:
     if impl not in ATTENTION:
         raise ConfigError(f"batch-invariant mode computes attention in F.scaled_dot_product_attention, the model "
                           f"attends with {impl!r}; fix: load it with attn_implementation='sdpa'")
-    mode = BatchInvariantMode()
+    mode = BatchInvariantMode(fused)
     _ACTIVE.append(mode)
     try:
         with mode:
@@ -348,5 +369,11 @@ def is_batch_invariant() -> bool:
     return bool(_ACTIVE)
 
 
+def numerics() -> tuple[str, bool | None] | None:
+    """What decides the kernels a step runs besides its shapes: ``None`` (torch's own), or in the mode
+    ``("batch-invariant", fused)``. A captured step (:class:`~spiffy.capture.StepGraphs`) is kept per value."""
+    return ("batch-invariant", _ACTIVE[-1].fused) if _ACTIVE else None
+
+
 __all__ = ["ATTENTION", "ATTENTION_BITS", "BatchInvariantMode", "CHUNK", "MAX_KEYS", "SUM_BITS", "batch_invariant",
-           "exact_matmul", "exact_sum", "is_batch_invariant"]
+           "exact_matmul", "exact_sum", "is_batch_invariant", "numerics"]

@@ -27,11 +27,12 @@ bits); the default bfloat16 product rounds its output to 8 bits.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from spiffy.errors import ConfigError
+from spiffy.fused_stages import fuses, run_stage
 
 #: integer bits of a weight row below its largest magnitude (two balanced base-256 digits)
 WEIGHT_BITS = 14
@@ -66,7 +67,10 @@ def balanced_digits(ints: torch.Tensor, count: int) -> torch.Tensor:
 
     Adding ``128 * (1 + 256 + ...)`` makes every value non-negative and every digit its byte minus 128 (the top
     one unmasked): one broadcast over the shifts instead of a carry loop (fewer kernels on a GPU)."""
-    bias, shifts, masks = _digit_constants(count, ints.dim(), ints.device)
+    # eager, the constants are built once per device (a captured step must not copy host lists at each call);
+    # compiled, they fold into the kernel (TorchDynamo would warn of the cache)
+    constants = _digit_constants.__wrapped__ if torch.compiler.is_compiling() else _digit_constants
+    bias, shifts, masks = constants(count, ints.dim(), ints.device)
     return ((((ints + bias).unsqueeze(0) >> shifts) & masks) - 128).to(torch.int8)
 
 
@@ -79,32 +83,55 @@ def _digit_constants(count: int, dims: int, device: torch.device) -> tuple[int, 
     return sum(128 << (8 * i) for i in range(count)), shifts, masks
 
 
-def int8_digit_products(x_digits: torch.Tensor, w_digits: torch.Tensor) -> torch.Tensor:
-    """The exact integer products ``X @ W.T`` from digits: ``x_digits [Dx, M, K]``, ``w_digits [Dw * N, K]`` (int8,
-    the weight's digits stacked along its rows, :class:`GridWeight`) -> ``[M, N]`` float64 (exact integers).
+def activation_stage(x: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` on its rows' grids (a stage: :func:`~spiffy.fused_stages.run_stage`): ``(form, unscale [M, 1])``
+    with ``form`` the float64 integers ``[M, K]``, or (``int8``) their balanced digits stacked ``[Dx * M, K]``
+    (digit ``i`` of row ``m`` at row ``i * M + m``) and zero-padded (exact) to what ``torch._int_mm`` takes on CUDA:
+    more than 16 rows, ``K'`` and the row count multiples of 8."""
+    m, k = x.shape
+    x64 = x.to(torch.float64)
+    scale, unscale = power_grid(x64, -1, ACTIVATION_BITS)
+    ints = torch.round(x64 * scale)
+    if not int8:
+        return ints, unscale
+    rows = _ACTIVATION_DIGITS * m
+    stacked = balanced_digits(ints.to(torch.int64), _ACTIVATION_DIGITS).reshape(rows, k)
+    return torch.nn.functional.pad(stacked, (0, (-k) % 8, 0, max(17 - rows, (-rows) % 8))), unscale
 
-    One ``torch._int_mm`` of the stacked activation digits by the stacked weight digits (each weight byte read once);
-    its int32 digit products are exact, and so are their sums scaled by ``256**(i + j)`` in float64 (integers below
-    ``2**53``, in any order). Rows are padded with zeros (exact) to the more than 16 that ``torch._int_mm`` takes on
-    CUDA; the weight's ``K`` and ``N`` come padded to multiples of 8."""
-    dx, m, k = x_digits.shape
-    rows = dx * m
-    stacked = x_digits.reshape(rows, k)
-    pad_rows, pad_k = max(17 - rows, (-rows) % 8), w_digits.shape[1] - k
-    if pad_rows or pad_k:
-        stacked = torch.nn.functional.pad(stacked, (0, pad_k, 0, pad_rows))
-    products = torch._int_mm(stacked, w_digits.t())[:rows]  # [Dx * M, Dw * N'] int32
-    dw = _WEIGHT_DIGITS
-    n = products.shape[1] // dw
-    places = _places(dx, dw, products.device)  # [Dx, 1, Dw, 1]: 256 ** (i + j)
-    return (products.reshape(dx, m, dw, n).to(torch.float64) * places).sum(dim=(0, 2))
+
+def digit_sums_stage(products: torch.Tensor, m: int, n: int, unscale: torch.Tensor, w_unscale: torch.Tensor,
+                     bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The int8 backend's output from the digit products (a stage): ``products [rows', Dw * N']`` int32 (activation
+    digit ``i`` of row ``m`` times weight digit ``j`` of column ``n`` at ``[i * M + m, j * N' + n]``) -> ``[M, n]``.
+
+    Each product scaled by its place ``256 ** (i + j)`` and summed in float64: integers below ``2**53``, exact in
+    any order; then :func:`finish_stage`."""
+    dx, dw = _ACTIVATION_DIGITS, _WEIGHT_DIGITS
+    padded_n = products.shape[1] // dw
+    places = (_places.__wrapped__ if torch.compiler.is_compiling() else _places)(dx, dw, products.device)
+    sums = (products[: dx * m].reshape(dx, m, dw, padded_n).to(torch.float64) * places).sum(dim=(0, 2))
+    return finish_stage(sums[:, :n], unscale, w_unscale, bias, dtype)
 
 
 @functools.lru_cache(maxsize=64)
 def _places(dx: int, dw: int, device: torch.device) -> torch.Tensor:
-    """``[Dx, 1, Dw, 1]`` float64: ``256 ** (i + j)``, the place of activation digit ``i`` times weight digit ``j``."""
+    """``[Dx, 1, Dw, 1]`` float64: ``256 ** (i + j)``, the place of activation digit ``i`` times weight digit ``j``
+    (eager, built once per device like :func:`_digit_constants`)."""
     places = [[float(256 ** (i + j)) for j in range(dw)] for i in range(dx)]  # powers of two: exact floats
     return torch.tensor(places, dtype=torch.float64).reshape(dx, 1, dw, 1).to(device)
+
+
+def finish_stage(sums: torch.Tensor, unscale: torch.Tensor, w_unscale: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``sums [M, N]`` (float64 exact integer dot products) scaled back by the rows' and the weight's powers of two
+    (exact), the bias added in float64 and cast to ``dtype`` as eager torch casts a float64 (through float32 for a
+    half type): each element rounded by itself, so a fused kernel rounds it as eager code does."""
+    out = sums * unscale * w_unscale
+    if bias is not None:
+        out = out + bias.to(torch.float64)
+    if dtype in (torch.bfloat16, torch.float16):
+        out = out.to(torch.float32)
+    return out.to(dtype)
 
 
 class GridWeight:
@@ -133,13 +160,23 @@ class GridWeight:
             self.ints = torch.cat(parts).t().contiguous()
 
 
-class WeightGrid:
-    """The integer copies of the weights a mode has seen, per tensor version, for the mode's lifetime (weights do not
-    change inside a decode); ``int8``: the backend (``None``: int8 digits on :data:`INT8_DEVICES`, else float64)."""
+#: device types whose weights' integer copies live as long as the weight, shared by every mode (a step captured in
+#: one ``batch_invariant`` block replays reading them in the next); elsewhere a mode's copies die with it
+KEEP_DEVICES = {"cuda"}
+#: the kept copies: weight -> ``{int8: (weight version, GridWeight)}``
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def __init__(self, int8: bool | None = None) -> None:
-        self.cache: dict[int, tuple[Any, int, GridWeight]] = {}
+
+class WeightGrid:
+    """The integer copies of the weights a mode has seen, per tensor version (weights do not change inside a decode):
+    for the mode's lifetime, or on :data:`KEEP_DEVICES` for the weight's; ``int8``: the backend (``None``: int8 digits on :data:`INT8_DEVICES`, else float64);
+    ``fused``: whether the stages around the product run compiled (``None``: on
+    :data:`~spiffy.fused_stages.FUSED_DEVICES`; the same numbers either way)."""
+
+    def __init__(self, int8: bool | None = None, fused: bool | None = None) -> None:
+        self.cache: WeakIdKeyDictionary = WeakIdKeyDictionary()  # as _KEPT
         self.int8 = int8
+        self.fused = fused
         #: the last activation's integer form: ``(x, version, int8, ints or digits, unscale)``. The projections
         #: that read one input (q / k / v, gate / up) round it once. ``x`` is held (it cannot be freed and its id
         #: reused while cached); the mode drops the entry at every in-place call (:meth:`forget_activation`), and
@@ -147,15 +184,13 @@ class WeightGrid:
         self.last: tuple[torch.Tensor, int | None, bool, torch.Tensor, torch.Tensor] | None = None
 
     def activation(self, x: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [..., K]`` on its grid: ``(ints [M, K] float64 or digits [3, M, K] int8, unscale [M, 1])``."""
+        """``x [..., K]`` on its grid: :func:`activation_stage` of its rows ``[M, K]``."""
         version = None if x.is_inference() else x._version
         last = self.last
         if last is not None and last[0] is x and last[1] == version and last[2] == int8:
             return last[3], last[4]
-        x64 = x.reshape(-1, x.shape[-1]).to(torch.float64)
-        scale, unscale = power_grid(x64, -1, ACTIVATION_BITS)
-        ints = torch.round(x64 * scale)
-        form = balanced_digits(ints.to(torch.int64), _ACTIVATION_DIGITS) if int8 else ints
+        rows = x.reshape(-1, x.shape[-1])
+        form, unscale = run_stage(activation_stage, fuses(x.device, self.fused), rows, int8)
         self.last = (x, version, int8, form, unscale)
         return form, unscale
 
@@ -164,12 +199,14 @@ class WeightGrid:
         self.last = None
 
     def get(self, weight: torch.Tensor) -> GridWeight:
-        hit = self.cache.get(id(weight))
-        if hit is not None and hit[0] is weight and hit[1] == weight._version:
-            return hit[2]
-        grid = GridWeight(weight, self.int8)
-        self.cache[id(weight)] = (weight, weight._version, grid)
-        return grid
+        """``weight``'s integer copy for this grid's backend (made on first use, again once the weight changed)."""
+        int8 = weight.device.type in INT8_DEVICES if self.int8 is None else self.int8
+        store = _KEPT if weight.device.type in KEEP_DEVICES else self.cache
+        copies = store.setdefault(weight, {})
+        hit = copies.get(int8)
+        if hit is None or hit[0] != weight._version:
+            hit = copies[int8] = (weight._version, GridWeight(weight, int8))
+        return hit[1]
 
 
 def exact_linear(grid: WeightGrid, x: torch.Tensor, weight: torch.Tensor,
@@ -186,16 +223,16 @@ def exact_linear(grid: WeightGrid, x: torch.Tensor, weight: torch.Tensor,
                           f"layer has {k}; fix: run this model without batch_invariant")
     w = grid.get(weight)
     form, unscale = grid.activation(x, w.digits is not None)
+    fused, m = fuses(x.device, grid.fused), unscale.shape[0]
     if w.digits is not None:
-        out = int8_digit_products(form, w.digits)[:, : w.out_features]
+        # int8 tensor cores, int32 accumulation: every digit product sum below 2**31, exact (module docstring)
+        products = torch._int_mm(form, w.digits.t())
+        out = run_stage(digit_sums_stage, fused, products, m, w.out_features, unscale, w.unscale, bias, x.dtype)
     else:
         assert w.ints is not None
-        out = torch.mm(form, w.ints)
-    out = out * unscale * w.unscale
-    if bias is not None:
-        out = out + bias.to(torch.float64)
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        out = run_stage(finish_stage, fused, torch.mm(form, w.ints), unscale, w.unscale, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-__all__ = ["ACTIVATION_BITS", "INT8_DEVICES", "MAX_REDUCTION", "WEIGHT_BITS", "GridWeight", "WeightGrid",
-           "balanced_digits", "exact_linear", "int8_digit_products", "power_grid"]
+__all__ = ["ACTIVATION_BITS", "INT8_DEVICES", "KEEP_DEVICES", "MAX_REDUCTION", "WEIGHT_BITS", "GridWeight", "WeightGrid",
+           "activation_stage", "balanced_digits", "digit_sums_stage", "exact_linear", "finish_stage", "power_grid"]

@@ -224,7 +224,7 @@ def test_round_syncs_at_most_twice_and_steps_read_nothing_back(dirs):
     with torch.inference_mode():
         for key in keys:
             outs = []
-            step = static.graphs._steps[key]
+            step = static.graphs.step(key)
             for _ in range(2):
                 restore = step.save() if isinstance(step, StatefulStep) else (lambda: None)
                 with SyncCounter() as c:

@@ -17,10 +17,11 @@ import copy
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from spiffy.api import generate
 from spiffy.arspec import ARSpecConfig, DFlashDrafter, SamplingConfig, ddtree_generate
-from spiffy.batch_invariance import batch_invariant
+from spiffy.batch_invariance import batch_invariant, exact_sum
 from spiffy.bench import gpu_costs
 from spiffy.bench.batch_fidelity import explain_dllm_batch_row
 from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
@@ -28,6 +29,7 @@ from spiffy.bench.common import first_mismatch
 from spiffy.bench.spec_fidelity import prove_ar_divergence, prove_dllm_divergence
 from spiffy.decoding import DecodeConfig
 from spiffy.exact_linear import WeightGrid, exact_linear
+from spiffy.fused_stages import FELL_BACK, compiled_stages
 from spiffy.selfspec.freedave import chain_graph_for
 
 #: (label, dtype, batch-invariant mode)
@@ -111,6 +113,16 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
             run()  # the first call captures the buckets
             got, seconds[f"{method} captured"] = gpu_costs.timed(device, run)
             captured[method] = list(got.tokens) == list(eager[method].tokens)
+    unfused_same = None
+    if invariant:  # the mode with its exact stages unfused (eager kernels): what fusing them saves, eager and captured
+        with batch_invariant(model=target, fused=False):
+            plain, seconds["ar unfused"] = gpu_costs.timed(device, lambda: ddtree_generate(target, None, prompts[0],
+                                                                                            method="ar", **kw))
+            unfused_same = list(plain.tokens) == list(ar.tokens)  # the same numbers: must hold
+            ddtree_generate(target, None, prompts[0], method="ar", compile=True, **kw)  # captures
+            _, seconds["ar captured unfused"] = gpu_costs.timed(device, lambda: ddtree_generate(
+                target, None, prompts[0], method="ar", compile=True, **kw))
+    with batch_invariant(invariant, model=target):
         cfg = ARSpecConfig(method="dflash", max_new_tokens=new, sampling=SamplingConfig(temperature=0.0))
         for r in range(len(prompts)):
             proof = explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), prompts, r, cfg)
@@ -118,19 +130,22 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
                          "first_divergence": None if proof is None else proof.position,
                          **({} if proof is None else {"near_tie": bool(proof.near_tie), "proof": proof.to_dict()})})
     return {"rows": rows, "seconds_per_token": {k: v / new for k, v in seconds.items()},
-            "captured_equals_eager": captured}
+            "captured_equals_eager": captured, **({} if unfused_same is None else {"unfused_equals_fused": unfused_same})}
 
 
-#: the result's entry for :func:`int8_backend_check`
-BACKEND_KEY = "int8 backend"
+#: the result's entry for :func:`exact_stages_check`
+BACKEND_KEY = "exact stages"
 #: (rows, in features, out features) of the backend check: a decode step, a verification, Qwen3-8B's MLP and
 #: vocabulary shapes, and sizes that are no multiples of 8
 BACKEND_SHAPES = ((1, 4096, 4096), (17, 4096, 1024), (65, 12288, 4096), (3, 4096, 151936), (5, 100, 37))
 
 
-def int8_backend_check(device: torch.device, small: bool) -> dict[str, Any]:
-    """The batch-invariant mode's linear layer on int8 digits against float64 on ``device`` (both compute exact
-    integers, so they must be bitwise equal), bfloat16 inputs of :data:`BACKEND_SHAPES` (``small``: shrunk)."""
+def exact_stages_check(device: torch.device, small: bool) -> dict[str, Any]:
+    """The batch-invariant mode's arithmetic on ``device``, before anything is timed: its linear layer on int8 digits,
+    with fused stages (:mod:`spiffy.fused_stages`, what the mode runs on CUDA) and eager ones, against float64 (all
+    compute exact integers: bitwise equal), bfloat16 inputs of :data:`BACKEND_SHAPES` (``small``: shrunk); and the
+    mode's other stages (exact sums, products, attention, norms) fused against eager. Reports which stages compiled
+    and which fell back to eager (:data:`~spiffy.fused_stages.FELL_BACK`)."""
     g = torch.Generator().manual_seed(0)
     rows = []
     for m, k, n in BACKEND_SHAPES:
@@ -138,9 +153,20 @@ def int8_backend_check(device: torch.device, small: bool) -> dict[str, Any]:
             k, n = min(k, 200), min(n, 120)
         x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
         w, b = torch.randn(n, k, generator=g).to(device, torch.bfloat16), torch.randn(n, generator=g).to(device)
-        same = torch.equal(exact_linear(WeightGrid(int8=True), x, w, b), exact_linear(WeightGrid(int8=False), x, w, b))
-        rows.append({"shape": [m, k, n], "identical": bool(same)})
-    return {"rows": rows, "identical": f"{sum(r['identical'] for r in rows)}/{len(rows)}"}
+        ref = exact_linear(WeightGrid(int8=False, fused=False), x, w, b)
+        same = {f"int8 {label}": torch.equal(exact_linear(WeightGrid(int8=True, fused=fused), x, w, b), ref)
+                for label, fused in (("eager", False), ("fused", True))}
+        rows.append({"shape": [m, k, n], "identical": all(same.values()), **same})
+    q, kv, terms = (torch.randn(*shape, generator=g).to(device, torch.bfloat16)
+                    for shape in ((1, 32, 17, 128), (1, 32, 300, 128), (17, 4096)))
+    runs = []
+    for fused in (False, True):
+        with batch_invariant(fused=fused):
+            runs.append((exact_sum(terms, -1), F.scaled_dot_product_attention(q, kv, kv),
+                         F.rms_norm(terms, (terms.shape[-1],)), F.softmax(terms, -1)))
+    rows.append({"shape": "sums, attention, rms_norm, softmax", "identical": all(map(torch.equal, *runs))})
+    return {"rows": rows, "identical": f"{sum(r['identical'] for r in rows)}/{len(rows)}",
+            "compiled": compiled_stages(), "fell_back": {f"{name} {variant}": err for (name, variant), err in FELL_BACK.items()}}
 
 
 def real_size_exactness(device: torch.device, small: bool,
@@ -156,7 +182,7 @@ def real_size_exactness(device: torch.device, small: bool,
         return summarize(copy.deepcopy(out)) | {BACKEND_KEY: backends}
 
     try:
-        backends = int8_backend_check(device, small)
+        backends = exact_stages_check(device, small)
         for name, fixture, _ in DLLMS:
             config = gpu_costs.real_config(fixture)
             config.setdefault("mask_token_id", 151669)  # SDAR's <|MASK|> lives in its tokenizer, not its config
@@ -195,8 +221,9 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
             res["unproven"] = [r["pair"] for r in rows if not r["identical"] and not r.get("near_tie")]
         base, inv = modes.get("bfloat16"), modes.get("bfloat16 batch-invariant")
         if base and inv:
-            modes["batch_invariant_cost"] = {k: round(v / base["seconds_per_token"][k], 2)
-                                             for k, v in inv["seconds_per_token"].items() if base["seconds_per_token"][k]}
+            base_seconds = base["seconds_per_token"]  # "ar unfused" against "ar": the mode unfused vs the default
+            modes["batch_invariant_cost"] = {k: round(v / base_seconds[path], 2) for k, v in inv["seconds_per_token"].items()
+                                             if base_seconds.get(path := k.replace(" unfused", ""))}
     return out
 
 
@@ -207,11 +234,13 @@ def failures(result: dict[str, Any]) -> list[str]:
     for model, modes in result.items():
         if model == BACKEND_KEY:
             if not _all(modes["identical"]):
-                bad.append(f"int8 digit products != float64 products: {modes['identical']} identical")
+                bad.append(f"the mode's stages (int8 or fused) != float64 or eager: {modes['identical']} identical")
             continue
         for label, res in modes.items():
             if label == "batch_invariant_cost":
                 continue
+            if res.get("unfused_equals_fused") is False:
+                bad.append(f"{model} {label}: the mode's fused stages decode other tokens than its eager ones")
             if label != "bfloat16" and not _all(res["identical"]):
                 bad.append(f"{model} {label}: {res['identical']} identical")
             elif label == "bfloat16" and res["unproven"]:
@@ -225,5 +254,5 @@ def _all(identical: str) -> bool:
     return k == n
 
 
-__all__ = ["BACKEND_KEY", "MODES", "ar_exactness", "dllm_exactness", "failures", "int8_backend_check",
+__all__ = ["BACKEND_KEY", "MODES", "ar_exactness", "dllm_exactness", "failures", "exact_stages_check",
            "real_size_exactness", "summarize"]

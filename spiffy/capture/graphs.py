@@ -42,7 +42,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from spiffy.batch_invariance import is_batch_invariant
+from spiffy.batch_invariance import is_batch_invariant, numerics
 from spiffy.errors import ConfigError
 
 __all__ = ["AUTO_ON_CUDA", "CaptureStats", "CompileSetting", "StatefulStep", "StepGraphs", "StepNotCapturable",
@@ -237,19 +237,28 @@ class StepGraphs:
         self._pool: Any = None
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._steps
+        return (key, numerics()) in self._steps
+
+    def step(self, key: Hashable) -> Callable[[], Any] | None:
+        """Bucket ``key``'s step under the current numerics, ``None`` before its first run."""
+        return self._steps.get((key, numerics()))
 
     def run(self, key: Hashable) -> Any:
-        """Run bucket ``key``'s step (building, and on CUDA capturing, it on first use); returns its outputs."""
+        """Run bucket ``key``'s step (building, and on CUDA capturing, it on first use); returns its outputs.
+
+        A bucket is kept per :func:`~spiffy.batch_invariance.numerics` too: a CUDA graph replays the kernels it was
+        captured with, so a step captured outside the batch-invariant mode must not replay inside it (nor the
+        reverse). Its :class:`CaptureStats` stay per bucket (a bucket captured under two numerics counts both)."""
+        bucket, key = key, (key, numerics())
         step = self._steps.get(key)
         if step is None:
             t0 = time.perf_counter()
-            step = self.factory(key)
+            step = self.factory(bucket)
             if self.fuse:  # compiled on its first call (a capture's first warm-up)
                 step = _fused(step)
             elif TRACE_STEPS and not self.capture:
-                step = (StatefulStep(_traced(step.run, key), step.save) if isinstance(step, StatefulStep)
-                        else _traced(step, key))
+                step = (StatefulStep(_traced(step.run, bucket), step.save) if isinstance(step, StatefulStep)
+                        else _traced(step, bucket))
             self._steps[key] = step
             if self.capture:
                 self._graphs[key] = self._capture(step)
@@ -257,16 +266,20 @@ class StepGraphs:
                 if REHEARSE:
                     self._warm_up(step)
                 out = step()
-                self.stats.capture_seconds[key] = time.perf_counter() - t0
-                self.stats.runs[key] = 1
+                self._count(bucket, time.perf_counter() - t0)
                 return out
-            self.stats.capture_seconds[key] = time.perf_counter() - t0
-        self.stats.runs[key] = self.stats.runs.get(key, 0) + 1
+            self._count(bucket, time.perf_counter() - t0, runs=0)
+        self.stats.runs[bucket] = self.stats.runs.get(bucket, 0) + 1
         if self.capture:
             graph, outputs = self._graphs[key]
             graph.replay()
             return outputs
         return step()
+
+    def _count(self, bucket: Hashable, seconds: float, runs: int = 1) -> None:
+        """A bucket built (and captured, or run once): its seconds, and the first run when it ran uncaptured."""
+        self.stats.capture_seconds[bucket] = self.stats.capture_seconds.get(bucket, 0.0) + seconds
+        self.stats.runs[bucket] = self.stats.runs.get(bucket, 0) + runs
 
     def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
         """Warm ``step`` up on a side stream, then capture it (the shared pool keeps buckets' memory together)."""
