@@ -363,8 +363,10 @@ def markdown(data: dict[str, Any]) -> str:
         elif name == "exactness":
             backends = res.get(exact.BACKEND_KEY)
             if backends:
-                lines += [f"The mode's linear layer, int8 digit products == float64 products (bfloat16 inputs, shapes "
-                          f"{[r['shape'] for r in backends['rows']]}): **{backends['identical']}** identical", ""]
+                lines += [f"The mode's stages on the device: int8 digit products (fused and eager) == float64 products "
+                          f"(bfloat16 inputs, shapes {[r['shape'] for r in backends['rows'][:-1]]}), and its other "
+                          f"stages fused == eager: **{backends['identical']}** identical; compiled "
+                          f"{backends.get('compiled')}, fell back {backends.get('fell_back') or 'none'}", ""]
             lines += ["| model | mode | identical | unproven | first divergences |", "|---|---|---|---|---|"]
             for model, modes in res.items():
                 if model == exact.BACKEND_KEY:

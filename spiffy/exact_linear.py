@@ -17,7 +17,9 @@ order computes it exactly. Two backends compute that same integer:
 
 Both give the exact integer, so they agree bit for bit (``tests/test_batch_invariance.py`` runs the int8 backend on
 a CPU and compares); the suite's CPU runs therefore prove the arithmetic a GPU runs. The result is then scaled back
-by powers of two (exact) in float64, the bias added, and cast to ``x``'s dtype.
+by powers of two (exact) in float64, the bias added, and cast to ``x``'s dtype. The element-wise work around the
+product is written as stages (:func:`activation_stage`, :func:`digit_sums_stage`, :func:`finish_stage`), which run
+compiled into a few kernels on CUDA (:mod:`spiffy.fused_stages`: the same numbers).
 
 Accuracy: a weight keeps ``WEIGHT_BITS`` = 14 bits below its row's largest magnitude (every bfloat16 weight within
 ``2**6`` of it exactly), an activation 22 bits below its row's (outliers 1000x the typical value still leave ~12

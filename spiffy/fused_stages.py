@@ -45,15 +45,23 @@ def fuses(device: torch.device, setting: bool | None) -> bool:
 def run_stage(stage: Callable[..., Any], fused: bool, *args: Any) -> Any:
     """``stage(*args)``, compiled by TorchInductor when ``fused`` (else, or where that compilation failed, eagerly).
 
-    One compilation per *variant* (:func:`_variant`: the arguments' devices, dtypes and ranks, flags and dims), with
-    dynamic sizes: one serves every bucket and layer. Each variant compiles a copy of the stage with a code object
+    One compilation per *variant* (:func:`_variant`: the arguments' devices, dtypes, layouts and sizes of 0 / 1 / more,
+    flags and dims), with dynamic sizes: one serves every bucket and layer. Each variant compiles a copy of the stage with a code object
     of its own, because TorchDynamo keeps compiled graphs, and its limit of eight recompilations, per code object:
     dtypes, biases and ranks must not use up one another's."""
-    if not fused:
-        return stage(*args)
-    key = (stage, _variant(args))
-    if (stage.__name__, key[1]) in FELL_BACK:
-        return stage(*args)
+    # a stage is plain tensor arithmetic: no torch function mode (the batch-invariant mode itself, when code running
+    # in it calls a stage) may intercept its operations, and TorchDynamo then traces it as it is
+    with torch._C.DisableTorchFunction():
+        if not fused:
+            return stage(*args)
+        key = (stage, _variant(args))
+        if (stage.__name__, key[1]) in FELL_BACK:
+            return stage(*args)
+        return _compiled(stage, key, args)
+
+
+def _compiled(stage: Callable[..., Any], key: tuple, args: tuple) -> Any:
+    """The compiled variant's result, or the eager stage's once compiling it failed."""
     compiled = _COMPILED.get(key)
     if compiled is None:
         compiled = _COMPILED[key] = torch.compile(_own_copy(stage, len(_COMPILED)), fullgraph=True, dynamic=True)
@@ -61,9 +69,10 @@ def run_stage(stage: Callable[..., Any], fused: bool, *args: Any) -> Any:
         return compiled(*args)
     except Exception as error:  # noqa: BLE001: any compiler failure; the eager stage computes the same numbers
         FELL_BACK[(stage.__name__, key[1])] = f"{type(error).__name__}: {error}"
+        first_line = (str(error).splitlines() or [""])[0][:200]
         warnings.warn(f"batch-invariant mode: the fused stage {stage.__name__} did not compile here "
-                      f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}); this variant runs eagerly from now on (the same "
-                      "numbers, more kernels)", RuntimeWarning, stacklevel=2)
+                      f"({type(error).__name__}: {first_line}); this variant runs eagerly from now on (the same "
+                      "numbers, more kernels)", RuntimeWarning, stacklevel=3)
         return stage(*args)
 
 
@@ -78,10 +87,13 @@ def compiled_stages() -> dict[str, int]:
 
 
 def _variant(args: tuple) -> tuple:
-    """What of a stage's arguments its compilation is specialised on: a tensor's device, dtype and rank; ``None``,
-    booleans, dtypes and tuples (reduction dims) by value; plain integers (sizes) stay dynamic."""
-    return tuple((a.device.type, a.dtype, a.dim()) if isinstance(a, torch.Tensor)
-                 else int if isinstance(a, int) and not isinstance(a, bool) else a for a in args)
+    """What of a stage's arguments its compilation is specialised on: a tensor's device, dtype, contiguity and which
+    of its sizes are 0, 1 or more (TorchDynamo specialises sizes 0 and 1 even with dynamic shapes: a variant of its
+    own each, so no recompilation counts against the limit); ``None``, booleans, dtypes and tuples (reduction dims)
+    by value; plain integers (sizes) stay dynamic."""
+    return tuple((a.device.type, a.dtype, a.is_contiguous(), tuple(n if n < 2 else 2 for n in a.shape))
+                 if isinstance(a, torch.Tensor) else int if isinstance(a, int) and not isinstance(a, bool) else a
+                 for a in args)
 
 
 def _own_copy(stage: Callable[..., Any], number: int) -> Callable[..., Any]:

@@ -25,9 +25,12 @@ from spiffy import exact_linear as exact_linear_module
 from spiffy.arspec import ddtree_generate
 from spiffy.batch_invariance import batch_invariant, exact_matmul, exact_sum, numerics
 from spiffy.capture import StepGraphs
-from spiffy.exact_linear import WeightGrid, exact_linear
+from spiffy.decoding import DecodeConfig
+from spiffy.exact_linear import WeightGrid, activation_stage, digit_sums_stage, exact_linear
+from spiffy.fused_stages import run_stage
 from spiffy.models import load_drafter, load_target, make_tiny_dflash, make_tiny_target
 from spiffy.models.loading import load_model
+from spiffy.selfspec.freedave import chain_graph_for
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -52,10 +55,20 @@ def _assert_fused(names: tuple[str, ...]) -> None:
 @given(st.integers(1, 7), st.integers(1, 70), st.integers(1, 20), st.sampled_from([0.0, 1e3]),
        st.integers(0, 2**31 - 1))
 def test_a_fused_linear_layer_gives_the_eager_numbers(rows, k, n, outlier, seed) -> None:
+    """The stages' own outputs (the activation's digits and grid; the digit sums in float64, before any rounding: a
+    last-bit error shows) and the bfloat16 layer."""
     x, w, b = _linear_case(rows, k, n, torch.bfloat16, outlier, seed)
-    eager = exact_linear(WeightGrid(int8=True, fused=False), x, w, b)
-    fused = exact_linear(WeightGrid(int8=True, fused=True), x, w, b)
-    assert torch.equal(eager, fused)
+    grid = WeightGrid(int8=True, fused=False)
+    digits, unscale = run_stage(activation_stage, False, x, True)
+    fused_digits, fused_unscale = run_stage(activation_stage, True, x, True)
+    assert torch.equal(digits, fused_digits) and torch.equal(unscale, fused_unscale)
+    weight = grid.get(w)
+    products = torch._int_mm(digits, weight.digits.t())
+    sums = [run_stage(digit_sums_stage, fused, products, rows, n, unscale, weight.unscale, b, torch.float64)
+            for fused in (False, True)]
+    assert torch.equal(*sums)
+    eager = exact_linear(grid, x, w, b)
+    assert torch.equal(eager, exact_linear(WeightGrid(int8=True, fused=True), x, w, b))
     _assert_fused(("activation_stage", "digit_sums_stage"))
 
 
@@ -128,7 +141,7 @@ def test_kept_weight_copies_are_shared_and_die_with_the_weight(monkeypatch) -> N
 @pytest.mark.slow  # every variant compiles (about 3 s each on a CPU)
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 7), st.integers(1, 70), st.integers(1, 20),
-       st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), st.booleans(), st.booleans(),
+       st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]), st.booleans(), st.booleans(),
        st.sampled_from([0.0, 1.0, 1e3]), st.integers(0, 2**31 - 1))
 def test_every_fused_linear_variant_gives_the_eager_numbers(rows, k, n, dtype, int8, bias, outlier, seed) -> None:
     x, w, b = _linear_case(rows, k, n, dtype, outlier, seed)
@@ -138,8 +151,8 @@ def test_every_fused_linear_variant_gives_the_eager_numbers(rows, k, n, dtype, i
     _assert_fused(("activation_stage", "digit_sums_stage" if int8 else "finish_stage"))
 
 
-@pytest.mark.slow
-@settings(max_examples=20, deadline=None)
+@pytest.mark.slow  # each variant (dtype, sizes of 1 or more) compiles: about 3 s each on a CPU
+@settings(max_examples=12, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 9), st.integers(1, 5),
        st.sampled_from([torch.bfloat16, torch.float32, torch.float64]), st.integers(0, 2**31 - 1))
 def test_the_mode_s_other_fused_stages_give_the_eager_numbers(batch, queries, keys, dim, dtype, seed) -> None:
@@ -163,6 +176,8 @@ def test_fused_decodes_equal_the_eager_mode(tiny_llada, tmp_path) -> None:
     """End to end: a batched bfloat16 LLaDA decode with Spiffy's states, and DDTree on a Qwen3 target with a DFlash
     drafter, in the mode with fused stages (int8 digits, the CUDA backend) and eager ones: the same tokens."""
     llada = load_model(tiny_llada, dtype=torch.bfloat16)
+    cfg = DecodeConfig(gen_length=8, block_length=4, steps=4, cache="prefix", temperature=0.0)
+    graph = chain_graph_for(llada, cfg, 3)  # FreeDave's chain: Spiffy's states without a calibration
     ids = torch.tensor([[0, 0, 11, 25, 47], [5, 9, 13, 17, 21]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     t = make_tiny_target(tmp_path / "target", seed=3, num_layers=2, with_tokenizer=False)
@@ -172,8 +187,7 @@ def test_fused_decodes_equal_the_eager_mode(tiny_llada, tmp_path) -> None:
     for fused in (False, True):
         with batch_invariant(fused=fused), pytest.MonkeyPatch.context() as patch:
             patch.setattr(exact_linear_module, "INT8_DEVICES", {"cpu"})
-            dllm = spiffy.generate(llada, ids, attention_mask=mask, gen_length=8, block_length=4, steps=4,
-                                   cache="prefix", graph="chain", batch_invariant=True)
+            dllm = spiffy.generate(llada, ids, cfg, attention_mask=mask, graph=graph, budget=3, batch_invariant=True)
             tree = ddtree_generate(target, drafter, [11, 25, 47, 3], method="ddtree", budget=8, max_new_tokens=12,
                                    temperature=0.0)
             runs.append((dllm.tokens, dllm.nfe, list(tree.tokens)))

@@ -124,18 +124,20 @@ def test_self_check_exactness(tmp_path: Path) -> None:
     """The real-size exactness section (issue 38) at toy size on the CPU: float32 and the batch-invariant mode
     bitwise for Spiffy, batched rows, DFlash and DDTree; every bfloat16 divergence proven; the mode's cost reported."""
     data = _run(tmp_path, "exactness")
-    assert "int8 digit products == float64 products" in (tmp_path / "GPU_RESULTS.md").read_text()
+    assert "int8 digit products (fused and eager) == float64 products" in (tmp_path / "GPU_RESULTS.md").read_text()
     res = data["sections"]["exactness"]["result"]
     assert set(res) == {"LLaDA-8B", "SDAR-8B", "Qwen3-8B + DFlash", exactness.BACKEND_KEY}
     backends = res.pop(exactness.BACKEND_KEY)
-    assert backends["identical"] == f"{len(exactness.BACKEND_SHAPES)}/{len(exactness.BACKEND_SHAPES)}"
+    checks = len(exactness.BACKEND_SHAPES) + 1  # and the other stages
+    assert backends["identical"] == f"{checks}/{checks}" and backends["compiled"] and not backends["fell_back"]
     for model, modes in res.items():
         for label in ("float32", "bfloat16 batch-invariant"):
             assert all(r["identical"] for r in modes[label]["rows"]), (model, label, modes[label]["rows"])
         assert not modes["bfloat16"]["unproven"]
         assert all(v > 0 for v in modes["batch_invariant_cost"].values())
     qwen = res["Qwen3-8B + DFlash"]
-    assert {"ar captured", "ddtree captured"} <= set(qwen["batch_invariant_cost"])
+    assert {"ar captured", "ddtree captured", "ar unfused", "ar captured unfused"} <= set(qwen["batch_invariant_cost"])
+    assert qwen["bfloat16 batch-invariant"]["unfused_equals_fused"] is True
     for label in ("float32", "bfloat16 batch-invariant"):  # compile=True gives the eager tokens
         assert qwen[label]["captured_equals_eager"] == {"ar": True, "ddtree": True}, label
     # every model and mode reports its summary as it ends (the script saves each at once)

@@ -28,8 +28,8 @@ from spiffy.bench.batch_fidelity_ar import explain_ar_batch_row
 from spiffy.bench.common import first_mismatch
 from spiffy.bench.spec_fidelity import prove_ar_divergence, prove_dllm_divergence
 from spiffy.decoding import DecodeConfig
-from spiffy.exact_linear import WeightGrid, exact_linear
-from spiffy.fused_stages import FELL_BACK, compiled_stages
+from spiffy.exact_linear import WeightGrid, activation_stage, digit_sums_stage, exact_linear, finish_stage
+from spiffy.fused_stages import FELL_BACK, compiled_stages, run_stage
 from spiffy.selfspec.freedave import chain_graph_for
 
 #: (label, dtype, batch-invariant mode)
@@ -156,6 +156,7 @@ def exact_stages_check(device: torch.device, small: bool) -> dict[str, Any]:
         ref = exact_linear(WeightGrid(int8=False, fused=False), x, w, b)
         same = {f"int8 {label}": torch.equal(exact_linear(WeightGrid(int8=True, fused=fused), x, w, b), ref)
                 for label, fused in (("eager", False), ("fused", True))}
+        same["float64 sums"] = _float64_sums_agree(x, w, b)
         rows.append({"shape": [m, k, n], "identical": all(same.values()), **same})
     q, kv, terms = (torch.randn(*shape, generator=g).to(device, torch.bfloat16)
                     for shape in ((1, 32, 17, 128), (1, 32, 300, 128), (17, 4096)))
@@ -167,6 +168,21 @@ def exact_stages_check(device: torch.device, small: bool) -> dict[str, Any]:
     rows.append({"shape": "sums, attention, rms_norm, softmax", "identical": all(map(torch.equal, *runs))})
     return {"rows": rows, "identical": f"{sum(r['identical'] for r in rows)}/{len(rows)}",
             "compiled": compiled_stages(), "fell_back": {f"{name} {variant}": err for (name, variant), err in FELL_BACK.items()}}
+
+
+def _float64_sums_agree(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> bool:
+    """The layer's exact sums before any rounding (float64 outputs: a last-bit error shows, which a bfloat16 output
+    would round away): int8 digit sums fused and eager, and the float64 product, all equal."""
+    wide, digits = WeightGrid(int8=False).get(w), WeightGrid(int8=True).get(w)
+    ints, unscale = run_stage(activation_stage, False, x, False)
+    ref = finish_stage(torch.mm(ints, wide.ints), unscale, wide.unscale, b, torch.float64)
+    outs = []
+    for fused in (False, True):
+        form, unscale = run_stage(activation_stage, fused, x, True)
+        products = torch._int_mm(form, digits.digits.t())
+        outs.append(run_stage(digit_sums_stage, fused, products, x.shape[0], w.shape[0], unscale, digits.unscale, b,
+                              torch.float64))
+    return all(torch.equal(out, ref) for out in outs)
 
 
 def real_size_exactness(device: torch.device, small: bool,
