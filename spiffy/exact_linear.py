@@ -171,9 +171,9 @@ _KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 class WeightGrid:
     """The integer copies of the weights a mode has seen, per tensor version (weights do not change inside a decode):
-    for the mode's lifetime, or on :data:`KEEP_DEVICES` for the weight's; ``int8``: the backend (``None``: int8 digits on :data:`INT8_DEVICES`, else float64);
-    ``fused``: whether the stages around the product run compiled (``None``: on
-    :data:`~spiffy.fused_stages.FUSED_DEVICES`; the same numbers either way)."""
+    for the mode's lifetime, or on :data:`KEEP_DEVICES` for the weight's. ``int8``: the backend (``None``: int8
+    digits on :data:`INT8_DEVICES`, else float64); ``fused``: whether the stages around the product run compiled
+    (``None``: on :data:`~spiffy.fused_stages.FUSED_DEVICES`; the same numbers either way)."""
 
     def __init__(self, int8: bool | None = None, fused: bool | None = None) -> None:
         self.cache: WeakIdKeyDictionary = WeakIdKeyDictionary()  # as _KEPT

@@ -45,10 +45,10 @@ def fuses(device: torch.device, setting: bool | None) -> bool:
 def run_stage(stage: Callable[..., Any], fused: bool, *args: Any) -> Any:
     """``stage(*args)``, compiled by TorchInductor when ``fused`` (else, or where that compilation failed, eagerly).
 
-    One compilation per *variant* (:func:`_variant`: the arguments' devices, dtypes, layouts and sizes of 0 / 1 / more,
-    flags and dims), with dynamic sizes: one serves every bucket and layer. Each variant compiles a copy of the stage with a code object
-    of its own, because TorchDynamo keeps compiled graphs, and its limit of eight recompilations, per code object:
-    dtypes, biases and ranks must not use up one another's."""
+    One compilation per *variant* (:func:`_variant`: the arguments' devices, dtypes, layouts and sizes of 0 / 1 /
+    more, flags and dims), with dynamic sizes: one serves every bucket and layer. Each variant compiles a copy of the
+    stage with a code object of its own, because TorchDynamo keeps compiled graphs, and its limit of eight
+    recompilations, per code object: dtypes, biases and ranks must not use up one another's."""
     # a stage is plain tensor arithmetic: no torch function mode (the batch-invariant mode itself, when code running
     # in it calls a stage) may intercept its operations, and TorchDynamo then traces it as it is
     with torch._C.DisableTorchFunction():

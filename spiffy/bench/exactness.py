@@ -6,9 +6,10 @@ DDTree@16 and DFlash against AR), and a batch of two ragged prompts against each
 identical or not, the first differing position, and for every differing pair the near-tie proof of the one rule of
 :mod:`spiffy.bench.fidelity` (``near_tie``, ``proof``): a batched row against its prompt alone
 (:mod:`spiffy.bench.batch_fidelity`), Spiffy against the baseline and DFlash / DDTree against AR
-(:mod:`spiffy.bench.spec_fidelity`). The mode's cost is the ratio of its seconds per generated token to bfloat16's.
-``scripts/gpu_run.py`` runs it
-on a GPU (section ``exactness``); ``small=True`` builds the same architectures at toy size (its CPU self-check).
+(:mod:`spiffy.bench.spec_fidelity`). The mode's cost is the ratio of its seconds per generated token to bfloat16's
+(AR also with the mode's stages unfused: what :mod:`spiffy.fused_stages` saves). Before any model, the mode's
+arithmetic is checked on the device (:func:`exact_stages_check`). ``scripts/gpu_run.py`` runs it on a GPU (section
+``exactness``); ``small=True`` builds the same architectures at toy size (its CPU self-check).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def dllm_exactness(model: torch.nn.Module, device: torch.device, small: bool, in
     rows = []
     with batch_invariant(invariant, model=model):
         one = torch.tensor([prompts[0]], device=device)
+        # untimed first: one block of each path (the mode's stages compile, its weight copies are made)
+        short = DecodeConfig(gen_length=gen // 2, block_length=gen // 2, steps=gen // 2, cache="prefix")
+        generate(model, one, short)
+        generate(model, one, short, graph=graph, budget=3)
         base, t_base = gpu_costs.timed(device, lambda: generate(model, one, cfg))
         spec, t_spec = gpu_costs.timed(device, lambda: generate(model, one, cfg, graph=graph, budget=3))
         proof = None
@@ -92,7 +97,10 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
     prompts = _prompts(vocab, (5, 8) if small else (48, 64), seed=1)
     kw = {"max_new_tokens": new, "temperature": 0.0}
     rows, seconds = [], {}
+    warm = dict(kw, max_new_tokens=4)  # untimed first (the mode's stages compile, its weight copies are made)
     with batch_invariant(invariant, model=target):
+        for method, budget, draft in (("ar", None, None), ("dflash", None, drafter), ("ddtree", 16, drafter)):
+            ddtree_generate(target, draft, prompts[0], method=method, budget=budget, **warm)
         ar, seconds["ar"] = gpu_costs.timed(device, lambda: ddtree_generate(target, None, prompts[0], method="ar", **kw))
         eager = {"ar": ar}
         for method, budget in (("dflash", None), ("ddtree", 16)):
@@ -116,6 +124,7 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
     unfused_same = None
     if invariant:  # the mode with its exact stages unfused (eager kernels): what fusing them saves, eager and captured
         with batch_invariant(model=target, fused=False):
+            ddtree_generate(target, None, prompts[0], method="ar", **warm)
             plain, seconds["ar unfused"] = gpu_costs.timed(device, lambda: ddtree_generate(target, None, prompts[0],
                                                                                             method="ar", **kw))
             unfused_same = list(plain.tokens) == list(ar.tokens)  # the same numbers: must hold
@@ -130,7 +139,8 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
                          "first_divergence": None if proof is None else proof.position,
                          **({} if proof is None else {"near_tie": bool(proof.near_tie), "proof": proof.to_dict()})})
     return {"rows": rows, "seconds_per_token": {k: v / new for k, v in seconds.items()},
-            "captured_equals_eager": captured, **({} if unfused_same is None else {"unfused_equals_fused": unfused_same})}
+            "captured_equals_eager": captured,
+            **({} if unfused_same is None else {"unfused_equals_fused": unfused_same})}
 
 
 #: the result's entry for :func:`exact_stages_check`
@@ -167,7 +177,8 @@ def exact_stages_check(device: torch.device, small: bool) -> dict[str, Any]:
                          F.rms_norm(terms, (terms.shape[-1],)), F.softmax(terms, -1)))
     rows.append({"shape": "sums, attention, rms_norm, softmax", "identical": all(map(torch.equal, *runs))})
     return {"rows": rows, "identical": f"{sum(r['identical'] for r in rows)}/{len(rows)}",
-            "compiled": compiled_stages(), "fell_back": {f"{name} {variant}": err for (name, variant), err in FELL_BACK.items()}}
+            "compiled": compiled_stages(),
+            "fell_back": {f"{name} {variant}": err for (name, variant), err in FELL_BACK.items()}}
 
 
 def _float64_sums_agree(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> bool:
@@ -238,7 +249,8 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         base, inv = modes.get("bfloat16"), modes.get("bfloat16 batch-invariant")
         if base and inv:
             base_seconds = base["seconds_per_token"]  # "ar unfused" against "ar": the mode unfused vs the default
-            modes["batch_invariant_cost"] = {k: round(v / base_seconds[path], 2) for k, v in inv["seconds_per_token"].items()
+            modes["batch_invariant_cost"] = {k: round(v / base_seconds[path], 2)
+                                             for k, v in inv["seconds_per_token"].items()
                                              if base_seconds.get(path := k.replace(" unfused", ""))}
     return out
 
