@@ -20,7 +20,8 @@ takes another road that holds on every device and dtype by construction: **every
   rounded to integers on its own grid (22 and 14 bits below its largest magnitude), so every dot product is an
   exact integer, computed by one float64 product on a CPU and by int8 digit products (``torch._int_mm``, int32
   accumulation) on CUDA: the same integer either way, so the CPU suite proves the GPU's numbers; weights' integer
-  copies are cached for the mode's lifetime (on CUDA as many bytes as bfloat16 weights). Other matrix products
+  copies are cached for the mode's lifetime (on CUDA, as many bytes as bfloat16 weights, for the weight's lifetime:
+  a captured step replays reading them). Other matrix products
   (:func:`exact_matmul`: attention scores, ``matmul`` / ``bmm``) round both operands to ``(53 - ceil(log2 K)) // 2``
   bits and multiply in float64: exact partial sums again, so the kernel's blocking does not matter.
 * Attention (``F.scaled_dot_product_attention``): exact query-key products, a max (exact), ``exp``, the exact sum of
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from spiffy.errors import ConfigError
-from spiffy.exact_linear import WeightGrid, exact_linear, power_grid
+from spiffy.exact_linear import WeightGrid, exact_linear, grid_ints_stage
 from spiffy.fused_stages import fuses, run_stage
 
 #: integer bits each term of an exact sum keeps below its slice's largest magnitude
@@ -89,18 +90,9 @@ def exact_sum(terms: torch.Tensor, dim: int | tuple[int, ...] | None = None, kee
 
 def _grid_sum_stage(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
     """:func:`exact_sum`'s arithmetic (a stage, :func:`~spiffy.fused_stages.run_stage`: every operation exact)."""
-    x = x.to(torch.float64)
-    scale, unscale = power_grid(x, dims, SUM_BITS)
-    total = torch.round(x * scale).sum(dim=dims, keepdim=True) * unscale
+    ints, unscale = grid_ints_stage(x, dims, SUM_BITS)
+    total = ints.sum(dim=dims, keepdim=True) * unscale
     return total if keepdim else total.squeeze(dims) if dims else total
-
-
-def _grid_ints_stage(x: torch.Tensor, dims: tuple[int, ...], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(round(x * scale), unscale)`` in float64 on :func:`~spiffy.exact_linear.power_grid`'s grids of ``bits`` over
-    ``dims`` (a stage: every operation exact)."""
-    x64 = x.to(torch.float64)
-    scale, unscale = power_grid(x64, dims, bits)
-    return torch.round(x64 * scale), unscale
 
 
 def _fused(x: torch.Tensor) -> bool:
@@ -117,8 +109,8 @@ def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dim() == 1:
         return exact_matmul(a.unsqueeze(0), b).squeeze(-2)
     bits = (53 - max(1, math.ceil(math.log2(max(a.shape[-1], 2))))) // 2
-    ints_a, ua = run_stage(_grid_ints_stage, _fused(a), a, (-1,), bits)
-    ints_b, ub = run_stage(_grid_ints_stage, _fused(b), b, (-2,), bits)
+    ints_a, ua = run_stage(grid_ints_stage, _fused(a), a, (-1,), bits)
+    ints_b, ub = run_stage(grid_ints_stage, _fused(b), b, (-2,), bits)
     return torch.matmul(ints_a, ints_b) * ua * ub
 
 
@@ -257,8 +249,8 @@ def _weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                           "fix: run this context outside the mode")
     bits = ATTENTION_BITS  # not a function of the key count: padding keys must not move a query's grid
     fused = _fused(v)
-    ints_v, uv = run_stage(_grid_ints_stage, fused, v, (-1,), bits)
-    ints_w, uw = run_stage(_grid_ints_stage, fused, weights * uv.transpose(-1, -2), (-1,), bits)
+    ints_v, uv = run_stage(grid_ints_stage, fused, v, (-1,), bits)
+    ints_w, uw = run_stage(grid_ints_stage, fused, weights * uv.transpose(-1, -2), (-1,), bits)
     return torch.matmul(ints_w, ints_v) * uw
 
 

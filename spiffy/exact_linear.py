@@ -63,6 +63,14 @@ def power_grid(x: torch.Tensor, dim: int | tuple[int, ...], bits: int) -> tuple[
     return scale, torch.reciprocal(scale)  # a power of two's reciprocal: exact
 
 
+def grid_ints_stage(x: torch.Tensor, dims: int | tuple[int, ...], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(round(x * scale), unscale)`` in float64 on :func:`power_grid`'s grids of ``bits`` over ``dims``: ``x`` as
+    integers, one grid per slice (a stage, :func:`~spiffy.fused_stages.run_stage`: every operation exact)."""
+    x64 = x.to(torch.float64)
+    scale, unscale = power_grid(x64, dims, bits)
+    return torch.round(x64 * scale), unscale
+
+
 def balanced_digits(ints: torch.Tensor, count: int) -> torch.Tensor:
     """``[count, *ints.shape]`` int8: base-256 digits in ``[-128, 127]``, least significant first, of the int64
     ``ints`` (``sum(d[i] * 256**i) == ints`` when ``|ints| <= 2**(8 * count - 2)``).
@@ -91,9 +99,7 @@ def activation_stage(x: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.T
     (digit ``i`` of row ``m`` at row ``i * M + m``) and zero-padded (exact) to what ``torch._int_mm`` takes on CUDA:
     more than 16 rows, ``K'`` and the row count multiples of 8."""
     m, k = x.shape
-    x64 = x.to(torch.float64)
-    scale, unscale = power_grid(x64, -1, ACTIVATION_BITS)
-    ints = torch.round(x64 * scale)
+    ints, unscale = grid_ints_stage(x, -1, ACTIVATION_BITS)
     if not int8:
         return ints, unscale
     rows = _ACTIVATION_DIGITS * m
@@ -149,9 +155,7 @@ class GridWeight:
         int8 = weight.device.type in INT8_DEVICES if int8 is None else int8
         unscales, parts = [], []
         for start in range(0, n, _ROWS_PER_CHUNK):  # row chunks: float64/int64 temporaries of a vocabulary stay small
-            w64 = weight[start : start + _ROWS_PER_CHUNK].detach().to(torch.float64)
-            scale, unscale = power_grid(w64, -1, WEIGHT_BITS)
-            ints = torch.round(w64 * scale)
+            ints, unscale = grid_ints_stage(weight[start : start + _ROWS_PER_CHUNK].detach(), -1, WEIGHT_BITS)
             unscales.append(unscale)
             parts.append(balanced_digits(ints.to(torch.int64), _WEIGHT_DIGITS) if int8 else ints)
         self.unscale = torch.cat(unscales).reshape(1, -1)
@@ -237,4 +241,5 @@ def exact_linear(grid: WeightGrid, x: torch.Tensor, weight: torch.Tensor,
 
 
 __all__ = ["ACTIVATION_BITS", "INT8_DEVICES", "KEEP_DEVICES", "MAX_REDUCTION", "WEIGHT_BITS", "GridWeight", "WeightGrid",
-           "activation_stage", "balanced_digits", "digit_sums_stage", "exact_linear", "finish_stage", "power_grid"]
+           "activation_stage", "balanced_digits", "digit_sums_stage", "exact_linear", "finish_stage", "grid_ints_stage",
+           "power_grid"]

@@ -121,6 +121,12 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
             run()  # the first call captures the buckets
             got, seconds[f"{method} captured"] = gpu_costs.timed(device, run)
             captured[method] = list(got.tokens) == list(eager[method].tokens)
+        cfg = ARSpecConfig(method="dflash", max_new_tokens=new, sampling=SamplingConfig(temperature=0.0))
+        for r in range(len(prompts)):
+            proof = explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), prompts, r, cfg)
+            rows.append({"pair": f"dflash batched row {r} vs alone", "identical": proof is None,
+                         "first_divergence": None if proof is None else proof.position,
+                         **({} if proof is None else {"near_tie": bool(proof.near_tie), "proof": proof.to_dict()})})
     unfused_same = None
     if invariant:  # the mode with its exact stages unfused (eager kernels): what fusing them saves, eager and captured
         with batch_invariant(model=target, fused=False):
@@ -131,13 +137,6 @@ def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torc
             ddtree_generate(target, None, prompts[0], method="ar", compile=True, **kw)  # captures
             _, seconds["ar captured unfused"] = gpu_costs.timed(device, lambda: ddtree_generate(
                 target, None, prompts[0], method="ar", compile=True, **kw))
-    with batch_invariant(invariant, model=target):
-        cfg = ARSpecConfig(method="dflash", max_new_tokens=new, sampling=SamplingConfig(temperature=0.0))
-        for r in range(len(prompts)):
-            proof = explain_ar_batch_row(target, lambda: DFlashDrafter(drafter), prompts, r, cfg)
-            rows.append({"pair": f"dflash batched row {r} vs alone", "identical": proof is None,
-                         "first_divergence": None if proof is None else proof.position,
-                         **({} if proof is None else {"near_tie": bool(proof.near_tie), "proof": proof.to_dict()})})
     return {"rows": rows, "seconds_per_token": {k: v / new for k, v in seconds.items()},
             "captured_equals_eager": captured,
             **({} if unfused_same is None else {"unfused_equals_fused": unfused_same})}
