@@ -254,7 +254,8 @@ def _batches(draw):
     """A random batch: a drafter family, each row's method (one for all, or mixed), the rule, T, top-k, dtype, and
     per row a prompt, a length (short ones end in shorter drafts), a budget and a draft count."""
     family = draw(st.sampled_from(["dflash", "dflash2"]))
-    pool = ["ar", "dflash", "ddtree", "specdiff"] if family == "dflash" else ["ar", "dflash2", "ddtree-dflash2"]
+    pool = ["ar", "dflash", "ddtree", "specdiff"] if family == "dflash" else ["ar", "dflash2", "ddtree-dflash2",
+                                                                               "specdiff"]
     rows = draw(st.integers(1, 3))
     methods = ([draw(st.sampled_from(pool))] * rows if draw(st.booleans())
                else [draw(st.sampled_from(pool)) for _ in range(rows)])
@@ -271,7 +272,7 @@ def _batches(draw):
 @given(batch=_batches())
 def test_random_batches_captured_equal_eager(dirs, dflash2_dirs, batch):
     """Random batches over every tree the captured path builds (DDTree, the DFlash chain, SpecDiff-2's sampled
-    drafts, DFlash2's tree and chain, plain AR; mixed or not, both rules, greedy and sampled, ragged lengths whose
+    drafts, DFlash2's tree, chain and drafts sampled through its selector, plain AR; mixed or not, both rules, greedy and sampled, ragged lengths whose
     last drafts are shorter): compile=True gives compile=False's tokens and acceptance lengths, row for row."""
     family, methods, accept, temperature, top_k, dtype, prompts, knobs = batch
     target_dir, drafter_dir = dirs if family == "dflash" else dflash2_dirs

@@ -6,9 +6,14 @@ nothing back, and take over the captured path's DFlash2 rounds.
   ``real`` nodes are :meth:`SelectorDraft.best_tree`'s (tokens, parents, depths, float64 scores bit for bit, order),
   the rest is padding, ``count`` the static bound; the device chain is :meth:`SelectorDraft.chain`'s.
 * No host read while building either (:class:`~spiffy.bench.syncs.SyncCounter` sees none).
-* ``compile=True`` == ``compile=False`` for ``dflash2`` and ``ddtree-dflash2`` (coupled at T = 0 and 0.7, rejection
-  at 0.9), the captured rounds building their trees in the tree step and walking on the device (no host walk)
-  except the sampled chain, and a round reading the device at most twice; the tree step traces as one graph.
+* Drafts walked through the selector (:meth:`SelectorDraft.sample_tree`, 1-9 drafts, the same random drafts and
+  temperatures, cut lengths): the device twin's nodes, draws below every node and dense proposals are the host's
+  bit for bit; the exponential race over :func:`selector_exponentials` draws what ``torch.multinomial`` draws from
+  the same keyed generator (the stream the host loop used before).
+* ``compile=True`` == ``compile=False`` for ``dflash2``, ``ddtree-dflash2`` and SpecDiff-2 over DFlash2 (coupled at
+  T = 0 and 0.7, rejection at 0.9), the captured rounds building every tree in the tree step (the sampled chain and
+  drafts too) and walking on the device (no host walk), and a round reading the device at most twice; the tree
+  step traces as one graph.
 * A shorter draft (the last rounds of a generation) built in the shapes of the full one, its length as data, is the
   host builders' tree of the cut draft.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,8 +36,12 @@ from captured_rounds import captured_round_syncs
 from spiffy.arspec import ARSpecConfig, SamplingConfig, SelectorDraft, as_drafter, speculative_generate
 from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_rounds import CapturedRounds
-from spiffy.arspec.device_selector import selector_chain_device, selector_tree_device
+from spiffy.arspec.device_rejection import Proposals
+from spiffy.arspec.device_selector import selector_chain_device, selector_sampled_device, selector_tree_device
 from spiffy.arspec.device_tree import DeviceTree, ddtree_node_count
+from spiffy.arspec.selector import race_draw, selector_exponentials
+from spiffy.arspec.selfselect import DRAFT_STREAM, draft_temperature
+from spiffy.arspec.sampling import keyed_seed, position_key
 from spiffy.arspec.tree import DraftTree
 from spiffy.bench.syncs import SyncCounter
 from spiffy.capture import trace_steps
@@ -109,6 +119,104 @@ def test_a_shorter_draft_in_the_same_shapes_is_its_own_tree(draft, cut, budget, 
     _assert_same(short.chain(), chain, d)
 
 
+def _assert_same_sampled(host: DraftTree, draft: SelectorDraft, sampling: SamplingConfig, drafts: int,
+                          length: int | None) -> None:
+    """The device twin of ``host`` (``draft`` cut to ``length`` depths, its races in the full draft's shapes): the
+    nodes, the draws below the root and each node in draw order, and each one's dense proposal, bit for bit."""
+    depth, k = draft.depth, int(draft.candidates.shape[1])
+    races = torch.zeros(drafts, depth, k, dtype=torch.float64)
+    races[:, : length or depth] = selector_exponentials(sampling, drafts, length or depth, k, 11)
+    dev = selector_sampled_device(draft, drafts, draft_temperature(sampling), races,
+                                  None if length is None else torch.tensor(length))
+    real = int(dev.real)
+    assert dev.tree.count == drafts * depth and dev.proposal_rows is not None
+    _assert_same(host, dev.tree, real)
+    assert host.samples is not None and host.proposal is not None
+    for node in range(-1, real):
+        assert [t for t in dev.draws[node + 1].tolist() if t >= 0] == host.samples.get(node, []), node
+        want = host.proposal.dense(node)  # type: ignore[union-attr]
+        got = dev.proposal[int(dev.proposal_rows[node + 1])]
+        assert bool((got == 0).all()) if want is None else torch.equal(got, want), node
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(draft=selector_drafts(), drafts=st.integers(1, 9), temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+       seed=st.integers(0, 50), cut=st.one_of(st.none(), st.integers(1, 6)))
+def test_device_sampled_drafts_are_the_host_drafts(draft, drafts, temperature, seed, cut):
+    """sample_tree's nodes, draws and per-node proposals, ties, repeated tokens and -inf candidates included, for
+    the whole draft and (``cut``) for its first depths built in the whole draft's shapes."""
+    sampling = SamplingConfig(temperature=temperature, seed=seed)
+    length = None if cut is None else min(cut, draft.depth)
+    short = draft if length is None else SelectorDraft(draft.candidates[:length], draft.first,
+                                                       draft.following[: length - 1], draft.vocab_size)
+    _assert_same_sampled(short.sample_tree(drafts, sampling, 11), draft, sampling, drafts, length)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(draft=selector_drafts(), drafts=st.integers(1, 5), seed=st.integers(0, 10_000))
+def test_the_race_draws_what_multinomial_draws(draft, drafts, seed):
+    """One call's exponentials, raced depth by depth, draw what ``torch.multinomial(q, 1)`` draws from the same
+    keyed generator one call at a time (the host loop's stream before the race; a torch that changes how either
+    reads its generator fails here)."""
+    sampling = SamplingConfig(temperature=0.8, seed=seed)
+    k = int(draft.candidates.shape[1])
+    q_first = torch.softmax(draft.first.double() / 0.8, -1)
+    q_next = torch.softmax(draft.following.double() / 0.8, -1)
+    races = selector_exponentials(sampling, drafts, draft.depth, k, 5)
+    gen = torch.Generator().manual_seed(position_key(keyed_seed(sampling) ^ DRAFT_STREAM, 5))
+    for j in range(drafts):
+        index = -1
+        for d in range(draft.depth):
+            q = q_first if d == 0 else q_next[d - 1, index]
+            index = int(torch.multinomial(q, 1, generator=gen))
+            assert int(race_draw(q, races[j, d])) == index
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(seed=st.integers(0, 10_000), rows=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 4)), min_size=1,
+                                                  max_size=3))
+def test_the_tree_step_writes_the_host_proposals(seed, rows):
+    """:func:`tree_program` on a batch of DFlash2 sampled rows (``(drafts, depth)`` per row, ``0`` drafts: no draft;
+    ragged depths in the batch's shapes): each row's nodes, and below the root and every node its draws and the
+    ``q`` its ``q_row`` points at, are the host tree's (:meth:`SelectorDraft.sample_tree`)."""
+    g = torch.Generator().manual_seed(seed)
+    k, vocab, depth = 4, 12, max(d for _n, d in rows)
+    batch = len(rows)
+    plan = captured_module.TreePlan(tuple(("none",) if n == 0 else ("selector_sampled", depth, n, 0.9, k, vocab)
+                                          for n, _d in rows))
+    cands = torch.randint(0, vocab, (batch, depth, k), generator=g)
+    first = torch.randn(batch, k, generator=g, dtype=torch.float64) * 2
+    following = torch.randn(batch, max(depth - 1, 0), k, k, generator=g, dtype=torch.float64) * 2
+    configs = [SimpleNamespace(sampling=SamplingConfig(temperature=0.9, seed=seed + b)) for b in range(batch)]
+    roots = [(0, 7 + 3 * b) for b in range(batch)]
+    lengths = [d if n else 0 for n, d in rows]
+    width = 1 + max(plan.counts())
+    ids, positions = torch.zeros(batch, width, dtype=torch.long), torch.zeros(batch, width, dtype=torch.long)
+    parents, depths = torch.zeros(batch, width - 1, dtype=torch.long), torch.zeros(batch, width - 1, dtype=torch.long)
+    counts = torch.zeros(batch, dtype=torch.long)
+    proposals = Proposals(torch.zeros(batch, width, plan.draws, dtype=torch.long),
+                          torch.zeros(batch, plan.q_rows, vocab, dtype=torch.float64),
+                          torch.zeros(batch, width, dtype=torch.long))
+    captured_module.tree_program(plan, None, torch.tensor(lengths), ids, parents, depths, counts, positions,
+                                 proposals=proposals, selector=SelectorDraft(cands, first, following, vocab),
+                                 races=captured_module.tree_races(plan, configs, roots, lengths))
+    assert proposals.q is not None and proposals.q_row is not None
+    for b, (n, d) in enumerate(rows):
+        if n == 0:
+            assert int(counts[b]) == 0
+            continue
+        mine = SelectorDraft(cands[b, :d], first[b], following[b, : d - 1], vocab)
+        host = mine.sample_tree(n, configs[b].sampling, roots[b][1])
+        real = host.num_nodes
+        assert int(counts[b]) == real and ids[b, 1 : 1 + real].tolist() == host.tokens.tolist()
+        assert parents[b, :real].tolist() == host.parents.tolist() and depths[b, :real].tolist() == host.depths.tolist()
+        assert host.samples is not None and host.proposal is not None
+        for node, draws in host.samples.items():
+            assert [t for t in proposals.draws[b, node + 1].tolist() if t >= 0] == draws, (b, node)
+            want = host.proposal.dense(node)  # type: ignore[union-attr]
+            assert torch.equal(proposals.q[b, int(proposals.q_row[b, node + 1])], want), (b, node)
+
+
 def test_skipped_candidates_leave_padding():
     """Candidates of probability 0 are never added: the real count drops below the bound and padding follows."""
     inf = float("-inf")
@@ -147,7 +255,9 @@ def test_building_reads_nothing_back():
     with SyncCounter() as counter:
         tree = selector_tree_device(draft, 24, 0.7)
         chain = selector_chain_device(draft)
+        sampled = selector_sampled_device(draft, 3, 0.7, torch.rand(3, 5, 6, generator=g, dtype=torch.float64))
     assert counter.total == 0, counter.counts
+    assert sampled.draws.shape == (16, 3) and sampled.proposal.shape == (16, 30)
     assert tree.tokens.shape == (24,) and chain.tokens.shape == (5,)
 
 
@@ -204,9 +314,9 @@ def _guessing(mp: pytest.MonkeyPatch, prompt_len: int, continuation: list[int], 
 
 @pytest.mark.parametrize("method,accept,temperature,budget,holes", CASES)
 def test_captured_equals_eager(pair, method, accept, temperature, budget, holes):
-    """compile=True == compile=False (tokens, acceptance, nodes per round) with deep accepted paths; the
-    deterministic drafts are built and walked on the device (no host walk), the sampled chain (rejection at T > 0)
-    on the host."""
+    """compile=True == compile=False (tokens, acceptance, nodes per round) with deep accepted paths; every tree is
+    built in the captured tree step and walked on the device (no host walk), the sampled chain (rejection at T > 0)
+    too."""
     target = load_target(pair[0], torch.float64, "cpu")
     sampling = SamplingConfig(temperature=temperature, seed=3)
     prompt = [5, 9, 2, 17]
@@ -230,31 +340,63 @@ def test_captured_equals_eager(pair, method, accept, temperature, budget, holes)
         mp.undo()
     eager, captured = runs
     assert captured.tokens == eager.tokens and len(captured.tokens) == 14
-    # DFlash2's deterministic trees are built in the captured tree step; its chain sampled through the selector
-    # (the rejection rule at T > 0) on the host
+    # every DFlash2 tree is built in the captured tree step: its chain sampled through the selector (the rejection
+    # rule at T > 0) too
     kinds = {row[0] for key in static_target_of(target).graphs.stats.runs if key[0] == "tree"
              for row in key[3].rows} - {"none"}
     sampled_chain = method == "dflash2" and accept == "rejection" and temperature > 0
-    assert kinds == (set() if sampled_chain else {"selector_tree" if method == "ddtree-dflash2" else "selector_chain"})
+    assert kinds == {"selector_sampled" if sampled_chain else
+                     "selector_tree" if method == "ddtree-dflash2" else "selector_chain"}
     assert captured.acceptance_lengths == eager.acceptance_lengths
     assert captured.nodes_per_round == eager.nodes_per_round
     full = budget if method == "ddtree-dflash2" else BLOCK - 1  # a round's nodes when no candidate is skipped
     assert (max(captured.nodes_per_round) < full) if holes else (max(captured.nodes_per_round) == full)
     if accept == "coupled":  # the output is AR's, and the walk went deep
         assert captured.tokens == ar.tokens and max(captured.acceptance_lengths) > 2, captured.acceptance_lengths
-    sampled = method == "dflash2" and accept == "rejection"
-    assert (len(host_walks) == captured.rounds) if sampled else not host_walks
+    assert not host_walks
+
+
+@pytest.mark.parametrize("accept,temperature,drafts", [("rejection", 0.9, 3), ("coupled", 0.7, 2),
+                                                     pytest.param("rejection", 1.3, 1, marks=pytest.mark.slow)])
+def test_sampled_drafts_captured_equal_eager(pair, accept, temperature, drafts):
+    """SpecDiff-2 over DFlash2 (drafts walked through the selector, merged, per-node proposals): compile=True ==
+    compile=False, with deep accepted paths, every tree built in the captured tree step and no host walk."""
+    target = load_target(pair[0], torch.float64, "cpu")
+    sampling = SamplingConfig(temperature=temperature, seed=5)
+    prompt = [5, 9, 2, 17]
+    ar = speculative_generate(target, None, prompt, ARSpecConfig(method="ar", max_new_tokens=14, sampling=sampling))
+    config = ARSpecConfig(method="specdiff", drafts=drafts, max_new_tokens=14, accept=accept, sampling=sampling)
+    runs, host_walks = [], []
+    mp = pytest.MonkeyPatch()
+    walk_host = CapturedRounds._walk_host
+    try:
+        mp.setattr(CapturedRounds, "_walk_host", lambda self, *a, **k: host_walks.append(1) or walk_host(self, *a, **k))
+        _guessing(mp, len(prompt), ar.tokens, {2, 7}, False)
+        for compile_ in (False, True):
+            drafter = as_drafter(load_ar_drafter(pair[1], dtype=torch.float64))
+            runs.append(speculative_generate(target, drafter, prompt, config, compile=compile_))
+    finally:
+        mp.undo()
+    eager, captured = runs
+    assert captured.tokens == eager.tokens and len(captured.tokens) == 14
+    assert captured.acceptance_lengths == eager.acceptance_lengths
+    assert captured.nodes_per_round == eager.nodes_per_round
+    assert max(captured.acceptance_lengths) > 1, captured.acceptance_lengths
+    kinds = {row[0] for key in static_target_of(target).graphs.stats.runs if key[0] == "tree"
+             for row in key[3].rows} - {"none"}
+    assert kinds == {"selector_sampled"} and not host_walks
 
 
 @pytest.mark.parametrize("method,accept,temperature", [("dflash2", "coupled", 0.7), ("ddtree-dflash2", "coupled", 0.0),
-                                                      ("ddtree-dflash2", "rejection", 0.9)])
+                                                      ("ddtree-dflash2", "rejection", 0.9),
+                                                      ("dflash2", "rejection", 0.9), ("specdiff", "rejection", 0.9)])
 def test_captured_round_reads_the_device_at_most_twice(pair, method, accept, temperature, monkeypatch):
     """A captured DFlash2 round outside the forwards (tree build, walk, commit) reads the device at most twice,
     and builds its tree with the device builders."""
     target = load_target(pair[0], torch.float64, "cpu")
     model = load_ar_drafter(pair[1], dtype=torch.float64)
     built: list[str] = []
-    for name in ("selector_tree_device", "selector_chain_device"):
+    for name in ("selector_tree_device", "selector_chain_device", "selector_sampled_device"):
         real = getattr(captured_module, name)
         monkeypatch.setattr(captured_module, name, lambda *a, _f=real, _n=name: built.append(_n) or _f(*a))
     config = ARSpecConfig(method=method, budget=9, max_new_tokens=12, accept=accept,
@@ -268,10 +410,12 @@ def test_captured_round_reads_the_device_at_most_twice(pair, method, accept, tem
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,accept,temperature", [("ddtree-dflash2", "rejection", 0.9),
-                                                      ("dflash2", "coupled", 0.7)])
+                                                      ("dflash2", "coupled", 0.7), ("dflash2", "rejection", 0.9),
+                                                      ("specdiff", "rejection", 0.9)])
 def test_dflash2_tree_steps_trace_as_one_graph(pair, method, accept, temperature):
-    """DFlash2's tree step (its DDTree and greedy chain over the selector's scores) is one graph for TorchDynamo
-    (:func:`spiffy.capture.trace_steps`: no host read, no data-dependent shape), and returns the eager tokens."""
+    """DFlash2's tree step (its DDTree, greedy chain and drafts sampled through the selector) is one graph for
+    TorchDynamo (:func:`spiffy.capture.trace_steps`: no host read, no data-dependent shape), and returns the eager
+    tokens."""
     config = ARSpecConfig(method=method, budget=9, max_new_tokens=12, accept=accept,
                           sampling=SamplingConfig(temperature=temperature, seed=3))
     runs = []
@@ -282,4 +426,6 @@ def test_dflash2_tree_steps_trace_as_one_graph(pair, method, accept, temperature
             runs.append(speculative_generate(target, drafter, [5, 9, 2, 17], config, compile=compile_).tokens)
     assert runs[1] == runs[0]
     kinds = {row[0] for key in static_target_of(target).graphs.stats.runs if key[0] == "tree" for row in key[3].rows}
-    assert kinds == {"selector_tree" if method == "ddtree-dflash2" else "selector_chain"}
+    sampled = accept == "rejection" and method != "ddtree-dflash2"
+    assert kinds == {"selector_sampled" if sampled else "selector_tree" if method == "ddtree-dflash2"
+                     else "selector_chain"}

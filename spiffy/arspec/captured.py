@@ -241,15 +241,17 @@ class StaticTarget:
         def step() -> None:
             tree_program(plan, buffers.get("drafts"), buffers["lengths"], self.ids[:rows, :width],
                          self.parents[:rows, : width - 1], self.depths[:rows, : width - 1], self.counts[:rows],
-                         self.positions[:rows, :width], buffers.get("uniforms"), proposals, selector)
+                         self.positions[:rows, :width], buffers.get("uniforms"), proposals, selector,
+                         buffers.get("races"))
         return step
 
     def build_trees(self, rows: int, width: int, plan: TreePlan, drafts: Sequence[Draft | None],
-                    uniforms: torch.Tensor | None = None) -> Proposals | None:
+                    uniforms: torch.Tensor | None = None, races: torch.Tensor | None = None) -> Proposals | None:
         """Every row's tree (``plan``) from its draft (logits ``[depth, V]``, or DFlash2's
         :class:`~spiffy.arspec.selector.SelectorDraft`) into the round buffers, in one bucket's step
         (:func:`~spiffy.arspec.captured_walk.tree_program`): the drafts, their lengths (and a sampled row's host
-        ``uniforms`` ``[rows, L, K]``, :func:`~spiffy.arspec.captured_walk.tree_uniforms`) copied into its static
+        ``uniforms`` ``[rows, L, K]``, :func:`~spiffy.arspec.captured_walk.tree_uniforms`, or a DFlash2 sampled
+        row's ``races`` ``[rows, n, L, K]``, :func:`~spiffy.arspec.captured_walk.tree_races`) copied into its static
         buffers first (the roots' tokens and positions are already in column 0). Returns the bucket's proposal
         buffers when a row samples its drafts (what the rejection walk reads), else ``None``."""
         logits = next((d for d in drafts if isinstance(d, torch.Tensor)), None)
@@ -269,28 +271,34 @@ class StaticTarget:
                 buffers["drafts"][b, : draft.shape[0]].copy_(draft)
         lengths = [draft_length(d) for d in drafts]
         buffers["lengths"].copy_(on_device(torch.tensor(lengths, dtype=torch.long), self.device))
-        if plan.draws:
-            assert uniforms is not None
-            buffers["uniforms"].copy_(on_device(uniforms, self.device))
+        for name, host in (("uniforms", uniforms), ("races", races)):
+            if name in buffers:
+                assert host is not None, f"a tree bucket with sampled rows needs its {name}"
+                buffers[name].copy_(on_device(host, self.device))
         self.graphs.run(key)
         return _tree_proposals(buffers)
 
     def _tree_buffers(self, rows: int, width: int, plan: TreePlan, logits: torch.Tensor | None,
                       scores: SelectorDraft | None) -> dict[str, torch.Tensor]:
         """A tree bucket's static buffers: the draft lengths ``[rows]``; with rows of logits, the drafts
-        ``[rows, L, V]`` and, with a sampled row, its uniforms ``[rows, L, K]`` and the proposals it writes (draws
-        ``[rows, width, K]``, ``q [rows, L, V]``, ``q_row``); with DFlash2 rows, their candidates ``[rows, L, K]``
-        and scores (first ``[rows, K]``, following ``[rows, L - 1, K, K]``)."""
+        ``[rows, L, V]``; with a sampled row, its uniforms ``[rows, L, K]`` (drafts of logits) or races ``[rows, n,
+        L, K]`` (DFlash2) and the proposals it writes (draws ``[rows, width, K]``, ``q [rows, plan.q_rows, V]``,
+        ``q_row``); with DFlash2 rows, their candidates ``[rows, L, K]`` and scores (first ``[rows, K]``, following
+        ``[rows, L - 1, K, K]``)."""
         dev, depth = self.device, plan.depth
         out = {"lengths": torch.zeros(rows, dtype=torch.long, device=dev)}
         if logits is not None:
-            vocab = int(logits.shape[-1])
-            out["drafts"] = torch.zeros(rows, depth, vocab, dtype=logits.dtype, device=dev)
+            out["drafts"] = torch.zeros(rows, depth, int(logits.shape[-1]), dtype=logits.dtype, device=dev)
+        if plan.drafts_of("sampled"):
+            out["uniforms"] = torch.zeros(rows, depth, plan.drafts_of("sampled"), dtype=torch.float64, device=dev)
+        if plan.drafts_of("selector_sampled"):
+            out["races"] = torch.zeros(rows, plan.drafts_of("selector_sampled"), depth, plan.candidates,
+                                       dtype=torch.float64, device=dev)
         if plan.draws:
-            assert logits is not None
-            out["uniforms"] = torch.zeros(rows, depth, plan.draws, dtype=torch.float64, device=dev)
+            assert logits is not None or scores is not None
+            vocab = int(logits.shape[-1]) if logits is not None else int(scores.vocab_size)  # type: ignore[union-attr]
             out["draws"] = torch.full((rows, width, plan.draws), -1, dtype=torch.long, device=dev)
-            out["q"] = torch.zeros(rows, depth, vocab, dtype=torch.float64, device=dev)
+            out["q"] = torch.zeros(rows, plan.q_rows, vocab, dtype=torch.float64, device=dev)
             out["q_row"] = torch.zeros(rows, width, dtype=torch.long, device=dev)
         if scores is not None:
             k = plan.candidates

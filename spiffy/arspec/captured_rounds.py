@@ -3,18 +3,19 @@
 
 :class:`CapturedRounds` runs the loop's rounds on the static target. When every row's tree is built from its draft
 alone (plain AR, the DFlash chain, DDTree, the drafts sampled from the drafter: DEER and DFlash under the rejection
-rule at T > 0, SpecDiff-2; DFlash2's DDTree and greedy chain over its selector), a round is draft -> every row's
-tree in one captured step (:meth:`~spiffy.arspec.captured.StaticTarget.build_trees`; a sampled row draws from host
-uniforms keyed as the eager draws, merges its drafts and writes their proposals ``q`` for the walk) -> captured
+rule at T > 0, SpecDiff-2; DFlash2's DDTree, greedy chain and drafts walked through its selector), a round is draft
+-> every row's tree in one captured step (:meth:`~spiffy.arspec.captured.StaticTarget.build_trees`; a sampled row
+draws from host uniforms or exponentials keyed as the eager draws, merges its drafts and writes their proposals
+``q`` for the walk) -> captured
 verify -> the target's token at every row -> the walk -> the kept rows moved in the cache (one fused step:
 :meth:`~spiffy.arspec.captured.StaticTarget.walk_round`), and ONE host read (accepted lengths, node counts, kept rows
 and tokens, bonus). The walk is the coupled rule's, or under the rejection rule at T > 0
 :func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program) over point-mass children
-(DDTree, the chain) or over the sampled drafts' draws. A round whose rows mix point-mass and sampled proposals under
-the rejection rule builds its trees by eager kernels (:func:`~spiffy.arspec.captured_walk.round_tree`) and walks them
-in the same fused step; DFlash2's chain sampled through its selector (the rejection rule at T > 0), and a round
-whose rows mix the rules, build their trees on the host as the eager loop does and walk them on the captured step's
-hidden states; only the verification is captured there.
+(DDTree, the chain) or over the sampled drafts' draws. A round whose trees
+:func:`~spiffy.arspec.captured_walk.tree_plan` does not know (a method of another kind) builds them by eager kernels
+(:func:`~spiffy.arspec.captured_walk.round_tree`) and walks them in the same fused step. A round whose rows mix
+point-mass and sampled proposals under the rejection rule, or mix the rules, builds its trees on the host as the
+eager loop does and walks them on the captured step's hidden states; only the verification is captured there.
 
 When every row drafts with one plain DFlash model, the drafter's block forward is captured too: a
 :class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets) drafts every row
@@ -37,7 +38,7 @@ from spiffy.arspec.captured import SLOT_ROUNDING, StaticTarget, static_unsupport
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter
 from spiffy.arspec.captured_drafter import StaticBlockDrafter, StaticDrafter, static_drafter_model
 from spiffy.arspec.captured_walk import (WalkPlan, draft_length, plain_tree, round_tree, rule_walk, tree_plan,
-                                        tree_uniforms, unpack_walk, walk_inputs, walk_kind)
+                                        tree_races, tree_uniforms, unpack_walk, walk_inputs, walk_kind)
 from spiffy.arspec.device_rejection import Proposals
 from spiffy.arspec.device_draws import SampledDeviceTree
 from spiffy.arspec.device_tree import DeviceTree
@@ -132,8 +133,10 @@ class CapturedRounds:
             proposals = None
             if width > 1:
                 lengths = [draft_length(d) for d in drafts]
-                uniforms = tree_uniforms(plan, self.configs, roots, lengths) if plan.draws else None
-                proposals = static.build_trees(rows, width, plan, drafts, uniforms)
+                uniforms = tree_uniforms(plan, self.configs, roots, lengths) if plan.drafts_of("sampled") else None
+                races = (tree_races(plan, self.configs, roots, lengths) if plan.drafts_of("selector_sampled")
+                         else None)
+                proposals = static.build_trees(rows, width, plan, drafts, uniforms, races)
             clock.lap("tree_build")
             clock.lap("compile")
             sampled = by_rule == "rejection" and proposals is not None

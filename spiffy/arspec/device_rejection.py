@@ -147,7 +147,8 @@ def round_proposals(trees: Sequence[DeviceTree | SampledDeviceTree | None], ids:
     """A captured round's :class:`Proposals` (``ids``, ``row_depths [B, R]``, ``parents [B, N]``, ``counts [B]``:
     the filled round buffers): the children of every row when no tree is sampled (DDTree, the chain), else each
     sampled tree's draws (:class:`~spiffy.arspec.device_draws.SampledDeviceTree`) with its per-depth ``q`` (the
-    draws below a depth-``d`` row came from ``q[d]``). Trees of both kinds in one round are not supported here."""
+    draws below a depth-``d`` row came from ``q[d]``) or its per-node ``q`` (``proposal_rows``). Trees of both kinds
+    in one round are not supported here."""
     rows, width = int(ids.shape[0]), int(ids.shape[1])
     sampled = [(b, t) for b, t in enumerate(trees) if isinstance(t, SampledDeviceTree)]
     if not sampled:
@@ -161,7 +162,11 @@ def round_proposals(trees: Sequence[DeviceTree | SampledDeviceTree | None], ids:
         draws[b, : t.draws.shape[0], : t.draws.shape[1]] = t.draws
         q[b, : t.proposal.shape[0]] = t.proposal
     # a leaf's depth may be past the last q row: it draws nothing, so any row of q serves
-    return Proposals(draws, q, row_depths.clamp(max=depth - 1))
+    q_row = row_depths.clamp(max=depth - 1)
+    for b, t in sampled:
+        if t.proposal_rows is not None:  # per-node proposals (a DFlash2 selector's drafts)
+            q_row[b, : t.proposal_rows.shape[0]] = t.proposal_rows
+    return Proposals(draws, q, q_row)
 
 
 def _row(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

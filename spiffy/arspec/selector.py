@@ -13,8 +13,11 @@ structure from it:
   draft temperature (the package's draft at ``T > 0`` for ``n = 1``), merged into one tree whose
   :class:`~spiffy.arspec.tree.NodeProposals` give, below every node, the ``q`` its children were drawn from. The draws
   below a node are i.i.d. from ``q(. | that node's token)`` given everything above it, so the rejection rule's
-  recursive speculative sampling (:class:`~spiffy.arspec.rejection.RejectionRule`) is exact on it; draws are keyed by
-  ``(seed, root position)`` like :func:`~spiffy.arspec.selfselect.sample_drafts`.
+  recursive speculative sampling (:class:`~spiffy.arspec.rejection.RejectionRule`) is exact on it. Each draw is an
+  exponential race (:func:`race_draw`: ``argmax(q / E)`` with ``E ~ Exp(1)``, which is how ``torch.multinomial``
+  draws one sample on a CPU, from the same stream) with host exponentials keyed by ``(seed, root position)``
+  (:func:`selector_exponentials`), so the captured path's device twin
+  (:func:`~spiffy.arspec.device_selector.selector_sampled_device`) draws the same tokens from the same numbers.
 * :meth:`SelectorDraft.best_tree`: DDTree over the chain: the ``budget`` prefixes of highest probability. A prefix is
   at least as probable as its extensions, so they form a tree and come out of the same best-first heap as
   :func:`~spiffy.arspec.tree.build_ddtree` (pop the best node, push its next sibling and its first child), except
@@ -37,7 +40,7 @@ from spiffy.arspec.tree import DraftTree, NodeProposals, empty_tree
 from spiffy.errors import ConfigError
 from spiffy.sampling import SamplingConfig
 
-__all__ = ["Draft", "SelectorDraft"]
+__all__ = ["Draft", "SelectorDraft", "race_draw", "selector_exponentials"]
 
 
 @dataclass(frozen=True)
@@ -90,15 +93,18 @@ class SelectorDraft:
 
     def sample_tree(self, num_drafts: int, sampling: SamplingConfig, root_position: int) -> DraftTree:
         """``num_drafts`` drafts walked through the chain with draws from ``q`` at
-        :func:`~spiffy.arspec.selfselect.draft_temperature`, merged into one tree (creation order: draft by draft,
-        shallow to deep); ``samples`` lists the draws below each node in draw order, ``proposal`` the ``q`` of each."""
+        :func:`~spiffy.arspec.selfselect.draft_temperature` (:func:`race_draw` of :func:`selector_exponentials`),
+        merged into one tree (creation order: draft by draft, shallow to deep); ``samples`` lists the draws below each
+        node in draw order, ``proposal`` the ``q`` of each. A node's score is its prefix's sum of ``log_softmax``
+        values at that temperature, added one depth at a time (what the device twin adds)."""
         if num_drafts <= 0 or self.depth == 0:
             return empty_tree()
         cands, first, following = self._host(None)
         temperature = draft_temperature(sampling)
-        q_first = torch.softmax(first / temperature, -1)
-        q_next = torch.softmax(following / temperature, -1)
-        gen = torch.Generator().manual_seed(position_key(keyed_seed(sampling) ^ DRAFT_STREAM, root_position))
+        q_first, q_next = torch.softmax(first / temperature, -1), torch.softmax(following / temperature, -1)
+        logq_first = torch.log_softmax(first / temperature, -1)
+        logq_next = torch.log_softmax(following / temperature, -1)
+        races = selector_exponentials(sampling, int(num_drafts), self.depth, len(cands[0]), root_position)
         cand_rows = self.candidates.cpu()
         lookup: dict[tuple[int, int], int] = {}
         tokens: list[int] = []
@@ -107,15 +113,16 @@ class SelectorDraft:
         scores: list[float] = []
         samples: dict[int, list[int]] = {}
         rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for _ in range(int(num_drafts)):
+        for j in range(int(num_drafts)):
             node, index, score = -1, -1, 0.0
             for d in range(self.depth):
                 q = q_first if d == 0 else q_next[d - 1, index]
-                index = int(torch.multinomial(q, 1, generator=gen))
+                logq = logq_first if d == 0 else logq_next[d - 1, index]
+                index = int(race_draw(q, races[j, d]))
                 tok = cands[d][index]
                 samples.setdefault(node, []).append(tok)
                 rows.setdefault(node, (cand_rows[d], q))
-                score += float(torch.log(q[index]))
+                score += float(logq[index])
                 child = lookup.get((node, tok))
                 if child is None:
                     child = lookup[(node, tok)] = len(tokens)
@@ -183,3 +190,23 @@ class SelectorDraft:
 
 #: what a drafter proposes for a round: ``[D, V]`` per-position logits, or a DFlash2 selector's proposal
 Draft = Union[torch.Tensor, SelectorDraft]
+
+
+def selector_exponentials(sampling: SamplingConfig, num_drafts: int, depth: int, candidates: int,
+                          root_position: int) -> torch.Tensor:
+    """``[n, D, K]`` float64 host ``Exp(1)`` draws of a round's selector drafts (draft ``j``'s depth-``d`` race over
+    the ``K`` candidates at ``[j, d]``) from a generator keyed by ``(seed, DRAFT_STREAM, root_position)``: one call,
+    the stream ``n * D`` successive ``torch.multinomial(q, 1)`` calls of ``K`` candidates read (float64 exponentials
+    in order; ``tests/test_device_selector.py`` checks the two agree). Host work only; a captured round copies them
+    into its static buffer."""
+    gen = torch.Generator().manual_seed(position_key(keyed_seed(sampling) ^ DRAFT_STREAM, root_position))
+    races = torch.empty(int(num_drafts) * int(depth) * int(candidates), dtype=torch.float64)
+    return races.exponential_(generator=gen).view(int(num_drafts), int(depth), int(candidates))
+
+
+def race_draw(q: torch.Tensor, races: torch.Tensor) -> torch.Tensor:
+    """``[...]`` long: the exponential race of ``q [..., K]`` (nonnegative) against ``races [..., K]`` (``Exp(1)``
+    draws): ``argmax(q / E)``, the first maximal index. ``P(i) = q_i / sum(q)`` (the smallest of independent
+    ``E_i / q_i`` wins), and a candidate without mass almost surely never wins. A tensor program: one division
+    and one argmax on whatever device ``q`` is on."""
+    return (q / races).argmax(dim=-1)

@@ -54,7 +54,8 @@ class NodeProposals:
         if row is None:
             return None
         tokens, probs = row
-        return torch.zeros(self.vocab_size, dtype=torch.float64).index_put_((tokens,), probs.double(), accumulate=True)
+        # repeated tokens add up, in the candidates' order (as the device twin's scatter_add_ adds them)
+        return torch.zeros(self.vocab_size, dtype=torch.float64).scatter_add_(0, tokens.long(), probs.double())
 
 
 @dataclass
