@@ -19,6 +19,7 @@ from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_gener
 from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
 from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_drafter import static_drafter_of
+from spiffy.arspec.captured_rounds import CapturedRounds
 from spiffy.arspec.device_tree import chain_device, ddtree_device
 from spiffy.arspec.drafter import DFlashDrafter
 from spiffy.arspec.tree import build_chain, build_ddtree
@@ -166,13 +167,13 @@ def test_rejection_round_syncs_at_most_twice(pair, method, budget):
 
 @pytest.mark.parametrize("methods,accept,temperature", [
     (("specdiff", "dflash", "ar"), "rejection", 0.9),  # sampled trees built in a step, their draws walked
-    (("ddtree", "dflash", "specdiff"), "rejection", 0.9),  # point masses beside draws: the eager tree build
+    (("ddtree", "dflash", "specdiff"), "rejection", 0.9),  # point masses beside draws: each row its own rule
     (("ddtree", "specdiff", "dflash"), "coupled", 0.7)])  # every tree in one step, walked by the coupled rule
 def test_rows_mixing_methods(dirs, methods, accept, temperature):
     """A batch whose rows draft differently (DDTree's tree, the DFlash chain, SpecDiff-2's joint drafts, plain AR):
-    captured rows == eager rows. Trees sampled from the drafter are built in the tree step (drawn from host uniforms
-    keyed as the eager draws, merged, their proposals handed to the round's walk), except beside point-mass trees
-    under the rejection rule, whose walk takes one kind of proposal: that round builds its trees eagerly."""
+    captured rows == eager rows. Every tree is built in the tree step (sampled ones drawn from host uniforms keyed
+    as the eager draws, merged, their proposals handed to the round's walk) and walked on the device, point-mass
+    trees beside sampled ones under the rejection rule too (each row by its own kind's rule): no host walk."""
     prompts = [_prompt(4, 6), _prompt(5, 3), _prompt(6, 9)]
     runs = []
     for compile_ in (False, True):
@@ -181,12 +182,43 @@ def test_rows_mixing_methods(dirs, methods, accept, temperature):
                                 sampling=SamplingConfig(temperature=temperature, seed=s))
                    for m, n, s in zip(methods, (10, 7, 8), (1, 2, 3))]
         drafters = [None if m == "ar" else DFlashDrafter(drafter, BLOCK) for m in methods]
-        runs.append([r.tokens for r in speculative_generate_batch(target, drafters, prompts, configs,
-                                                                   compile=compile_)])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(CapturedRounds, "_walk_host", lambda *a, **k: pytest.fail("a round walked on the host"))
+            runs.append([r.tokens for r in speculative_generate_batch(target, drafters, prompts, configs,
+                                                                       compile=compile_)])
     assert runs[1] == runs[0]
     kinds = {row[0] for key in static_target_of(target).graphs.stats.runs if key[0] == "tree" for row in key[3].rows}
-    mixed = accept == "rejection" and "ddtree" in methods
-    assert ("sampled" in kinds) == (not mixed), kinds
+    assert "sampled" in kinds, kinds
+    mixed = {key[4].mixed for key in static_target_of(target).graphs.stats.runs if key[0] == "round"}
+    assert (True in mixed) == (accept == "rejection" and "ddtree" in methods), mixed  # later rounds: fewer rows
+
+
+@pytest.mark.parametrize("methods", [("ddtree", "dflash"), ("specdiff", "ddtree", "dflash")])
+def test_point_mass_rows_beside_sampled_rows_walk_by_their_own_rule(dirs, methods):
+    """Under the rejection rule at T > 0, DDTree rows (point-mass children) beside sampled rows (the DFlash chain
+    drawn from the drafter, SpecDiff-2's drafts) in one captured round: each row walks by its own kind's rule, so
+    captured == eager row for row, tokens and acceptance, with drafters that guess each row's greedy continuation
+    (the DDTree rows accept nodes in those rounds: a wrong rule for them would show); a round reads the device at
+    most twice."""
+    dtype, temperature = torch.float64, 0.05
+    prompts = [_prompt(7 + b, 4 + b) for b in range(len(methods))]
+    runs = []
+    for compile_ in (False, True):
+        target, base = load_target(dirs[0], dtype, "cpu"), load_drafter(dirs[1], dtype=dtype)
+        configs = [ARSpecConfig(method=m, budget=6, drafts=2, max_new_tokens=12, accept="rejection",
+                                sampling=SamplingConfig(temperature=temperature, seed=b))
+                   for b, m in enumerate(methods)]
+        drafters = [DFlashDrafter(_guessing((target, base), prompt, 12, {3}, 0, 0.0), BLOCK) for prompt in prompts]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(CapturedRounds, "_walk_host", lambda *a, **k: pytest.fail("a round walked on the host"))
+            out, per_round = captured_round_syncs(target, drafters[0].model, lambda: speculative_generate_batch(
+                target, drafters, prompts, configs, compile=compile_))
+        runs.append([(r.tokens, r.acceptance_lengths) for r in out])
+    assert runs[1] == runs[0]
+    assert max(per_round) <= 2, per_round  # the captured rounds
+    assert True in {key[4].mixed for key in static_target_of(target).graphs.stats.runs if key[0] == "round"}
+    ddtree_rows = [lengths for (_tokens, lengths), m in zip(runs[1], methods) if m == "ddtree"]
+    assert max(max(lengths) for lengths in ddtree_rows) > 1, ddtree_rows
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)
@@ -272,8 +304,9 @@ def _batches(draw):
 @given(batch=_batches())
 def test_random_batches_captured_equal_eager(dirs, dflash2_dirs, batch):
     """Random batches over every tree the captured path builds (DDTree, the DFlash chain, SpecDiff-2's sampled
-    drafts, DFlash2's tree, chain and drafts sampled through its selector, plain AR; mixed or not, both rules, greedy and sampled, ragged lengths whose
-    last drafts are shorter): compile=True gives compile=False's tokens and acceptance lengths, row for row."""
+    drafts, DFlash2's tree, chain and drafts sampled through its selector, plain AR; mixed or not, both rules,
+    greedy and sampled, ragged lengths whose last drafts are shorter): compile=True gives compile=False's tokens and
+    acceptance lengths, row for row."""
     family, methods, accept, temperature, top_k, dtype, prompts, knobs = batch
     target_dir, drafter_dir = dirs if family == "dflash" else dflash2_dirs
     runs = []

@@ -13,9 +13,11 @@ and tokens, bonus). The walk is the coupled rule's, or under the rejection rule 
 :func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program) over point-mass children
 (DDTree, the chain) or over the sampled drafts' draws. A round whose trees
 :func:`~spiffy.arspec.captured_walk.tree_plan` does not know (a method of another kind) builds them by eager kernels
-(:func:`~spiffy.arspec.captured_walk.round_tree`) and walks them in the same fused step. A round whose rows mix
-point-mass and sampled proposals under the rejection rule, or mix the rules, builds its trees on the host as the
-eager loop does and walks them on the captured step's hidden states; only the verification is captured there.
+(:func:`~spiffy.arspec.captured_walk.round_tree`) and walks them in the same fused step. Under the rejection rule,
+rows of point-mass children (DDTree, the chains) beside rows of sampled drafts each walk by their own kind's rule in
+the same program (:attr:`~spiffy.arspec.captured_walk.WalkPlan.mixed`). A round whose rows mix the rules builds its
+trees on the host as the eager loop does and walks them on the captured step's hidden states; only the verification
+is captured there.
 
 When every row drafts with one plain DFlash model, the drafter's block forward is captured too: a
 :class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets) drafts every row
@@ -124,9 +126,7 @@ class CapturedRounds:
         """One round of every live row: per row ``(new tokens, kept verification rows, draft nodes)``."""
         static, rows = self.static, len(roots)
         plan, by_rule = tree_plan(self.methods, self.configs, drafts, self.depth), rule_walk(self.rules)
-        # the rejection walk takes the children of every row as point masses or every row's draws: not both
-        mixed = by_rule == "rejection" and plan is not None and plan.draws > 0 and plan.point_mass
-        if plan is not None and by_rule is not None and not mixed:  # trees built in a captured step, from the drafts
+        if plan is not None and by_rule is not None:  # trees built in a captured step, from the drafts
             width = static.width if max(plan.counts()) else 1
             depth = self.depth if width > 1 else 0
             self._fill_roots(roots, width)
@@ -140,8 +140,10 @@ class CapturedRounds:
             clock.lap("tree_build")
             clock.lap("compile")
             sampled = by_rule == "rejection" and proposals is not None
+            # under the rejection rule, rows of point-mass children beside sampled rows walk by their own rule
+            points = plan.point_rows() if sampled and plan.point_mass else []
             done = self._walk_device(roots, [None] * rows, by_rule, width, depth, drafter_hooks,
-                                     proposals if sampled else None)
+                                     proposals if sampled else None, points)
             clock.lap("verify")
             return done
         trees = [round_tree(m, c, d, pos) for m, c, d, (_tok, pos) in zip(self.methods, self.configs, drafts, roots)]
@@ -217,19 +219,21 @@ class CapturedRounds:
 
     def _walk_device(self, roots: Sequence[tuple[int, int]], trees: Sequence[DeviceTree | SampledDeviceTree | None],
                      kind: str, width: int, depth: int, drafter_hooks: Sequence[TargetFeatureHooks],
-                     proposals: Proposals | None = None) -> list[tuple[list[int], list[int], int]]:
+                     proposals: Proposals | None = None, point_rows: Sequence[bool] = ()
+                     ) -> list[tuple[list[int], list[int], int]]:
         """Verify, walk (``kind``: the coupled or the rejection rule) and commit every row on the device (one
         bucket's step: :meth:`StaticTarget.walk_round`), stage the drafter's next context, and read the round once
-        (``proposals``: the sampled drafts' draws and ``q`` a tree step wrote, walked by the rejection rule)."""
+        (``proposals``: the sampled drafts' draws and ``q`` a tree step wrote, walked by the rejection rule;
+        ``point_rows``: beside them, the rows whose children are point masses)."""
         s, rows = self.static, len(roots)
         samplings = [c.sampling for c in self.configs]
         sampled = kind == "rejection" and (proposals is not None
                                            or any(isinstance(t, SampledDeviceTree) for t in trees))
-        plan = WalkPlan.of(kind, samplings, sampled)
+        plan = WalkPlan.of(kind, samplings, sampled, any(point_rows))
         vocab = int(getattr(s.lm_head, "out_features", 0) or s.target.config.vocab_size)
         inputs = walk_inputs(plan, samplings, [pos for _tok, pos in roots], trees, s.ids[:rows, :width],
                              s.parents[:rows, : width - 1], s.counts[:rows], s.depths[:rows, : width - 1], depth,
-                             vocab, s.dtype, proposals)
+                             vocab, s.dtype, proposals, point_rows)
         keep, accepted, packed = s.walk_round(rows, width, depth, plan, inputs)
         s.share_features(drafter_hooks)
         if self.drafter is not None:  # the kept rows' features (DFlash) or tokens (a dLLM drafter)

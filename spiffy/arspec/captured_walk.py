@@ -58,16 +58,20 @@ class WalkPlan:
         samplings: per row ``(temperature, top_k, top_p)``: the rule's constants (seeds enter through the inputs).
         sampled: the rejection rule over sampled drafts (draws with their proposal distributions ``q``); ``False``
             for point-mass proposals (the children's tokens, DDTree) and for the coupled rule.
+        mixed: with ``sampled``, some rows' children are point masses (DDTree, the chain) beside the sampled rows
+            (:attr:`WalkInputs.point_rows` says which): each row walks by its own kind's rule.
     """
 
     rule: str
     samplings: tuple[tuple[float, int, float], ...]
     sampled: bool = False
+    mixed: bool = False
 
     @classmethod
-    def of(cls, rule: str, samplings: Sequence[SamplingConfig], sampled: bool = False) -> "WalkPlan":
+    def of(cls, rule: str, samplings: Sequence[SamplingConfig], sampled: bool = False,
+           mixed: bool = False) -> "WalkPlan":
         return cls(rule, tuple((float(s.temperature), int(s.top_k), float(s.top_p)) for s in samplings),
-                   bool(sampled))
+                   bool(sampled), bool(sampled and mixed))
 
     def configs(self) -> list[SamplingConfig]:
         """The rows' sampling rules as configs (no seed: the walk reads none)."""
@@ -83,6 +87,7 @@ class WalkInputs:
         coins: ``[B, D + 1, K + 1]`` float64 coins (rejection rule), else ``None``.
         draws, q, q_row: a sampled tree's proposals (:class:`~spiffy.arspec.device_rejection.Proposals`), else
             ``None`` (point-mass children are listed inside the step from the round's tree buffers).
+        point_rows: ``[B]`` bool with a :attr:`WalkPlan.mixed` plan: the rows whose children are point masses.
     """
 
     noise: torch.Tensor | None = None
@@ -90,10 +95,11 @@ class WalkInputs:
     draws: torch.Tensor | None = None
     q: torch.Tensor | None = None
     q_row: torch.Tensor | None = None
+    point_rows: torch.Tensor | None = None
 
     def named(self) -> dict[str, torch.Tensor]:
         """The tensors present, by field name (what a bucket keeps static copies of)."""
-        return {name: t for name in ("noise", "coins", "draws", "q", "q_row")
+        return {name: t for name in ("noise", "coins", "draws", "q", "q_row", "point_rows")
                 if (t := getattr(self, name)) is not None}
 
     def signature(self) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
@@ -104,10 +110,12 @@ class WalkInputs:
 def walk_inputs(plan: WalkPlan, samplings: Sequence[SamplingConfig], positions: Sequence[int],
                 trees: Sequence[DeviceTree | SampledDeviceTree | None], ids: torch.Tensor, parents: torch.Tensor,
                 counts: torch.Tensor, depths: torch.Tensor, depth: int, vocab: int,
-                logits_dtype: torch.dtype, proposals: Proposals | None = None) -> WalkInputs:
+                logits_dtype: torch.dtype, proposals: Proposals | None = None,
+                point_rows: Sequence[bool] = ()) -> WalkInputs:
     """The round's :class:`WalkInputs` (``positions``: the roots' absolute positions; ``ids``, ``parents``,
     ``counts``, ``depths [B, R - 1]``: the filled round buffers, read by a sampled tree's proposals only;
-    ``proposals``: the sampled trees' proposals when a tree step wrote them, else made here from ``trees``)."""
+    ``proposals``: the sampled trees' proposals when a tree step wrote them, else made here from ``trees``;
+    ``point_rows``: with a :attr:`WalkPlan.mixed` plan, whether each row's children are point masses)."""
     dev = ids.device
     if plan.rule == "coupled":
         noise_dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
@@ -118,7 +126,9 @@ def walk_inputs(plan: WalkPlan, samplings: Sequence[SamplingConfig], positions: 
         if proposals is None:
             proposals = round_proposals(trees, ids, parents, counts, with_root(depths))
         inputs.draws, inputs.q, inputs.q_row = proposals.draws, proposals.q, proposals.q_row
-        k = int(proposals.draws.shape[2])
+        k = max(int(proposals.draws.shape[2]), k if plan.mixed else 0)
+        if plan.mixed:
+            inputs.point_rows = on_device(torch.tensor(list(point_rows), dtype=torch.bool), dev)
     inputs.coins = rejection_coins(samplings, positions, depth + 1, k + 1, dev)
     return inputs
 
@@ -145,7 +155,15 @@ def walk_program(plan: WalkPlan, logits: torch.Tensor, ids: torch.Tensor, parent
         drawn = target_tokens(logits, with_root(depths), samplings, inputs.noise)
         return coupled_walk(ids, parents, depths, counts, drawn, depth)
     assert inputs.coins is not None
-    if plan.sampled:
+    if plan.mixed:  # point-mass rows list their children, sampled rows their draws (in the leading columns)
+        assert inputs.draws is not None and inputs.point_rows is not None
+        width = max(int(ids.shape[1]) - 1, 1)
+        children = children_draws(ids, parents, counts, max(width, int(inputs.draws.shape[2])))
+        draws = torch.nn.functional.pad(inputs.draws, (0, int(children.shape[2]) - int(inputs.draws.shape[2])),
+                                        value=-1)
+        proposals = Proposals(torch.where(inputs.point_rows.view(-1, 1, 1), children, draws), inputs.q,
+                              inputs.q_row, inputs.point_rows, int(inputs.draws.shape[2]))
+    elif plan.sampled:
         assert inputs.draws is not None
         proposals = Proposals(inputs.draws, inputs.q, inputs.q_row)
     else:
@@ -289,7 +307,11 @@ class TreePlan:
     @property
     def point_mass(self) -> bool:
         """Whether some row's tree is chosen by rank (DDTree, the chain), whose children are point-mass proposals."""
-        return any(r[0] in ("ddtree", "chain", "selector_tree", "selector_chain") for r in self.rows)
+        return any(self.point_rows())
+
+    def point_rows(self) -> list[bool]:
+        """Per row, whether its tree is chosen by rank (its children are point-mass proposals)."""
+        return [r[0] in ("ddtree", "chain", "selector_tree", "selector_chain") for r in self.rows]
 
     @property
     def candidates(self) -> int:

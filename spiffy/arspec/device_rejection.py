@@ -57,11 +57,17 @@ class Proposals:
             node order (point mass); ``-1`` padding.
         q: ``[B, Q, V]`` float64 distributions the draws came from, ``None`` for point-mass proposals.
         q_row: ``[B, R]`` long: the row of ``q`` each verification row's draws came from (with ``q``).
+        point_rows: with ``q``, ``[B]`` bool: the batch rows whose draws are point-mass children (a round whose rows
+            mix the two kinds: each row is walked by its own kind's rule), else ``None``.
+        sampled_width: with ``point_rows``, how many leading columns of ``draws`` hold the sampled rows' draws (the
+            point-mass rows' children may take more).
     """
 
     draws: torch.Tensor
     q: torch.Tensor | None = None
     q_row: torch.Tensor | None = None
+    point_rows: torch.Tensor | None = None
+    sampled_width: int = 0
 
 
 @dataclass
@@ -220,7 +226,11 @@ def rejection_walk(logits: torch.Tensor, samplings: Sequence[SamplingConfig], id
         else:
             assert proposals.q_row is not None
             q = _row(proposals.q, proposals.q_row.gather(1, cur.view(-1, 1)).view(-1))
-            ok, thr, test, left = _sampled(p, q, x, valid, u)
+            ok, thr, test, left = _sampled(p, q, x, valid, u, proposals.sampled_width or k)
+            if proposals.point_rows is not None:  # rows of point-mass children: their own rule, row by row
+                point = proposals.point_rows.view(-1, 1)
+                ok, thr, test, left = (torch.where(point, a, b) for a, b in
+                                       zip(_point_mass(p, x, valid, u), (ok, thr, test, left)))
         accepts = ok.any(dim=1)
         first = ok.to(torch.uint8).argmax(dim=1)  # the first accepted draw
         token = x.gather(1, first.view(-1, 1)).view(-1)
@@ -265,11 +275,11 @@ def _point_mass(p: torch.Tensor, x: torch.Tensor, valid: torch.Tensor, u: torch.
     return ok, thr, test, p.masked_fill(rejected > 0, 0.0)
 
 
-def _sampled(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, valid: torch.Tensor, u: torch.Tensor
+def _sampled(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, valid: torch.Tensor, u: torch.Tensor, width: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Recursive rejection sampling over the draws in order: ``(accepted [B, K], thresholds [B, K], tested
-    [B, K], the residual [B, V])``."""
-    k = int(x.shape[1])
+    """Recursive rejection sampling over the draws in order (the first ``width`` columns: the rest hold no draw):
+    ``(accepted [B, K], thresholds [B, K], tested [B, K], the residual [B, V])``."""
+    k = int(width)
     r = p
     done = torch.zeros(int(x.shape[0]), dtype=torch.bool, device=x.device)
     ok = torch.zeros_like(valid)
