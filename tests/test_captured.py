@@ -193,21 +193,26 @@ def test_rows_mixing_methods(dirs, methods, accept, temperature):
     assert (True in mixed) == (accept == "rejection" and "ddtree" in methods), mixed  # later rounds: fewer rows
 
 
-@pytest.mark.parametrize("methods", [("ddtree", "dflash"), ("specdiff", "ddtree", "dflash")])
-def test_point_mass_rows_beside_sampled_rows_walk_by_their_own_rule(dirs, methods):
-    """Under the rejection rule at T > 0, DDTree rows (point-mass children) beside sampled rows (the DFlash chain
-    drawn from the drafter, SpecDiff-2's drafts) in one captured round: each row walks by its own kind's rule, so
-    captured == eager row for row, tokens and acceptance, with drafters that guess each row's greedy continuation
-    (the DDTree rows accept nodes in those rounds: a wrong rule for them would show); a round reads the device at
+@pytest.mark.parametrize("methods,accepts", [
+    (("ddtree", "dflash"), ("rejection", "rejection")),  # point masses beside one draw
+    (("specdiff", "ddtree", "dflash"), ("rejection", "rejection", "rejection")),
+    (("ddtree", "dflash", "specdiff"), ("coupled", "rejection", "coupled")),  # the rules mixed
+    (("dflash", "ddtree"), ("rejection", "coupled"))])
+def test_rows_of_other_kinds_walk_by_their_own_rule(dirs, methods, accepts):
+    """DDTree rows (point-mass children) beside sampled rows (the DFlash chain drawn from the drafter, SpecDiff-2's
+    drafts) under the rejection rule at T > 0, and rows of the coupled rule beside rows of the rejection rule, in
+    one captured round: each row walks by its own kind's rule and its own acceptance rule, so captured == eager row
+    for row, tokens and acceptance, with drafters that guess each row's greedy continuation (every row accepts
+    nodes: a wrong rule for any of them would show); no round walks on the host, and a round reads the device at
     most twice."""
     dtype, temperature = torch.float64, 0.05
     prompts = [_prompt(7 + b, 4 + b) for b in range(len(methods))]
     runs = []
     for compile_ in (False, True):
         target, base = load_target(dirs[0], dtype, "cpu"), load_drafter(dirs[1], dtype=dtype)
-        configs = [ARSpecConfig(method=m, budget=6, drafts=2, max_new_tokens=12, accept="rejection",
+        configs = [ARSpecConfig(method=m, budget=6, drafts=2, max_new_tokens=12, accept=a,
                                 sampling=SamplingConfig(temperature=temperature, seed=b))
-                   for b, m in enumerate(methods)]
+                   for b, (m, a) in enumerate(zip(methods, accepts))]
         drafters = [DFlashDrafter(_guessing((target, base), prompt, 12, {3}, 0, 0.0), BLOCK) for prompt in prompts]
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(CapturedRounds, "_walk_host", lambda *a, **k: pytest.fail("a round walked on the host"))
@@ -216,9 +221,10 @@ def test_point_mass_rows_beside_sampled_rows_walk_by_their_own_rule(dirs, method
         runs.append([(r.tokens, r.acceptance_lengths) for r in out])
     assert runs[1] == runs[0]
     assert max(per_round) <= 2, per_round  # the captured rounds
-    assert True in {key[4].mixed for key in static_target_of(target).graphs.stats.runs if key[0] == "round"}
-    ddtree_rows = [lengths for (_tokens, lengths), m in zip(runs[1], methods) if m == "ddtree"]
-    assert max(max(lengths) for lengths in ddtree_rows) > 1, ddtree_rows
+    plans = [key[4] for key in static_target_of(target).graphs.stats.runs if key[0] == "round"]
+    assert any(plan.rule == "mixed" for plan in plans) == (len(set(accepts)) > 1), plans
+    assert any(plan.mixed for plan in plans), plans  # DDTree's point masses beside sampled drafts in one walk
+    assert all(max(lengths) > 1 for _tokens, lengths in runs[1]), runs[1]
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)
@@ -283,7 +289,7 @@ def dflash2_dirs(tmp_path_factory):
 
 @st.composite
 def _batches(draw):
-    """A random batch: a drafter family, each row's method (one for all, or mixed), the rule, T, top-k, dtype, and
+    """A random batch: a drafter family, each row's method and rule (one for all, or mixed), T, top-k, dtype, and
     per row a prompt, a length (short ones end in shorter drafts), a budget and a draft count."""
     family = draw(st.sampled_from(["dflash", "dflash2"]))
     pool = ["ar", "dflash", "ddtree", "specdiff"] if family == "dflash" else ["ar", "dflash2", "ddtree-dflash2",
@@ -295,7 +301,9 @@ def _batches(draw):
     prompts = [draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=10)) for _ in range(rows)]
     knobs = [(draw(st.integers(1, 17)), draw(st.sampled_from([1, 3, 6, 12])), draw(st.sampled_from([1, 2, 4])))
              for _ in range(rows)]
-    return (family, methods, draw(st.sampled_from(["coupled", "rejection"])), draw(st.sampled_from([0.0, 0.7, 1.0])),
+    rules = st.sampled_from(["coupled", "rejection"])
+    accepts = [draw(rules)] * rows if draw(st.booleans()) else [draw(rules) for _ in range(rows)]
+    return (family, methods, accepts, draw(st.sampled_from([0.0, 0.7, 1.0])),
             draw(st.sampled_from([0, 5])), draw(st.sampled_from([torch.float32, torch.float64])), prompts, knobs)
 
 
@@ -304,17 +312,17 @@ def _batches(draw):
 @given(batch=_batches())
 def test_random_batches_captured_equal_eager(dirs, dflash2_dirs, batch):
     """Random batches over every tree the captured path builds (DDTree, the DFlash chain, SpecDiff-2's sampled
-    drafts, DFlash2's tree, chain and drafts sampled through its selector, plain AR; mixed or not, both rules,
-    greedy and sampled, ragged lengths whose last drafts are shorter): compile=True gives compile=False's tokens and
-    acceptance lengths, row for row."""
-    family, methods, accept, temperature, top_k, dtype, prompts, knobs = batch
+    drafts, DFlash2's tree, chain and drafts sampled through its selector, plain AR; mixed or not, both rules, one
+    for all rows or per row, greedy and sampled, ragged lengths whose last drafts are shorter): compile=True gives
+    compile=False's tokens and acceptance lengths, row for row."""
+    family, methods, accepts, temperature, top_k, dtype, prompts, knobs = batch
     target_dir, drafter_dir = dirs if family == "dflash" else dflash2_dirs
     runs = []
     for compile_ in (False, True):
         target, model = load_target(target_dir, dtype, "cpu"), load_ar_drafter(drafter_dir, dtype=dtype)
-        configs = [ARSpecConfig(method=m, budget=b, drafts=k, max_new_tokens=n, accept=accept,
+        configs = [ARSpecConfig(method=m, budget=b, drafts=k, max_new_tokens=n, accept=a,
                                 sampling=SamplingConfig(temperature=temperature, top_k=top_k, seed=s))
-                   for s, (m, (n, b, k)) in enumerate(zip(methods, knobs))]
+                   for s, (m, a, (n, b, k)) in enumerate(zip(methods, accepts, knobs))]
         drafters = [None if m == "ar" else as_drafter(model) for m in methods]
         out = speculative_generate_batch(target, drafters, prompts, configs, compile=compile_)
         runs.append([(r.tokens, r.acceptance_lengths) for r in out])

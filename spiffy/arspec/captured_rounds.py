@@ -15,9 +15,11 @@ and tokens, bonus). The walk is the coupled rule's, or under the rejection rule 
 :func:`~spiffy.arspec.captured_walk.tree_plan` does not know (a method of another kind) builds them by eager kernels
 (:func:`~spiffy.arspec.captured_walk.round_tree`) and walks them in the same fused step. Under the rejection rule,
 rows of point-mass children (DDTree, the chains) beside rows of sampled drafts each walk by their own kind's rule in
-the same program (:attr:`~spiffy.arspec.captured_walk.WalkPlan.mixed`). A round whose rows mix the rules builds its
-trees on the host as the eager loop does and walks them on the captured step's hidden states; only the verification
-is captured there.
+the same program (:attr:`~spiffy.arspec.captured_walk.WalkPlan.mixed`); rows that mix the rules run both walks in
+the round's step and each keeps its own rule's (rule ``"mixed"``). Only a round whose trees are built by eager
+kernels and whose rows mix the rules, or mix point-mass and sampled proposals under the rejection rule, builds its
+trees on the host as the eager loop does and walks them on the captured step's hidden states (the verification
+captured).
 
 When every row drafts with one plain DFlash model, the drafter's block forward is captured too: a
 :class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets) drafts every row
@@ -39,8 +41,8 @@ from torch import nn
 from spiffy.arspec.captured import SLOT_ROUNDING, StaticTarget, static_unsupported
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter
 from spiffy.arspec.captured_drafter import StaticBlockDrafter, StaticDrafter, static_drafter_model
-from spiffy.arspec.captured_walk import (WalkPlan, draft_length, plain_tree, round_tree, rule_walk, tree_plan,
-                                        tree_races, tree_uniforms, unpack_walk, walk_inputs, walk_kind)
+from spiffy.arspec.captured_walk import (WalkPlan, coupled_rows, draft_length, plain_tree, round_tree, rule_walk,
+                                        tree_plan, tree_races, tree_uniforms, unpack_walk, walk_inputs, walk_kind)
 from spiffy.arspec.device_rejection import Proposals
 from spiffy.arspec.device_draws import SampledDeviceTree
 from spiffy.arspec.device_tree import DeviceTree
@@ -139,7 +141,7 @@ class CapturedRounds:
                 proposals = static.build_trees(rows, width, plan, drafts, uniforms, races)
             clock.lap("tree_build")
             clock.lap("compile")
-            sampled = by_rule == "rejection" and proposals is not None
+            sampled = by_rule != "coupled" and proposals is not None
             # under the rejection rule, rows of point-mass children beside sampled rows walk by their own rule
             points = plan.point_rows() if sampled and plan.point_mass else []
             done = self._walk_device(roots, [None] * rows, by_rule, width, depth, drafter_hooks,
@@ -227,9 +229,9 @@ class CapturedRounds:
         ``point_rows``: beside them, the rows whose children are point masses)."""
         s, rows = self.static, len(roots)
         samplings = [c.sampling for c in self.configs]
-        sampled = kind == "rejection" and (proposals is not None
-                                           or any(isinstance(t, SampledDeviceTree) for t in trees))
-        plan = WalkPlan.of(kind, samplings, sampled, any(point_rows))
+        sampled = kind != "coupled" and (proposals is not None
+                                         or any(isinstance(t, SampledDeviceTree) for t in trees))
+        plan = WalkPlan.of(kind, samplings, sampled, any(point_rows), coupled_rows(self.rules))
         vocab = int(getattr(s.lm_head, "out_features", 0) or s.target.config.vocab_size)
         inputs = walk_inputs(plan, samplings, [pos for _tok, pos in roots], trees, s.ids[:rows, :width],
                              s.parents[:rows, : width - 1], s.counts[:rows], s.depths[:rows, : width - 1], depth,

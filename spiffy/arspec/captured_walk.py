@@ -44,9 +44,9 @@ from spiffy.arspec.selfselect import (draft_temperature, draft_uniforms, drafts_
 from spiffy.sampling import SamplingConfig
 from spiffy.torch_utils import on_device
 
-__all__ = ["TreePlan", "WalkInputs", "WalkPlan", "bucket_groups", "ddtree_of", "draft_length", "packed_walk",
-           "plain_tree", "round_tree", "rule_walk", "tree_plan", "tree_program", "tree_races", "tree_uniforms",
-           "unpack_walk", "walk_inputs", "walk_kind", "walk_program"]
+__all__ = ["TreePlan", "WalkInputs", "WalkPlan", "bucket_groups", "coupled_rows", "ddtree_of", "draft_length",
+           "packed_walk", "plain_tree", "round_tree", "rows_of", "rule_walk", "tree_plan", "tree_program", "tree_races",
+           "tree_uniforms", "unpack_walk", "walk_inputs", "walk_kind", "walk_program"]
 
 
 @dataclass(frozen=True)
@@ -54,28 +54,36 @@ class WalkPlan:
     """What a round's walk is, static for a bucket (hashable: part of the bucket key).
 
     Attributes:
-        rule: ``"coupled"`` (the coupled rule, or the rejection rule at ``T = 0``) or ``"rejection"``.
+        rule: ``"coupled"`` (the coupled rule, or the rejection rule at ``T = 0``), ``"rejection"``, or ``"mixed"``
+            (rows of both: :attr:`coupled` says which; both walks run and each row keeps its own rule's).
         samplings: per row ``(temperature, top_k, top_p)``: the rule's constants (seeds enter through the inputs).
         sampled: the rejection rule over sampled drafts (draws with their proposal distributions ``q``); ``False``
             for point-mass proposals (the children's tokens, DDTree) and for the coupled rule.
         mixed: with ``sampled``, some rows' children are point masses (DDTree, the chain) beside the sampled rows
             (:attr:`WalkInputs.point_rows` says which): each row walks by its own kind's rule.
+        coupled: with rule ``"mixed"``, per row whether it walks by the coupled rule (:func:`coupled_rows`).
     """
 
     rule: str
     samplings: tuple[tuple[float, int, float], ...]
     sampled: bool = False
     mixed: bool = False
+    coupled: tuple[bool, ...] = ()
 
     @classmethod
-    def of(cls, rule: str, samplings: Sequence[SamplingConfig], sampled: bool = False,
-           mixed: bool = False) -> "WalkPlan":
+    def of(cls, rule: str, samplings: Sequence[SamplingConfig], sampled: bool = False, mixed: bool = False,
+           coupled: Sequence[bool] = ()) -> "WalkPlan":
         return cls(rule, tuple((float(s.temperature), int(s.top_k), float(s.top_p)) for s in samplings),
-                   bool(sampled), bool(sampled and mixed))
+                   bool(sampled), bool(sampled and mixed), tuple(bool(c) for c in coupled) if rule == "mixed" else ())
 
     def configs(self) -> list[SamplingConfig]:
         """The rows' sampling rules as configs (no seed: the walk reads none)."""
         return [SamplingConfig(temperature=t, top_k=k, top_p=p) for t, k, p in self.samplings]
+
+    def rule_configs(self, coupled: bool) -> list[SamplingConfig]:
+        """What the coupled (``coupled``) or the rejection walk runs each row with: its own rule, or greedy for a
+        row of the other rule in a ``"mixed"`` plan (that walk's result for it is dropped: greedy costs least)."""
+        return rows_of(self.configs(), self.coupled, coupled)
 
 
 @dataclass
@@ -88,6 +96,7 @@ class WalkInputs:
         draws, q, q_row: a sampled tree's proposals (:class:`~spiffy.arspec.device_rejection.Proposals`), else
             ``None`` (point-mass children are listed inside the step from the round's tree buffers).
         point_rows: ``[B]`` bool with a :attr:`WalkPlan.mixed` plan: the rows whose children are point masses.
+        coupled_rows: ``[B]`` bool with a ``"mixed"`` rule: the rows that keep the coupled walk's result.
     """
 
     noise: torch.Tensor | None = None
@@ -96,10 +105,11 @@ class WalkInputs:
     q: torch.Tensor | None = None
     q_row: torch.Tensor | None = None
     point_rows: torch.Tensor | None = None
+    coupled_rows: torch.Tensor | None = None
 
     def named(self) -> dict[str, torch.Tensor]:
         """The tensors present, by field name (what a bucket keeps static copies of)."""
-        return {name: t for name in ("noise", "coins", "draws", "q", "q_row", "point_rows")
+        return {name: t for name in ("noise", "coins", "draws", "q", "q_row", "point_rows", "coupled_rows")
                 if (t := getattr(self, name)) is not None}
 
     def signature(self) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
@@ -117,11 +127,15 @@ def walk_inputs(plan: WalkPlan, samplings: Sequence[SamplingConfig], positions: 
     ``proposals``: the sampled trees' proposals when a tree step wrote them, else made here from ``trees``;
     ``point_rows``: with a :attr:`WalkPlan.mixed` plan, whether each row's children are point masses)."""
     dev = ids.device
+    noise_dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
+    coupled = rows_of(samplings, plan.coupled, True)
     if plan.rule == "coupled":
-        noise_dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
-        return WalkInputs(noise=position_noise(list(samplings), list(positions), depth, vocab, dev, noise_dtype))
+        return WalkInputs(noise=position_noise(coupled, list(positions), depth, vocab, dev, noise_dtype))
     k = max(int(ids.shape[1]) - 1, 1)
     inputs = WalkInputs()
+    if plan.rule == "mixed":
+        inputs.noise = position_noise(coupled, list(positions), depth, vocab, dev, noise_dtype)
+        inputs.coupled_rows = on_device(torch.tensor(list(plan.coupled), dtype=torch.bool), dev)
     if plan.sampled:
         if proposals is None:
             proposals = round_proposals(trees, ids, parents, counts, with_root(depths))
@@ -129,8 +143,16 @@ def walk_inputs(plan: WalkPlan, samplings: Sequence[SamplingConfig], positions: 
         k = max(int(proposals.draws.shape[2]), k if plan.mixed else 0)
         if plan.mixed:
             inputs.point_rows = on_device(torch.tensor(list(point_rows), dtype=torch.bool), dev)
-    inputs.coins = rejection_coins(samplings, positions, depth + 1, k + 1, dev)
+    inputs.coins = rejection_coins(rows_of(samplings, plan.coupled, False), positions, depth + 1, k + 1, dev)
     return inputs
+
+
+def rows_of(samplings: Sequence[SamplingConfig], coupled: Sequence[bool], rule: bool) -> list[SamplingConfig]:
+    """``samplings`` for the walk of one rule (``rule``: the coupled one) when rows mix the rules (``coupled``, per
+    row; empty: they do not): the other rule's rows greedy (their result is dropped)."""
+    if not coupled:
+        return list(samplings)
+    return [s if c == rule else SamplingConfig() for s, c in zip(samplings, coupled)]
 
 
 def with_root(depths: torch.Tensor) -> torch.Tensor:
@@ -150,10 +172,25 @@ def walk_program(plan: WalkPlan, logits: torch.Tensor, ids: torch.Tensor, parent
         groups: the rows of each sampling rule (:func:`~spiffy.arspec.device_rejection.sampling_groups`), made once
             per bucket outside the step (its index tensors are host copies a graph must not hold).
     """
-    samplings = plan.configs()
     if plan.rule == "coupled":
-        drawn = target_tokens(logits, with_root(depths), samplings, inputs.noise)
+        drawn = target_tokens(logits, with_root(depths), plan.configs(), inputs.noise)
         return coupled_walk(ids, parents, depths, counts, drawn, depth)
+    walk = _rejection_program(plan, logits, ids, parents, counts, depth, inputs, groups)
+    if plan.rule == "mixed":  # the coupled walk too; each row keeps its own rule's
+        assert inputs.coupled_rows is not None
+        drawn = target_tokens(logits, with_root(depths), plan.rule_configs(True), inputs.noise)
+        mine = coupled_walk(ids, parents, depths, counts, drawn, depth)
+        pick = inputs.coupled_rows
+        return WalkResult(torch.where(pick, mine.accepted, walk.accepted), torch.where(pick, mine.bonus, walk.bonus),
+                          torch.where(pick.view(-1, 1), mine.keep, walk.keep),
+                          torch.where(pick.view(-1, 1), mine.kept_tokens, walk.kept_tokens))
+    return walk
+
+
+def _rejection_program(plan: WalkPlan, logits: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor,
+                       counts: torch.Tensor, depth: int, inputs: WalkInputs, groups: SamplingGroups | None
+                       ) -> WalkResult:
+    """:func:`walk_program`'s rejection walk of every row (its own rule's rows, with a ``"mixed"`` rule)."""
     assert inputs.coins is not None
     if plan.mixed:  # point-mass rows list their children, sampled rows their draws (in the leading columns)
         assert inputs.draws is not None and inputs.point_rows is not None
@@ -168,7 +205,8 @@ def walk_program(plan: WalkPlan, logits: torch.Tensor, ids: torch.Tensor, parent
         proposals = Proposals(inputs.draws, inputs.q, inputs.q_row)
     else:
         proposals = Proposals(children_draws(ids, parents, counts, max(int(ids.shape[1]) - 1, 1)))
-    return rejection_walk(logits, samplings, ids, parents, counts, proposals, inputs.coins, depth, groups=groups)
+    return rejection_walk(logits, plan.rule_configs(False), ids, parents, counts, proposals, inputs.coins, depth,
+                          groups=groups)
 
 
 def packed_walk(walk: WalkResult, counts: torch.Tensor) -> torch.Tensor:
@@ -189,8 +227,9 @@ def unpack_walk(packed: list[list[int]], depth: int) -> list[tuple[list[int], li
 
 
 def bucket_groups(plan: WalkPlan, device: torch.device) -> SamplingGroups | None:
-    """The sampling groups a rejection bucket's step reads (made when the bucket is built), else ``None``."""
-    return sampling_groups(plan.configs(), device) if plan.rule == "rejection" else None
+    """The sampling groups a rejection (or mixed) bucket's step reads (made when the bucket is built), else
+    ``None``."""
+    return None if plan.rule == "coupled" else sampling_groups(plan.rule_configs(False), device)
 
 
 def round_tree(method: Method, config: DraftKnobs, draft: Draft | None, root_position: int
@@ -243,6 +282,8 @@ def walk_kind(rules: Sequence[AcceptanceRule], trees: Sequence[DeviceTree | Samp
     if any(t is None and d is not None for t, d in zip(trees, drafts)):
         return None
     kind = rule_walk(rules)
+    if kind == "mixed":  # the rules mixed: with trees from the tree step only (captured_rounds)
+        return None
     if kind != "rejection":
         return kind
     kinds = {isinstance(t, SampledDeviceTree) for t in trees if t is not None}
@@ -251,14 +292,18 @@ def walk_kind(rules: Sequence[AcceptanceRule], trees: Sequence[DeviceTree | Samp
 
 def rule_walk(rules: Sequence[AcceptanceRule]) -> str | None:
     """The walk the rows' rules ask for, whatever their trees: ``"coupled"`` (the coupled rule, or the rejection
-    rule at T = 0), ``"rejection"`` (the rejection rule at T > 0 on every row), or ``None`` (rows that mix the two,
-    or another rule): what :func:`walk_kind` decides for point-mass trees (DDTree, the chain)."""
-    greedy = [type(r) is RejectionRule and float(r.sampling.temperature) == 0 for r in rules]
-    if all(type(r) is CoupledRule or g for r, g in zip(rules, greedy)):
-        return "coupled"
-    if all(type(r) is RejectionRule and not g for r, g in zip(rules, greedy)):
-        return "rejection"
-    return None
+    rule at T = 0), ``"rejection"`` (the rejection rule at T > 0 on every row), ``"mixed"`` (rows of both), or
+    ``None`` (another rule): what :func:`walk_kind` decides for point-mass trees (DDTree, the chain)."""
+    if not all(type(r) in (CoupledRule, RejectionRule) for r in rules):
+        return None
+    coupled = coupled_rows(rules)
+    return "coupled" if all(coupled) else "rejection" if not any(coupled) else "mixed"
+
+
+def coupled_rows(rules: Sequence[AcceptanceRule]) -> list[bool]:
+    """Per row, whether it walks by the coupled rule (the coupled rule, or the rejection rule at T = 0: both the
+    greedy walk there)."""
+    return [type(r) is CoupledRule or float(r.sampling.temperature) == 0 for r in rules]
 
 
 @dataclass(frozen=True)

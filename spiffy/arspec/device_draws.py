@@ -2,7 +2,9 @@
 :func:`~spiffy.arspec.selfselect.build_sampled_tree` (the DEER / DFlash chain under the rejection rule for ``K = 1``,
 SpecDiff-2's ``K`` joint drafts otherwise) for the captured path: static shapes, nothing read to the host.
 
-**The merge.** The host builder walks the drafts ``[K, D]`` in order, shallow to deep, and creates a node for
+**The merge** (:func:`merged_drafts`, shared with DFlash2's drafts sampled through its selector:
+:func:`~spiffy.arspec.device_selector.selector_sampled_device`). The host builder walks the drafts ``[K, D]`` in
+order, shallow to deep, and creates a node for
 ``(draft k, depth d)`` unless an earlier draft already created one for the same prefix. Here the same decision is
 taken for every ``(k, d)`` at once:
 
