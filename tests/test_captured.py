@@ -23,7 +23,7 @@ from spiffy.arspec.captured_rounds import CapturedRounds
 from spiffy.arspec.device_tree import chain_device, ddtree_device
 from spiffy.arspec.drafter import DFlashDrafter
 from spiffy.arspec.tree import build_chain, build_ddtree
-from spiffy.capture import StepGraphs, resolve_compile
+from spiffy.capture import StepGraphs, resolve_compile, trace_steps
 from spiffy.errors import ConfigError
 from spiffy.models import load_ar_drafter, load_target
 from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_dflash2, make_tiny_target
@@ -195,16 +195,16 @@ def test_rows_mixing_methods(dirs, methods, accept, temperature):
 
 @pytest.mark.parametrize("methods,accepts", [
     (("ddtree", "dflash"), ("rejection", "rejection")),  # point masses beside one draw
-    (("specdiff", "ddtree", "dflash"), ("rejection", "rejection", "rejection")),
+    pytest.param(("specdiff", "ddtree", "dflash"), ("rejection", "rejection", "rejection"), marks=pytest.mark.slow),
     (("ddtree", "dflash", "specdiff"), ("coupled", "rejection", "coupled")),  # the rules mixed
-    (("dflash", "ddtree"), ("rejection", "coupled"))])
+    pytest.param(("dflash", "ddtree"), ("rejection", "coupled"), marks=pytest.mark.slow)])
 def test_rows_of_other_kinds_walk_by_their_own_rule(dirs, methods, accepts):
     """DDTree rows (point-mass children) beside sampled rows (the DFlash chain drawn from the drafter, SpecDiff-2's
     drafts) under the rejection rule at T > 0, and rows of the coupled rule beside rows of the rejection rule, in
     one captured round: each row walks by its own kind's rule and its own acceptance rule, so captured == eager row
     for row, tokens and acceptance, with drafters that guess each row's greedy continuation (every row accepts
-    nodes: a wrong rule for any of them would show); no round walks on the host, and a round reads the device at
-    most twice."""
+    nodes: a wrong rule for any of them would show); no round walks on the host, a round reads the device at most
+    twice, and every step traces as one graph."""
     dtype, temperature = torch.float64, 0.05
     prompts = [_prompt(7 + b, 4 + b) for b in range(len(methods))]
     runs = []
@@ -214,7 +214,7 @@ def test_rows_of_other_kinds_walk_by_their_own_rule(dirs, methods, accepts):
                                 sampling=SamplingConfig(temperature=temperature, seed=b))
                    for b, (m, a) in enumerate(zip(methods, accepts))]
         drafters = [DFlashDrafter(_guessing((target, base), prompt, 12, {3}, 0, 0.0), BLOCK) for prompt in prompts]
-        with pytest.MonkeyPatch.context() as mp:
+        with pytest.MonkeyPatch.context() as mp, trace_steps(compile_):  # every step one graph (capturable)
             mp.setattr(CapturedRounds, "_walk_host", lambda *a, **k: pytest.fail("a round walked on the host"))
             out, per_round = captured_round_syncs(target, drafters[0].model, lambda: speculative_generate_batch(
                 target, drafters, prompts, configs, compile=compile_))
