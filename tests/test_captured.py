@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from captured_rounds import captured_round_syncs, rejection_round_syncs
 from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, ddtree_generate
-from spiffy.arspec.batch import ddtree_generate_batch, speculative_generate_batch
+from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_drafter import static_drafter_of
 from spiffy.arspec.captured_rounds import CapturedRounds

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from spiffy.arspec.captured_recurrent import StaticRecurrent
-from spiffy.arspec.captured_walk import (TreePlan, WalkInputs, WalkPlan, bucket_groups, draft_length, packed_walk,
-                                        tree_program, walk_program)
+from spiffy.arspec.captured_trees import TreePlan, draft_length, tree_program
+from spiffy.arspec.captured_walk import WalkInputs, WalkPlan, bucket_groups, packed_walk, walk_program
 from spiffy.arspec.device_rejection import Proposals, SamplingGroups
 from spiffy.arspec.device_tree import ancestor_visibility
 from spiffy.arspec.selector import Draft, SelectorDraft
@@ -249,9 +249,9 @@ class StaticTarget:
                     uniforms: torch.Tensor | None = None, races: torch.Tensor | None = None) -> Proposals | None:
         """Every row's tree (``plan``) from its draft (logits ``[depth, V]``, or DFlash2's
         :class:`~spiffy.arspec.selector.SelectorDraft`) into the round buffers, in one bucket's step
-        (:func:`~spiffy.arspec.captured_walk.tree_program`): the drafts, their lengths (and a sampled row's host
-        ``uniforms`` ``[rows, L, K]``, :func:`~spiffy.arspec.captured_walk.tree_uniforms`, or a DFlash2 sampled
-        row's ``races`` ``[rows, n, L, K]``, :func:`~spiffy.arspec.captured_walk.tree_races`) copied into its static
+        (:func:`~spiffy.arspec.captured_trees.tree_program`): the drafts, their lengths (and a sampled row's host
+        ``uniforms`` ``[rows, L, K]``, :func:`~spiffy.arspec.captured_trees.tree_uniforms`, or a DFlash2 sampled
+        row's ``races`` ``[rows, n, L, K]``, :func:`~spiffy.arspec.captured_trees.tree_races`) copied into its static
         buffers first (the roots' tokens and positions are already in column 0). Returns the bucket's proposal
         buffers when a row samples its drafts (what the rejection walk reads), else ``None``."""
         logits = next((d for d in drafts if isinstance(d, torch.Tensor)), None)

@@ -12,8 +12,8 @@ verify -> the target's token at every row -> the walk -> the kept rows moved in 
 and tokens, bonus). The walk is the coupled rule's, or under the rejection rule at T > 0
 :func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program) over point-mass children
 (DDTree, the chain) or over the sampled drafts' draws. A round whose trees
-:func:`~spiffy.arspec.captured_walk.tree_plan` does not know (a method of another kind) builds them by eager kernels
-(:func:`~spiffy.arspec.captured_walk.round_tree`) and walks them in the same fused step. Under the rejection rule,
+:func:`~spiffy.arspec.captured_trees.tree_plan` does not know (a method of another kind) builds them by eager kernels
+(:func:`~spiffy.arspec.captured_trees.round_tree`) and walks them in the same fused step. Under the rejection rule,
 rows of point-mass children (DDTree, the chains) beside rows of sampled drafts each walk by their own kind's rule in
 the same program (:attr:`~spiffy.arspec.captured_walk.WalkPlan.mixed`); rows that mix the rules run both walks in
 the round's step and each keeps its own rule's (rule ``"mixed"``). Only a round whose trees are built by eager
@@ -41,8 +41,8 @@ from torch import nn
 from spiffy.arspec.captured import SLOT_ROUNDING, StaticTarget, static_unsupported
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter
 from spiffy.arspec.captured_drafter import StaticBlockDrafter, StaticDrafter, static_drafter_model
-from spiffy.arspec.captured_walk import (WalkPlan, coupled_rows, draft_length, plain_tree, round_tree, rule_walk,
-                                        tree_plan, tree_races, tree_uniforms, unpack_walk, walk_inputs, walk_kind)
+from spiffy.arspec.captured_trees import draft_length, plain_tree, round_tree, tree_plan, tree_races, tree_uniforms
+from spiffy.arspec.captured_walk import WalkPlan, coupled_rows, rule_walk, unpack_walk, walk_inputs, walk_kind
 from spiffy.arspec.device_rejection import Proposals
 from spiffy.arspec.device_draws import SampledDeviceTree
 from spiffy.arspec.device_tree import DeviceTree
