@@ -7,7 +7,9 @@ the two paths share one arithmetic and one stream of coins.
 **Inputs.** A round's verification rows (row 0 the root, row ``i + 1`` node ``i``) and, per row, what its children
 were proposed from (:class:`Proposals`): the draws below it in draw order (``[B, R, K]``, ``-1`` padded) and either
 the distributions ``q`` they were drawn from (sampled drafts: DEER, DFlash and SpecDiff-2 under this rule, a DFlash2
-selector's drafts) or ``None`` (point-mass proposals: the children's tokens in node order, DDTree's top-B tree).
+selector's drafts) or ``None`` (point-mass proposals: the children's tokens in node order, DDTree's top-B tree). A
+batch whose rows mix the two kinds gives ``q`` and :attr:`Proposals.point_rows`: those rows take the point-mass
+rule, the others the sampled one (both are computed for every row, and each row keeps its own).
 
 **The walk** runs ``max_depth + 1`` vectorised steps (a walk that reaches the deepest node draws its bonus on the
 last one). At each step every live row reads the target's distribution ``p`` at its current node
