@@ -6,10 +6,9 @@ alone (plain AR, the DFlash chain, DDTree, the drafts sampled from the drafter: 
 rule at T > 0, SpecDiff-2; DFlash2's DDTree, greedy chain and drafts walked through its selector), a round is draft
 -> every row's tree in one captured step (:meth:`~spiffy.arspec.captured.StaticTarget.build_trees`; a sampled row
 draws from host uniforms or exponentials keyed as the eager draws, merges its drafts and writes their proposals
-``q`` for the walk) -> captured
-verify -> the target's token at every row -> the walk -> the kept rows moved in the cache (one fused step:
-:meth:`~spiffy.arspec.captured.StaticTarget.walk_round`), and ONE host read (accepted lengths, node counts, kept rows
-and tokens, bonus). The walk is the coupled rule's, or under the rejection rule at T > 0
+``q`` for the walk) -> captured verify -> the target's token at every row -> the walk -> the kept rows moved in the
+cache (one fused step: :meth:`~spiffy.arspec.captured.StaticTarget.walk_round`), and ONE host read (accepted lengths,
+node counts, kept rows and tokens, bonus). The walk is the coupled rule's, or under the rejection rule at T > 0
 :func:`~spiffy.arspec.device_rejection.rejection_walk` (the eager rule's own program) over point-mass children
 (DDTree, the chain) or over the sampled drafts' draws. A round whose trees
 :func:`~spiffy.arspec.captured_trees.tree_plan` does not know (a method of another kind) builds them by eager kernels
