@@ -22,11 +22,12 @@ eagerly by default (compiling costs seconds per stage, and a CPU pays little per
 
 from __future__ import annotations
 
-import types
 import warnings
 from typing import Any, Callable
 
 import torch
+
+from spiffy.torch_utils import code_copy
 
 #: device types whose exact stages run compiled by TorchInductor when the mode does not say otherwise
 FUSED_DEVICES = {"cuda"}
@@ -64,7 +65,8 @@ def _compiled(stage: Callable[..., Any], key: tuple, args: tuple) -> Any:
     """The compiled variant's result, or the eager stage's once compiling it failed."""
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = _COMPILED[key] = torch.compile(_own_copy(stage, len(_COMPILED)), fullgraph=True, dynamic=True)
+        copy = code_copy(stage, f"{stage.__name__}_fused_{len(_COMPILED)}")  # named for profiles and logs
+        compiled = _COMPILED[key] = torch.compile(copy, fullgraph=True, dynamic=True)
     try:
         return compiled(*args)
     except Exception as error:  # noqa: BLE001: any compiler failure; the eager stage computes the same numbers
@@ -94,12 +96,6 @@ def _variant(args: tuple) -> tuple:
     return tuple((a.device.type, a.dtype, a.is_contiguous(), tuple(n if n < 2 else 2 for n in a.shape))
                  if isinstance(a, torch.Tensor) else int if isinstance(a, int) and not isinstance(a, bool) else a
                  for a in args)
-
-
-def _own_copy(stage: Callable[..., Any], number: int) -> Callable[..., Any]:
-    """``stage`` with a code object of its own (named after it, for profiles and logs)."""
-    code = stage.__code__.replace(co_name=f"{stage.__name__}_fused_{number}")
-    return types.FunctionType(code, stage.__globals__, code.co_name, stage.__defaults__, stage.__closure__)
 
 
 __all__ = ["FELL_BACK", "FUSED_DEVICES", "compiled_stages", "fuses", "run_stage"]

@@ -5,14 +5,15 @@ One home each, so the device of a model and the spelling of a dtype are decided 
 
 from __future__ import annotations
 
+import types
 from array import array
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from spiffy.errors import ConfigError
 
-__all__ = ["DTYPE_NAMES", "device_tensor", "dtype_name", "execution_device", "host_tensor", "model_device",
+__all__ = ["DTYPE_NAMES", "code_copy", "device_tensor", "dtype_name", "execution_device", "host_tensor", "model_device",
            "model_dtype", "on_device", "resolve_dtype"]
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -139,3 +140,9 @@ def host_tensor(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(0, dtype=dtype)
     return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
 
+
+def code_copy(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` with a code object of its own, named ``name``: TorchDynamo keeps compiled graphs, guards and its
+    recompile limit per code object, so copies compiled for different uses never evaluate or count one another's."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)

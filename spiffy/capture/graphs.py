@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Sequence
@@ -44,6 +43,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from spiffy.batch_invariance import is_batch_invariant, numerics
 from spiffy.errors import ConfigError
+from spiffy.torch_utils import code_copy
 
 __all__ = ["AUTO_ON_CUDA", "CaptureStats", "CompileSetting", "StatefulStep", "StepGraphs", "StepNotCapturable",
            "bucket_size", "compile_fuses", "resolve_compile", "trace_steps"]
@@ -144,8 +144,7 @@ def _own_code(step: Callable[[], Any]) -> Callable[[], Any]:
     def call() -> Any:
         return step()
 
-    return types.FunctionType(call.__code__.replace(co_name=f"step_{next(_STEP_NAMES)}"), call.__globals__,
-                              closure=call.__closure__)
+    return code_copy(call, f"step_{next(_STEP_NAMES)}")
 
 
 def _unlimited(compiled: Callable[[], Any]) -> Any:
