@@ -101,9 +101,9 @@ class SelectorDraft:
             return empty_tree()
         cands, first, following = self._host(None)
         temperature = draft_temperature(sampling)
-        q_first, q_next = torch.softmax(first / temperature, -1), torch.softmax(following / temperature, -1)
-        logq_first = torch.log_softmax(first / temperature, -1)
-        logq_next = torch.log_softmax(following / temperature, -1)
+        first, following = first / temperature, following / temperature
+        q_first, q_next = torch.softmax(first, -1), torch.softmax(following, -1)
+        logq_first, logq_next = torch.log_softmax(first, -1), torch.log_softmax(following, -1)
         races = selector_exponentials(sampling, int(num_drafts), self.depth, len(cands[0]), root_position)
         cand_rows = self.candidates.cpu()
         lookup: dict[tuple[int, int], int] = {}
