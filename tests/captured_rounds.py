@@ -10,6 +10,7 @@ closing a round at each ``round`` call.
 * :data:`DRAFT_TOLERANCE`: that tolerance per dtype; :func:`prompt_ids`: a seeded random prompt.
 * :func:`rejection_round_syncs`: :func:`captured_round_syncs` of a generation under the rejection rule at T > 0.
 * :func:`assert_ragged_batch`: what a ragged batch's captured rows must equal (the static drafters' batch tests).
+* :func:`guess_selector_drafts`: DFlash2 drafts (eager and static alike) that guess a known continuation.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import spiffy.arspec.batch as batch_module
-from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter, speculative_generate
+from spiffy.arspec import ARSpecConfig, SamplingConfig, SelectorDraft, as_drafter, speculative_generate
 from spiffy.arspec.captured_rounds import CapturedRounds
 from spiffy.bench.syncs import SyncCounter
 
@@ -61,9 +62,12 @@ def captured_round_syncs(target: Any, drafter_model: Any, generate: Callable[[],
                 counter.paused = False
         return run
 
+    # the class that defines the drafter's forward (a DFlash2 model inherits DFlash's): patched there, a subclass
+    # still runs its family's own forward, as the static drafter requires
+    owner = next(c for c in type(drafter_model).__mro__ if "forward" in vars(c))
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(type(drafter_model), "forward", paused(type(drafter_model).forward))
+        mp.setattr(owner, "forward", paused(owner.forward))
         mp.setattr(type(target.model), "forward", paused(type(target.model).forward))
         mp.setattr(batch_module, "draft", counting(batch_module.draft, False))
         mp.setattr(CapturedRounds, "draft", counting(CapturedRounds.draft, False))
@@ -83,37 +87,46 @@ def prompt_ids(seed: int, length: int) -> list[int]:
     return torch.randint(0, 250, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _recorded(draft: Any) -> Any:
+    """A copy of one row's draft as a tuple of tensors (logits, or candidates / first / following)."""
+    if draft is None:
+        return None
+    parts = (draft.candidates, draft.first, draft.following) if isinstance(draft, SelectorDraft) else (draft,)
+    return tuple(p.clone() for p in parts)
+
+
 class RecordedDrafts:
     """Every round's drafts of the eager drafters (``stages.draft``) and of the static one (``CapturedRounds.draft``),
-    recorded while ``mp`` patches them."""
+    recorded while ``mp`` patches them (logits, or a DFlash2 drafter's selector scores)."""
 
     def __init__(self, mp: pytest.MonkeyPatch) -> None:
-        self.eager: list[list[torch.Tensor | None]] = []
-        self.static: list[list[torch.Tensor | None]] = []
+        self.eager: list[list[Any]] = []
+        self.static: list[list[Any]] = []
         eager_draft, static_draft = batch_module.draft, CapturedRounds.draft
 
         def eager(*a: Any, **k: Any) -> Any:
             out = eager_draft(*a, **k)
-            self.eager.append([None if d is None else d.clone() for d in out])
+            self.eager.append([_recorded(d) for d in out])
             return out
 
         def static(rounds: Any, *a: Any, **k: Any) -> Any:
             out = static_draft(rounds, *a, **k)
-            self.static.append([None if d is None else d.clone() for d in out])
+            self.static.append([_recorded(d) for d in out])
             return out
 
         mp.setattr(batch_module, "draft", eager)
         mp.setattr(CapturedRounds, "draft", static)
 
     def assert_close(self, dtype: torch.dtype) -> None:
-        """As many static rounds as eager ones, each row's draft of the same shape and within the tolerance."""
+        """As many static rounds as eager ones, each row's draft of the same shapes and within the tolerance (a
+        selector's candidates equal: integer tensors are compared exactly)."""
         assert self.static and len(self.static) == len(self.eager)
         for e_round, s_round in zip(self.eager, self.static):
-            assert [None if d is None else tuple(d.shape) for d in e_round] == [
-                None if d is None else tuple(d.shape) for d in s_round]
+            assert [None if d is None else [tuple(p.shape) for p in d] for d in e_round] == [
+                None if d is None else [tuple(p.shape) for p in d] for d in s_round]
             for e, s in zip(e_round, s_round):
-                if e is not None:
-                    torch.testing.assert_close(s, e, rtol=0, atol=DRAFT_TOLERANCE[dtype])
+                for e_part, s_part in zip(e or (), s or ()):
+                    torch.testing.assert_close(s_part, e_part, rtol=0, atol=DRAFT_TOLERANCE[dtype])
 
 
 def rejection_round_syncs(target: Any, drafter_model: Any, prompt: list[int], method: str, **knobs: Any) -> list[int]:
@@ -140,3 +153,34 @@ def assert_ragged_batch(eager: list[Any], captured: list[Any], lengths: list[int
     drafts.assert_close(dtype)
     rows = {rows for rows, _block in static.graphs.stats.runs}
     assert 3 in rows and min(rows) < 3  # rows left the batch on the static path
+
+
+def guess_selector_drafts(mp: pytest.MonkeyPatch, prompt_len: int, continuation: list[int], second: set[int],
+                          holes: bool) -> None:
+    """Make every DFlash2 draft (eager and captured rounds alike) guess ``continuation`` (AR's output): candidate 0
+    of each depth becomes the continuation's token and scores best after every parent, except at depths whose
+    continuation index is in ``second``, where candidate 1 scores best (the chain misses, the tree branches).
+    ``holes``: the other candidates (and candidate 1 where it does not branch) get score ``-inf`` (probability 0:
+    never in a tree). Both the eager drafter's drafts and the static drafter's (the captured rounds') guess."""
+    eager, static = batch_module.draft, CapturedRounds.draft
+
+    def guessed(out: list, roots: Any) -> list:
+        out = list(out)
+        for b, (d, (_tok, pos)) in enumerate(zip(out, roots)):
+            if not isinstance(d, SelectorDraft) or int(d.candidates.shape[1]) < 2:
+                continue
+            cands, first, following = d.candidates.clone(), d.first.clone(), d.following.clone()
+            for depth in range(cands.shape[0]):
+                i = pos + 1 + depth - prompt_len
+                scores = first if depth == 0 else following[depth - 1]
+                if 0 <= i < len(continuation):
+                    cands[depth, 0] = continuation[i]
+                    scores[..., 0] = 8.0 if i not in second else 6.0
+                    scores[..., 1] = 8.0 if i in second else scores[..., 1]
+                if holes:  # one candidate per depth, two where the guess branches
+                    scores[..., 2 if i in second else 1 :] = float("-inf")
+            out[b] = SelectorDraft(cands, first, following, d.vocab_size)
+        return out
+
+    mp.setattr(batch_module, "draft", lambda drafters, roots, depths: guessed(eager(drafters, roots, depths), roots))
+    mp.setattr(CapturedRounds, "draft", lambda self, roots, depths: guessed(static(self, roots, depths), roots))

@@ -30,9 +30,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import spiffy.arspec.batch as batch_module
 import spiffy.arspec.captured_trees as captured_module
-from captured_rounds import captured_round_syncs
+from captured_rounds import captured_round_syncs, guess_selector_drafts
 from spiffy.arspec import ARSpecConfig, SamplingConfig, SelectorDraft, as_drafter, speculative_generate
 from spiffy.arspec.captured import static_target_of
 from spiffy.arspec.captured_rounds import CapturedRounds
@@ -282,36 +281,6 @@ CASES = [("dflash2", "coupled", 0.0, 9, False), ("dflash2", "coupled", 0.7, 9, F
          ("ddtree-dflash2", "coupled", 0.7, 16, True), ("ddtree-dflash2", "rejection", 0.9, 16, True)]
 
 
-def _guessing(mp: pytest.MonkeyPatch, prompt_len: int, continuation: list[int], second: set[int], holes: bool
-              ) -> None:
-    """Make every DFlash2 draft (eager and captured rounds alike) guess ``continuation`` (AR's output): candidate 0
-    of each depth becomes the continuation's token and scores best after every parent, except at depths whose
-    continuation index is in ``second``, where candidate 1 scores best (the chain misses, the tree branches).
-    ``holes``: the other candidates (and candidate 1 where it does not branch) get score ``-inf`` (probability 0:
-    never in a tree)."""
-    plain = batch_module.draft
-
-    def draft(drafters: Any, roots: Any, depths: Any) -> Any:
-        out = plain(drafters, roots, depths)
-        for b, (d, (_tok, pos)) in enumerate(zip(out, roots)):
-            if not isinstance(d, SelectorDraft) or int(d.candidates.shape[1]) < 2:
-                continue
-            cands, first, following = d.candidates.clone(), d.first.clone(), d.following.clone()
-            for depth in range(cands.shape[0]):
-                i = pos + 1 + depth - prompt_len
-                scores = first if depth == 0 else following[depth - 1]
-                if 0 <= i < len(continuation):
-                    cands[depth, 0] = continuation[i]
-                    scores[..., 0] = 8.0 if i not in second else 6.0
-                    scores[..., 1] = 8.0 if i in second else scores[..., 1]
-                if holes:  # one candidate per depth, two where the guess branches
-                    scores[..., 2 if i in second else 1 :] = float("-inf")
-            out[b] = SelectorDraft(cands, first, following, d.vocab_size)
-        return out
-
-    mp.setattr(batch_module, "draft", draft)
-
-
 @pytest.mark.parametrize("method,accept,temperature,budget,holes", CASES)
 def test_captured_equals_eager(pair, method, accept, temperature, budget, holes):
     """compile=True == compile=False (tokens, acceptance, nodes per round) with deep accepted paths; every tree is
@@ -340,11 +309,11 @@ def test_captured_equals_eager(pair, method, accept, temperature, budget, holes)
 def _eager_then_captured(target: Any, drafter_dir: Path, prompt: list[int], config: ARSpecConfig,
                          continuation: list[int], holes: bool) -> tuple[Any, Any, set[str]]:
     """``(eager, captured, the captured tree kinds)`` of one generation whose drafts guess ``continuation``
-    (:func:`_guessing`); fails if a captured round walks on the host."""
+    (:func:`captured_rounds.guess_selector_drafts`); fails if a captured round walks on the host."""
     runs = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CapturedRounds, "_walk_host", lambda *a, **k: pytest.fail("a captured round walked on the host"))
-        _guessing(mp, len(prompt), continuation, {2, 7}, holes)
+        guess_selector_drafts(mp, len(prompt), continuation, {2, 7}, holes)
         for compile_ in (False, True):
             drafter = as_drafter(load_ar_drafter(drafter_dir, dtype=torch.float64))
             runs.append(speculative_generate(target, drafter, prompt, config, compile=compile_))

@@ -30,11 +30,22 @@ read from the host. Its output is the block's ``[rows, L - 1, V]`` logits; row `
 The prompt's features (hundreds of rows, once per generation) do not fit the ``B``-row bucket: the first round runs
 the same step program eagerly over a context of the prompt's width, and every later round replays the bucket.
 
-Only :class:`~spiffy.arspec.drafter.DFlashDrafter` rows sharing one plain model (the model's own ``forward`` and
-``compute_logits``, no causal or sliding-window layer: :meth:`~spiffy.arspec.drafter.DFlashDrafter.batch_key`) run
-here. DFlash2's candidate selector (its read-out walks the selector's transitions) and subclassed drafters keep the
-eager drafter (:func:`static_drafter_model` says which). The dLLM drafters (DEER, SpecDiff-2, DDTree-dLLM) have their
-own static drafter, :mod:`spiffy.arspec.captured_dllm_drafter` (the same design over the drafter's committed tokens).
+Causal and sliding-window layers see keys by position: the step hands the model each cached slot's position (slot
+``j`` holds position ``j``, :meth:`~spiffy.models.dflash.DFlashDraftModel.forward`'s ``cached_positions``), so each
+row's layers hide what its eager forward hides, and such drafters share the bucket's forward too (eagerly, a sliding
+drafter's rows draft alone).
+
+A :class:`~spiffy.arspec.drafter.DFlash2Drafter` (``selector=True``) reads the block out through its candidate
+selector inside the step: each row's top-``K`` candidates ranked without a host read
+(:func:`~spiffy.topk.top_ranked_static`), its root token taken from the block buffer, and every transition score of
+the round computed for all rows at once; a row's draft is a :class:`~spiffy.arspec.selector.SelectorDraft` of views
+of the step's ``candidates [rows, L - 1, K]``, ``first [rows, K]`` and ``following [rows, L - 2, K, K]``, cut to its
+depth (a selector's score at a depth reads that depth's row and the one before, never a deeper one).
+
+Only rows of one drafter class sharing one plain model (the family's own ``forward``, ``compute_logits`` and
+selector) run here; subclassed drafters keep the eager drafter (:func:`static_drafter_model` says which). The dLLM
+drafters (DEER, SpecDiff-2, DDTree-dLLM) have their own static drafter, :mod:`spiffy.arspec.captured_dllm_drafter`
+(the same design over the drafter's committed tokens).
 """
 
 from __future__ import annotations
@@ -45,9 +56,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from spiffy.arspec.drafter import DFlashDrafter
+from spiffy.arspec.drafter import DFlash2Drafter, DFlashDrafter
+from spiffy.arspec.selector import Draft, SelectorDraft
 from spiffy.capture import SlotCache, StepGraphs
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks
+from spiffy.models.dflash2 import CandidateSelector, DFlash2DraftModel
 from spiffy.torch_utils import execution_device, on_device
 
 __all__ = ["StaticBlockDrafter", "StaticDrafter", "recorded_features", "static_drafter_model", "static_drafter_of"]
@@ -61,13 +74,25 @@ def static_drafter_of(model: nn.Module) -> "StaticDrafter | None":
     return _STATIC.get(model)
 
 
+def _plain(model: DFlashDraftModel, selector: bool) -> bool:
+    """Whether ``model`` computes with the family's own forward, logits (and selector): a subclass that overrides
+    them may read the host, so it keeps the eager drafter."""
+    cls = type(model)
+    plain = cls.forward is DFlashDraftModel.forward and cls.compute_logits is DFlashDraftModel.compute_logits
+    if selector:
+        plain = plain and (isinstance(model, DFlash2DraftModel) and cls.select is DFlash2DraftModel.select
+                           and type(model.candidate_selector).forward is CandidateSelector.forward)
+    return plain
+
+
 def static_drafter_model(drafters: Sequence[Any], target: nn.Module) -> DFlashDraftModel | None:
-    """The one DFlash model every row drafts with, when the static drafter runs it (see the module docstring);
-    ``None``: the rows keep their eager drafters."""
-    if not drafters or any(type(d) is not DFlashDrafter for d in drafters):
+    """The one DFlash or DFlash2 model every row drafts with, when the static drafter runs it (see the module
+    docstring); ``None``: the rows keep their eager drafters."""
+    kind = type(drafters[0]) if drafters else None
+    if kind not in (DFlashDrafter, DFlash2Drafter) or any(type(d) is not kind for d in drafters):
         return None
     model = drafters[0].model
-    if any(d.model is not model for d in drafters) or drafters[0].batch_key() is None:
+    if any(d.model is not model for d in drafters) or not _plain(model, kind is DFlash2Drafter):
         return None
     if model.device != execution_device(target.get_input_embeddings()):
         return None  # the eager drafter's attach names the mismatch
@@ -146,9 +171,14 @@ class StaticBlockDrafter:
         self._prompt, self._staged = None, False
         return self
 
+    def _row_draft(self, out: Any, row: int, depth: int) -> Draft:
+        """Row ``row``'s draft of ``depth`` positions from the step's output (views): its ``[depth, V]`` logits."""
+        return out[row, :depth]
+
     def draft(self, roots: Sequence[tuple[int, int]], depths: Sequence[int], block: int | None = None
-              ) -> list[torch.Tensor | None]:
-        """Every row's ``[depth, V]`` draft logits (``None`` where ``depths[b] == 0``), in one block forward that
+              ) -> list[Draft | None]:
+        """Every row's draft (:meth:`_row_draft`: ``[depth, V]`` logits, or a DFlash2 drafter's
+        :class:`~spiffy.arspec.selector.SelectorDraft`; ``None`` where ``depths[b] == 0``), in one block forward that
         also commits the staged context (so it runs even when no row drafts). Returns views of the step's output:
         read them before the next draft.
 
@@ -167,16 +197,16 @@ class StaticBlockDrafter:
         self.ids[:rows, 0] = meta[:, 0]
         self.depths[:rows] = meta[:, 1]
         if self._prompt is not None:  # the first round: the prompt-wide program, run eagerly once
-            logits = self._program(rows, self._prompt, block)()
+            out = self._program(rows, self._prompt, block)()
             self._prompt = None
         else:
-            logits = self.graphs.run((rows, block))
+            out = self.graphs.run((rows, block))
         # the new context is in the cache now (outside the step, which stays idempotent: a capture's warm-up runs
         # it more than once)
         self.lengths[:rows].add_(self.counts[:rows])
         self.counts[:rows].zero_()
         self._staged = False
-        return [logits[b, :d] if d else None for b, d in enumerate(depths)]
+        return [self._row_draft(out, b, int(d)) if d else None for b, d in enumerate(depths)]
 
     def keep_rows(self, kept: Sequence[int]) -> None:
         """Only batch rows ``kept`` go on (moved to the front, in order)."""
@@ -200,8 +230,9 @@ class StaticDrafter(StaticBlockDrafter):
     """
 
     def __init__(self, model: DFlashDraftModel, target: nn.Module, rows: int, slots: int, block: int,
-                 capture: bool, fuse: bool = False) -> None:
+                 capture: bool, fuse: bool = False, selector: bool = False) -> None:
         self.model, self.target = model, target
+        self.selector = bool(selector)  # read out through a DFlash2 model's candidate selector
         self.embed, self.head = target.get_input_embeddings(), target.lm_head
         self.device = model.device
         self.rows, self.slots, self.block = int(rows), int(slots), int(block)
@@ -214,28 +245,34 @@ class StaticDrafter(StaticBlockDrafter):
         self.ids = torch.full((rows, block), model.mask_token_id, dtype=torch.long, device=dev)
         self.depths = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ramp = torch.arange(max(slots, block), device=dev)
+        self.vocab = int(model.config.vocab_size)  # a SelectorDraft's V, as the eager DFlash2 drafter reads it
         self.graphs = StepGraphs(self._step, dev, capture, fuse)
         self._prompt: torch.Tensor | None = None  # the prompt's features until the first round drafts from them
         self._staged = False  # whether a committed context waits for the next draft (it must be drafted from)
 
     @classmethod
     def for_model(cls, model: DFlashDraftModel, target: nn.Module, rows: int, slots: int, block: int,
-                  capture: bool, fuse: bool = False) -> "StaticDrafter":
+                  capture: bool, fuse: bool = False, selector: bool = False) -> "StaticDrafter":
         """The model's static drafter if it fits ``rows x slots`` and blocks of ``block`` for ``target`` (and holds
-        at most twice the slots needed: attention reads every slot), else a new one (replacing it); emptied."""
+        at most twice the slots needed: attention reads every slot) with the same read-out (``selector``: a DFlash2
+        drafter's selector), else a new one (replacing it); emptied."""
         have = _STATIC.get(model)
-        if not (have is not None and have.target is target and have.holds(rows, slots, block, capture, fuse)):
+        if not (have is not None and have.target is target and have.selector == selector
+                and have.holds(rows, slots, block, capture, fuse)):
             if have is not None:
                 have.graphs.clear()
-            have = _STATIC[model] = cls(model, target, rows, slots, block, capture, fuse)
+            have = _STATIC[model] = cls(model, target, rows, slots, block, capture, fuse, selector)
         return have.emptied()
 
-    def _program(self, rows: int, feats: torch.Tensor, block: int) -> Callable[[], torch.Tensor]:
+    def _program(self, rows: int, feats: torch.Tensor, block: int) -> Callable[[], Any]:
         """The forward of a ``block``-row block (``<= B``) of the first ``rows`` rows over new-context features
         ``feats [rows, N, F]`` (the static ``self.feats`` for a bucket, the prompt's for the first round), as a
-        zero-argument step returning the ``[rows, block - 1, V]`` logits of the drafted block rows."""
+        zero-argument step returning the read-out of the drafted block rows: their ``[rows, block - 1, V]`` logits,
+        or a DFlash2 drafter's selector scores (:meth:`~spiffy.models.dflash2.CandidateSelector.forward` over the
+        rows, each from its own root, ranked without a host read)."""
         width, ramp = int(feats.shape[1]), self.ramp
         slots = _ContextSlots(self.cache, rows)
+        cached_positions = ramp[: self.slots].view(1, -1)  # slot j holds position j (what masked layers read)
 
         def step() -> torch.Tensor:
             n, length = self.counts[:rows].view(rows, 1), self.lengths[:rows].view(rows, 1)
@@ -245,13 +282,21 @@ class StaticDrafter(StaticBlockDrafter):
             # keys [cached (every slot) ; new context ; block]: the row's committed, new and drafted rows are seen
             visible = torch.cat([ramp[: self.slots] < length, ramp[:width] < n,
                                  ramp[:block] <= self.depths[:rows].view(rows, 1)], dim=1).view(rows, 1, 1, -1)
-            hidden = self.model(feats, self.embed(self.ids[:rows, :block]), positions,
-                                past_key_values=slots, attention_mask=visible)  # type: ignore[arg-type]
+            hidden = self.model(feats, self.embed(self.ids[:rows, :block]), positions, past_key_values=slots,
+                                attention_mask=visible, cached_positions=cached_positions)  # type: ignore[arg-type]
+            if self.selector:
+                return self.model.select(hidden[:, 1:], self.head, self.ids[:rows, 0], static=True)  # type: ignore[operator]
             return self.model.compute_logits(hidden[:, 1:], self.head)
 
         return step
 
-    def _step(self, key: Any) -> Callable[[], torch.Tensor]:
+    def _row_draft(self, out: Any, row: int, depth: int) -> Draft:
+        if not self.selector:
+            return super()._row_draft(out, row, depth)
+        candidates, first, following = out
+        return SelectorDraft(candidates[row, :depth], first[row], following[row, : depth - 1], self.vocab)
+
+    def _step(self, key: Any) -> Callable[[], Any]:
         rows, block = key
         return self._program(rows, self.feats[:rows], block)
 

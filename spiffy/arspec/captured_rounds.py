@@ -45,6 +45,7 @@ from spiffy.arspec.captured_walk import WalkPlan, coupled_rows, rule_walk, unpac
 from spiffy.arspec.device_rejection import Proposals
 from spiffy.arspec.device_draws import SampledDeviceTree
 from spiffy.arspec.device_tree import DeviceTree
+from spiffy.arspec.drafter import DFlash2Drafter
 from spiffy.arspec.methods import Method
 from spiffy.arspec.rules import AcceptanceRule, TargetLogits
 from spiffy.arspec.selector import Draft
@@ -96,7 +97,7 @@ class CapturedRounds:
             block = max(int(d.block_size) for d in drafters)
             need = longest + max(int(c.max_new_tokens) for c in configs) + 2 * block + 1
             drafter = StaticDrafter.for_model(model, target, len(prompts), -(-need // SLOT_ROUNDING) * SLOT_ROUNDING,
-                                              block, capture, fuse)
+                                              block, capture, fuse, isinstance(drafters[0], DFlash2Drafter))
         else:  # one plain dLLM drafter (root layout, one denoising step): its own static drafter, or None
             drafter = static_dllm_drafter(drafters, target, prompts, max(int(c.max_new_tokens) for c in configs),
                                           capture, fuse)

@@ -252,6 +252,7 @@ class DFlashDraftModel(nn.Module):
         past_key_values: KVCache | None = None,
         store_context: bool = True,
         attention_mask: torch.Tensor | None = None,
+        cached_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the drafter on one block.
 
@@ -265,6 +266,9 @@ class DFlashDraftModel(nn.Module):
                 it (block K/V never are), so after the call it holds exactly the committed context.
             attention_mask: optional ``[B|1, 1, L, C + N + L]`` bool (True = visible) or additive float mask over
                 ``[cached ; new context ; block]`` keys (training with several blocks); ``None`` = all visible.
+            cached_positions: ``[B|1, C]`` the position of every cached key, read by masked layers (causal, sliding
+                windows); ``None``: the ``C`` positions just before the first new row (a contiguous cache of the
+                committed prefix). A static cache of slots passes its own (slot ``j`` holds position ``j``).
         Returns:
             ``[B, L, H]`` final-normed hidden states of the block rows (apply :meth:`compute_logits`).
         """
@@ -290,11 +294,11 @@ class DFlashDraftModel(nn.Module):
         masks: dict[Any, torch.Tensor | None] = {}
         query_pos = key_pos = position_ids  # read by masked layers only (is_causal, sliding windows)
         if any(layer.masked for layer in self.layer_attention):
-            # cached context holds the positions just before the new rows (the committed prefix)
-            cached = 0 if past_key_values is None else past_key_values.get_seq_length(0)
-            first = position_ids[:, :1]
-            key_pos = torch.cat([first - cached + torch.arange(cached, device=position_ids.device).view(1, -1),
-                                 position_ids], dim=1)  # [B, C + N + L]
+            if cached_positions is None:  # a contiguous cache: the positions just before the new rows
+                cached = 0 if past_key_values is None else past_key_values.get_seq_length(0)
+                cached_positions = position_ids[:, :1] - cached + torch.arange(cached, device=position_ids.device)
+            cached_positions = cached_positions.to(position_ids.device).expand(b, -1)
+            key_pos = torch.cat([cached_positions, position_ids], dim=1)  # [B, C + N + L]
             query_pos = position_ids[:, n_ctx:]
         for layer, kind in zip(self.layers, self.layer_attention):
             if kind not in masks:

@@ -64,7 +64,7 @@ from spiffy.models.dflash import DFlashDecoderLayer, DFlashDraftModel, drafter_s
 from spiffy.models.dflash_fields import draft_value as _field  # a drafter field: dflash_config first, then the top level
 from spiffy.models.hub import checkpoint_dir
 from spiffy.models.placement import dispatch_checkpoint, placement_device
-from spiffy.topk import top_ranked
+from spiffy.topk import top_ranked, top_ranked_static
 from spiffy.torch_utils import resolve_dtype
 
 __all__ = [
@@ -103,9 +103,9 @@ def is_dflash2_config(cfg: dict[str, Any]) -> bool:
 
 
 def dflash2_settings(config: Any) -> dict[str, Any]:
-    """The DFlash2 settings of a config, validated: ``kernel_size``, ``group_size``, ``rank``, ``top_k``,
-    ``embedding_scale``, ``output_multiplier``, ``softcap`` (``None``: off), and per layer ``causal`` and
-    ``windows`` (``None``: no sliding window).
+    """The DFlash2 settings of a config, validated: ``kernel_size``, ``group_size``, ``rank``, ``top_k``. (The
+    fields it shares with DFlash, ``input_embedding_scale``, ``output_multiplier``, ``final_logit_softcapping``,
+    ``is_causal``, ``layer_types`` and ``sliding_window``, are read by :mod:`spiffy.models.dflash_fields` for both.)
 
     Raises:
         ConfigError: a DFlash2 field is missing or out of range, or ``dflash_config`` has a key no DFlash2 drafter
@@ -131,23 +131,7 @@ def dflash2_settings(config: Any) -> dict[str, Any]:
     if rank < 1 or not 1 <= top_k <= vocab:
         raise ConfigError(f"selector_rank {rank} must be >= 1 and selector_top_k {top_k} in [1, {vocab}]; "
                           "fix the drafter's config.json")
-    softcap = _field(config, "final_logit_softcapping")
-    layer_types = list(getattr(config, "layer_types", None) or [])
-    is_causal = getattr(config, "is_causal", None)
-    window = getattr(config, "sliding_window", None)
-    causal: list[bool] = []
-    windows: list[int | None] = []
-    for i in range(int(config.num_hidden_layers)):
-        sliding = i < len(layer_types) and layer_types[i] == "sliding_attention"
-        causal.append(sliding if is_causal is None else bool(is_causal))
-        windows.append(int(window) if sliding and window is not None else None)
-    return {
-        "kernel_size": kernel, "group_size": group, "rank": rank, "top_k": top_k,
-        "embedding_scale": float(_field(config, "input_embedding_scale", 1.0)),
-        "output_multiplier": float(_field(config, "output_multiplier", 1.0)),
-        "softcap": float(softcap) if softcap is not None and float(softcap) > 0 else None,
-        "causal": causal, "windows": windows,
-    }
+    return {"kernel_size": kernel, "group_size": group, "rank": rank, "top_k": top_k}
 
 
 def causal_group_convolve(hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -216,38 +200,50 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(int(vocab_size), int(rank)))
         self.hidden_projection = nn.Linear(int(hidden_size), int(rank), bias=False)
 
-    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, root_token: int
+    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, root: int | torch.Tensor, static: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every transition score of one drafted block.
+        """Every transition score of one drafted block, of one row or of a batch of rows (leading dims ``...``).
 
         Args:
-            hidden: ``[D, H]`` the drafter's final hidden states of the drafted positions (block rows ``1..D``).
-            logits: ``[D, V]`` their logits (:meth:`DFlash2DraftModel.compute_logits`).
-            root_token: the token before position 1 (the round's root).
+            hidden: ``[..., D, H]`` the drafter's final hidden states of the drafted positions (block rows ``1..D``).
+            logits: ``[..., D, V]`` their logits (:meth:`DFlash2DraftModel.compute_logits`).
+            root: the token before position 1 (the round's root): an ``int``, or a ``[...]`` long tensor.
+            static: rank the candidates with :func:`~spiffy.topk.top_ranked_static` (the same ranking without a
+                host synchronisation: what a captured step runs).
         Returns:
-            ``(candidates [D, K] long, first [K], following [D - 1, K, K])``: each position's candidates (logit
-            descending, equal logits by token id), the depth-1 scores given the root, and ``following[d][i, j]``,
-            the score of candidate ``j`` at depth ``d + 2`` after candidate ``i`` at depth ``d + 1``.
+            ``(candidates [..., D, K] long, first [..., K], following [..., D - 1, K, K])``: each position's
+            candidates (logit descending, equal logits by token id), the depth-1 scores given the root, and
+            ``following[..., d, i, j]``, the score of candidate ``j`` at depth ``d + 2`` after candidate ``i`` at
+            depth ``d + 1``.
         """
-        unary, candidates = top_ranked(logits, min(self.top_k, int(logits.shape[-1])))
-        modulation = self.hidden_projection(hidden)  # [D, r]
-        successors = self.successor_codebook[candidates]  # [D, K, r]
-        root = self.predecessor_codebook[int(root_token)] * modulation[0]  # [r]
-        first = unary[0] + successors[0] @ root
-        predecessors = self.predecessor_codebook[candidates[:-1]] * modulation[1:, None, :]  # [D - 1, K, r]
-        following = unary[1:, None, :] + predecessors @ successors[1:].transpose(-1, -2)
+        lead, depth, vocab = hidden.shape[:-2], int(hidden.shape[-2]), int(logits.shape[-1])
+        k = min(self.top_k, vocab)
+        if depth == 0:  # nothing drafted (a captured step's empty block)
+            return (torch.zeros(*lead, 0, k, dtype=torch.long, device=logits.device), logits.new_zeros(*lead, k),
+                    logits.new_zeros(*lead, 0, k, k))
+        unary, candidates = (top_ranked_static if static else top_ranked)(logits.reshape(-1, vocab), k)
+        unary, candidates = unary.view(*lead, depth, k), candidates.view(*lead, depth, k)
+        modulation = self.hidden_projection(hidden)  # [..., D, r]
+        successors = self.successor_codebook[candidates]  # [..., D, K, r]
+        previous = self.predecessor_codebook[root] * modulation[..., 0, :]  # [..., r]
+        first = unary[..., 0, :] + (successors[..., 0, :, :] @ previous.unsqueeze(-1)).squeeze(-1)
+        predecessors = self.predecessor_codebook[candidates[..., :-1, :]] * modulation[..., 1:, None, :]  # [..., D-1, K, r]
+        following = unary[..., 1:, None, :] + predecessors @ successors[..., 1:, :, :].transpose(-1, -2)
         return candidates, first, following
 
 
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 drafter: the DFlash parameters, :class:`DFlash2DecoderLayer` layers and ``candidate_selector``.
 
+    Its forward, masks (``is_causal``, sliding windows) and logits (``input_embedding_scale``,
+    ``output_multiplier``, ``final_logit_softcapping``) are :class:`~spiffy.models.dflash.DFlashDraftModel`'s: only
+    the layers (their convolutions) and the read-out through the selector are its own.
+
     Args:
         config: a transformers ``Qwen3Config`` with the DFlash extras and the DFlash2 fields
             (:func:`dflash2_settings`).
     Attributes:
         candidate_selector: the :class:`CandidateSelector`.
-        causal_layers, layer_windows: per layer, causal inside the block; its sliding window (``None``: none).
     """
 
     def __init__(self, config: Qwen3Config) -> None:
@@ -260,96 +256,16 @@ class DFlash2DraftModel(DFlashDraftModel):
         ])
         self.candidate_selector = CandidateSelector(int(config.hidden_size), int(config.vocab_size), settings["rank"],
                                                     settings["top_k"])
-        self.causal_layers: list[bool] = settings["causal"]
-        self.layer_windows: list[int | None] = settings["windows"]
-
-    @property
-    def sliding_layers(self) -> list[bool]:
-        """Per layer: whether it has a sliding window (its own reading of ``layer_types``)."""
-        return [w is not None for w in self.layer_windows]
 
     @property
     def top_k(self) -> int:
         return self.candidate_selector.top_k
 
-    def forward(
-        self,
-        target_hidden: torch.Tensor,
-        noise_embedding: torch.Tensor,
-        position_ids: torch.Tensor,
-        past_key_values: Any = None,
-        store_context: bool = True,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Run the drafter on one block (the arguments and result of :meth:`DFlashDraftModel.forward`); the embedded
-        block is scaled by ``input_embedding_scale`` and each layer gets its causal / sliding-window mask, combined
-        with ``attention_mask`` (``[B|1, 1, L, C + N + L]``, bool or additive; the block is its last ``L`` keys)."""
-        if position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0)
-        b = noise_embedding.shape[0]
-        if position_ids.shape[0] != b:
-            position_ids = position_ids.expand(b, -1)
-        n_ctx = target_hidden.shape[1]
-        if position_ids.shape[1] != n_ctx + noise_embedding.shape[1]:
-            raise ValueError(f"position_ids cover {position_ids.shape[1]} rows but context + block = "
-                             f"{n_ctx} + {noise_embedding.shape[1]}")
-        x = noise_embedding.to(self.device, self.dtype)
-        if self.settings["embedding_scale"] != 1.0:
-            x = x * self.settings["embedding_scale"]
-        ctx = self.project_context(target_hidden.to(x.device, self.dtype)) if n_ctx else x.new_zeros(b, 0, x.shape[-1])
-        if ctx.shape[0] != b:
-            ctx = ctx.expand(b, -1, -1)
-        cos, sin = self.rotary_emb(x, position_ids.to(x.device))
-        cached = 0 if past_key_values is None else past_key_values.get_seq_length(0)
-        masks: dict[tuple[bool, int | None], torch.Tensor | None] = {}
-        for layer, causal, window in zip(self.layers, self.causal_layers, self.layer_windows):
-            if (causal, window) not in masks:
-                masks[(causal, window)] = self._layer_mask(causal, window, position_ids.to(x.device), n_ctx, cached,
-                                                           attention_mask)
-            x = layer(x, ctx, cos, sin, past_key_values, store_context, masks[(causal, window)])
-        return self.norm(x)
-
-    def _layer_mask(self, causal: bool, window: int | None, position_ids: torch.Tensor, n_ctx: int, cached: int,
-                    attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """``attention_mask`` narrowed to what a causal and/or sliding-window layer sees: a causal layer's block row
-        ``i`` sees block keys ``0..i`` (and all context keys); a sliding layer keys fewer than ``window`` positions
-        away (behind it only when causal). Cached context is taken to hold the positions just before the new rows
-        (one unpadded row; :class:`~spiffy.arspec.DFlash2Drafter` drafts sliding drafters alone)."""
-        if not causal and window is None:
-            return attention_mask
-        block = position_ids.shape[1] - n_ctx
-        keys = cached + n_ctx + block
-        device = position_ids.device
-        visible = torch.ones(1, 1, block, keys, dtype=torch.bool, device=device)
-        if causal:
-            visible[..., keys - block:] = torch.ones(block, block, dtype=torch.bool, device=device).tril()
-        if window is not None:
-            cached_pos = position_ids[:, :1] - cached + torch.arange(cached, device=device).view(1, -1)
-            dist = position_ids[:, n_ctx:, None] - torch.cat([cached_pos, position_ids], dim=1)[:, None, :]
-            near = dist < int(window) if causal else dist.abs() < int(window)
-            visible = visible & near.unsqueeze(1)
-        if attention_mask is None:
-            return visible
-        if attention_mask.dtype == torch.bool:
-            return visible & attention_mask
-        return attention_mask.masked_fill(~visible, torch.finfo(attention_mask.dtype).min)
-
-    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """``[..., H]`` -> ``[..., V]``: the target's ``lm_head``, times ``output_multiplier``, then soft-capped."""
-        w = getattr(lm_head, "weight", None)
-        if w is not None and w.dtype != hidden.dtype:
-            hidden = hidden.to(w.dtype)
-        logits = lm_head(hidden)
-        if self.settings["output_multiplier"] != 1.0:
-            logits = logits * self.settings["output_multiplier"]
-        cap = self.settings["softcap"]
-        return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def select(self, hidden: torch.Tensor, lm_head: nn.Module, root_token: int
+    def select(self, hidden: torch.Tensor, lm_head: nn.Module, root: int | torch.Tensor, static: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[D, H]`` block hidden states -> the selector's ``(candidates, first, following)``
-        (:meth:`CandidateSelector.forward`)."""
-        return self.candidate_selector(hidden, self.compute_logits(hidden, lm_head), root_token)
+        """``[..., D, H]`` block hidden states -> the selector's ``(candidates, first, following)``
+        (:meth:`CandidateSelector.forward`, ``root`` and ``static`` as there)."""
+        return self.candidate_selector(hidden, self.compute_logits(hidden, lm_head), root, static)
 
 
 def _codebook_spelling(keys: Any, root: Any) -> dict[str, str]:
