@@ -40,7 +40,8 @@ BLOCK = 6
 
 #: config edits of the drafter variants: plain (every layer bidirectional, unmasked), causal with a sliding first
 #: layer (the layout of the official package's test config) and bidirectional with a sliding first layer
-_SLIDING_FIRST = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3, "use_sliding_window": True}
+_SLIDING_FIRST = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3,
+                  "use_sliding_window": True}
 VARIANTS = {"plain": {}, "causal-sliding": {"is_causal": True, **_SLIDING_FIRST},
             "sliding": {"is_causal": False, **_SLIDING_FIRST}}
 
@@ -140,7 +141,8 @@ def test_static_dflash2_drafter_batches(dirs, variant, accept, temperature):
     prompts = [[t % 48 for t in p] for p in prompts]
     lengths = [12, 5, 9]
     configs = [ARSpecConfig(method="ddtree-dflash2", budget=6, max_new_tokens=m, accept=accept,
-                            sampling=SamplingConfig(temperature=temperature, seed=s)) for m, s in zip(lengths, (1, 2, 3))]
+                            sampling=SamplingConfig(temperature=temperature, seed=s))
+               for m, s in zip(lengths, (1, 2, 3))]
     with pytest.MonkeyPatch.context() as mp:
         drafts = RecordedDrafts(mp)
         eager = speculative_generate_batch(target, _drafters_of(model, 3), prompts, configs, compile=False)

@@ -14,6 +14,7 @@ tensor operations on the forward's position ids, so the static step runs it too.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import pytest
@@ -192,6 +193,18 @@ def test_ddtree_dllm_round_syncs_at_most_twice(pair, budget):
     assert max(per_round) <= 2, per_round
 
 
+def test_aligned_layout_round_syncs_at_most_twice(pair):
+    """In the aligned layout too, a captured DDTree-dLLM round reads the device at most twice (the cache's advance
+    to the root's attention block is computed on the device)."""
+    target, _ = pair
+    model = _aligned(pair[1], 4)
+    res, per_round = captured_round_syncs(target, model, lambda: ddtree_generate(
+        target, model, prompt_ids(9, 8), method="ddtree-dllm", budget=8, max_new_tokens=12, compile=True))
+    assert len(res.tokens) == 12 and len(per_round) == res.rounds
+    assert static_dllm_drafter_of(model) is not None and static_dllm_drafter_of(model).aligned == 4
+    assert max(per_round) <= 2, per_round
+
+
 @pytest.mark.parametrize("method", ["deer", "specdiff"])
 def test_sampled_rejection_round_syncs_at_most_twice(pair, method):
     """DEER's chain and SpecDiff-2's drafts sampled from the drafter, merged into a tree and walked by the rejection
@@ -201,27 +214,84 @@ def test_sampled_rejection_round_syncs_at_most_twice(pair, method):
     assert max(per_round) <= 2, per_round
 
 
-def test_other_layouts_keep_the_eager_drafter(pair, dirs):
-    """The ``aligned`` layout, ``denoise_steps > 1`` and a subclassed drafter keep the eager drafter on the captured
-    path (the static drafter is not made), with the eager path's tokens."""
+def _aligned(model: SDARForCausalLM, attention_block: int) -> SDARForCausalLM:
+    """A copy of ``model`` drafting in the ``"aligned"`` layout with SDAR blocks of ``attention_block`` positions."""
+    out = copy.deepcopy(model)
+    out.config.drafter_config = {**out.config.drafter_config, "layout": "aligned", "attention_block": attention_block}
+    return out
+
+
+@pytest.mark.parametrize("attention_block", [4, 8])
+@pytest.mark.parametrize("method,accept,temperature", [("deer", "coupled", 0.0), ("ddtree-dllm", "coupled", 0.8),
+                                                       ("specdiff", "rejection", 0.9)])
+def test_aligned_layout_drafts_what_the_eager_drafter_drafts(pair, guessing, monkeypatch, attention_block, method,
+                                                              accept, temperature):
+    """The ``"aligned"`` layout (a plain SDAR checkpoint's: the cache holds complete attention blocks, the rest of
+    the root's block runs again every round, block-causal over positions): the static drafter's drafts are the
+    eager drafter's every round, tokens and acceptance lengths equal, with attention blocks shorter and longer than
+    the drafted block."""
     target, base = pair
-    aligned = load_ar_drafter(dirs[1], dtype=base.dtype)
-    aligned.config.drafter_config = {**aligned.config.drafter_config, "layout": "aligned", "attention_block": 4}
+    prompt, n, seed = prompt_ids(4, 7), 18, 6
+    ar = ddtree_generate(target, None, prompt, method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
+    model = guessing(_aligned(base, attention_block), [prompt], [ar.tokens], {2, 9})
+    assert DLLMDrafter(model).layout == "aligned"
+    drafts = RecordedDrafts(monkeypatch)
+    config = ARSpecConfig(method=method, budget=6, drafts=3, max_new_tokens=n, accept=accept,
+                          sampling=SamplingConfig(temperature=temperature, seed=seed))
+    eager = speculative_generate_batch(target, [DLLMDrafter(model)], [prompt], config, compile=False)[0]
+    captured = speculative_generate_batch(target, [DLLMDrafter(model)], [prompt], config, compile=True)[0]
+    assert captured.tokens == eager.tokens
+    assert captured.acceptance_lengths == eager.acceptance_lengths
+    if accept == "coupled":
+        assert captured.tokens == ar.tokens and max(captured.acceptance_lengths) > 2
+    drafts.assert_close(target.dtype)
+    static = static_dllm_drafter_of(model)
+    assert static is not None and static.aligned == attention_block
+    assert sum(static.graphs.stats.runs.values()) == len(drafts.static) - 1  # + the prompt's
+
+
+@pytest.mark.parametrize("accept,temperature", [("coupled", 0.0), ("rejection", 0.9)])
+def test_aligned_layout_batches(pair, guessing, monkeypatch, accept, temperature):
+    """Ragged batches in the aligned layout: each static row drafts what its eager row drafts (rows whose roots lie
+    at different offsets in their attention blocks), with the eager rows' tokens."""
+    target, base = pair
+    prompts = [prompt_ids(1, 2), prompt_ids(2, 17), prompt_ids(3, 33)]
+    lengths, seeds = [12, 6, 10], (1, 2, 3)
+    configs = [ARSpecConfig(method=m, budget=6, drafts=3, max_new_tokens=n, accept=accept,
+                            sampling=SamplingConfig(temperature=temperature, seed=s))
+               for m, n, s in zip(METHODS, lengths, seeds)]
+    ars = [ddtree_generate(target, None, p, method="ar", max_new_tokens=n, temperature=temperature, seed=s).tokens
+           for p, n, s in zip(prompts, lengths, seeds)]
+    model = guessing(_aligned(base, 5), prompts, ars, {3})
+    drafts = RecordedDrafts(monkeypatch)
+    eager = speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, configs,
+                                       compile=False)
+    captured = speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, configs,
+                                          compile=True)
+    assert_ragged_batch(eager, captured, lengths, ars, accept, drafts, static_dllm_drafter_of(model), target.dtype)
+
+
+def test_other_drafters_keep_the_eager_drafter(pair, dirs):
+    """``denoise_steps > 1`` and a subclassed drafter keep the eager drafter on the captured path (the static
+    drafter is not made), with the eager path's tokens."""
+    target, base = pair
     other = load_ar_drafter(dirs[1], dtype=base.dtype)
 
     class Sub(DLLMDrafter):
         pass
 
     prompt = prompt_ids(2, 4)
-    for make in (lambda: DLLMDrafter(aligned), lambda: DLLMDrafter(other, denoise_steps=2), lambda: Sub(other)):
+    for make in (lambda: DLLMDrafter(other, denoise_steps=2), lambda: Sub(other)):
         assert static_dllm_drafter_model([make()], target) is None
         config = ARSpecConfig(method="deer", max_new_tokens=6)
         runs = [speculative_generate_batch(target, [make()], [prompt], config, compile=c)[0].tokens
                 for c in (True, False)]
         assert runs[0] == runs[1]
-    assert static_dllm_drafter_of(aligned) is None and static_dllm_drafter_of(other) is None
+    assert static_dllm_drafter_of(other) is None
     # rows of two models, or a model shared with rows without a drafter, keep the eager drafters too
     assert static_dllm_drafter_model([DLLMDrafter(base), DLLMDrafter(other)], target) is None
+    aligned = _aligned(base, 4)
+    assert static_dllm_drafter_model([DLLMDrafter(aligned), DLLMDrafter(aligned)], target) is aligned
     assert static_dllm_drafter_model([DLLMDrafter(base), None], target) is None
     assert static_dllm_drafter_model([DLLMDrafter(base), DLLMDrafter(base)], target) is base
 
@@ -248,13 +318,14 @@ def test_other_families_draft_what_the_eager_drafter_drafts(family, request, tmp
     assert static_dllm_drafter_of(model) is not None
 
 
-@settings(max_examples=10, deadline=None, derandomize=True, database=None)
+@settings(max_examples=15, deadline=None, derandomize=True, database=None)
 @given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3), method=st.sampled_from(METHODS),
        temperature=st.sampled_from([0.0, 0.7]), accept=st.sampled_from(["coupled", "rejection"]),
-       seed=st.integers(0, 1000))
-def test_static_equals_eager_property(dirs, lengths, method, temperature, accept, seed):
-    """Any prompts (1-3 rows, 1-12 tokens), method, rule and temperature: compile=True gives compile=False's tokens
-    and acceptance lengths (float64; the drafter guesses the first row's continuation, so commits are long)."""
+       seed=st.integers(0, 1000), attention_block=st.sampled_from([0, 3, 5]))
+def test_static_equals_eager_property(dirs, lengths, method, temperature, accept, seed, attention_block):
+    """Any prompts (1-3 rows, 1-12 tokens), method, rule, temperature and layout (root, or aligned with attention
+    blocks of 3 or 5): compile=True gives compile=False's tokens and acceptance lengths (float64; the drafter guesses
+    the first row's continuation, so commits are long)."""
     target = _float64(dirs)
     prompts = [prompt_ids(seed + i, n) for i, n in enumerate(lengths)]
     n = 9
@@ -263,7 +334,7 @@ def test_static_equals_eager_property(dirs, lengths, method, temperature, accept
                           sampling=SamplingConfig(temperature=temperature, seed=seed))
     with pytest.MonkeyPatch.context() as mp:  # (hypothesis runs the test many times: no function-scoped fixture)
         mp.setattr(SDARForCausalLM, "forward", _guessing_forward)
-        model = _float64_drafter(dirs)
+        model = _float64_drafter(dirs, attention_block)
         size = len(prompts[0]) + n
         model.guess = torch.full((size,), -1, dtype=torch.long)
         model.guess[len(prompts[0]) :] = torch.tensor(ar.tokens)
@@ -287,7 +358,11 @@ def _float64(dirs):  # noqa: ANN001, ANN202  (hypothesis runs the test many time
     return _LOADED["target"]
 
 
-def _float64_drafter(dirs):  # noqa: ANN001, ANN202
+def _float64_drafter(dirs, attention_block: int = 0):  # noqa: ANN001, ANN202
+    """The float64 drafter, in the root layout (``attention_block`` 0) or aligned to blocks of ``attention_block``."""
     if "drafter" not in _LOADED:
         _LOADED["drafter"] = load_ar_drafter(dirs[1], dtype=torch.float64)
-    return _LOADED["drafter"]
+    key = f"drafter-{attention_block}"
+    if attention_block and key not in _LOADED:
+        _LOADED[key] = _aligned(_LOADED["drafter"], attention_block)
+    return _LOADED[key if attention_block else "drafter"]

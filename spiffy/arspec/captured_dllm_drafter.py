@@ -11,22 +11,23 @@ once:
   ``get_seq_length`` / ``layer`` / ``append`` under the ``"append"`` cache policy), so the models run unchanged;
 * ``lengths [rows]``: the committed rows each row's cache holds (row ``b``'s prefix at slots ``0 .. lengths[b] - 1``,
   in order, as the eager drafter's cache holds it: a device-side length per row);
-* ``context [rows, B]`` / ``counts [rows]``: the tokens the last round committed (root + accepted nodes, gathered on
-  the device from the verification's ids by the walk's kept rows, :meth:`StaticDLLMDrafter.stage`) and how many;
+* ``tokens [rows, slots]`` / ``counts [rows]``: every committed token at its position (a round's commit, root +
+  accepted nodes, is gathered on the device from the verification's ids by the walk's kept rows and written after
+  the last one, :meth:`StaticDLLMDrafter.stage`) and how many of them follow the cached rows;
 * ``ids [rows, B]``: the block ``[root, MASK x (B - 1)]``; ``depths [rows]``: the positions each row drafts.
 
 The step of bucket ``(rows, L)`` (a :class:`~spiffy.capture.StepGraphs` step: a CUDA graph on a GPU, the same static
-code eagerly on a CPU) is the model's own forward over the ``N + L`` queries ``[context (N = B columns, ``counts[b]``
-real) ; block (L columns, ``depths[b] + 1`` real)]`` at positions ``lengths[b] + j`` and ``root + i`` (root =
-``lengths + counts``: every committed token precedes it) with keys ``[cache (every slot) ; the N + L new rows]`` and a
-``[rows, 1, N + L, slots + N + L]`` bool mask built on the device: a context row sees the row's cached slots and the
-real context rows up to itself (causal: its K/V describe the prefix and never change), a block row sees the cached
-slots, the real context rows and the block rows ``0 .. depths[b]`` (bidirectional inside the drafted block: the
-``"root"`` layout). Each real query therefore attends over exactly the keys the eager forward of its row sees, in
-another order (padded with hidden keys): the draft logits agree to rounding, the tokens exactly. The new rows' K/V
-are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter`, per row); only the first
-``counts[b]`` become visible, when ``lengths`` advances by ``counts`` after the step (outside it: a capture's
-warm-up runs the step more than once), so the drafted rows are never seen again (the eager drafter crops them).
+code eagerly on a CPU) is the model's own forward over the ``N + L`` queries ``[context (N columns of ``tokens`` from
+``lengths[b]``, ``counts[b]`` real) ; block (L columns, ``depths[b] + 1`` real)]`` at positions ``lengths[b] + j`` and
+``root + i`` (root = ``lengths + counts``: every committed token precedes it) with keys ``[cache (every slot) ; the N +
+L new rows]`` and a ``[rows, 1, N + L, slots + N + L]`` bool mask built on the device: a context row sees the row's
+cached slots and the real context rows up to itself (causal: its K/V describe the prefix and never change), a block row
+sees the cached slots, the real context rows and the block rows ``0 .. depths[b]`` (bidirectional inside the drafted
+block: the ``"root"`` layout). Each real query therefore attends over exactly the keys the eager forward of its row
+sees, in another order (padded with hidden keys): the draft logits agree to rounding, the tokens exactly. The new rows'
+K/V are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter`, per row); only the first
+``counts[b]`` become visible, when ``lengths`` advances by ``counts`` after the step (outside it: a capture's warm-up
+runs the step more than once), so the drafted rows are never seen again (the eager drafter crops them).
 Nothing of the step is read from the host. Its output is ``[rows, L - 1, V]``: block rows ``1 .. L - 1`` (SDAR and
 LLaDA: the row at ``p`` predicts ``p``) or ``0 .. L - 2`` (Dream, shifted); row ``b``'s draft is its first
 ``depths[b]``. ``L`` is one more than the generation's deepest draft, in every round (the shorter drafts of the
@@ -37,11 +38,18 @@ same step program eagerly at the prompt's width, every later round replays the b
 skips the drafter in a round where no row drafts, the static drafter runs every round (a round's draft also commits
 the last round's tokens), so its context K/V are computed in other forwards: again equal to rounding.
 
+That is the ``"root"`` layout (``N = B``: a round's context is the last commit). In the ``"aligned"`` layout (a
+plain SDAR checkpoint's default: SDAR's own block-causal attention over blocks of ``A`` positions) the eager drafter
+caches only the complete attention blocks before the root's: the committed rest of the root's block saw the drafted
+masks, so it runs again with the next round's block. Here ``N = B + A - 1`` (fewer than ``A`` uncached tokens of the
+root's block, then the last commit), every real key in the query's block or an earlier one is visible (``positions //
+A``), and after the step ``lengths`` advances to the root's block start (``counts`` keeps the rest): the eager
+drafter's crop, on the device.
+
 Only :class:`~spiffy.arspec.dllm_drafter.DLLMDrafter` rows sharing one dense dLLM model of spiffy's families (SDAR,
-LLaDA, Dream) with the ``"root"`` layout and ``denoise_steps=1`` (the shipped D2A drafters) run here
-(:func:`static_dllm_drafter_model`). The ``"aligned"`` layout (its cache holds complete aligned blocks only, so a
-round re-runs a variable part of the current block), ``denoise_steps > 1`` (its steps pick positions on the host),
-MoE dLLMs (their experts would need the grouped static dispatch) and subclassed drafters keep the eager drafter.
+LLaDA, Dream) with ``denoise_steps=1`` (the shipped D2A drafters, and DEER / SpecDiff-2's one-pass marginals) run
+here (:func:`static_dllm_drafter_model`). ``denoise_steps > 1`` (its steps pick positions on the host), MoE dLLMs
+(their experts would need the grouped static dispatch) and subclassed drafters keep the eager drafter.
 """
 
 from __future__ import annotations
@@ -80,11 +88,11 @@ def static_dllm_drafter_model(drafters: Sequence[Any], target: nn.Module) -> nn.
         return None
     first = drafters[0]
     model = first.model
-    if any(d.model is not model or d.denoise_steps != 1 or d.layout != "root" for d in drafters):
+    if any(d.model is not model or d.denoise_steps != 1 for d in drafters):
         return None
-    if any(d.block_size != first.block_size or d.shifted != first.shifted
-           or d.mask_token_id != first.mask_token_id for d in drafters):
-        return None  # one block buffer, one read-out and one mask token for every row
+    if any(d.block_size != first.block_size or d.shifted != first.shifted or d.mask_token_id != first.mask_token_id
+           or d.layout != first.layout or d.attention_block != first.attention_block for d in drafters):
+        return None  # one block buffer, one read-out, one mask token and one layout for every row
     if not isinstance(model, SpiffyForwardMixin) or any(
             isinstance(getattr(m, "experts", None), nn.ModuleList) for m in model.modules()):
         return None  # spiffy's dense families only (their attention takes the slot cache as a KVCache; MoE experts
@@ -105,10 +113,16 @@ def static_dllm_drafter(drafters: Sequence[Any], target: nn.Module, prompts: Seq
         return None
     first = drafters[0]
     block = int(first.block_size)
-    # the committed prefix, then a round's context and block written after it (hidden, overwritten next round)
-    need = max(len(p) for p in prompts) + int(max_new_tokens) + 2 * block + 1
+    # the committed prefix, then a round's context (the aligned layout's uncached part of the root's block too) and
+    # block written after it (hidden, overwritten next round)
+    need = max(len(p) for p in prompts) + int(max_new_tokens) + 2 * block + _aligned_block(first) + 1
     return StaticDLLMDrafter.for_model(model, first, len(prompts), -(-need // SLOT_ROUNDING) * SLOT_ROUNDING,
                                        block, capture, fuse)
+
+
+def _aligned_block(drafter: DLLMDrafter) -> int:
+    """The aligned layout's attention block ``A`` (``0``: the root layout)."""
+    return int(drafter.attention_block) if drafter.layout == "aligned" else 0
 
 
 class _SlotKV(KVCache):
@@ -149,14 +163,18 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         self.device, dtype = execution_device(embed), embed.weight.dtype
         self.rows, self.slots, self.block = int(rows), int(slots), int(block)
         self.mask_token_id, self.shifted = int(drafter.mask_token_id), bool(drafter.shifted)
+        self.aligned = _aligned_block(drafter)  # A (the aligned layout), or 0 (the root layout)
+        # the committed tokens a round's forward runs: the root layout's last commit (at most B), or the aligned
+        # layout's uncached tokens (fewer than A of the root's block, then the last commit)
+        self.width = block + max(self.aligned - 1, 0)
         self.cache = SlotCache(model.config, rows, slots, dtype, self.device)
         dev = self.device
         self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)  # committed rows in the cache per row
-        self.counts = torch.zeros(rows, dtype=torch.long, device=dev)  # staged committed tokens per row
-        self.context = torch.zeros(rows, block, dtype=torch.long, device=dev)  # the staged tokens [rows, B]
+        self.counts = torch.zeros(rows, dtype=torch.long, device=dev)  # committed tokens not in the cache per row
+        self.tokens = torch.zeros(rows, slots, dtype=torch.long, device=dev)  # every committed token, by position
         self.ids = torch.full((rows, block), self.mask_token_id, dtype=torch.long, device=dev)
         self.depths = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.ramp = torch.arange(slots + 2 * block, device=dev)
+        self.ramp = torch.arange(slots + 2 * block + self.width, device=dev)
         self.graphs = StepGraphs(self._step, dev, capture, fuse)
         self._prompt: torch.Tensor | None = None  # the prompts [rows, P] until the first round drafts from them
         self._staged = False  # whether committed tokens wait for the next draft (it must be drafted from)
@@ -168,38 +186,48 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         the slots needed: attention reads every slot), else a new one (replacing it); emptied."""
         have = _STATIC.get(model)
         if not (have is not None and have.holds(rows, slots, block, capture, fuse)
-                and have.mask_token_id == int(drafter.mask_token_id) and have.shifted == bool(drafter.shifted)):
+                and have.mask_token_id == int(drafter.mask_token_id) and have.shifted == bool(drafter.shifted)
+                and have.aligned == _aligned_block(drafter)):
             if have is not None:
                 have.graphs.clear()
             have = _STATIC[model] = cls(model, drafter, rows, slots, block, capture, fuse)
         return have.emptied()
 
-    def _program(self, rows: int, context: torch.Tensor, block: int) -> Callable[[], torch.Tensor]:
+    def _program(self, rows: int, context: torch.Tensor | None, block: int) -> Callable[[], torch.Tensor]:
         """The forward of a ``block``-column block (``<= B``) of the first ``rows`` rows after the committed tokens
-        ``context [rows, N]`` (``counts`` of them real; the static ``self.context`` for a bucket, the prompts for
-        the first round), as a zero-argument step returning the ``[rows, block - 1, V]`` draft logits."""
-        width, ramp = int(context.shape[1]), self.ramp
+        not in the cache (``counts`` of them real: the prompts ``context [rows, P]`` for the first round; ``None``:
+        a bucket's, the ``width`` tokens from each row's ``lengths`` in ``tokens``), as a zero-argument step
+        returning the ``[rows, block - 1, V]`` draft logits."""
+        width, ramp = (self.width if context is None else int(context.shape[1])), self.ramp
         kv = _SlotKV(self.cache, rows)
         first = width + (0 if self.shifted else 1)  # the logits row of the first drafted position
+        slots, aligned = self.slots, self.aligned
 
         def step() -> torch.Tensor:
             n, length = self.counts[:rows].view(rows, 1), self.lengths[:rows].view(rows, 1)
             root = length + n  # the root's position: every committed token precedes it
             positions = torch.cat([length + ramp[:width], root + ramp[:block]], dim=1)  # [rows, N + L]
-            kv.index = length + ramp[: width + block]  # after the row's committed rows (only N real are kept)
-            ids = torch.cat([context, self.ids[:rows, :block]], dim=1)
-            q = ramp[:width].view(1, width, 1)  # context query j
-            k = ramp[:width].view(1, 1, width)  # context key j'
-            real = k < n.view(rows, 1, 1)  # [rows, 1, N]: the row's real context keys
-            cached = (ramp[: self.slots] < length).view(rows, 1, self.slots)  # [rows, 1, S]
+            kv.index = length + ramp[: width + block]  # after the row's cached rows (the step advances nothing)
+            committed = context if context is not None else self.tokens[:rows].gather(
+                1, (length + ramp[:width]).clamp(max=slots - 1))
+            ids = torch.cat([committed, self.ids[:rows, :block]], dim=1)
+            real = ramp[:width].view(1, 1, width) < n.view(rows, 1, 1)  # [rows, 1, N]: the row's real context keys
+            cached = (ramp[:slots] < length).view(rows, 1, slots)  # [rows, 1, S]
             drafted = (ramp[:block] <= self.depths[:rows].view(rows, 1)).view(rows, 1, block)  # [rows, 1, L]
-            # context rows: cache + real context keys up to themselves (causal); block rows: cache + real context
-            # + the row's drafted block (bidirectional)
-            ctx_rows = torch.cat([cached.expand(rows, width, self.slots), real & (k <= q),
-                                  torch.zeros(rows, width, block, dtype=torch.bool, device=self.device)], dim=2)
-            block_rows = torch.cat([cached, real, drafted], dim=2).expand(rows, block, self.slots + width + block)
-            visible = torch.cat([ctx_rows, block_rows], dim=1).unsqueeze(1)  # [rows, 1, N + L, S + N + L]
-            logits = self.model(ids, attention_mask=visible, position_ids=positions, past_key_values=kv,
+            if aligned:  # SDAR's block-causal attention over positions: a key in the query's block or an earlier one
+                blocks = positions // aligned
+                new = torch.cat([real, drafted], dim=2) & (blocks.unsqueeze(1) <= blocks.unsqueeze(2))
+                visible = torch.cat([cached.expand(rows, width + block, slots), new], dim=2)
+            else:
+                # context rows: cache + real context keys up to themselves (causal); block rows: cache + real
+                # context + the row's drafted block (bidirectional)
+                q, k = ramp[:width].view(1, width, 1), ramp[:width].view(1, 1, width)
+                ctx_rows = torch.cat([cached.expand(rows, width, slots), real & (k <= q),
+                                      torch.zeros(rows, width, block, dtype=torch.bool, device=self.device)], dim=2)
+                block_rows = torch.cat([cached, real, drafted], dim=2).expand(rows, block, slots + width + block)
+                visible = torch.cat([ctx_rows, block_rows], dim=1)
+            # the mask: [rows, 1, N + L, S + N + L]
+            logits = self.model(ids, attention_mask=visible.unsqueeze(1), position_ids=positions, past_key_values=kv,
                                 cache_policy="append", mask_all_visible=False).logits
             return logits[:, first : first + block - 1]
 
@@ -207,7 +235,19 @@ class StaticDLLMDrafter(StaticBlockDrafter):
 
     def _step(self, key: Any) -> Callable[[], torch.Tensor]:
         rows, block = key
-        return self._program(rows, self.context[:rows], block)
+        return self._program(rows, None, block)
+
+    def _advance(self, rows: int) -> None:
+        """After a draft the cache holds every committed row (the root layout), or the complete attention blocks
+        before the root's (the aligned layout: the rest of the root's block saw the drafted masks, so it is run
+        again with the next block, as the eager drafter crops it)."""
+        if not self.aligned:
+            super()._advance(rows)
+            return
+        root = self.lengths[:rows] + self.counts[:rows]
+        kept = torch.div(root, self.aligned, rounding_mode="floor") * self.aligned
+        self.counts[:rows] = root - kept
+        self.lengths[:rows] = kept
 
     def stage_prompt(self, prompts: Sequence[Sequence[int]]) -> None:
         """The prompts (row ``b``'s tokens at positions ``0 ..``) as the first round's committed tokens."""
@@ -215,6 +255,7 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         packed = torch.tensor([[len(p)] + list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long)
         packed = on_device(packed, self.device)  # one copy
         self._prompt = packed[:, 1:]
+        self.tokens[:rows, :width] = self._prompt
         self.lengths[:rows].zero_()
         self.counts[:rows].copy_(packed[:, 0])
         self._staged = True
@@ -228,12 +269,15 @@ class StaticDLLMDrafter(StaticBlockDrafter):
             raise RuntimeError("StaticDLLMDrafter.stage before the staged tokens were drafted from")
         if kept > self.block:
             raise RuntimeError(f"{kept} committed rows exceed the drafter's block of {self.block}")
-        self.context[:rows, :kept] = ids.gather(1, keep.clamp(0, int(ids.shape[1]) - 1))
-        self.counts[:rows].copy_(accepted + 1)
+        root = self.lengths[:rows] + self.counts[:rows]  # where the commit starts (after the uncached tokens)
+        # the kept rows' tokens at their positions (the padding's land after the commit: hidden, overwritten later)
+        at = (root.view(rows, 1) + self.ramp[:kept]).clamp(max=self.slots - 1)
+        self.tokens[:rows].scatter_(1, at, ids.gather(1, keep.clamp(0, int(ids.shape[1]) - 1)))
+        self.counts[:rows].add_(accepted + 1)
         self._staged = True
 
     def _row_state(self) -> tuple[torch.Tensor, ...]:
-        return self.lengths, self.counts, self.context
+        return self.lengths, self.counts, self.tokens
 
     def stage_first(self, target: Any, prompts: Sequence[Sequence[int]], pads: Sequence[int]) -> None:
         """The prompts' tokens (:meth:`stage_prompt`)."""

@@ -201,12 +201,15 @@ class StaticBlockDrafter:
             self._prompt = None
         else:
             out = self.graphs.run((rows, block))
-        # the new context is in the cache now (outside the step, which stays idempotent: a capture's warm-up runs
-        # it more than once)
-        self.lengths[:rows].add_(self.counts[:rows])
-        self.counts[:rows].zero_()
+        self._advance(rows)
         self._staged = False
         return [self._row_draft(out, b, int(d)) if d else None for b, d in enumerate(depths)]
+
+    def _advance(self, rows: int) -> None:
+        """After a draft: the new context is in the cache now (outside the step, which stays idempotent: a
+        capture's warm-up runs it more than once)."""
+        self.lengths[:rows].add_(self.counts[:rows])
+        self.counts[:rows].zero_()
 
     def keep_rows(self, kept: Sequence[int]) -> None:
         """Only batch rows ``kept`` go on (moved to the front, in order)."""
@@ -285,7 +288,8 @@ class StaticDrafter(StaticBlockDrafter):
             hidden = self.model(feats, self.embed(self.ids[:rows, :block]), positions, past_key_values=slots,
                                 attention_mask=visible, cached_positions=cached_positions)  # type: ignore[arg-type]
             if self.selector:
-                return self.model.select(hidden[:, 1:], self.head, self.ids[:rows, 0], static=True)  # type: ignore[operator]
+                roots = self.ids[:rows, 0]
+                return self.model.select(hidden[:, 1:], self.head, roots, static=True)  # type: ignore[operator]
             return self.model.compute_logits(hidden[:, 1:], self.head)
 
         return step

@@ -227,7 +227,8 @@ class CandidateSelector(nn.Module):
         successors = self.successor_codebook[candidates]  # [..., D, K, r]
         previous = self.predecessor_codebook[root] * modulation[..., 0, :]  # [..., r]
         first = unary[..., 0, :] + (successors[..., 0, :, :] @ previous.unsqueeze(-1)).squeeze(-1)
-        predecessors = self.predecessor_codebook[candidates[..., :-1, :]] * modulation[..., 1:, None, :]  # [..., D-1, K, r]
+        # [..., D - 1, K, r]: each depth's candidates as predecessors, modulated by the next position's hidden state
+        predecessors = self.predecessor_codebook[candidates[..., :-1, :]] * modulation[..., 1:, None, :]
         following = unary[..., 1:, None, :] + predecessors @ successors[..., 1:, :, :].transpose(-1, -2)
         return candidates, first, following
 
