@@ -6,6 +6,10 @@ The shared forward pads ragged caches, contexts and blocks; each row must still 
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -129,11 +133,25 @@ def test_rows_with_their_own_models_draft_alone(target, paths):
     assert calls[0][0] == 1 + 2 and calls[1][0] == 1  # row 2 denoises in 2 forwards of its own
 
 
-def test_dflash_rows_draft_what_they_draft_alone(target, paths):
-    """Ragged pending target features and cached contexts -> each row's DFlash logits and cache as alone."""
+def _masked(src: Path, dst: Path) -> Path:
+    """A copy of the DFlash checkpoint at ``src`` whose one layer is causal with a sliding window of 3 positions."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(is_causal=True, layer_types=["sliding_attention"], sliding_window=3, use_sliding_window=True)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "causal-sliding"])
+def test_dflash_rows_draft_what_they_draft_alone(target, paths, masked, tmp_path):
+    """Ragged pending target features and cached contexts -> each row's DFlash logits and cache as alone, in one
+    forward (a causal sliding-window drafter too: its masks read each row's cached positions in the left-padded
+    stacked cache)."""
     from spiffy.arspec.drafter import DFlashDrafter
 
-    drafter = load_drafter(paths["dflash"], dtype=torch.float64)
+    drafter = load_drafter(_masked(paths["dflash"], tmp_path / "masked") if masked else paths["dflash"],
+                           dtype=torch.float64)
+    assert [layer.window for layer in drafter.layer_attention] == ([3] if masked else [None])
     calls = _count_calls(drafter)
     width = len(drafter.target_layer_ids) * int(drafter.config.hidden_size)
     together = [DFlashDrafter(drafter) for _ in PROMPTS]

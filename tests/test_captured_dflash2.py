@@ -12,7 +12,7 @@ replays against the eager drafter (the reference):
   float32 and float64: every round's selector scores are the eager drafter's (candidates equal, scores within
   rounding: attention over a padded key set sums in another order), tokens and acceptance lengths equal, the drafts
   guessing a known continuation so that accepted paths go deep;
-* ragged batches, the sliding drafters too (their eager rows draft alone, the static drafter drafts them together);
+* ragged batches, the causal and sliding drafters too;
 * the draft stage reads nothing back, and the step traces as one graph (slow tier);
 * a DFlash drafter with causal and sliding layers runs on the static drafter too (it kept its eager drafter before).
 """

@@ -407,13 +407,21 @@ def test_device_map_placement_drafts_as_the_plain_load(pair, target, drafter, tm
         load_ar_drafter(suffixed, device_map=placement, offload_folder=tmp_path / "off2")
 
 
+_SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3, "use_sliding_window": True}
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_batched_causal_dflash2_rows_equal_alone(pair, target, tmp_path, temperature):
-    """``is_causal`` drafters share one forward too (the causal mask lies on each row's block, after its padding)."""
+@pytest.mark.parametrize("edits", [{"is_causal": True}, _SLIDING, {**_SLIDING, "is_causal": False}],
+                         ids=["causal", "sliding", "sliding-bidirectional"])
+def test_batched_masked_dflash2_rows_equal_alone(pair, target, tmp_path, temperature, edits):
+    """``is_causal`` and sliding-window drafters share one forward too (masks over positions: each row's cached keys
+    sit after its padding in the stacked cache, and the forward is told their positions)."""
     _, path = pair
-    causal = load_ar_drafter(_rewrite(path, tmp_path / "causal", edit_config=lambda c: c.update(is_causal=True)),
+    causal = load_ar_drafter(_rewrite(path, tmp_path / "masked", edit_config=lambda c: c.update(edits)),
                              dtype=torch.float64)
     assert as_drafter(causal).batch_key() is not None
+    if "layer_types" in edits:
+        assert [layer.window for layer in causal.layer_attention] == [3, None]
     prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7], [40]]
     configs = [ARSpecConfig(method="ddtree-dflash2", budget=7, max_new_tokens=12,
                             sampling=SamplingConfig(temperature=temperature, seed=s)) for s in range(len(prompts))]

@@ -32,8 +32,7 @@ the same step program eagerly over a context of the prompt's width, and every la
 
 Causal and sliding-window layers see keys by position: the step hands the model each cached slot's position (slot
 ``j`` holds position ``j``, :meth:`~spiffy.models.dflash.DFlashDraftModel.forward`'s ``cached_positions``), so each
-row's layers hide what its eager forward hides, and such drafters share the bucket's forward too (eagerly, a sliding
-drafter's rows draft alone).
+row's layers hide what its eager forward hides, and such drafters share the bucket's forward too.
 
 A :class:`~spiffy.arspec.drafter.DFlash2Drafter` (``selector=True``) reads the block out through its candidate
 selector inside the step: each row's top-``K`` candidates ranked without a host read

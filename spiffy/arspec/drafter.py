@@ -19,7 +19,8 @@ A drafter may also propose for several rows in ONE forward (:class:`BatchDrafter
 gives each row what it proposes alone. The stacked-cache helpers (:func:`stack_caches`, :func:`new_rows`) serve
 those forwards: each row's drafter keeps its own context cache (what it holds when its prompt is decoded alone);
 for the shared forward the caches are stacked, left padded to the longest (per layer ``[B, H, C_max, D]``), each
-row's new rows padded on the right, and one boolean mask hides every padding key from every row.
+row's new rows padded on the right, and one boolean mask hides every padding key from every row (a DFlash drafter's
+causal and sliding-window layers are told where each row's cached keys sit, so their masks over positions hold).
 
 :class:`DFlashDrafter` conditions on target features (hidden states of chosen target layers, captured by
 :class:`~spiffy.models.dflash.TargetFeatureHooks` during the target's own forwards; the update names the batch row).
@@ -40,7 +41,7 @@ from spiffy.errors import ConfigError
 from spiffy.models.cache import KVCache
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks, check_compatible
 from spiffy.models.dflash2 import DFlash2DraftModel
-from spiffy.torch_utils import execution_device
+from spiffy.torch_utils import device_tensor, execution_device
 
 __all__ = ["BatchDrafter", "ContextUpdate", "DFlash2Drafter", "Drafter", "DFlashDrafter", "append_rows", "new_rows",
            "stack_caches"]
@@ -258,12 +259,12 @@ class DFlashDrafter:
         self._positions = None
 
     def batch_key(self) -> Hashable | None:
-        """Rows of one drafter model share a forward, unless the model's forward or head is overridden or it has
-        position-masked layers (causal or sliding-window: their mask assumes one unpadded row)."""
+        """Rows of one drafter model share a forward, unless the model's forward or head is overridden (causal and
+        sliding-window layers share it too: the forward is told where each row's cached keys sit)."""
         model = self.model
         plain = (type(model).forward is DFlashDraftModel.forward
                  and type(model).compute_logits is DFlashDraftModel.compute_logits)
-        return id(model) if plain and not any(layer.masked for layer in model.layer_attention) else None
+        return id(model) if plain else None
 
     @classmethod
     def propose_batch(cls, drafters: Sequence["DFlashDrafter"], roots: Sequence[tuple[int, int]],
@@ -298,7 +299,11 @@ class DFlashDrafter:
             visible[r, width_cache - lengths[r] : width_cache] = True
             visible[r, width_cache : width_cache + n_ctx[r]] = True
             visible[r, width_cache + width_ctx : width_cache + width_ctx + blocks[r]] = True
-        hidden = model(feats, embed(ids), positions, past_key_values=cache, attention_mask=visible[:, None, None, :])  # type: ignore[misc]
+        # the stacked cache is left padded: row r's cached keys (positions 0 ..) sit at its last lengths[r] slots
+        pads = device_tensor([width_cache - n for n in lengths], torch.long, dev)
+        cached = torch.arange(width_cache, device=dev).view(1, -1) - pads.view(-1, 1)
+        hidden = model(feats, embed(ids), positions, past_key_values=cache, attention_mask=visible[:, None, None, :],  # type: ignore[misc]
+                       cached_positions=cached)
         out = []
         for r, d in enumerate(drafters):
             append_rows(d._cache, *new_rows(cache, width_cache, r, n_ctx[r]))  # type: ignore[arg-type]
@@ -323,9 +328,9 @@ class DFlash2Drafter(DFlashDrafter):
         return SelectorDraft(candidates, first, following, int(self.model.config.vocab_size))
 
     def batch_key(self) -> Hashable | None:
-        """Rows of one model share a forward unless the model's forward or head is overridden or a layer has a
-        sliding window (its mask assumes one unpadded row)."""
+        """Rows of one model share a forward unless the model's forward, head or selector is overridden."""
         model = self.model
-        plain = (type(model).forward is DFlash2DraftModel.forward
-                 and type(model).compute_logits is DFlash2DraftModel.compute_logits)
-        return id(model) if plain and not any(model.sliding_layers) else None
+        plain = (type(model).forward is DFlashDraftModel.forward
+                 and type(model).compute_logits is DFlashDraftModel.compute_logits
+                 and type(model).select is DFlash2DraftModel.select)
+        return id(model) if plain else None
