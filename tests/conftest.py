@@ -99,20 +99,28 @@ def one_thread_per_module():
     torch.set_num_threads(n)
 
 
-#: torch's CPU capability (``torch.backends.cpu.get_cpu_capability()``) of the machines that wrote the official-code
-#: fixtures under ``tests/data`` (the ``scripts/*_official_parity.py`` outputs). Inferred, not recorded then: every
-#: fixture holds bit for bit on the machines where they were written and in CI, and three of them do not on an AVX2
-#: machine, whose float32/bfloat16 matmul kernels reduce in another order than AVX-512's.
+#: the CPU kind (:func:`cpu_kind`) of the machines that wrote the official-code fixtures under ``tests/data`` (the
+#: ``scripts/*_official_parity.py`` outputs). Inferred, not recorded then: every fixture holds bit for bit on the
+#: machines where they were written and in CI; three of them do not on an AVX2 machine, whose float32/bfloat16 matmul
+#: kernels reduce in another order than AVX-512's, nor on an AVX-512 machine with AMX tiles (a Sapphire Rapids Xeon,
+#: 2026-11-29: other bfloat16 and float32 kernels again).
 FIXTURE_CPU_CAPABILITY = "AVX512"
 
 
+def cpu_kind() -> str:
+    """torch's CPU capability (``torch.backends.cpu.get_cpu_capability()``), ``+AMX`` where the CPU has AMX tiles
+    (their kernels round otherwise than plain AVX-512's)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return torch.backends.cpu.get_cpu_capability() + ("+AMX" if amx else "")
+
+
 def expect_official(ok: bool, message: str, script: str) -> None:
-    """Assert a comparison with an official-code fixture: on a CPU of another capability than the fixtures' a
+    """Assert a comparison with an official-code fixture: on a CPU of another kind (:func:`cpu_kind`) than the fixtures' a
     mismatch is a skip naming the script that re-records them here (the kernels differ, not the logic); on the
     fixtures' own kind of CPU it fails."""
     if ok:
         return
-    here = torch.backends.cpu.get_cpu_capability()
+    here = cpu_kind()
     if here != FIXTURE_CPU_CAPABILITY:
         pytest.skip(f"{message}: the fixture was recorded on a {FIXTURE_CPU_CAPABILITY} CPU and this one is {here} "
                     f"(other matmul kernels, other rounding); rerun `{script}` on this machine to compare here")

@@ -27,6 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import expect_official
+
 from spiffy.compat import dream_diffusion_generate
 from spiffy.models.loading import load_model
 from spiffy.models.tiny import make_tiny
@@ -96,7 +98,10 @@ def test_baseline_equals_official_generator(checkpoint: Path, dtype: str) -> Non
             continue
         counts["differ"] += 1
         differ.append(key)
-        assert dtype == "bfloat16" and entry["prompt"] == "batch", f"{key} ({dtype}) differs from the official tokens"
+        # only batched bfloat16 rows may round apart from the official batch; a lone prompt must not (on the
+        # fixture's kind of CPU: another's kernels round other single prompts apart too)
+        expect_official(dtype == "bfloat16" and entry["prompt"] == "batch",
+                        f"{key} ({dtype}) differs from the official tokens", "python scripts/dream_official_parity.py")
     assert counts["equal"] >= (60 if dtype == "float32" else 40), (counts, differ)
 
 

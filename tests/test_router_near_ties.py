@@ -143,8 +143,12 @@ def _diverging_row(model: nn.Module, family: str, seed: int) -> bool:
 def test_forced_router_tie_flip_is_proven(request, family) -> None:
     model = _tied(request, family)
     with _batched_flips(model, far=False):
-        assert _diverging_row(model, family, PINNED[family]), "the forced tie flip must change the row's tokens"
-        div = explain_dllm_batch_row(model, _prompts(PINNED[family]), 0, None, overrides=_kw(family))
+        # the pinned prompts first; which prompts' tokens the flip changes depends on the CPU's kernels: a bounded
+        # search over further seeds
+        seed = next((s for s in [PINNED[family], *range(100, 100 + SEARCH_SEEDS)] if _diverging_row(model, family, s)),
+                    None)
+        assert seed is not None, "the forced tie flip must change a row's tokens"
+        div = explain_dllm_batch_row(model, _prompts(seed), 0, None, overrides=_kw(family))
     assert div is not None and div.kind == "router", div
     assert div.deviation_ulps > DEVIATION_ULPS  # the logit rule alone would refuse: the expert moved the logits
     assert div.same_state and div.replay and div.layer is not None

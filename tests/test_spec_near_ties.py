@@ -240,7 +240,8 @@ def test_a_rounding_flip_in_the_tree_forward_is_a_proven_near_tie(ar_pair, monke
     proof = _first_ar_proof(ar_pair, _ar_config(method))
     assert proof.kind == "greedy" and proof.same_state and proof.replay and proof.near_tie, proof
     assert proof.position > 0 and proof.step >= 0 and proof.compared == f"{method} vs ar"
-    assert proof.gap is not None and proof.gap <= proof.bound and proof.deviation_ulps <= 3
+    # the planted flip moves at most 3 ulps; the tree and AR forwards may round apart by a few more on some CPUs
+    assert proof.gap is not None and proof.gap <= proof.bound and proof.deviation_ulps <= DEVIATION_ULPS
 
 
 @pytest.mark.parametrize("method", ["deer", "specdiff"])
