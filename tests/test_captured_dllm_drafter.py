@@ -29,7 +29,8 @@ from spiffy.arspec.batch import speculative_generate_batch
 from spiffy.arspec.captured_dllm_drafter import static_dllm_drafter_model, static_dllm_drafter_of
 from spiffy.arspec.dllm_drafter import DLLMDrafter
 from spiffy.bench.syncs import SyncCounter
-from spiffy.models import load_target, make_tiny_target
+from spiffy.capture import trace_steps
+from spiffy.models import load_target, make_tiny_target, moe_dispatch
 from spiffy.models.ar_drafters import load_ar_drafter, make_tiny_dllm_drafter
 from spiffy.models.sdar import SDARForCausalLM
 
@@ -296,26 +297,58 @@ def test_other_drafters_keep_the_eager_drafter(pair, dirs):
     assert static_dllm_drafter_model([DLLMDrafter(base), DLLMDrafter(base)], target) is base
 
 
-@pytest.mark.parametrize("family", ["dream", "llada"])
-def test_other_families_draft_what_the_eager_drafter_drafts(family, request, tmp_path, monkeypatch):
-    """Dream (shifted: the row before a position predicts it) and LLaDA drafters: every round's drafts of a ragged
-    batch are the eager drafters' (float64), and the tokens and acceptance lengths equal."""
+@pytest.mark.parametrize("family,dtype", [("dream", torch.float64), ("llada", torch.float64),
+                                          ("llada_moe", torch.float64), ("llada_moe", torch.float32),
+                                          ("sdar_moe", torch.float32), ("llada2", torch.float32)])
+def test_other_families_draft_what_the_eager_drafter_drafts(family, dtype, request, tmp_path, monkeypatch):
+    """Dream (shifted: the row before a position predicts it), LLaDA and the MoE families (SDAR-MoE and LLaDA2.0 in
+    their plain checkpoints' aligned layout; float32 experts grouped in the step, float64 ones one by one): every
+    round's drafts of a ragged batch are the eager drafters', and the tokens and acceptance lengths equal."""
     path = request.getfixturevalue(f"tiny_{family}")
-    model = load_ar_drafter(path, dtype=torch.float64)
+    model = load_ar_drafter(path, dtype=dtype)
     target_dir = make_tiny_target(tmp_path / "target", seed=3, num_layers=2, vocab_size=int(model.config.vocab_size),
                                   with_tokenizer=False)
-    target = load_target(target_dir, torch.float64, "cpu")
+    target = load_target(target_dir, dtype, "cpu")
+    grouped: list[int] = []  # expert calls that ran grouped (static shapes)
+    real = moe_dispatch._grouped
+    monkeypatch.setattr(moe_dispatch, "_grouped", lambda *a: grouped.append(1) or real(*a))
     assert DLLMDrafter(model).shifted == (family == "dream")
-    prompts = [prompt_ids(1, 5), prompt_ids(2, 3), prompt_ids(3, 9)]
+    assert DLLMDrafter(model).layout == ("aligned" if family in ("sdar_moe", "llada2") else "root")
+    prompts = [[t % int(model.config.vocab_size) for t in prompt_ids(i, n)] for i, n in ((1, 5), (2, 3), (3, 9))]
     config = ARSpecConfig(method="ddtree-dllm", budget=6, max_new_tokens=8,
                           sampling=SamplingConfig(temperature=0.7, seed=4))
     drafts = RecordedDrafts(monkeypatch)
-    runs = [speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, config, compile=c)
-            for c in (False, True)]
+    runs = []
+    for compile_ in (False, True):
+        grouped.clear()
+        runs.append(speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, config,
+                                               compile=compile_))
     assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
     assert [r.acceptance_lengths for r in runs[0]] == [r.acceptance_lengths for r in runs[1]]
-    drafts.assert_close(torch.float64)
+    drafts.assert_close(dtype)
     assert static_dllm_drafter_of(model) is not None
+    # the static drafter's MoE experts ran grouped where torch._grouped_mm takes the dtype (the eager ones never)
+    assert bool(grouped) == (family.endswith(("_moe", "2")) and dtype == torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llada_moe", "sdar_moe"])
+def test_moe_drafter_step_traces_as_one_graph(family, request, tmp_path):
+    """An MoE drafter's step (its experts grouped, in bfloat16: the dtype a CUDA graph's grouped products take) is
+    one graph for TorchDynamo: no host read, no data-dependent shape (:func:`spiffy.capture.trace_steps`), and it
+    gives the eager tokens (greedy, coupled: the target's own, whatever the drafts)."""
+    model = load_ar_drafter(request.getfixturevalue(f"tiny_{family}"), dtype=torch.bfloat16)
+    target_dir = make_tiny_target(tmp_path / "target", seed=3, num_layers=2, vocab_size=int(model.config.vocab_size),
+                                  with_tokenizer=False)
+    target = load_target(target_dir, torch.bfloat16, "cpu")
+    config = ARSpecConfig(method="deer", max_new_tokens=10, sampling=SamplingConfig(temperature=0.0, seed=1))
+    runs = []
+    for compile_ in (False, True):
+        with trace_steps(compile_):
+            runs.append(speculative_generate_batch(target, [DLLMDrafter(model)], [[3, 1, 4, 1, 5]], config,
+                                                   compile=compile_)[0].tokens)
+    assert runs[0] == runs[1] and len(runs[0]) == 10
+    assert static_dllm_drafter_of(model).graphs.stats.runs
 
 
 @settings(max_examples=15, deadline=None, derandomize=True, database=None)

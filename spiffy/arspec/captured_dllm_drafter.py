@@ -46,10 +46,13 @@ root's block, then the last commit), every real key in the query's block or an e
 A``), and after the step ``lengths`` advances to the root's block start (``counts`` keeps the rest): the eager
 drafter's crop, on the device.
 
-Only :class:`~spiffy.arspec.dllm_drafter.DLLMDrafter` rows sharing one dense dLLM model of spiffy's families (SDAR,
-LLaDA, Dream) with ``denoise_steps=1`` (the shipped D2A drafters, and DEER / SpecDiff-2's one-pass marginals) run
-here (:func:`static_dllm_drafter_model`). ``denoise_steps > 1`` (its steps pick positions on the host), MoE dLLMs
-(their experts would need the grouped static dispatch) and subclassed drafters keep the eager drafter.
+Only :class:`~spiffy.arspec.dllm_drafter.DLLMDrafter` rows sharing one dLLM model of spiffy's families (SDAR,
+LLaDA, Dream, and the MoE families LLaDA-MoE, SDAR-MoE, LLaDA2.0) with ``denoise_steps=1`` (the shipped D2A
+drafters, and DEER / SpecDiff-2's one-pass marginals) run here (:func:`static_dllm_drafter_model`). An MoE model's
+experts run grouped in the step (:mod:`spiffy.models.moe_dispatch`: static shapes, bitwise the per-expert products);
+where they cannot (float64, quantized experts) a CUDA capture keeps the eager drafter, and on a CPU they run one by
+one inside the static code. ``denoise_steps > 1`` (its steps pick positions on the host) and subclassed drafters
+keep the eager drafter.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from spiffy.arspec.captured_drafter import StaticBlockDrafter
 from spiffy.arspec.dllm_drafter import DLLMDrafter
 from spiffy.capture import SlotCache, StepGraphs, slot_cache_supported
 from spiffy.models.cache import KVCache
+from spiffy.models.moe_dispatch import capture_unsupported, grouped_experts, stack_experts
 from spiffy.models.pretrained import SpiffyForwardMixin
 from spiffy.torch_utils import execution_device, on_device
 
@@ -93,10 +97,8 @@ def static_dllm_drafter_model(drafters: Sequence[Any], target: nn.Module) -> nn.
     if any(d.block_size != first.block_size or d.shifted != first.shifted or d.mask_token_id != first.mask_token_id
            or d.layout != first.layout or d.attention_block != first.attention_block for d in drafters):
         return None  # one block buffer, one read-out, one mask token and one layout for every row
-    if not isinstance(model, SpiffyForwardMixin) or any(
-            isinstance(getattr(m, "experts", None), nn.ModuleList) for m in model.modules()):
-        return None  # spiffy's dense families only (their attention takes the slot cache as a KVCache; MoE experts
-        # would need the grouped static dispatch to run without host reads)
+    if not isinstance(model, SpiffyForwardMixin):
+        return None  # spiffy's families only (their attention takes the slot cache as a KVCache)
     if slot_cache_supported(model.config) is not None or "flash" in str(
             getattr(model.config, "_attn_implementation", None) or ""):
         return None
@@ -112,6 +114,8 @@ def static_dllm_drafter(drafters: Sequence[Any], target: nn.Module, prompts: Seq
     if model is None:
         return None
     first = drafters[0]
+    if capture and first._device.type == "cuda" and capture_unsupported(model) is not None:
+        return None  # MoE experts that cannot run grouped: their shapes are host values, which no graph holds
     block = int(first.block_size)
     # the committed prefix, then a round's context (the aligned layout's uncached part of the root's block too) and
     # block written after it (hidden, overwritten next round)
@@ -163,6 +167,7 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         self.device, dtype = execution_device(embed), embed.weight.dtype
         self.rows, self.slots, self.block = int(rows), int(slots), int(block)
         self.mask_token_id, self.shifted = int(drafter.mask_token_id), bool(drafter.shifted)
+        stack_experts(model)  # an MoE model's experts as one tensor per projection (grouped in the step; no copy)
         self.aligned = _aligned_block(drafter)  # A (the aligned layout), or 0 (the root layout)
         # the committed tokens a round's forward runs: the root layout's last commit (at most B), or the aligned
         # layout's uncached tokens (fewer than A of the root's block, then the last commit)
@@ -226,9 +231,10 @@ class StaticDLLMDrafter(StaticBlockDrafter):
                                       torch.zeros(rows, width, block, dtype=torch.bool, device=self.device)], dim=2)
                 block_rows = torch.cat([cached, real, drafted], dim=2).expand(rows, block, slots + width + block)
                 visible = torch.cat([ctx_rows, block_rows], dim=1)
-            # the mask: [rows, 1, N + L, S + N + L]
-            logits = self.model(ids, attention_mask=visible.unsqueeze(1), position_ids=positions, past_key_values=kv,
-                                cache_policy="append", mask_all_visible=False).logits
+            with grouped_experts():  # an MoE model's experts without host reads (a graph can hold them)
+                # the mask: [rows, 1, N + L, S + N + L]
+                logits = self.model(ids, attention_mask=visible.unsqueeze(1), position_ids=positions,
+                                    past_key_values=kv, cache_policy="append", mask_all_visible=False).logits
             return logits[:, first : first + block - 1]
 
         return step
