@@ -59,7 +59,7 @@ from spiffy.arspec.drafter import DFlash2Drafter, DFlashDrafter
 from spiffy.arspec.selector import Draft, SelectorDraft
 from spiffy.capture import SlotCache, StepGraphs
 from spiffy.models.dflash import DFlashDraftModel, TargetFeatureHooks
-from spiffy.models.dflash2 import CandidateSelector, DFlash2DraftModel
+from spiffy.models.dflash2 import CandidateSelector
 from spiffy.torch_utils import execution_device, on_device
 
 __all__ = ["StaticBlockDrafter", "StaticDrafter", "recorded_features", "static_drafter_model", "static_drafter_of"]
@@ -73,17 +73,6 @@ def static_drafter_of(model: nn.Module) -> "StaticDrafter | None":
     return _STATIC.get(model)
 
 
-def _plain(model: DFlashDraftModel, selector: bool) -> bool:
-    """Whether ``model`` computes with the family's own forward, logits (and selector): a subclass that overrides
-    them may read the host, so it keeps the eager drafter."""
-    cls = type(model)
-    plain = cls.forward is DFlashDraftModel.forward and cls.compute_logits is DFlashDraftModel.compute_logits
-    if selector:
-        plain = plain and (isinstance(model, DFlash2DraftModel) and cls.select is DFlash2DraftModel.select
-                           and type(model.candidate_selector).forward is CandidateSelector.forward)
-    return plain
-
-
 def static_drafter_model(drafters: Sequence[Any], target: nn.Module) -> DFlashDraftModel | None:
     """The one DFlash or DFlash2 model every row drafts with, when the static drafter runs it (see the module
     docstring); ``None``: the rows keep their eager drafters."""
@@ -91,8 +80,10 @@ def static_drafter_model(drafters: Sequence[Any], target: nn.Module) -> DFlashDr
     if kind not in (DFlashDrafter, DFlash2Drafter) or any(type(d) is not kind for d in drafters):
         return None
     model = drafters[0].model
-    if any(d.model is not model for d in drafters) or not _plain(model, kind is DFlash2Drafter):
-        return None
+    if any(d.model is not model for d in drafters) or drafters[0].batch_key() is None:
+        return None  # rows of several models, or a subclassed forward, head or selector (it may read the host)
+    if kind is DFlash2Drafter and type(model.candidate_selector).forward is not CandidateSelector.forward:
+        return None  # the step scores every row at once through the family's own selector
     if model.device != execution_device(target.get_input_embeddings()):
         return None  # the eager drafter's attach names the mismatch
     return model
@@ -276,7 +267,7 @@ class StaticDrafter(StaticBlockDrafter):
         slots = _ContextSlots(self.cache, rows)
         cached_positions = ramp[: self.slots].view(1, -1)  # slot j holds position j (what masked layers read)
 
-        def step() -> torch.Tensor:
+        def step() -> Any:
             n, length = self.counts[:rows].view(rows, 1), self.lengths[:rows].view(rows, 1)
             root = length + n  # the root's position: every committed token precedes it
             positions = torch.cat([root - n + ramp[:width], root + ramp[:block]], dim=1)  # [rows, N + B]
