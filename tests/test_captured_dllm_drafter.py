@@ -272,9 +272,34 @@ def test_aligned_layout_batches(pair, guessing, monkeypatch, accept, temperature
     assert_ragged_batch(eager, captured, lengths, ars, accept, drafts, static_dllm_drafter_of(model), target.dtype)
 
 
+@pytest.mark.parametrize("steps,attention_block", [(2, 0), (3, 0), (3, 4), pytest.param(5, 3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method,accept,temperature", [("ddtree-dllm", "coupled", 0.0), ("deer", "rejection", 0.9),
+                                                       ("specdiff", "coupled", 0.8)])
+def test_denoising_steps_draft_what_the_eager_drafter_drafts(pair, guessing, monkeypatch, steps, attention_block,
+                                                             method, accept, temperature):
+    """``denoise_steps > 1`` (each step fixes the most confident positions and re-runs the block on the cache): the
+    static drafter's steps on the device draft what the eager drafter's host loop drafts, every round, in the root
+    and the aligned layouts, with the eager tokens and acceptance lengths."""
+    target, base = pair
+    prompt, n, seed = prompt_ids(5, 6), 16, 2
+    ar = ddtree_generate(target, None, prompt, method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
+    model = guessing(_aligned(base, attention_block) if attention_block else base, [prompt], [ar.tokens], {3})
+    drafts = RecordedDrafts(monkeypatch)
+    config = ARSpecConfig(method=method, budget=6, drafts=2, max_new_tokens=n, accept=accept,
+                          sampling=SamplingConfig(temperature=temperature, seed=seed))
+    eager, captured = [speculative_generate_batch(target, [DLLMDrafter(model, denoise_steps=steps)], [prompt], config,
+                                                  compile=c)[0] for c in (False, True)]
+    assert captured.tokens == eager.tokens and captured.acceptance_lengths == eager.acceptance_lengths
+    if accept == "coupled":
+        assert captured.tokens == ar.tokens and max(captured.acceptance_lengths) > 2
+    drafts.assert_close(target.dtype)
+    static = static_dllm_drafter_of(model)
+    assert static is not None and static.denoise_steps == steps
+
+
 def test_other_drafters_keep_the_eager_drafter(pair, dirs):
-    """``denoise_steps > 1`` and a subclassed drafter keep the eager drafter on the captured path (the static
-    drafter is not made), with the eager path's tokens."""
+    """A subclassed drafter keeps the eager drafter on the captured path (the static drafter is not made), with the
+    eager path's tokens."""
     target, base = pair
     other = load_ar_drafter(dirs[1], dtype=base.dtype)
 
@@ -282,15 +307,16 @@ def test_other_drafters_keep_the_eager_drafter(pair, dirs):
         pass
 
     prompt = prompt_ids(2, 4)
-    for make in (lambda: DLLMDrafter(other, denoise_steps=2), lambda: Sub(other)):
-        assert static_dllm_drafter_model([make()], target) is None
-        config = ARSpecConfig(method="deer", max_new_tokens=6)
-        runs = [speculative_generate_batch(target, [make()], [prompt], config, compile=c)[0].tokens
-                for c in (True, False)]
-        assert runs[0] == runs[1]
+    assert static_dllm_drafter_model([Sub(other)], target) is None
+    config = ARSpecConfig(method="deer", max_new_tokens=6)
+    runs = [speculative_generate_batch(target, [Sub(other)], [prompt], config, compile=c)[0].tokens
+            for c in (True, False)]
+    assert runs[0] == runs[1]
     assert static_dllm_drafter_of(other) is None
-    # rows of two models, or a model shared with rows without a drafter, keep the eager drafters too
+    # rows of two models or of two step counts, or a model shared with rows without a drafter, keep the eager
+    # drafters too
     assert static_dllm_drafter_model([DLLMDrafter(base), DLLMDrafter(other)], target) is None
+    assert static_dllm_drafter_model([DLLMDrafter(base), DLLMDrafter(base, denoise_steps=2)], target) is None
     aligned = _aligned(base, 4)
     assert static_dllm_drafter_model([DLLMDrafter(aligned), DLLMDrafter(aligned)], target) is aligned
     assert static_dllm_drafter_model([DLLMDrafter(base), None], target) is None
@@ -354,11 +380,11 @@ def test_moe_drafter_step_traces_as_one_graph(family, request, tmp_path):
 @settings(max_examples=15, deadline=None, derandomize=True, database=None)
 @given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3), method=st.sampled_from(METHODS),
        temperature=st.sampled_from([0.0, 0.7]), accept=st.sampled_from(["coupled", "rejection"]),
-       seed=st.integers(0, 1000), attention_block=st.sampled_from([0, 3, 5]))
-def test_static_equals_eager_property(dirs, lengths, method, temperature, accept, seed, attention_block):
-    """Any prompts (1-3 rows, 1-12 tokens), method, rule, temperature and layout (root, or aligned with attention
-    blocks of 3 or 5): compile=True gives compile=False's tokens and acceptance lengths (float64; the drafter guesses
-    the first row's continuation, so commits are long)."""
+       seed=st.integers(0, 1000), attention_block=st.sampled_from([0, 3, 5]), steps=st.sampled_from([1, 1, 2, 3]))
+def test_static_equals_eager_property(dirs, lengths, method, temperature, accept, seed, attention_block, steps):
+    """Any prompts (1-3 rows, 1-12 tokens), method, rule, temperature, layout (root, or aligned with attention
+    blocks of 3 or 5) and denoising steps (1-3): compile=True gives compile=False's tokens and acceptance lengths
+    (float64; the drafter guesses the first row's continuation, so commits are long)."""
     target = _float64(dirs)
     prompts = [prompt_ids(seed + i, n) for i, n in enumerate(lengths)]
     n = 9
@@ -373,8 +399,8 @@ def test_static_equals_eager_property(dirs, lengths, method, temperature, accept
         model.guess[len(prompts[0]) :] = torch.tensor(ar.tokens)
         model.second = torch.zeros(size, dtype=torch.bool)
         model.second[len(prompts[0]) + 2] = True
-        runs = [speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, config,
-                                           compile=c) for c in (True, False)]
+        runs = [speculative_generate_batch(target, [DLLMDrafter(model, denoise_steps=steps) for _ in prompts], prompts,
+                                           config, compile=c) for c in (True, False)]
     assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
     assert [r.acceptance_lengths for r in runs[0]] == [r.acceptance_lengths for r in runs[1]]
     assert static_dllm_drafter_of(model) is not None

@@ -46,13 +46,16 @@ root's block, then the last commit), every real key in the query's block or an e
 A``), and after the step ``lengths`` advances to the root's block start (``counts`` keeps the rest): the eager
 drafter's crop, on the device.
 
+With ``denoise_steps > 1`` the same step goes on with the eager drafter's further denoising steps, every row at once
+(:meth:`StaticDLLMDrafter._denoised`: the positions each step fixes are ranked on the device, and the block re-runs
+on the cache read only), so a round is still one replay.
+
 Only :class:`~spiffy.arspec.dllm_drafter.DLLMDrafter` rows sharing one dLLM model of spiffy's families (SDAR,
-LLaDA, Dream, and the MoE families LLaDA-MoE, SDAR-MoE, LLaDA2.0) with ``denoise_steps=1`` (the shipped D2A
-drafters, and DEER / SpecDiff-2's one-pass marginals) run here (:func:`static_dllm_drafter_model`). An MoE model's
-experts run grouped in the step (:mod:`spiffy.models.moe_dispatch`: static shapes, bitwise the per-expert products);
-where they cannot (float64, quantized experts) a CUDA capture keeps the eager drafter, and on a CPU they run one by
-one inside the static code. ``denoise_steps > 1`` (its steps pick positions on the host) and subclassed drafters
-keep the eager drafter.
+LLaDA, Dream, and the MoE families LLaDA-MoE, SDAR-MoE, LLaDA2.0) and one step count run here
+(:func:`static_dllm_drafter_model`). An MoE model's experts run grouped in the step (:mod:`spiffy.models.moe_dispatch`:
+static shapes, bitwise the per-expert products); where they cannot (float64, quantized experts) a CUDA capture keeps
+the eager drafter, and on a CPU they run one by one inside the static code. Subclassed drafters keep the eager
+drafter.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def static_dllm_drafter_model(drafters: Sequence[Any], target: nn.Module) -> nn.
         return None
     first = drafters[0]
     model = first.model
-    if any(d.model is not model or d.denoise_steps != 1 for d in drafters):
+    if any(d.model is not model or d.denoise_steps != first.denoise_steps for d in drafters):
         return None
     if any(d.block_size != first.block_size or d.shifted != first.shifted or d.mask_token_id != first.mask_token_id
            or d.layout != first.layout or d.attention_block != first.attention_block for d in drafters):
@@ -169,6 +172,7 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         self.mask_token_id, self.shifted = int(drafter.mask_token_id), bool(drafter.shifted)
         stack_experts(model)  # an MoE model's experts as one tensor per projection (grouped in the step; no copy)
         self.aligned = _aligned_block(drafter)  # A (the aligned layout), or 0 (the root layout)
+        self.denoise_steps = int(drafter.denoise_steps)
         # the committed tokens a round's forward runs: the root layout's last commit (at most B), or the aligned
         # layout's uncached tokens (fewer than A of the root's block, then the last commit)
         self.width = block + max(self.aligned - 1, 0)
@@ -192,7 +196,7 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         have = _STATIC.get(model)
         if not (have is not None and have.holds(rows, slots, block, capture, fuse)
                 and have.mask_token_id == int(drafter.mask_token_id) and have.shifted == bool(drafter.shifted)
-                and have.aligned == _aligned_block(drafter)):
+                and have.aligned == _aligned_block(drafter) and have.denoise_steps == int(drafter.denoise_steps)):
             if have is not None:
                 have.graphs.clear()
             have = _STATIC[model] = cls(model, drafter, rows, slots, block, capture, fuse)
@@ -235,9 +239,55 @@ class StaticDLLMDrafter(StaticBlockDrafter):
                 # the mask: [rows, 1, N + L, S + N + L]
                 logits = self.model(ids, attention_mask=visible.unsqueeze(1), position_ids=positions,
                                     past_key_values=kv, cache_policy="append", mask_all_visible=False).logits
-            return logits[:, first : first + block - 1]
+            draft = logits[:, first : first + block - 1]
+            return self._denoised(rows, block, root, draft) if self.denoise_steps > 1 else draft
 
         return step
+
+    def _denoised(self, rows: int, block: int, root: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+        """``denoise_steps - 1`` further steps of the eager drafter's ``_denoise`` on the device, every row at once.
+
+        Each step ranks a row's still-masked drafted positions by confidence (the softmax maximum; equal: the lower
+        position first), fixes the ``min(ceil(depth / steps), still masked)`` best to their argmax and re-runs the
+        block (the cache as the eager drafter holds it after its crop, read only; the aligned layout's uncached rest
+        of the root's attention block as queries again). Steps after every position is fixed select nothing (the
+        eager loop stops there: the same result). ``root [rows, 1]``; ``draft [rows, L - 1, V]`` the first pass's
+        logits. Returns ``[rows, L - 1, V]``: each position's logits of the step that fixed it (the last step's where
+        none did), the first pass's for rows drafting one position (the eager drafter denoises deeper drafts only).
+        """
+        steps, ramp, slots, span = self.denoise_steps, self.ramp, self.slots, block - 1
+        depth = self.depths[:rows].view(rows, 1)
+        real = ramp[:span].view(1, span) < depth  # [rows, L - 1]: the row's drafted positions
+        per_step = torch.div(depth + steps - 1, steps, rounding_mode="floor")  # ceil(depth / steps)
+        kept = root if not self.aligned else torch.div(root, self.aligned, rounding_mode="floor") * self.aligned
+        tail = max(self.aligned - 1, 0)  # the uncached committed tokens of the root's block (aligned layout)
+        positions = torch.cat([kept + ramp[:tail], root + ramp[:block]], dim=1)  # [rows, T + L]
+        keys = torch.cat([ramp[:tail].view(1, 1, tail) < (root - kept).view(rows, 1, 1),
+                          (ramp[:block] <= depth).view(rows, 1, block)], dim=2)  # [rows, 1, T + L]
+        if self.aligned:  # block-causal over positions, as the first pass
+            blocks = positions // self.aligned
+            keys = keys & (blocks.unsqueeze(1) <= blocks.unsqueeze(2))
+        visible = torch.cat([(ramp[:slots] < kept).view(rows, 1, slots).expand(rows, tail + block, slots),
+                             keys.expand(rows, tail + block, tail + block)], dim=2).unsqueeze(1)
+        tail_ids = self.tokens[:rows].gather(1, (kept + ramp[:tail]).clamp(max=slots - 1))
+        ids = self.ids[:rows, :block].clone()
+        kv = _SlotKV(self.cache, rows)
+        start = tail + (0 if self.shifted else 1)
+        fixed = torch.zeros(rows, span, dtype=torch.bool, device=self.device)
+        out = current = draft
+        for _step in range(steps - 1):
+            conf = torch.softmax(current.float(), dim=-1).amax(dim=-1).masked_fill(fixed | ~real, -1.0)
+            order = conf.sort(dim=-1, descending=True, stable=True).indices
+            rank = torch.empty_like(order).scatter_(1, order, ramp[:span].expand(rows, span))
+            take = rank < torch.minimum(per_step, depth - fixed.sum(dim=-1, keepdim=True))
+            fixed = fixed | take
+            out = torch.where(take.unsqueeze(-1), current, out)
+            ids[:, 1:] = torch.where(take, current.argmax(dim=-1), ids[:, 1:])
+            with grouped_experts():
+                logits = self.model(torch.cat([tail_ids, ids], dim=1), attention_mask=visible, position_ids=positions,
+                                    past_key_values=kv, cache_policy="read", mask_all_visible=False).logits
+            current = logits[:, start : start + span]
+        return torch.where((depth > 1).view(rows, 1, 1), torch.where(fixed.unsqueeze(-1), out, current), draft)
 
     def _step(self, key: Any) -> Callable[[], torch.Tensor]:
         rows, block = key

@@ -20,14 +20,14 @@ kernels and whose rows mix the rules, or mix point-mass and sampled proposals un
 trees on the host as the eager loop does and walks them on the captured step's hidden states (the verification
 captured).
 
-When every row drafts with one plain DFlash model, the drafter's block forward is captured too: a
-:class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets) drafts every row
-in one step, and each round's commit hands it the kept rows' target features on the device (from the layers the
-verification step records). When every row drafts with one plain dLLM model (DEER, SpecDiff-2, DDTree-dLLM: the
-``"root"`` layout, one denoising step), a :class:`~spiffy.arspec.captured_dllm_drafter.StaticDLLMDrafter` does the
-same for the dLLM's round forward, and each commit hands it the kept rows' tokens on the device (gathered from the
-verification's ids). DFlash2, the dLLM drafters' ``"aligned"`` layout and ``denoise_steps > 1``, MoE dLLMs and
-subclassed drafters keep their eager drafters.
+When every row drafts with one plain DFlash or DFlash2 model, the drafter's block forward is captured too: a
+:class:`~spiffy.arspec.captured_drafter.StaticDrafter` (its own static context cache and buckets; DFlash2's selector
+read out in the step) drafts every row in one step, and each round's commit hands it the kept rows' target features
+on the device (from the layers the verification step records). When every row drafts with one plain dLLM model
+(DEER, SpecDiff-2, DDTree-dLLM: either layout, any number of denoising steps, dense or MoE), a
+:class:`~spiffy.arspec.captured_dllm_drafter.StaticDLLMDrafter` does the same for the dLLM's round forward, and each
+commit hands it the kept rows' tokens on the device (gathered from the verification's ids). Subclassed drafters keep
+their eager drafters.
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ at ``p``), so the mask rows ``root_position + 1 .. root_position + depth`` give 
 Dream is shifted (the row at ``p - 1`` predicts ``p``), so the rows ``root_position .. root_position + depth - 1``
 do (the family fact ``shifted_logits`` decides).
 
-With ``denoise_steps > 1`` the block is denoised in a few steps: each step fixes the most confident still-masked
-positions to their argmax and re-runs the block (reading the cache only); a position's distribution is the one of
-the step that fixed it. One step (the default) gives the position-wise marginals DEER and SpecDiff-2 draft from.
+With ``denoise_steps > 1`` the block is denoised in a few steps: each step fixes the ``ceil(depth / steps)`` most
+confident still-masked positions (equal confidences: the lower position first) to their argmax and re-runs the block
+(reading the cache only); a position's distribution is the one of the step that fixed it. One step (the default)
+gives the position-wise marginals DEER and SpecDiff-2 draft from.
 """
 
 from __future__ import annotations
@@ -242,7 +243,9 @@ class DLLMDrafter:
         for _step in range(self.denoise_steps - 1):
             conf = torch.softmax(current.float(), dim=-1).max(dim=-1).values.cpu()
             conf[fixed] = -1.0
-            take = conf.topk(min(per_step, int((~fixed).sum()))).indices
+            # the most confident still-masked positions; equal confidences: the lower position first (the static
+            # drafter's device twin ranks the same way)
+            take = conf.sort(descending=True, stable=True).indices[: min(per_step, int((~fixed).sum()))]
             for i in take.tolist():
                 fixed[i] = True
                 out[i] = current[i]
