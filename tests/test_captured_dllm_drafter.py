@@ -377,6 +377,25 @@ def test_moe_drafter_step_traces_as_one_graph(family, request, tmp_path):
     assert static_dllm_drafter_of(model).graphs.stats.runs
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("attention_block", [0, 4])
+def test_denoising_step_traces_as_one_graph(dirs, attention_block):
+    """The step with its further denoising steps (ranking, fixing, re-running) is one graph for TorchDynamo (no host
+    read, no data-dependent shape: :func:`spiffy.capture.trace_steps`), with the eager tokens."""
+    target = load_target(dirs[0], torch.float32, "cpu")
+    base = load_ar_drafter(dirs[1], dtype=torch.float32)
+    model = _aligned(base, attention_block) if attention_block else base
+    config = ARSpecConfig(method="ddtree-dllm", budget=6, max_new_tokens=10,
+                          sampling=SamplingConfig(temperature=0.7, seed=3))
+    runs = []
+    for compile_ in (False, True):
+        with trace_steps(compile_):
+            runs.append(speculative_generate_batch(target, [DLLMDrafter(model, denoise_steps=3)], [prompt_ids(4, 5)],
+                                                   config, compile=compile_)[0].tokens)
+    assert runs[0] == runs[1] and len(runs[0]) == 10
+    assert static_dllm_drafter_of(model).graphs.stats.runs
+
+
 @settings(max_examples=15, deadline=None, derandomize=True, database=None)
 @given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3), method=st.sampled_from(METHODS),
        temperature=st.sampled_from([0.0, 0.7]), accept=st.sampled_from(["coupled", "rejection"]),
