@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -102,26 +103,39 @@ def guessing(monkeypatch):
 def test_static_dllm_drafter_equals_eager(pair, guessing, monkeypatch, method, accept, temperature):
     """One prompt: the static drafter's drafts are the eager drafter's every round; tokens (== plain AR under the
     coupled rule) and acceptance lengths are equal, with deep accepted paths and branching trees."""
+    _one_prompt(pair, guessing, monkeypatch, lambda m: m, method, accept, temperature)
+
+
+def _one_prompt(pair: Any, guessing: Any, monkeypatch: pytest.MonkeyPatch, variant: Any, method: str, accept: str,
+                temperature: float, steps: int = 1) -> Any:
+    """Decode one prompt eagerly and captured with ``variant(base)`` guessing AR's continuation (``steps``
+    denoising steps): the drafts equal every round (to rounding), the tokens and acceptance lengths exactly (under
+    the coupled rule AR's, with deep accepted paths), one bucket replay per round. Returns the static drafter."""
     target, base = pair
-    prompt, n, seed = prompt_ids(7, 9), 16, 5
+    prompt, n, seed = prompt_ids(4, 7), 18, 6
     ar = ddtree_generate(target, None, prompt, method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
-    model = guessing(base, [prompt], [ar.tokens], {2, 7})
+    model = guessing(variant(base), [prompt], [ar.tokens], {2, 9})
     drafts = RecordedDrafts(monkeypatch)
     config = ARSpecConfig(method=method, budget=6, drafts=3, max_new_tokens=n, accept=accept,
                           sampling=SamplingConfig(temperature=temperature, seed=seed))
-    eager = speculative_generate_batch(target, [DLLMDrafter(model)], [prompt], config, compile=False)[0]
-    captured = speculative_generate_batch(target, [DLLMDrafter(model)], [prompt], config, compile=True)[0]
+    eager, captured = [speculative_generate_batch(target, [DLLMDrafter(model, denoise_steps=steps)], [prompt], config,
+                                                  compile=c)[0] for c in (False, True)]
     assert captured.tokens == eager.tokens
     assert captured.acceptance_lengths == eager.acceptance_lengths
     if accept == "coupled":
         assert captured.tokens == ar.tokens and max(captured.acceptance_lengths) > 2
     drafts.assert_close(target.dtype)
-    assert sum(static_dllm_drafter_of(model).graphs.stats.runs.values()) == len(drafts.static) - 1  # + the prompt's
+    static = static_dllm_drafter_of(model)
+    assert static is not None
+    assert sum(static.graphs.stats.runs.values()) == len(drafts.static) - 1  # + the prompt's
+    return static
 
 
+@pytest.mark.parametrize("attention_block", [0, 5], ids=["root", "aligned"])
 @pytest.mark.parametrize("accept,temperature", [("coupled", 0.0), ("rejection", 0.9), ("coupled", 0.8)])
-def test_static_dllm_drafter_batches(pair, guessing, monkeypatch, accept, temperature):
-    """Ragged batches (prompts of different lengths, rows leaving at different rounds, a method per row): the static
+def test_static_dllm_drafter_batches(pair, guessing, monkeypatch, accept, temperature, attention_block):
+    """Ragged batches (prompts of different lengths, rows leaving at different rounds, a method per row), in the
+    root layout and the aligned one (the rows' roots at different offsets in their attention blocks): the static
     drafter's rows draft what each eager row drafts, and give the eager rows' tokens and acceptance lengths."""
     target, base = pair
     prompts = [prompt_ids(1, 2), prompt_ids(2, 17), prompt_ids(3, 33)]  # positions 2.., 17.., 33..: disjoint guess tables
@@ -131,7 +145,7 @@ def test_static_dllm_drafter_batches(pair, guessing, monkeypatch, accept, temper
                for m, n, s in zip(METHODS, lengths, seeds)]
     ars = [ddtree_generate(target, None, p, method="ar", max_new_tokens=n, temperature=temperature, seed=s).tokens
            for p, n, s in zip(prompts, lengths, seeds)]
-    model = guessing(base, prompts, ars, {3})
+    model = guessing(_aligned(base, attention_block) if attention_block else base, prompts, ars, {3})
     drafts = RecordedDrafts(monkeypatch)
     eager = speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, configs,
                                        compile=False)
@@ -231,45 +245,9 @@ def test_aligned_layout_drafts_what_the_eager_drafter_drafts(pair, guessing, mon
     the root's block runs again every round, block-causal over positions): the static drafter's drafts are the
     eager drafter's every round, tokens and acceptance lengths equal, with attention blocks shorter and longer than
     the drafted block."""
-    target, base = pair
-    prompt, n, seed = prompt_ids(4, 7), 18, 6
-    ar = ddtree_generate(target, None, prompt, method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
-    model = guessing(_aligned(base, attention_block), [prompt], [ar.tokens], {2, 9})
-    assert DLLMDrafter(model).layout == "aligned"
-    drafts = RecordedDrafts(monkeypatch)
-    config = ARSpecConfig(method=method, budget=6, drafts=3, max_new_tokens=n, accept=accept,
-                          sampling=SamplingConfig(temperature=temperature, seed=seed))
-    eager = speculative_generate_batch(target, [DLLMDrafter(model)], [prompt], config, compile=False)[0]
-    captured = speculative_generate_batch(target, [DLLMDrafter(model)], [prompt], config, compile=True)[0]
-    assert captured.tokens == eager.tokens
-    assert captured.acceptance_lengths == eager.acceptance_lengths
-    if accept == "coupled":
-        assert captured.tokens == ar.tokens and max(captured.acceptance_lengths) > 2
-    drafts.assert_close(target.dtype)
-    static = static_dllm_drafter_of(model)
-    assert static is not None and static.aligned == attention_block
-    assert sum(static.graphs.stats.runs.values()) == len(drafts.static) - 1  # + the prompt's
-
-
-@pytest.mark.parametrize("accept,temperature", [("coupled", 0.0), ("rejection", 0.9)])
-def test_aligned_layout_batches(pair, guessing, monkeypatch, accept, temperature):
-    """Ragged batches in the aligned layout: each static row drafts what its eager row drafts (rows whose roots lie
-    at different offsets in their attention blocks), with the eager rows' tokens."""
-    target, base = pair
-    prompts = [prompt_ids(1, 2), prompt_ids(2, 17), prompt_ids(3, 33)]
-    lengths, seeds = [12, 6, 10], (1, 2, 3)
-    configs = [ARSpecConfig(method=m, budget=6, drafts=3, max_new_tokens=n, accept=accept,
-                            sampling=SamplingConfig(temperature=temperature, seed=s))
-               for m, n, s in zip(METHODS, lengths, seeds)]
-    ars = [ddtree_generate(target, None, p, method="ar", max_new_tokens=n, temperature=temperature, seed=s).tokens
-           for p, n, s in zip(prompts, lengths, seeds)]
-    model = guessing(_aligned(base, 5), prompts, ars, {3})
-    drafts = RecordedDrafts(monkeypatch)
-    eager = speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, configs,
-                                       compile=False)
-    captured = speculative_generate_batch(target, [DLLMDrafter(model) for _ in prompts], prompts, configs,
-                                          compile=True)
-    assert_ragged_batch(eager, captured, lengths, ars, accept, drafts, static_dllm_drafter_of(model), target.dtype)
+    static = _one_prompt(pair, guessing, monkeypatch, lambda m: _aligned(m, attention_block), method, accept,
+                         temperature)
+    assert static.aligned == attention_block
 
 
 @pytest.mark.parametrize("steps,attention_block", [(2, 0), (3, 0), (3, 4), pytest.param(5, 3, marks=pytest.mark.slow)])
@@ -280,21 +258,9 @@ def test_denoising_steps_draft_what_the_eager_drafter_drafts(pair, guessing, mon
     """``denoise_steps > 1`` (each step fixes the most confident positions and re-runs the block on the cache): the
     static drafter's steps on the device draft what the eager drafter's host loop drafts, every round, in the root
     and the aligned layouts, with the eager tokens and acceptance lengths."""
-    target, base = pair
-    prompt, n, seed = prompt_ids(5, 6), 16, 2
-    ar = ddtree_generate(target, None, prompt, method="ar", max_new_tokens=n, temperature=temperature, seed=seed)
-    model = guessing(_aligned(base, attention_block) if attention_block else base, [prompt], [ar.tokens], {3})
-    drafts = RecordedDrafts(monkeypatch)
-    config = ARSpecConfig(method=method, budget=6, drafts=2, max_new_tokens=n, accept=accept,
-                          sampling=SamplingConfig(temperature=temperature, seed=seed))
-    eager, captured = [speculative_generate_batch(target, [DLLMDrafter(model, denoise_steps=steps)], [prompt], config,
-                                                  compile=c)[0] for c in (False, True)]
-    assert captured.tokens == eager.tokens and captured.acceptance_lengths == eager.acceptance_lengths
-    if accept == "coupled":
-        assert captured.tokens == ar.tokens and max(captured.acceptance_lengths) > 2
-    drafts.assert_close(target.dtype)
-    static = static_dllm_drafter_of(model)
-    assert static is not None and static.denoise_steps == steps
+    static = _one_prompt(pair, guessing, monkeypatch, lambda m: _aligned(m, attention_block) if attention_block else m,
+                         method, accept, temperature, steps)
+    assert static.denoise_steps == steps and static.aligned == attention_block
 
 
 def test_other_drafters_keep_the_eager_drafter(pair, dirs):
