@@ -299,9 +299,10 @@ class DFlashDrafter:
             visible[r, width_cache - lengths[r] : width_cache] = True
             visible[r, width_cache : width_cache + n_ctx[r]] = True
             visible[r, width_cache + width_ctx : width_cache + width_ctx + blocks[r]] = True
-        # the stacked cache is left padded: row r's cached keys (positions 0 ..) sit at its last lengths[r] slots
-        pads = device_tensor([width_cache - n for n in lengths], torch.long, dev)
-        cached = torch.arange(width_cache, device=dev).view(1, -1) - pads.view(-1, 1)
+        cached = None  # what masked layers read: row r's cached keys (positions 0 ..) sit at its last lengths[r] slots
+        if any(layer.masked for layer in model.layer_attention):  # (the stacked cache is left padded)
+            pads = device_tensor([width_cache - n for n in lengths], torch.long, dev)
+            cached = torch.arange(width_cache, device=dev).view(1, -1) - pads.view(-1, 1)
         hidden = model(feats, embed(ids), positions, past_key_values=cache, attention_mask=visible[:, None, None, :],  # type: ignore[misc]
                        cached_positions=cached)
         out = []
