@@ -204,7 +204,8 @@ def add_ar_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="generated tokens at most (default 128)")
     g.add_argument("--compile", default="auto", choices=("auto", "on", "off", "inductor"),
                    help="the captured path (AR and dLLM mode): static shapes per bucket, forwards captured in CUDA "
-                        "graphs on a GPU (AR: a static cache, trees built and walked on the device; dLLM: every "
+                        "graphs on a GPU (AR: a static cache, the drafter's forward too, trees built and walked on the "
+                        "device; dLLM: every "
                         "forward_states over its (states, window) bucket); same tokens as eager; inductor: the "
                         "same steps compiled by TorchInductor first (fused kernels; minutes of compilation at real "
                         "size; tokens equal eager's up to near ties); auto: off until a GPU run shows it never "
