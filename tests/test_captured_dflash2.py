@@ -62,9 +62,8 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
                               vocab_size=48, weight_std=0.3, with_tokenizer=False)
     plain = make_tiny_dflash2(base / "plain", target, seed=4, num_layers=2, target_layer_ids=[0, 1], block_size=BLOCK,
                               selector_top_k=5, selector_rank=6, conv_kernel_size=3, conv_group_size=16)
-    out = {"target": target, "dflash": _variant(make_tiny_dflash(base / "dflash", target, seed=5, num_layers=2,
-                                                                   block_size=BLOCK), base / "dflash-masked",
-                                                  VARIANTS["causal-sliding"])}
+    dflash = make_tiny_dflash(base / "dflash", target, seed=5, num_layers=2, block_size=BLOCK)
+    out = {"target": target, "dflash": _variant(dflash, base / "dflash-masked", VARIANTS["causal-sliding"])}
     for name, edits in VARIANTS.items():
         out[name] = plain if not edits else _variant(plain, base / name, edits)
     return out
