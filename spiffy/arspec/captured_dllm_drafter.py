@@ -223,9 +223,8 @@ class StaticDLLMDrafter(StaticBlockDrafter):
             real = ramp[:width].view(1, 1, width) < n.view(rows, 1, 1)  # [rows, 1, N]: the row's real context keys
             cached = (ramp[:slots] < length).view(rows, 1, slots)  # [rows, 1, S]
             drafted = (ramp[:block] <= self.depths[:rows].view(rows, 1)).view(rows, 1, block)  # [rows, 1, L]
-            if aligned:  # SDAR's block-causal attention over positions: a key in the query's block or an earlier one
-                blocks = positions // aligned
-                new = torch.cat([real, drafted], dim=2) & (blocks.unsqueeze(1) <= blocks.unsqueeze(2))
+            if aligned:
+                new = self._block_causal(torch.cat([real, drafted], dim=2), positions)
                 visible = torch.cat([cached.expand(rows, width + block, slots), new], dim=2)
             else:
                 # context rows: cache + real context keys up to themselves (causal); block rows: cache + real
@@ -240,11 +239,24 @@ class StaticDLLMDrafter(StaticBlockDrafter):
                 logits = self.model(ids, attention_mask=visible.unsqueeze(1), position_ids=positions,
                                     past_key_values=kv, cache_policy="append", mask_all_visible=False).logits
             draft = logits[:, first : first + block - 1]
-            return self._denoised(rows, block, root, draft) if self.denoise_steps > 1 else draft
+            return self._denoised(rows, block, root, draft, kv) if self.denoise_steps > 1 else draft
 
         return step
 
-    def _denoised(self, rows: int, block: int, root: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    def _block_causal(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``keys [rows, 1, K]`` narrowed to SDAR's block-causal attention over ``positions [rows, K]`` (queries and
+        keys alike): a key in the query's attention block or an earlier one. ``[rows, K, K]``."""
+        blocks = positions // self.aligned
+        return keys & (blocks.unsqueeze(1) <= blocks.unsqueeze(2))
+
+    def _cached_end(self, root: torch.Tensor) -> torch.Tensor:
+        """Where the eager drafter crops its cache after drafting from ``root`` (a long tensor of root positions):
+        at the root (the root layout: every committed row stays), or at the start of the root's attention block
+        (the aligned layout: the rest of that block saw the drafted masks)."""
+        return torch.div(root, self.aligned, rounding_mode="floor") * self.aligned if self.aligned else root
+
+    def _denoised(self, rows: int, block: int, root: torch.Tensor, draft: torch.Tensor, kv: "_SlotKV"
+                  ) -> torch.Tensor:
         """``denoise_steps - 1`` further steps of the eager drafter's ``_denoise`` on the device, every row at once.
 
         Each step ranks a row's still-masked drafted positions by confidence (the softmax maximum; equal: the lower
@@ -254,24 +266,23 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         eager loop stops there: the same result). ``root [rows, 1]``; ``draft [rows, L - 1, V]`` the first pass's
         logits. Returns ``[rows, L - 1, V]``: each position's logits of the step that fixed it (the last step's where
         none did), the first pass's for rows drafting one position (the eager drafter denoises deeper drafts only).
+        ``kv``: the step's view of the slot cache (read only here).
         """
         steps, ramp, slots, span = self.denoise_steps, self.ramp, self.slots, block - 1
         depth = self.depths[:rows].view(rows, 1)
         real = ramp[:span].view(1, span) < depth  # [rows, L - 1]: the row's drafted positions
         per_step = torch.div(depth + steps - 1, steps, rounding_mode="floor")  # ceil(depth / steps)
-        kept = root if not self.aligned else torch.div(root, self.aligned, rounding_mode="floor") * self.aligned
+        kept = self._cached_end(root)
         tail = max(self.aligned - 1, 0)  # the uncached committed tokens of the root's block (aligned layout)
         positions = torch.cat([kept + ramp[:tail], root + ramp[:block]], dim=1)  # [rows, T + L]
         keys = torch.cat([ramp[:tail].view(1, 1, tail) < (root - kept).view(rows, 1, 1),
                           (ramp[:block] <= depth).view(rows, 1, block)], dim=2)  # [rows, 1, T + L]
         if self.aligned:  # block-causal over positions, as the first pass
-            blocks = positions // self.aligned
-            keys = keys & (blocks.unsqueeze(1) <= blocks.unsqueeze(2))
+            keys = self._block_causal(keys, positions)
         visible = torch.cat([(ramp[:slots] < kept).view(rows, 1, slots).expand(rows, tail + block, slots),
                              keys.expand(rows, tail + block, tail + block)], dim=2).unsqueeze(1)
         tail_ids = self.tokens[:rows].gather(1, (kept + ramp[:tail]).clamp(max=slots - 1))
         ids = self.ids[:rows, :block].clone()
-        kv = _SlotKV(self.cache, rows)
         start = tail + (0 if self.shifted else 1)
         fixed = torch.zeros(rows, span, dtype=torch.bool, device=self.device)
         out = current = draft
@@ -294,14 +305,11 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         return self._program(rows, None, block)
 
     def _advance(self, rows: int) -> None:
-        """After a draft the cache holds every committed row (the root layout), or the complete attention blocks
-        before the root's (the aligned layout: the rest of the root's block saw the drafted masks, so it is run
-        again with the next block, as the eager drafter crops it)."""
-        if not self.aligned:
-            super()._advance(rows)
-            return
+        """After a draft the cache holds the committed rows up to :meth:`_cached_end` (the root layout: all of them;
+        the aligned layout: the rest of the root's block is run again with the next block); ``counts`` keeps the
+        rest."""
         root = self.lengths[:rows] + self.counts[:rows]
-        kept = torch.div(root, self.aligned, rounding_mode="floor") * self.aligned
+        kept = self._cached_end(root)
         self.counts[:rows] = root - kept
         self.lengths[:rows] = kept
 

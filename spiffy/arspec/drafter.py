@@ -329,9 +329,6 @@ class DFlash2Drafter(DFlashDrafter):
         return SelectorDraft(candidates, first, following, int(self.model.config.vocab_size))
 
     def batch_key(self) -> Hashable | None:
-        """Rows of one model share a forward unless the model's forward, head or selector is overridden."""
-        model = self.model
-        plain = (type(model).forward is DFlashDraftModel.forward
-                 and type(model).compute_logits is DFlashDraftModel.compute_logits
-                 and type(model).select is DFlash2DraftModel.select)
-        return id(model) if plain else None
+        """DFlash's key (:meth:`DFlashDrafter.batch_key`), unless the model's selector is overridden too."""
+        key = super().batch_key()
+        return key if key is not None and type(self.model).select is DFlash2DraftModel.select else None
