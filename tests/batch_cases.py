@@ -32,9 +32,9 @@ def left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor
 
 
 def static_forward_pairs(model, prompt: torch.Tensor, kw: dict, seed: int, blocks: int = 2):
-    """``[(eager logits, static logits)]``, one pair per block: two sessions of ``prompt [P]`` under ``kw``, one on
-    the static path (``use_static``), each forwarding the same 3 states (the real one and two random ones) at each of
-    the first ``blocks`` blocks. The states are copies, so a static path that read the session's own tensors, or
+    """``[(eager logits, static logits)]``, per block: two sessions of ``prompt [P]`` under ``kw``, one on the static
+    path (``use_static``), each forwarding the same 3 states (the real one and two random ones) at each of the first
+    ``blocks`` blocks, after the block-start forward (its logits a pair too, where it returns them). The states are copies, so a static path that read the session's own tensors, or
     padded the states, would show."""
     eager = make_session(model, prompt[None], **kw)
     static = make_session(model, prompt[None], **kw)
@@ -42,8 +42,9 @@ def static_forward_pairs(model, prompt: torch.Tensor, kw: dict, seed: int, block
     g = torch.Generator().manual_seed(seed)
     out = []
     for block in range(blocks):
-        eager.begin_block(block)
-        static.begin_block(block)
+        first = eager.begin_block(block), static.begin_block(block)  # a cache's refresh: its window's logits
+        if first[0] is not None:
+            out.append(first)
         states = eager.x.repeat(3, 1)
         width = states.shape[1] - eager.prompt_len
         states[1:, eager.prompt_len:] = torch.randint(5, 250, (2, width), generator=g)

@@ -195,8 +195,28 @@ def test_buckets_are_reused_across_prompts_and_calls(dream) -> None:
     second = generate(dream, b[None], compile=True, **kw)
     third = generate(dream, a[None], compile=True, **kw)
     assert len(stats.capture_seconds) == built  # no new bucket
-    assert sum(stats.runs.values()) == runs + second.nfe - 2 + third.nfe - 2  # every forward but the block refreshes
+    assert sum(stats.runs.values()) == runs + second.nfe + third.nfe  # every forward, the block refreshes included
     assert third.tokens == first.tokens
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_dual_cache_buckets_serve_every_block(request, family: str) -> None:
+    """A dual cache's forward has the same shapes at every block (the block between the cached rest), and so does
+    the refresh: a generation builds one refresh bucket and one per states count, however many blocks it has, and the
+    tokens are eager's; a prefix cache's window shrinks block by block, so it builds a bucket per block."""
+    model = request.getfixturevalue(family)
+    prompt = ragged_prompts([5])[0][None]
+    built = {}
+    for cache in ("dual", "prefix"):
+        kw = dict(gen_length=32, block_length=8, steps=32, cache=cache)  # 4 blocks, one state per forward
+        eager = generate(model, prompt, compile=False, **kw)
+        states = static_states_of(model)  # the module's model: other tests' buckets may be there already
+        before = set() if states is None else set(states.graphs.stats.capture_seconds)
+        static = generate(model, prompt, compile=True, **kw)
+        assert static.tokens == eager.tokens and static.nfe == eager.nfe == 32
+        built[cache] = set(static_states_of(model).graphs.stats.capture_seconds) - before
+    assert len(built["dual"]) == 2 and sum(k[0] == "refresh" for k in built["dual"]) == 1, built["dual"]
+    assert len(built["prefix"]) == 1 + 4, built["prefix"]
 
 
 def test_compile_refused_for_the_sub_block_cache(fast_dllm_v2) -> None:
@@ -266,8 +286,8 @@ def test_cli_compile_in_dllm_mode(capsys, tiny_llada) -> None:
 
 @pytest.mark.parametrize("family,cache", [(f, c) for f, c in FAMILY_CACHES if f != "llada2"])  # float64 MoE: per expert
 def test_static_forward_makes_no_host_sync(request, family: str, cache: str) -> None:
-    """A built bucket's forward (the inputs copied in, the model's call) asks the host for nothing, left padding
-    and batch rows or not: a CUDA graph can hold it. ``to_cpu`` is left out: on a CPU run the model's ``.to(device)`` moves are counted
+    """A built bucket's forward (the inputs copied in, the model's call), and the cache's block-start refresh, ask the
+    host for nothing, left padding and batch rows or not: a CUDA graph can hold them. ``to_cpu`` is left out: on a CPU run the model's ``.to(device)`` moves are counted
     (to the CPU), on a GPU they stay on the device and are no-ops."""
     model = request.getfixturevalue(family)
     for ids, am in ((torch.tensor([[5, 6, 7, 8]]), None), left_pad(ragged_prompts([4, 2]))):
@@ -278,6 +298,7 @@ def test_static_forward_makes_no_host_sync(request, family: str, cache: str) -> 
         states = s.x.repeat(3, 1) if am is None else s.x[rows]
         s.forward_states(states, rows)  # builds the bucket
         with SyncCounter() as counter:
+            s.begin_block(0)  # again: the cache's refresh bucket is built
             s.forward_states(states, rows)
         counts = {k: v for k, v in counter.counts.items() if k != "to_cpu"}
         # with batch rows: the one check that they index the batch (before the step, not inside it)

@@ -37,13 +37,16 @@ from spiffy.torch_utils import model_device
 class ForwardInputs:
     """The tensors a window forward reads besides the states: ``attention_mask [B, T]`` (0 = left padding) or
     ``None``; ``position_ids [B|1, T]`` (cached calls); ``full_positions`` (full-sequence calls; ``None``: the
-    model's ``arange``); ``prompt_index [B, T]`` (classifier-free guidance); ``cache`` (the block's K/V) or ``None``."""
+    model's ``arange``); ``prompt_index [B, T]`` (classifier-free guidance); ``cache`` (the block's K/V) or ``None``;
+    ``window_start``: ``None``, or the window's first row as a 0-dim long tensor (the static path of a dual cache: one
+    step serves every block, so the block's place is data, not a number in the step)."""
 
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor
     full_positions: torch.Tensor | None
     prompt_index: torch.Tensor
     cache: Any
+    window_start: torch.Tensor | None = None
 
 
 class BidirectionalSession(DecodeSession):
@@ -234,7 +237,10 @@ class BidirectionalSession(DecodeSession):
         if self.cache_mode == "none":
             return None
         start, end = self.block_bounds(block)
-        logits, cache = self.full_logits(self.x, use_cache=True)
+        if self.static is not None:  # the same forward on static buffers (a CUDA graph on a GPU)
+            logits, cache = self.static.refresh(self)
+        else:
+            logits, cache = self.full_logits(self.x, use_cache=True)
         self.nfe += 1
         t = self.x.shape[1]
         if self.cache_mode == "prefix":
@@ -247,7 +253,9 @@ class BidirectionalSession(DecodeSession):
             cache = cache.select(keep, insert_at=start)
         self._cache = cache
         self._cache_block = block
-        return self._slice_full(logits, start, self.window_end(block))
+        window = self._slice_full(logits, start, self.window_end(block))
+        # a captured refresh's logits are overwritten by the next block's: the window is the caller's to keep
+        return window.clone() if self.static is not None and self.static.captured else window
 
     def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, T]`` states -> ``[N, W, V]`` aligned window logits of the current block (one NFE).
@@ -263,13 +271,16 @@ class BidirectionalSession(DecodeSession):
                       window: tuple[int, int]) -> torch.Tensor:
         """The forward of :meth:`forward_states` on explicit tensors (no NFE counted): ``states [N, T]``, ``rows
         [N]`` or ``None``, ``inputs`` (mask, positions, cache), ``window = (start, end)`` absolute rows. Reads no
-        other tensor of the session, so the static path can run it on its own buffers."""
+        other tensor of the session, so the static path can run it on its own buffers; with ``inputs.window_start``
+        only ``end - start`` of ``window`` is read."""
         if self.cache_mode == "none":
             logits, _ = self.full_logits(states, rows=rows, inputs=inputs)
             return self._slice_full(logits, self.prompt_len, self.x.shape[1])
         start, end = window
         dev = states.device
         query = torch.arange(start, end, device=dev)
+        if inputs.window_start is not None:  # the same rows, their place read from the tensor (the static dual cache)
+            query = inputs.window_start + torch.arange(end - start, device=dev)
         key_cols = torch.arange(0, self.x.shape[1], device=dev)  # the dual cache inserts the block at its place
         am = self._mask_rows(inputs.attention_mask, key_cols, rows=rows)
         pos = _pick_rows(inputs.position_ids, rows)

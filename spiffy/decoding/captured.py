@@ -30,7 +30,10 @@ projection, no host read; bitwise the per-expert products); where that is imposs
 
 The cache K/V live in one buffer per layer of ``T`` slots (grown, and the graphs dropped, only when a longer state
 comes); a block's cache of ``C`` positions is the view of its first ``C`` slots, so buckets of every block share it.
-The block-start refresh forward (one per block with a cache) stays eager.
+A prefix cache's window ``[start, T)`` and SDAR's committed cache change shape from block to block, so their buckets
+are per block; a dual cache's do not (the block's ``L`` rows between ``T - L`` cached ones), so its window's start is
+data in a buffer and one bucket per ``N`` serves every block. The block-start refresh of LLaDA's and Dream's caches
+(a forward over the whole state) is a bucket of its own (:meth:`StaticStates.refresh`), shared by every block.
 """
 
 from __future__ import annotations
@@ -167,38 +170,76 @@ class StaticStates:
         view.values = [v[:, :, :length] for v in buf.values]  # type: ignore[index]
         return view
 
-    # ------------------------------------------------------------------ the forward
+    # ------------------------------------------------------------------ the forwards
+    def _inputs(self, inp: Any, cache: KVCache | None, window_start: torch.Tensor | None = None) -> Any:
+        """The session's forward inputs ``inp`` as copies in the static buffers (``cache``: already loaded)."""
+        static = type(inp)(self.load("attention_mask", inp.attention_mask), self.load("positions", inp.position_ids),
+                           None, self.load("prompt_index", inp.prompt_index), cache, window_start)
+        if inp.full_positions is not None:  # the session's positions (the only full-call positions there are)
+            static = type(inp)(static.attention_mask, static.position_ids, static.position_ids,
+                               static.prompt_index, cache, window_start)
+        return static
+
+    def _run(self, session: Any, key: Hashable) -> Any:
+        self.current = session
+        try:
+            return self.graphs.run(key)
+        finally:
+            self.current = None
+
     def forward(self, session: Any, states: torch.Tensor, rows: torch.Tensor | None,
                 window: tuple[int, int]) -> torch.Tensor:
         """``session.window_logits`` of ``states [N, T]`` (``rows [N]`` or ``None``) over ``window`` on the
-        static buffers of bucket ``N``: ``[N, W, V]`` logits (a copy when captured: the graph's outputs are overwritten by the next
-        replay). The session's inputs (:meth:`~spiffy.decoding.base.BidirectionalSession.forward_inputs`) are
-        copied in first."""
+        static buffers of bucket ``N``: ``[N, W, V]`` logits (a copy when captured: the graph's outputs are overwritten
+        by the next replay). The session's inputs (:meth:`~spiffy.decoding.base.BidirectionalSession.forward_inputs`)
+        are copied in first. A dual cache (keys ``[:start] ; block ; [end:]``: ``insert_at`` set) gets the window's
+        start as data, so one bucket per ``N`` serves every block of the generation (its shapes do not change)."""
         n, t = int(states.shape[0]), int(states.shape[1])
         sbuf = self.load("states", states)
         rbuf = self.load("rows", rows)
         inp = session.forward_inputs()
         cache = self.load_cache(inp.cache, t)
-        static = type(inp)(self.load("attention_mask", inp.attention_mask), self.load("positions", inp.position_ids),
-                           None, self.load("prompt_index", inp.prompt_index), cache)
-        if inp.full_positions is not None:  # the session's positions (the only full-call positions there are)
-            static = type(inp)(static.attention_mask, static.position_ids, static.position_ids,
-                               static.prompt_index, cache)
-        key = (type(session).__name__, session.static_layout(), n, t, tuple(window), rbuf is not None,
+        placed = cache is not None and isinstance(cache.insert_at, int)
+        start = None
+        if placed:
+            start = self.buffer("window_start", (), torch.long)
+            start.fill_(int(window[0]))  # a fill kernel with the number as its argument: no host read
+            cache.insert_at = start
+        static = self._inputs(inp, cache, start)
+        where: tuple = ("rows", window[1] - window[0]) if placed else tuple(window)
+        key = (type(session).__name__, session.static_layout(), n, t, where, rbuf is not None,
                _shape(static.attention_mask), _shape(static.position_ids), inp.full_positions is not None,
-               None if cache is None else (_shape(cache.keys[0]), cache.insert_at))
+               None if cache is None else (_shape(cache.keys[0]), "data" if placed else cache.insert_at))
         if key not in self.graphs:
             win = tuple(int(w) for w in window)
             def step() -> torch.Tensor:
                 with grouped_experts():  # MoE experts without host reads (a graph can hold them)
                     return self.current.window_logits(sbuf, rbuf, static, win)
             self._step = step
-        self.current = session
-        try:
-            out = self.graphs.run(key)
-        finally:
-            self.current = None
+        out = self._run(session, key)
         return out.clone() if self.captured else out
+
+    def refresh(self, session: Any) -> tuple[torch.Tensor, KVCache]:
+        """The block-start forward of a cached bidirectional session (``session.full_logits(session.x,
+        use_cache=True)``: every row of the state, its K/V kept) on static buffers: ``(logits [B, T, V], cache)``.
+        Its shapes are the state's, so one bucket serves every block of a generation (and every prompt of the same
+        length). Captured, the logits and K/V live in the graph's memory until the next refresh of that shape: the
+        caller takes what it keeps (its window, and the K/V, which the next forward copies into the cache buffer)."""
+        xbuf = self.load("refresh_states", session.x)
+        inp = session.forward_inputs()
+        static = self._inputs(inp, None)
+        key = ("refresh", type(session).__name__, session.static_layout(), tuple(xbuf.shape),
+               _shape(static.attention_mask), _shape(static.position_ids), inp.full_positions is not None)
+        if key not in self.graphs:
+            def step() -> tuple[torch.Tensor, tuple, tuple]:
+                with grouped_experts():
+                    logits, kv = self.current.full_logits(xbuf, use_cache=True, inputs=static)
+                return logits, tuple(kv.keys), tuple(kv.values)
+            self._step = step
+        logits, keys, values = self._run(session, key)
+        cache = KVCache(len(keys))
+        cache.keys, cache.values = list(keys), list(values)
+        return logits, cache
 
 
 def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:

@@ -39,7 +39,8 @@ class KVCache:
     ``insert_at`` (default ``None``: new positions come after the cached ones) places a read-only forward's new
     K/V between cached positions ``[:insert_at]`` and ``[insert_at:]``, so a dual cache (prefix and suffix
     cached, the block recomputed) attends over keys in sequence order, as Fast-dLLM's in-place block write
-    does; the order changes the attention's summation order, hence half-precision logits.
+    does; the order changes the attention's summation order, hence half-precision logits. ``insert_at`` may be a 0-dim
+    long tensor (a static forward shared by every block of a dual cache: the place is data, :func:`between`).
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -47,7 +48,7 @@ class KVCache:
             raise ValueError(f"KVCache needs num_layers > 0, got {num_layers}")
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.insert_at: int | None = None
+        self.insert_at: int | torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -79,7 +80,7 @@ class KVCache:
                 self.keys[i] = k[..., :length, :]
                 self.values[i] = self.values[i][..., :length, :]  # type: ignore[index]
 
-    def select(self, index: torch.Tensor, insert_at: int | None = None) -> "KVCache":
+    def select(self, index: torch.Tensor, insert_at: int | torch.Tensor | None = None) -> "KVCache":
         """A new cache holding only cached positions ``index`` (``[C']`` long), in that order; new positions of a
         forward on it go at ``insert_at`` (see the class docstring)."""
         out = KVCache(self.num_layers)
@@ -145,3 +146,16 @@ def as_kv_cache(cache) -> KVCache | DynamicCacheView | None:  # noqa: ANN001
     raise TypeError(
         f"past_key_values must be a spiffy KVCache or a transformers DynamicCache, got {type(cache).__name__}"
     )
+
+
+def between(cached: torch.Tensor, new: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
+    """``cached[..., :at, :] ; new ; cached[..., at:, :]`` along the positions: ``cached [..., C, D]`` and ``new [...,
+    L, D]`` give ``[..., C + L, D]`` (a dual cache's keys in sequence order). ``at`` may be a 0-dim long tensor on
+    their device: the place is then data (no host read), the values the same as with the int (only copies)."""
+    if not isinstance(at, torch.Tensor):
+        return torch.cat([cached[..., :at, :], new, cached[..., at:, :]], dim=-2)
+    c, n = cached.shape[-2], new.shape[-2]
+    col = torch.arange(c + n, device=cached.device)
+    # column j reads cached[j] before the place, new[j - at] inside it, cached[j - n] after it
+    source = torch.where(col < at, col, torch.where(col < at + n, c + col - at, col - n))
+    return torch.cat([cached, new], dim=-2).index_select(-2, source)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spiffy.errors import ConfigError
-from spiffy.models.cache import CACHE_POLICIES, KVCache, as_kv_cache
+from spiffy.models.cache import CACHE_POLICIES, KVCache, as_kv_cache, between
 from spiffy.models.flash import FLASH, flash_applicable, flash_attend
 from spiffy.models.flex import flex_attend
 
@@ -343,8 +343,7 @@ def attend(
             else:  # keys in sequence order: [cached before ; new ; cached after]
                 if ctx.policy == "append":
                     raise ConfigError("a cache with insert_at is read-only; fix: use cache_policy='read'")
-                k_all = torch.cat([k_old[..., :insert_at, :], k, k_old[..., insert_at:, :]], dim=-2)
-                v_all = torch.cat([v_old[..., :insert_at, :], v, v_old[..., insert_at:, :]], dim=-2)
+                k_all, v_all = between(k_old, k, insert_at), between(v_old, v, insert_at)
         if ctx.policy == "append":
             stored = ctx.cache.layer(layer_idx)[0]
             if stored is not None and stored.shape[0] != batch:
