@@ -205,7 +205,7 @@ def test_host_built_trees_on_hybrids(dirs, tmp_path_factory, method):
 def test_round_syncs_at_most_twice_and_steps_read_nothing_back(dirs):
     """A captured DDTree round on a hybrid with the static drafter reads the device at most twice outside the model
     forwards (the recurrent commit included: it is not a forward); every step reads nothing back, and runs twice
-    alike (a capture's warm-ups run it more than once): the tree step as it is, the fused round (verification,
+    alike (a capture's recording runs its Python once more): the tree step as it is, the fused round (verification,
     walk, recurrent and attention commit) with its state put back in between (a StatefulStep)."""
     target_dir, drafter_dir = dirs["qwen3_5"]
     target, base = load_target(target_dir, torch.float32, "cpu"), load_drafter(drafter_dir, dtype=torch.float32)
@@ -241,11 +241,11 @@ def test_round_syncs_at_most_twice_and_steps_read_nothing_back(dirs):
         assert all(torch.equal(a, b) for a, b in zip(state, committed[i]))
 
 
-def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch):
-    """On a GPU a bucket's first call runs its step three times (two warm-ups, then the captured graph's replay):
-    every step of the hybrid's captured path (the tree, the fused round with its recurrent commit, the static
-    drafter's block) runs so here (:data:`spiffy.capture.graphs.REHEARSE`), and the tokens stay the eager path's
-    (the fused round's warm-ups put the committed state back)."""
+def test_a_capture_rehearsal_changes_nothing(dirs, monkeypatch):
+    """On a GPU a bucket's second call records its step (its Python runs, its tensor writes do not) before the
+    replay: every step of the hybrid's captured path (the tree, the fused round with its recurrent commit, the static
+    drafter's block) rehearses that here (:data:`spiffy.capture.graphs.REHEARSE`: the step runs and its state is put
+    back), and the tokens stay the eager path's."""
 
     target = _target(dirs, "qwen3_5", torch.float32)
     vocab = int(target.config.vocab_size)
@@ -260,10 +260,10 @@ def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(graphs_module, "REHEARSE", True)
             if static_target_of(target) is not None:
-                static_target_of(target).release()  # every bucket made afresh, so its first call warms up
+                static_target_of(target).release()  # every bucket made afresh, so its second call rehearses
             captured = [r.tokens for r in speculative_generate_batch(target, drafters(), prompts, cfgs, compile=True)]
             assert captured == eager, method
-            if method == "ddtree":  # the check can fail: warm-ups that leave the recurrent state advanced
+            if method == "ddtree":  # the check can fail: rehearsals that leave the recurrent state advanced
                 m.setattr(StaticRecurrent, "save", lambda self, rows: (lambda: None))
                 static_target_of(target).release()
                 careless = speculative_generate_batch(target, drafters(), prompts, cfgs, compile=True)

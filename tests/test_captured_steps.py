@@ -1,16 +1,18 @@
 """What a CUDA graph needs from the captured AR path's steps, proven on a CPU.
 
 A GPU captures each bucket's step once and replays it; that is transparent only when the step is one static tensor
-program (no host read, no branch on a tensor value, no data-dependent shape) and when the warm-up runs before a
-capture leave no trace. Here, without a GPU:
+program (no host read, no branch on a tensor value, no data-dependent shape) and when recording it (its Python runs
+once more, its tensor writes do not happen) leaves no trace. Here, without a GPU:
 
 * every step a generation builds (DDTree's tree from the drafts; the fused round: verification forward, walk and
   commit; the static drafter's block) is traced by TorchDynamo as **one graph** (:func:`spiffy.capture.trace_steps`,
   ``fullgraph=True``) under both rules, greedy and sampled, point-mass and sampled proposals, and still returns the
   eager loop's tokens;
 * a step with a host read or a data-dependent shape is refused by that check (it can fail);
-* the fused round, which commits what it verified, runs a capture's warm-ups first and changes nothing
-  (:data:`spiffy.capture.graphs.REHEARSE`), and a warm-up that did not put the state back would change the tokens;
+* the fused round, which commits what it verified, rehearses a recording at each bucket's second call and changes
+  nothing (:data:`spiffy.capture.graphs.REHEARSE`), and a rehearsal that did not put the state back would change the
+  tokens;
+* buckets beyond the bound are dropped, least recently run first, and built again when asked;
 * ``compile="inductor"`` (every step compiled by TorchInductor before its capture) gives the eager tokens.
 """
 
@@ -117,8 +119,9 @@ def test_a_host_read_or_a_data_dependent_shape_is_refused():
     assert torch.equal(StepGraphs(lambda key: steps[key], torch.device("cpu")).run("read"), x * 4)  # not traced
 
 
-def test_a_stateful_step_warm_up_is_put_back():
-    """Two warm-ups before the first call (what a capture runs) leave a :class:`StatefulStep`'s state as it was."""
+def test_a_stateful_step_rehearsal_is_put_back():
+    """A rehearsed recording at a bucket's second call (where a GPU records it) leaves a :class:`StatefulStep`'s
+    state as the real run makes it."""
     state = torch.zeros(1)
 
     def make(key: Any) -> StatefulStep:
@@ -136,22 +139,38 @@ def test_a_stateful_step_warm_up_is_put_back():
         assert float(state) == 2.0
 
 
+def test_buckets_beyond_the_bound_are_dropped_least_recent_first():
+    """At most ``max_buckets`` steps are kept: the least recently run goes first, is counted as dropped, and is built
+    again (by its factory) when asked; the others keep their steps."""
+    built: list = []
+
+    def make(key: Any):
+        built.append(key)
+        return lambda: torch.tensor([float(key)])
+
+    graphs = StepGraphs(make, torch.device("cpu"), max_buckets=2)
+    for key in (1, 2, 1, 3):  # 2 is the least recently run when 3 comes
+        assert float(graphs.run(key)) == key
+    assert 1 in graphs and 3 in graphs and 2 not in graphs and graphs.stats.dropped == 1
+    assert float(graphs.run(2)) == 2.0 and built == [1, 2, 3, 2] and 1 not in graphs
+    assert graphs.stats.as_dict()["dropped"] == 2 and graphs.stats.as_dict()["graphs"] == 0  # nothing captured
+
+
 @pytest.mark.parametrize("method,accept,temperature,budget", [
     ("ddtree", "coupled", 0.0, 6), ("ddtree", "coupled", 0.0, 2), ("ddtree", "rejection", 0.8, 6),
     ("dflash", "rejection", 0.8, 6), ("specdiff", "rejection", 0.8, 6), ("ar", "coupled", 0.8, 6)])
-def test_a_capture_warm_up_changes_nothing(dirs, monkeypatch, method, accept, temperature, budget):
-    """A bucket's first call after two warm-ups (a GPU's capture) returns the eager tokens (budget 2: a tree narrower
-    than the draft is deep, so the commit moves past the verified window); the check can fail: with warm-ups that
-    do not put the committed state back, the tokens change."""
+def test_a_capture_rehearsal_changes_nothing(dirs, monkeypatch, method, accept, temperature, budget):
+    """Buckets rehearsing a recording at their second call (a GPU's capture) return the eager tokens (budget 2: a
+    tree narrower than the draft is deep, so the commit moves past the verified window); the check can fail: with
+    rehearsals that do not put the committed state back, the tokens change."""
     eager = _generate(dirs, method, accept, temperature, compile=False, budget=budget)
     monkeypatch.setattr(graphs_module, "REHEARSE", True)
     assert _generate(dirs, method, accept, temperature, compile=True, budget=budget) == eager
 
-    def careless(step):  # noqa: ANN001 - warm-ups that forget the state they changed
-        for _ in range(graphs_module.WARMUP_RUNS):
-            step()
+    def careless(step):  # noqa: ANN001 - a rehearsal that forgets the state it changed
+        step()
 
-    monkeypatch.setattr(StepGraphs, "_warm_up", staticmethod(careless))
+    monkeypatch.setattr(StepGraphs, "_rehearse", staticmethod(careless))
     assert _generate(dirs, method, accept, temperature, compile=True, budget=budget) != eager
 
 

@@ -26,8 +26,8 @@ sees the cached slots, the real context rows and the block rows ``0 .. depths[b]
 block: the ``"root"`` layout). Each real query therefore attends over exactly the keys the eager forward of its row
 sees, in another order (padded with hidden keys): the draft logits agree to rounding, the tokens exactly. The new rows'
 K/V are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter`, per row); only the first
-``counts[b]`` become visible, when ``lengths`` advances by ``counts`` after the step (outside it: a capture's warm-up
-runs the step more than once), so the drafted rows are never seen again (the eager drafter crops them).
+``counts[b]`` become visible, when ``lengths`` advances by ``counts`` after the step (outside it: the suite's rehearsal
+of a capture runs the step twice), so the drafted rows are never seen again (the eager drafter crops them).
 Nothing of the step is read from the host. Its output is ``[rows, L - 1, V]``: block rows ``1 .. L - 1`` (SDAR and
 LLaDA: the row at ``p`` predicts ``p``) or ``0 .. L - 2`` (Dream, shifted); row ``b``'s draft is its first
 ``depths[b]``. ``L`` is one more than the generation's deepest draft, in every round (the shorter drafts of the

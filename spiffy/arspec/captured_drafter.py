@@ -22,8 +22,8 @@ every round: a draft of the last rounds (it stops at ``max_new_tokens``) is shor
 ``depths[b] + 1`` block rows, the keys the eager drafter's shorter block has (a DFlash block is bidirectional), so
 those rounds replay the same bucket instead of capturing (or, with ``compile="inductor"``, compiling) one per length.
 The new context's K/V are written at slots ``lengths[b] ..`` (:meth:`~spiffy.capture.SlotCache.scatter`, per row), and
-``lengths`` advances by ``counts`` after the step (which stays idempotent: a capture's warm-up runs it more than
-once); the root's position is ``lengths + counts`` (every committed token precedes it), so nothing of the step is
+``lengths`` advances by ``counts`` after the step (which stays idempotent: the suite's rehearsal of a capture runs it
+twice); the root's position is ``lengths + counts`` (every committed token precedes it), so nothing of the step is
 read from the host. Its output is the block's ``[rows, L - 1, V]`` logits; row ``b``'s draft is its first
 ``depths[b]`` rows.
 
@@ -196,8 +196,8 @@ class StaticBlockDrafter:
         return [self._row_draft(out, b, int(d)) if d else None for b, d in enumerate(depths)]
 
     def _advance(self, rows: int) -> None:
-        """After a draft: the new context is in the cache now (outside the step, which stays idempotent: a
-        capture's warm-up runs it more than once)."""
+        """After a draft: the new context is in the cache now (outside the step, which stays idempotent: the
+        suite's rehearsal of a capture runs it twice)."""
         self.lengths[:rows].add_(self.counts[:rows])
         self.counts[:rows].zero_()
 

@@ -25,8 +25,8 @@ decode for ``n = 1``), keeping call ``n``'s final state where ``accepted + 1 == 
 same call over the accepted path (or takes it from the verification when the path is a whole unpadded branch: the
 same tokens from the same state), so the states agree with the eager path's to the kernels' rounding.
 
-Every step reads the committed state and writes only scratch and pending buffers, so it is idempotent (a capture's
-warm-up runs it more than once); :meth:`StaticRecurrent.commit` then copies the pending state over the committed
+Every step reads the committed state and writes only scratch and pending buffers, so it is idempotent (the suite's
+rehearsal of a capture runs it twice); :meth:`StaticRecurrent.commit` then copies the pending state over the committed
 one outside the steps. The prefill (variable lengths) runs eagerly through
 :meth:`RecurrentMixers.prefill <spiffy.models.recurrent.RecurrentMixers.prefill>` (each row's real tokens alone:
 left padding never enters a state) and copies the states into the buffers.
@@ -223,8 +223,8 @@ class StaticRecurrent:
         self._advance(rows, keep, accepted, None if width == 1 else lambda span: self.commit_step(rows, span)())
 
     def save(self, rows: int) -> Callable[[], None]:
-        """Snapshot the first ``rows`` rows' committed state; returns the call that writes it back (a capture's
-        warm-ups of a fused round run between the two)."""
+        """Snapshot the first ``rows`` rows' committed state; returns the call that writes it back (a rehearsed
+        recording of a fused round runs between the two)."""
         saved = [(committed, committed[:, :rows].clone()) for committed, _pending in self._stacks]
 
         def restore() -> None:

@@ -6,19 +6,25 @@ key: ``(rows, nodes)`` for AR verification, ``(states, window)`` for a dLLM forw
 first time the bucket is asked for, and reused for every later call (across rounds, prompts and generations, as
 long as the owner of the buffers lives).
 
-* On CUDA with ``capture=True`` the first call of a bucket warms the step up on a side stream (allocator and
-  kernel autotuning settle), captures it in a :class:`torch.cuda.CUDAGraph` (all buckets share one memory pool)
-  and replays it; later calls only replay. Output tensors live in the graph's pool and are overwritten by the
-  next replay of the same bucket: read or copy them before that.
+* On CUDA with ``capture=True`` a bucket's first call runs the step eagerly: its result is the call's, and it is the
+  capture's warm-up (lazy initialisation, kernel choice, a fused step's compilation settle in it). The second call
+  captures the step in a :class:`torch.cuda.CUDAGraph` (all buckets share one memory pool; recording runs no kernel)
+  and replays it; later calls only replay. So a bucket called once costs its eager run and nothing more, and one
+  called ``k`` times one eager run, one recording and ``k - 1`` replays (a dLLM prefix cache's buckets live for one
+  block: a few calls each). Output tensors live in the graph's pool and are overwritten by the next replay of the
+  same bucket: read or copy them before that.
 * Anywhere else (the CPU, or ``capture=False``) the step runs eagerly with the same static shapes, which is what the
   CPU suite runs: the code a GPU captures is the code the tests check against the eager reference.
+* At most :data:`MAX_BUCKETS` buckets are kept, the least recently run dropped first (a captured graph holds its
+  outputs: prompts of ever new lengths would otherwise fill the device); a dropped bucket is built again if asked.
 
 Capture is transparent only for steps that are pure tensor programs: no host synchronisation, no Python branch on
 tensor values, no allocation whose size depends on data. A step that changes state it also reads (a round that
-commits what it verified) is a :class:`StatefulStep`: its warm-ups put the state back, so a bucket's first call
-changes the state once, as an eager call does (the CPU suite runs the same warm-ups with :data:`REHEARSE`). Hooks
-registered on modules fire during the warm-up and the capture but not on replay; a step that needs what a hook saw
-returns it as an output.
+commits what it verified) is a :class:`StatefulStep`. Recording runs its Python once more without its tensor writes;
+the CPU suite rehearses that with :data:`REHEARSE` (at a bucket's second call the step runs once and its state is put
+back, then it runs for real), so a step whose Python does more than issue tensor work would show. Hooks registered
+on modules fire during the eager run and the recording but not on replay; a step that needs what a hook saw returns
+it as an output.
 
 **Proving that on a CPU.** With :data:`TRACE_STEPS` set (``SPIFFY_TRACE_STEPS=1``, or :func:`trace_steps` in a
 test), an uncaptured bucket's step runs through ``torch.compile(step, fullgraph=True, dynamic=False)`` with a
@@ -34,6 +40,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Sequence
@@ -59,10 +66,10 @@ AUTO_ON_CUDA = False
 #: trace every uncaptured step as one TorchDynamo graph (module docstring); read when a bucket is built
 TRACE_STEPS = os.environ.get("SPIFFY_TRACE_STEPS", "") not in ("", "0")
 
-#: warm-up runs before a capture (the first run allocates, the second sees a settled allocator)
-WARMUP_RUNS = 2
+#: buckets a :class:`StepGraphs` keeps (the least recently run dropped beyond it)
+MAX_BUCKETS = 64
 
-#: run a capture's warm-ups before an uncaptured bucket's first call too (tests: a warm-up must change nothing)
+#: rehearse a capture's recording at an uncaptured bucket's second call (tests: recording must change nothing)
 REHEARSE = False
 
 
@@ -149,7 +156,7 @@ def _own_code(step: Callable[[], Any]) -> Callable[[], Any]:
 
 def _unlimited(compiled: Callable[[], Any]) -> Any:
     """Call ``compiled`` with no recompile limit: a step recompiles when a Python value it read changed (a dLLM
-    step's session: a new generation), which is no failure (on a GPU only the warm-ups and the capture call it)."""
+    step's session: a new generation), which is no failure (on a GPU only the first call and the recording call it)."""
     with torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
         return compiled()
 
@@ -182,8 +189,8 @@ class StatefulStep:
 
     Attributes:
         run: the step (zero arguments, static buffers, returns its outputs).
-        save: snapshots everything ``run`` writes and returns the call that writes the snapshot back; a capture's
-            warm-ups run between the two, so only the replay's change remains.
+        save: snapshots everything ``run`` writes and returns the call that writes the snapshot back: a rehearsed
+            recording (:data:`REHEARSE`) runs between the two, so only the real run's change remains.
     """
 
     run: Callable[[], Any]
@@ -195,13 +202,17 @@ class StatefulStep:
 
 @dataclass
 class CaptureStats:
-    """What a :class:`StepGraphs` did: ``capture_seconds`` per bucket (warm-up + capture, or the first eager run;
-    with ``fused`` steps, their compilation too), ``runs`` per bucket, and whether its buckets are CUDA graphs."""
+    """What a :class:`StepGraphs` did: ``capture_seconds`` per bucket (its build and first run, plus its recording on
+    CUDA; with ``fused`` steps, their compilation too), ``runs`` per bucket, ``captures`` (CUDA graphs recorded: a
+    bucket run once is never recorded), ``dropped`` (buckets dropped beyond :data:`MAX_BUCKETS`), and whether the
+    buckets are CUDA graphs."""
 
     captured: bool
     fused: bool = False
     capture_seconds: dict[Hashable, float] = field(default_factory=dict)
     runs: dict[Hashable, int] = field(default_factory=dict)
+    captures: int = 0
+    dropped: int = 0
 
     @property
     def total_capture_seconds(self) -> float:
@@ -210,11 +221,11 @@ class CaptureStats:
     def as_dict(self) -> dict[str, Any]:
         return {"captured": self.captured, "fused": self.fused, "buckets": len(self.capture_seconds),
                 "capture_seconds": round(self.total_capture_seconds, 4),
-                "runs": int(sum(self.runs.values()))}
+                "runs": int(sum(self.runs.values())), "graphs": self.captures, "dropped": self.dropped}
 
 
 class StepGraphs:
-    """One static step per bucket, captured lazily on CUDA (see the module docstring).
+    """One static step per bucket, captured on CUDA at its second call (see the module docstring).
 
     Args:
         factory: ``factory(key)`` returns the bucket's step: a zero-argument callable over the caller's static
@@ -222,17 +233,20 @@ class StepGraphs:
         device: where the steps run.
         capture: capture CUDA graphs when ``device`` is CUDA (``False``: run every step eagerly, static shapes kept).
         fuse: compile every step with TorchInductor first (:func:`compile_fuses`; on a CPU the compiled step runs).
+        max_buckets: buckets kept (default :data:`MAX_BUCKETS`), the least recently run dropped first.
     """
 
     def __init__(self, factory: Callable[[Hashable], Callable[[], Any]], device: torch.device,
-                 capture: bool = True, fuse: bool = False) -> None:
+                 capture: bool = True, fuse: bool = False, max_buckets: int | None = None) -> None:
         self.factory = factory
         self.device = torch.device(device)
         self.capture = bool(capture) and self.device.type == "cuda"
         self.fuse = bool(fuse)
+        self.max_buckets = MAX_BUCKETS if max_buckets is None else int(max_buckets)
         self.stats = CaptureStats(self.capture, self.fuse)
-        self._steps: dict[Hashable, Callable[[], Any]] = {}
+        self._steps: OrderedDict[Hashable, Callable[[], Any]] = OrderedDict()  # least recently run first
         self._graphs: dict[Hashable, tuple[Any, Any]] = {}  # key -> (CUDAGraph, its outputs)
+        self._rehearsed: set[Hashable] = set()  # keys whose recording was rehearsed (REHEARSE, uncaptured)
         self._pool: Any = None
 
     def __contains__(self, key: Hashable) -> bool:
@@ -243,50 +257,60 @@ class StepGraphs:
         return self._steps.get((key, numerics()))
 
     def run(self, key: Hashable) -> Any:
-        """Run bucket ``key``'s step (building, and on CUDA capturing, it on first use); returns its outputs.
+        """Run bucket ``key``'s step (built, and run eagerly, on its first call; on CUDA recorded as a graph at its
+        second and replayed from then on); returns its outputs.
 
         A bucket is kept per :func:`~spiffy.batch_invariance.numerics` too: a CUDA graph replays the kernels it was
         captured with, so a step captured outside the batch-invariant mode must not replay inside it (nor the
         reverse). Its :class:`CaptureStats` stay per bucket (a bucket captured under two numerics counts both)."""
         bucket, key = key, (key, numerics())
         step = self._steps.get(key)
-        if step is None:
+        if step is None:  # the first call: build the step and run it eagerly (on CUDA: the capture's warm-up)
             t0 = time.perf_counter()
             step = self.factory(bucket)
-            if self.fuse:  # compiled on its first call (a capture's first warm-up)
+            if self.fuse:  # compiled on this first call
                 step = _fused(step)
             elif TRACE_STEPS and not self.capture:
                 step = (StatefulStep(_traced(step.run, bucket), step.save) if isinstance(step, StatefulStep)
                         else _traced(step, bucket))
             self._steps[key] = step
-            if self.capture:
-                self._graphs[key] = self._capture(step)
-            else:
-                if REHEARSE:
-                    self._warm_up(step)
-                out = step()
-                self._count(bucket, time.perf_counter() - t0)
-                return out
-            self._count(bucket, time.perf_counter() - t0, runs=0)
+            self._drop_oldest()
+            out = step()
+            self._count(bucket, time.perf_counter() - t0)
+            return out
+        self._steps.move_to_end(key)
         self.stats.runs[bucket] = self.stats.runs.get(bucket, 0) + 1
-        if self.capture:
-            graph, outputs = self._graphs[key]
-            graph.replay()
-            return outputs
-        return step()
+        if not self.capture:
+            if REHEARSE and key not in self._rehearsed:  # the second call: where a GPU records the step
+                self._rehearsed.add(key)
+                self._rehearse(step)
+            return step()
+        recorded = self._graphs.get(key)
+        if recorded is None:
+            t0 = time.perf_counter()
+            recorded = self._graphs[key] = self._capture(step)
+            self._count(bucket, time.perf_counter() - t0, runs=0)
+            self.stats.captures += 1
+        graph, outputs = recorded
+        graph.replay()
+        return outputs
 
     def _count(self, bucket: Hashable, seconds: float, runs: int = 1) -> None:
-        """A bucket built (and captured, or run once): its seconds, and the first run when it ran uncaptured."""
+        """A bucket built and run once (or recorded): its seconds, and the run."""
         self.stats.capture_seconds[bucket] = self.stats.capture_seconds.get(bucket, 0.0) + seconds
         self.stats.runs[bucket] = self.stats.runs.get(bucket, 0) + runs
 
+    def _drop_oldest(self) -> None:
+        """Drop the least recently run buckets beyond :attr:`max_buckets` (their graphs and outputs go with them)."""
+        while len(self._steps) > self.max_buckets:
+            old, _ = self._steps.popitem(last=False)
+            self._graphs.pop(old, None)
+            self._rehearsed.discard(old)
+            self.stats.dropped += 1
+
     def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
-        """Warm ``step`` up on a side stream, then capture it (the shared pool keeps buckets' memory together)."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._warm_up(step)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        """Record ``step`` as a CUDA graph (no kernel runs; the bucket's eager first call was its warm-up; the shared
+        pool keeps buckets' memory together)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -295,16 +319,17 @@ class StepGraphs:
         return graph, outputs
 
     @staticmethod
-    def _warm_up(step: Callable[[], Any]) -> None:
-        """The runs before a capture; a :class:`StatefulStep`'s state is put back after each."""
-        for _ in range(WARMUP_RUNS):
-            restore = step.save() if isinstance(step, StatefulStep) else None
-            step()
-            if restore is not None:
-                restore()
+    def _rehearse(step: Callable[[], Any]) -> None:
+        """A recording on a CPU: the step's Python runs once more, its tensor writes put back
+        (:class:`StatefulStep`; a plain step writes nothing it reads)."""
+        restore = step.save() if isinstance(step, StatefulStep) else None
+        step()
+        if restore is not None:
+            restore()
 
     def clear(self) -> None:
         """Forget every bucket (their graphs and memory)."""
         self._steps.clear()
         self._graphs.clear()
+        self._rehearsed.clear()
         self._pool = None
