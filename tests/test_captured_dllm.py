@@ -167,7 +167,7 @@ def test_fast_dllm_v2_ragged_forward_bitwise(tiny_fast_dllm_v2, dtype: torch.dty
         assert static.nfe == eager.nfe
 
 
-@pytest.mark.parametrize("family,cache", [("llada", "none"), ("llada", "prefix"), ("fast_dllm_v2", "prefix")])
+@pytest.mark.parametrize("family,cache", [("llada", "none"), ("llada", "prefix"), ("dream", "dual"), ("fast_dllm_v2", "prefix")])
 def test_ragged_batch_equal_eager(request, family: str, cache: str) -> None:
     """Batched rows (left padding, a ``rows`` vector per forward) on the static path equal eager, with Spiffy
     (Fast-dLLM v2: a prompt of exactly a block, whose prompt block is skipped, and one with a prefill among them)."""

@@ -48,7 +48,7 @@ def _row(target: torch.nn.Module, drafter: Any, prompt: list[int], method: str, 
         return speculative_generate(target, as_drafter(drafter), prompt, config, compile=mode)
 
     first, first_s = gpu_costs.timed(device, generate)  # builds every bucket (each run eagerly once)
-    _second, second_s = gpu_costs.timed(device, generate)  # records them (a bucket's second call)
+    second_s = gpu_costs.timed(device, generate)[1] if mode else None  # records them (a bucket's second call)
     res, _s = gpu_costs.timed(device, generate)
     decode = res.seconds - res.prefill_seconds
     row = {"method": method, "budget": budget, "accept": accept, "compile": mode, "tokens": len(res.tokens),
