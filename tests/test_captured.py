@@ -23,7 +23,7 @@ from spiffy.arspec.captured_rounds import CapturedRounds
 from spiffy.arspec.device_tree import chain_device, ddtree_device
 from spiffy.arspec.drafter import DFlashDrafter
 from spiffy.arspec.tree import build_chain, build_ddtree
-from spiffy.capture import StepGraphs, resolve_compile, trace_steps
+from spiffy.capture import StepGraphs, emulate_replays, resolve_compile, trace_steps
 from spiffy.errors import ConfigError
 from spiffy.models import load_ar_drafter, load_target
 from spiffy.models.ar_checkpoints import make_tiny_dflash, make_tiny_dflash2, make_tiny_target
@@ -309,12 +309,13 @@ def _batches(draw):
 
 @pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)
-@given(batch=_batches())
-def test_random_batches_captured_equal_eager(dirs, dflash2_dirs, batch):
+@given(batch=_batches(), replay=st.booleans())
+def test_random_batches_captured_equal_eager(dirs, dflash2_dirs, batch, replay):
     """Random batches over every tree the captured path builds (DDTree, the DFlash chain, SpecDiff-2's sampled
     drafts, DFlash2's tree, chain and drafts sampled through its selector, plain AR; mixed or not, both rules, one
     for all rows or per row, greedy and sampled, ragged lengths whose last drafts are shorter): compile=True gives
-    compile=False's tokens and acceptance lengths, row for row."""
+    compile=False's tokens and acceptance lengths, row for row, its buckets run eagerly or replayed as a GPU replays
+    them (:func:`spiffy.capture.emulate_replays`)."""
     family, methods, accepts, temperature, top_k, dtype, prompts, knobs = batch
     target_dir, drafter_dir = dirs if family == "dflash" else dflash2_dirs
     runs = []
@@ -324,6 +325,7 @@ def test_random_batches_captured_equal_eager(dirs, dflash2_dirs, batch):
                                 sampling=SamplingConfig(temperature=temperature, top_k=top_k, seed=s))
                    for s, (m, a, (n, b, k)) in enumerate(zip(methods, accepts, knobs))]
         drafters = [None if m == "ar" else as_drafter(model) for m in methods]
-        out = speculative_generate_batch(target, drafters, prompts, configs, compile=compile_)
+        with emulate_replays(replay and compile_):
+            out = speculative_generate_batch(target, drafters, prompts, configs, compile=compile_)
         runs.append([(r.tokens, r.acceptance_lengths) for r in out])
     assert runs[1] == runs[0]

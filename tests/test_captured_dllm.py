@@ -23,7 +23,7 @@ import spiffy.capture.graphs as graphs_module
 from spiffy.api import generate
 from spiffy.bench.overheads import spiffy_sync_counts
 from spiffy.bench.syncs import SyncCounter
-from spiffy.capture import trace_steps
+from spiffy.capture import emulate_replays, trace_steps
 from spiffy.cli.main import main
 from spiffy.decoding import make_session
 from spiffy.decoding.captured import static_states_of
@@ -108,11 +108,14 @@ def test_static_forwards_trace_as_one_graph(request, monkeypatch, family: str, c
 @settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(family_cache=st.sampled_from(FAMILY_CACHES), method=st.sampled_from(["baseline", "spiffy", "freedave", "ssd"]),
        temp=st.sampled_from([0.0, 1.0]),
-       seed=st.integers(0, 50), length=st.integers(2, 9))
+       seed=st.integers(0, 50), length=st.integers(2, 9), replay=st.booleans())
 def test_captured_tokens_equal_eager(request, family_cache: tuple[str, str], method: str, temp: float, seed: int,
-                                     length: int) -> None:
+                                     length: int, replay: bool) -> None:
+    """... with the static path's buckets run eagerly or replayed as a GPU replays them
+    (:func:`spiffy.capture.emulate_replays`)."""
     family, cache = family_cache
-    _tokens_equal(request.getfixturevalue(family), family, cache, method, temp, seed, length)
+    with emulate_replays(replay):
+        _tokens_equal(request.getfixturevalue(family), family, cache, method, temp, seed, length)
 
 
 def _tokens_equal(model, family: str, cache: str, method: str, temp: float, seed: int, length: int) -> None:

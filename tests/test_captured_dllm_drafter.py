@@ -186,7 +186,7 @@ def test_static_dllm_drafter_step_makes_no_host_sync(pair):
         first = static.graphs.run((1, BLOCK)).clone()
         with SyncCounter() as step_counter:
             logits = static.graphs.run((1, BLOCK))
-    # idempotent (a capture's warm-up runs the step more than once): same logits, the lengths left to draft()
+    # idempotent (a capture's rehearsal runs the step twice): same logits, the lengths left to draft()
     assert torch.equal(first, logits) and torch.equal(static.lengths, lengths)
     with torch.inference_mode():
         with SyncCounter() as draft_counter:
@@ -379,10 +379,12 @@ def test_static_equals_eager_property(dirs, lengths, method, temperature, accept
     with pytest.MonkeyPatch.context() as mp:  # (hypothesis runs the test many times: no function-scoped fixture)
         mp.setattr(SDARForCausalLM, "forward", _guessing_forward)
         model = _float64_drafter(dirs, attention_block)
-        size = len(prompts[0]) + n
-        model.guess = torch.full((size,), -1, dtype=torch.long)
-        model.guess[len(prompts[0]) :] = torch.tensor(ar.tokens)
-        model.second = torch.zeros(size, dtype=torch.bool)
+        if getattr(model, "guess", None) is None or model.guess.numel() != 32:  # 12 prompt + 9 new tokens fit
+            model.guess, model.second = torch.full((32,), -1, dtype=torch.long), torch.zeros(32, dtype=torch.bool)
+        # written in place: a bucket recorded in an earlier example replays the tensors it was recorded with
+        model.guess.fill_(-1)
+        model.guess[len(prompts[0]) : len(prompts[0]) + n] = torch.tensor(ar.tokens)
+        model.second.zero_()
         model.second[len(prompts[0]) + 2] = True
         runs = [speculative_generate_batch(target, [DLLMDrafter(model, denoise_steps=steps) for _ in prompts], prompts,
                                            config, compile=c) for c in (True, False)]

@@ -174,7 +174,7 @@ def test_static_drafter_step_makes_no_host_sync(pair):
         first = static.graphs.run((1, BLOCK)).clone()  # built: counted from here on
         with SyncCounter() as step_counter:
             logits = static.graphs.run((1, BLOCK))
-    # idempotent (a capture's warm-up runs the step more than once): same logits, the lengths left to draft()
+    # idempotent (a capture's rehearsal runs the step twice): same logits, the lengths left to draft()
     assert torch.equal(first, logits) and torch.equal(static.lengths, lengths)
     with torch.inference_mode():
         with SyncCounter() as draft_counter:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._pytree import tree_leaves
 from transformers import AutoConfig
 
 from oracle_drafter import OracleDrafter
@@ -230,7 +231,7 @@ def test_round_syncs_at_most_twice_and_steps_read_nothing_back(dirs):
                 with SyncCounter() as c:
                     out = static.graphs.run(key)
                 assert {k: v for k, v in c.counts.items() if k != "to_cpu"} == {}, (key, c.counts)
-                outs.append(([t.clone() for t in out] if out is not None else None,
+                outs.append(([t.clone() for t in tree_leaves(out)] if out is not None else None,
                              {i: tuple(t.clone() for t in s) for i, s in recurrent.pending.items()}))
                 restore()
             (out0, pending0), (out1, pending1) = outs

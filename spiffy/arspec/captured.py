@@ -59,11 +59,8 @@ def static_unsupported(target: nn.Module, capture: bool = False) -> str | None:
     attention, a sliding window, an attention implementation that takes no 4-D mask, layers spread over several
     devices; with ``capture`` on CUDA, a mixture of experts run by transformers' ``"eager"`` experts, whose loop
     over the experts chosen reads them back: a CUDA graph cannot hold it)."""
-    experts = str(getattr(target.config, "_experts_implementation", None) or "")
-    moe = any(int(getattr(target.config, name, 0) or 0) > 0 for name in ("num_experts", "num_local_experts"))
-    if capture and moe and experts == "eager" and execution_device(target.get_input_embeddings()).type == "cuda":
-        return ("experts_implementation='eager' loops over the experts chosen on the host (a target loaded with "
-                "experts_implementation='grouped_mm', transformers' default outside float64, can be captured)")
+    if capture and execution_device(target.get_input_embeddings()).type == "cuda" and _eager_experts(target):
+        return _eager_experts(target)
     why = slot_cache_supported(target.config)
     if why is not None:
         return why
@@ -72,6 +69,16 @@ def static_unsupported(target: nn.Module, capture: bool = False) -> str | None:
         return f"attn_implementation={impl!r} takes no tree mask"
     if len({p.device for p in target.parameters()}) > 1:
         return "the target is spread over several devices"
+    return None
+
+
+def _eager_experts(target: nn.Module) -> str | None:
+    """Why a CUDA graph cannot hold ``target``'s mixture of experts (transformers' ``"eager"`` experts), or ``None``."""
+    experts = str(getattr(target.config, "_experts_implementation", None) or "")
+    moe = any(int(getattr(target.config, name, 0) or 0) > 0 for name in ("num_experts", "num_local_experts"))
+    if moe and experts == "eager":
+        return ("experts_implementation='eager' loops over the experts chosen on the host (a target loaded with "
+                "experts_implementation='grouped_mm', transformers' default outside float64, can be captured)")
     return None
 
 
@@ -95,7 +102,7 @@ class StaticTarget:
         self.depths = torch.ones(rows, max(width - 1, 0), dtype=torch.long, device=dev)
         self.counts = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ramp = torch.arange(max(width, slots), device=dev)
-        self.graphs = StepGraphs(self._step, dev, capture, fuse)
+        self.graphs = StepGraphs(self._step, dev, capture, fuse, unrecordable=_eager_experts(target))
         self._inputs: dict[tuple, dict[str, torch.Tensor]] = {}  # static input buffers per bucket (walk, drafts)
         self.hooks: TargetFeatureHooks | None = None  # the layers drafters read, recorded by the captured step
         # a hybrid's recurrent layers: their committed state per row, verified and advanced in static steps
@@ -152,14 +159,26 @@ class StaticTarget:
             return self._tree_step(key)
         return self._verify_step(*key)
 
-    def _verify_step(self, rows: int, width: int, depth: int) -> Callable[[], torch.Tensor]:
+    def _hook_outputs(self) -> tuple[torch.Tensor, ...]:
+        """What the recording hooks saw in the step running now (layer order of :meth:`_hold_features`)."""
+        return () if self.hooks is None else tuple(self.hooks._out[i] for i in sorted(set(self.hooks.layer_ids)))
+
+    def _hold_features(self, features: tuple[torch.Tensor, ...]) -> None:
+        """Point the recording hooks at the outputs of the step that just ran. A replay runs no hook: the tensors
+        the hooks saw when a bucket was recorded are that bucket's (its graph writes them at each replay), while
+        the hooks themselves last fired for whichever bucket was recorded last, maybe another one."""
+        if self.hooks is not None:
+            self.hooks._out.update(zip(sorted(set(self.hooks.layer_ids)), features))
+
+    def _verify_step(self, rows: int, width: int, depth: int
+                     ) -> Callable[[], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         slots = self.cache.slots[:width]
         nodes = width - 1
         block = torch.zeros(rows, width, width, dtype=torch.bool, device=self.device)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         hidden_value = torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
 
-        def step() -> torch.Tensor:
+        def step() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
             slots.copy_(self.ctx + self.ramp[:width])
             block[:, :, 0] = True  # every row sees the root
             if nodes:
@@ -170,7 +189,7 @@ class StaticTarget:
             with self._recurrent_verify(rows, width, depth):
                 out = self.backbone(input_ids=self.ids[:rows, :width], position_ids=self.positions[:rows, :width],
                                     attention_mask=mask, use_cache=True, **hf_cache(self.cache))
-            return out.last_hidden_state
+            return out.last_hidden_state, self._hook_outputs()
 
         return step
 
@@ -186,8 +205,9 @@ class StaticTarget:
         inputs = WalkInputs(**self._inputs[key])
         groups = bucket_groups(plan, self.device)
 
-        def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return self._walk_and_commit(verify(), rows, width, depth, plan, inputs, groups)
+        def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+            hidden, features = verify()
+            return (*self._walk_and_commit(hidden, rows, width, depth, plan, inputs, groups), features)
 
         span = max(width, depth + 1)  # the verification writes `width` slots, the commit moves `depth + 1`
 
@@ -216,7 +236,9 @@ class StaticTarget:
         static buffers first), a hybrid's recurrent commit included."""
         key = ("round", int(rows), int(width), int(depth), plan, inputs.signature())
         self._load(key, inputs.named())
-        return self.graphs.run(key)
+        keep, accepted, packed, features = self.graphs.run(key)
+        self._hold_features(features)
+        return keep, accepted, packed
 
     def _walk_and_commit(self, hidden: torch.Tensor, rows: int, width: int, depth: int, plan: WalkPlan,
                          inputs: WalkInputs, groups: SamplingGroups | None
@@ -318,7 +340,8 @@ class StaticTarget:
     def verify(self, rows: int, width: int, depth: int) -> torch.Tensor:
         """The bucket's step on the filled buffers: ``[rows, width, H]`` hidden states (their K/V written at
         slots ``ctx ..``; a hybrid's recurrent layers read their committed state and leave it as it was)."""
-        out = self.graphs.run((int(rows), int(width), int(depth)))
+        out, features = self.graphs.run((int(rows), int(width), int(depth)))
+        self._hold_features(features)
         if self.recurrent is not None:
             self.recurrent.verified(int(width))
         return out

@@ -184,7 +184,7 @@ class StaticDLLMDrafter(StaticBlockDrafter):
         self.ids = torch.full((rows, block), self.mask_token_id, dtype=torch.long, device=dev)
         self.depths = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ramp = torch.arange(slots + 2 * block + self.width, device=dev)
-        self.graphs = StepGraphs(self._step, dev, capture, fuse)
+        self.graphs = StepGraphs(self._step, dev, capture, fuse, unrecordable=capture_unsupported(model))
         self._prompt: torch.Tensor | None = None  # the prompts [rows, P] until the first round drafts from them
         self._staged = False  # whether committed tokens wait for the next draft (it must be drafted from)
 

@@ -4,9 +4,10 @@ the ``compile=`` switch, and the preallocated K/V cache of captured target steps
 :class:`StepGraphs` keyed by ``(states, window)`` over the session's static buffers)."""
 
 from spiffy.capture.graphs import (AUTO_ON_CUDA, CaptureStats, CompileSetting, StatefulStep, StepGraphs,
-                                   StepNotCapturable, bucket_size, compile_fuses, resolve_compile, trace_steps)
+                                   StepNotCapturable, bucket_size, compile_fuses, emulate_replays, resolve_compile,
+                                   trace_steps)
 from spiffy.capture.static_cache import SlotCache, slot_cache_supported
 
 __all__ = ["AUTO_ON_CUDA", "CaptureStats", "CompileSetting", "SlotCache", "StatefulStep", "StepGraphs",
            "StepNotCapturable",
-           "bucket_size", "compile_fuses", "resolve_compile", "slot_cache_supported", "trace_steps"]
+           "bucket_size", "compile_fuses", "emulate_replays", "resolve_compile", "slot_cache_supported", "trace_steps"]

@@ -49,11 +49,12 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from spiffy.batch_invariance import is_batch_invariant, numerics
+from spiffy.capture.replay import RecordedStep
 from spiffy.errors import ConfigError
 from spiffy.torch_utils import code_copy
 
 __all__ = ["AUTO_ON_CUDA", "CaptureStats", "CompileSetting", "StatefulStep", "StepGraphs", "StepNotCapturable",
-           "bucket_size", "compile_fuses", "resolve_compile", "trace_steps"]
+           "bucket_size", "compile_fuses", "emulate_replays", "resolve_compile", "trace_steps"]
 
 #: what ``compile=`` accepts: ``"auto"`` / ``None`` (the default), ``True`` / ``"on"``, ``"inductor"``, ``False`` /
 #: ``"off"``
@@ -71,6 +72,10 @@ MAX_BUCKETS = 64
 
 #: rehearse a capture's recording at an uncaptured bucket's second call (tests: recording must change nothing)
 REHEARSE = False
+
+#: emulate a CUDA graph's replay on a CPU (:mod:`spiffy.capture.replay`): an uncaptured bucket's step is recorded at
+#: its second call and replayed from then on (``SPIFFY_EMULATE_REPLAYS=1``, or :func:`emulate_replays` in a test)
+EMULATE_REPLAYS = os.environ.get("SPIFFY_EMULATE_REPLAYS", "") not in ("", "0")
 
 
 def resolve_compile(setting: CompileSetting, device: torch.device) -> bool:
@@ -117,6 +122,18 @@ def bucket_size(needed: int, sizes: Sequence[int]) -> int:
 class StepNotCapturable(RuntimeError):
     """A step is not one static tensor program (a host read, a branch on a tensor value, a data-dependent shape):
     it could not be captured in a CUDA graph. Raised only while :data:`TRACE_STEPS` is on."""
+
+
+@contextmanager
+def emulate_replays(on: bool = True) -> Iterator[None]:
+    """Within the block, uncaptured buckets replay as a CUDA graph would (:data:`EMULATE_REPLAYS`): their steps'
+    Python runs at the first two calls only, later calls replay the recorded operations on the recorded tensors."""
+    global EMULATE_REPLAYS
+    before, EMULATE_REPLAYS = EMULATE_REPLAYS, bool(on)
+    try:
+        yield
+    finally:
+        EMULATE_REPLAYS = before
 
 
 @contextmanager
@@ -234,20 +251,32 @@ class StepGraphs:
         capture: capture CUDA graphs when ``device`` is CUDA (``False``: run every step eagerly, static shapes kept).
         fuse: compile every step with TorchInductor first (:func:`compile_fuses`; on a CPU the compiled step runs).
         max_buckets: buckets kept (default :data:`MAX_BUCKETS`), the least recently run dropped first.
+        unrecordable: why a GPU would not capture these steps (e.g. experts dispatched per expert on the host), or
+            ``None``; such steps are not emulated on a CPU either (:data:`EMULATE_REPLAYS`): they run as they are.
     """
 
     def __init__(self, factory: Callable[[Hashable], Callable[[], Any]], device: torch.device,
-                 capture: bool = True, fuse: bool = False, max_buckets: int | None = None) -> None:
+                 capture: bool = True, fuse: bool = False, max_buckets: int | None = None,
+                 unrecordable: str | None = None) -> None:
         self.factory = factory
         self.device = torch.device(device)
         self.capture = bool(capture) and self.device.type == "cuda"
         self.fuse = bool(fuse)
         self.max_buckets = MAX_BUCKETS if max_buckets is None else int(max_buckets)
+        self.unrecordable = unrecordable
         self.stats = CaptureStats(self.capture, self.fuse)
         self._steps: OrderedDict[Hashable, Callable[[], Any]] = OrderedDict()  # least recently run first
         self._graphs: dict[Hashable, tuple[Any, Any]] = {}  # key -> (CUDAGraph, its outputs)
         self._rehearsed: set[Hashable] = set()  # keys whose recording was rehearsed (REHEARSE, uncaptured)
+        self._emulated: dict[Hashable, RecordedStep] = {}  # keys recorded for an emulated replay (EMULATE_REPLAYS)
+        self._compiled: set[Hashable] = set()  # keys whose step runs compiled (traced or fused): not recordable
         self._pool: Any = None
+
+    @property
+    def replays(self) -> bool:
+        """Whether a call's outputs are a replay's (the same tensors every call, overwritten by the next): captured
+        on CUDA, or emulated on a CPU (:data:`EMULATE_REPLAYS`). A caller that keeps outputs copies them then."""
+        return self.capture or (EMULATE_REPLAYS and not self.fuse and self.unrecordable is None)
 
     def __contains__(self, key: Hashable) -> bool:
         return (key, numerics()) in self._steps
@@ -273,6 +302,7 @@ class StepGraphs:
             elif TRACE_STEPS and not self.capture:
                 step = (StatefulStep(_traced(step.run, bucket), step.save) if isinstance(step, StatefulStep)
                         else _traced(step, bucket))
+                self._compiled.add(key)
             self._steps[key] = step
             self._drop_oldest()
             out = step()
@@ -281,6 +311,8 @@ class StepGraphs:
         self._steps.move_to_end(key)
         self.stats.runs[bucket] = self.stats.runs.get(bucket, 0) + 1
         if not self.capture:
+            if self.replays and key not in self._compiled:  # compiled code calls no ATen operation: nothing to record
+                return self._emulated_replay(key, step)
             if REHEARSE and key not in self._rehearsed:  # the second call: where a GPU records the step
                 self._rehearsed.add(key)
                 self._rehearse(step)
@@ -306,6 +338,8 @@ class StepGraphs:
             old, _ = self._steps.popitem(last=False)
             self._graphs.pop(old, None)
             self._rehearsed.discard(old)
+            self._emulated.pop(old, None)
+            self._compiled.discard(old)
             self.stats.dropped += 1
 
     def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
@@ -317,6 +351,18 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = step()
         return graph, outputs
+
+    def _emulated_replay(self, key: Hashable, step: Callable[[], Any]) -> Any:
+        """A CPU's stand-in for a recorded graph's replay (:mod:`spiffy.capture.replay`): recorded at the bucket's
+        second call (its run's writes put back, as recording writes nothing), replayed then and at every later call."""
+        recorded = self._emulated.get(key)
+        if recorded is None:
+            restore = step.save() if isinstance(step, StatefulStep) else None
+            recorded = self._emulated[key] = RecordedStep(step)
+            if restore is not None:
+                restore()
+            self.stats.captures += 1
+        return recorded.replay()
 
     @staticmethod
     def _rehearse(step: Callable[[], Any]) -> None:
@@ -332,4 +378,6 @@ class StepGraphs:
         self._steps.clear()
         self._graphs.clear()
         self._rehearsed.clear()
+        self._emulated.clear()
+        self._compiled.clear()
         self._pool = None

@@ -255,7 +255,7 @@ class BidirectionalSession(DecodeSession):
         self._cache_block = block
         window = self._slice_full(logits, start, self.window_end(block))
         # a captured refresh's logits are overwritten by the next block's: the window is the caller's to keep
-        return window.clone() if self.static is not None and self.static.captured else window
+        return window.clone() if self.static is not None and self.static.replays else window
 
     def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, T]`` states -> ``[N, W, V]`` aligned window logits of the current block (one NFE).

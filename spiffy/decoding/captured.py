@@ -67,9 +67,10 @@ class StaticStates:
         device: where the model runs; capture: capture CUDA graphs there when it is a GPU.
     """
 
-    def __init__(self, device: torch.device, capture: bool, fuse: bool = False) -> None:
+    def __init__(self, device: torch.device, capture: bool, fuse: bool = False, unrecordable: str | None = None
+                 ) -> None:
         self.device = torch.device(device)
-        self.graphs = StepGraphs(self._build, self.device, capture, fuse)
+        self.graphs = StepGraphs(self._build, self.device, capture, fuse, unrecordable=unrecordable)
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._cache_buf: KVCache | None = None
         self._cache_src: list[Any] = []  # weak references to the source tensors the buffer holds now
@@ -99,13 +100,19 @@ class StaticStates:
             return have
         if have is not None:
             have.graphs.clear()
-        made = _STATIC[model] = cls(device, capture, fuse)
+        made = _STATIC[model] = cls(device, capture, fuse, why)
         return made
 
     @property
     def captured(self) -> bool:
         """Whether the buckets are CUDA graphs (else the same static code runs eagerly)."""
         return self.graphs.capture
+
+    @property
+    def replays(self) -> bool:
+        """Whether a forward's outputs are a replay's, overwritten by the bucket's next call (a CUDA graph, or its
+        emulation on a CPU: :attr:`spiffy.capture.StepGraphs.replays`): what a caller keeps, it copies."""
+        return self.graphs.replays
 
     def _build(self, key: Hashable) -> Callable[[], Any]:
         step, self._step = self._step, None
@@ -217,7 +224,7 @@ class StaticStates:
                     return self.current.window_logits(sbuf, rbuf, static, win)
             self._step = step
         out = self._run(session, key)
-        return out.clone() if self.captured else out
+        return out.clone() if self.replays else out
 
     def refresh(self, session: Any) -> tuple[torch.Tensor, KVCache]:
         """The block-start forward of a cached bidirectional session (``session.full_logits(session.x,
