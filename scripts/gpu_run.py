@@ -34,7 +34,7 @@ section writes its rows to ``results.json`` as soon as it ends (a run cut short 
    the tiny models'.
 
 ``--self-check`` runs every section at toy sizes on the CPU in under a minute (the suite runs it so the script
-cannot rot).
+cannot rot), its captured buckets replayed as a GPU replays them (:func:`spiffy.capture.emulate_replays`).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from spiffy.bench import exactness as exact
 from spiffy.bench import gpu_costs as gc_costs
 from spiffy.bench.gpu_captured import captured_timings, inductor_timings
 from spiffy.bench.gpu_dllm import dllm_captured_markdown, dllm_captured_timings
+from spiffy.capture import emulate_replays
 from spiffy.decoding import DecodeConfig
 from spiffy.io import atomic_write_json, atomic_write_text
 from spiffy.models import load_model
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args.out, args.time_budget)
     run.data["environment"] = environment(device) | {"mode": "self-check (toy sizes, CPU)" if small else "GPU"}
     wanted = set(args.sections.split(","))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, emulate_replays(small):
         # real-size costs first: they are what only a GPU can give; a section starts only with enough time left
         plan = [("captured", lambda: captured_timings(device, dtype, small), 0),
                 ("dllm_captured", lambda: dllm_captured_timings(device, dtype, small), 0),
