@@ -220,8 +220,8 @@ class StatefulStep:
 @dataclass
 class CaptureStats:
     """What a :class:`StepGraphs` did: ``capture_seconds`` per bucket (its build and first run, plus its recording on
-    CUDA; with ``fused`` steps, their compilation too), ``runs`` per bucket, ``captures`` (CUDA graphs recorded: a
-    bucket run once is never recorded), ``dropped`` (buckets dropped beyond :data:`MAX_BUCKETS`), and whether the
+    CUDA; with ``fused`` steps, their compilation too), ``runs`` per bucket, ``captures`` (graphs recorded, on CUDA or
+    emulated on a CPU: a bucket run once is never recorded), ``dropped`` (buckets dropped beyond :data:`MAX_BUCKETS`), and whether the
     buckets are CUDA graphs."""
 
     captured: bool
