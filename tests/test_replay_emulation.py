@@ -2,7 +2,8 @@
 the captured paths give eager's tokens under it.
 
 A replay runs the recorded kernels only: Python values the step read are frozen at the recording, a tensor the host
-rebinds afterwards is never read, and the outputs are the same tensors at every replay. The first tests show the
+rebinds afterwards is never read, the outputs are the same tensors at every replay, and a graph recorded earlier in
+the same pool may overwrite them. The first tests show the
 emulation has exactly those properties (each is a way a step can be right eagerly and wrong on a GPU); the others run
 the captured AR and dLLM paths under it against eager, and show one such bug it found (a DFlash drafter reading the
 target's layer outputs through hooks that a replay does not run) fixed, and caught when put back.
@@ -76,6 +77,26 @@ def test_views_in_place_writes_and_uninitialised_memory_replay_as_recorded():
     assert state.tolist() == [0.0, 3.0, 3.0, 0.0]
     scratch = RecordedStep(lambda: torch.empty(3).fill_(4.0) + torch.arange(3.0))
     assert scratch.replay().tolist() == [4.0, 5.0, 6.0]
+
+
+def test_outputs_of_a_later_recording_are_clobbered_by_an_earlier_ones_replay():
+    """One pool for a StepGraphs' graphs: a graph recorded earlier may use, when it replays, scratch memory that a
+    later recording took for its outputs (it was free then). The emulation overwrites a later bucket's outputs when
+    an earlier one replays, so a caller that reads outputs after another bucket's replay reads garbage, as it might
+    on a GPU; outputs read in time, and an earlier bucket's outputs after a later one's replay, are intact."""
+    x = torch.arange(3.0)
+    steps = {"early": lambda: x * 2, "late": lambda: x + 10}
+    graphs = StepGraphs(lambda key: steps[key], CPU)
+    with emulate_replays():
+        for _ in range(2):  # built, then recorded: "early" first
+            graphs.run("early")
+            graphs.run("late")
+        late = graphs.run("late")
+        assert late.tolist() == [10.0, 11.0, 12.0]
+        early = graphs.run("early")
+        assert torch.isnan(late).all() and early.tolist() == [0.0, 2.0, 4.0]
+        graphs.run("late")
+        assert early.tolist() == [0.0, 2.0, 4.0]
 
 
 def test_compiled_and_unrecordable_steps_run_as_they_are():

@@ -362,6 +362,10 @@ class StepGraphs:
             if restore is not None:
                 restore()
             self.stats.captures += 1
+        # the buckets recorded after this one may hold outputs in memory that was this one's scratch (one pool)
+        later = list(self._emulated)[list(self._emulated).index(key) + 1:]
+        for other in later:
+            self._emulated[other].clobber()
         return recorded.replay()
 
     @staticmethod
