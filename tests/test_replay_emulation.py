@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from batch_cases import dream, llada, sdar  # noqa: F401 - fixtures
+import spiffy.capture.graphs as graphs_module
 from spiffy.api import generate
 from spiffy.arspec import ARSpecConfig, SamplingConfig, as_drafter
 from spiffy.arspec.batch import speculative_generate_batch
@@ -46,6 +47,21 @@ def test_a_python_value_is_frozen_at_the_recording():
         x.fill_(5.0)
         assert float(graphs.run("a")[0]) == 10.0  # a buffer written in place is read
     assert graphs.stats.captures == 1
+
+
+def test_the_call_that_records_is_a_knob(monkeypatch):
+    """``RECORD_AT_CALL`` = 3: the first two calls run the step (its Python too), the third records, later ones
+    replay (a bucket called twice is then never recorded)."""
+    monkeypatch.setattr(graphs_module, "RECORD_AT_CALL", 3)
+    scale = {"k": 1.0}
+    x = torch.ones(1)
+    graphs = _graphs(lambda: x * scale["k"])
+    seen = []
+    with emulate_replays():
+        for k in (1.0, 2.0, 3.0, 4.0):
+            scale["k"] = k
+            seen.append(float(graphs.run("a")[0]))
+    assert seen == [1.0, 2.0, 3.0, 3.0] and graphs.stats.captures == 1
 
 
 def test_a_rebound_tensor_is_not_read_and_outputs_are_overwritten():

@@ -8,11 +8,11 @@ long as the owner of the buffers lives).
 
 * On CUDA with ``capture=True`` a bucket's first call runs the step eagerly: its result is the call's, and it is the
   capture's warm-up (lazy initialisation, kernel choice, a fused step's compilation settle in it). The second call
-  captures the step in a :class:`torch.cuda.CUDAGraph` (all buckets share one memory pool; recording runs no kernel)
-  and replays it; later calls only replay. So a bucket called once costs its eager run and nothing more, and one
-  called ``k`` times one eager run, one recording and ``k - 1`` replays (a dLLM prefix cache's buckets live for one
-  block: a few calls each). Output tensors live in the graph's pool and are overwritten by the next replay of the
-  same bucket: read or copy them before that.
+  (:data:`RECORD_AT_CALL`) captures the step in a :class:`torch.cuda.CUDAGraph` (all buckets share one memory pool;
+  recording runs no kernel) and replays it; later calls only replay. So a bucket called once costs its eager run and
+  nothing more, and one called ``k`` times one eager run, one recording and ``k - 1`` replays (a dLLM prefix cache's
+  buckets live for one block: a few calls each). Output tensors live in the graph's pool and are overwritten by the
+  next replay of the same bucket: read or copy them before that.
 * Anywhere else (the CPU, or ``capture=False``) the step runs eagerly with the same static shapes, which is what the
   CPU suite runs: the code a GPU captures is the code the tests check against the eager reference.
 * At most :data:`MAX_BUCKETS` buckets are kept, the least recently run dropped first (a captured graph holds its
@@ -70,11 +70,16 @@ TRACE_STEPS = os.environ.get("SPIFFY_TRACE_STEPS", "") not in ("", "0")
 #: buckets a :class:`StepGraphs` keeps (the least recently run dropped beyond it)
 MAX_BUCKETS = 64
 
-#: rehearse a capture's recording at an uncaptured bucket's second call (tests: recording must change nothing)
+#: the call of a bucket at which a GPU records its graph (the calls before run the step eagerly; the first of them is
+#: the warm-up). 2 wastes no run; a larger value spares the recording of buckets called only that often
+RECORD_AT_CALL = 2
+
+#: rehearse a capture's recording at an uncaptured bucket's :data:`RECORD_AT_CALL` (tests: recording must change
+#: nothing)
 REHEARSE = False
 
 #: emulate a CUDA graph's replay on a CPU (:mod:`spiffy.capture.replay`): an uncaptured bucket's step is recorded at
-#: its second call and replayed from then on (``SPIFFY_EMULATE_REPLAYS=1``, or :func:`emulate_replays` in a test)
+#: its :data:`RECORD_AT_CALL` and replayed from then on (``SPIFFY_EMULATE_REPLAYS=1``, or :func:`emulate_replays`)
 EMULATE_REPLAYS = os.environ.get("SPIFFY_EMULATE_REPLAYS", "") not in ("", "0")
 
 
@@ -221,8 +226,8 @@ class StatefulStep:
 class CaptureStats:
     """What a :class:`StepGraphs` did: ``capture_seconds`` per bucket (its build and first run, plus its recording on
     CUDA; with ``fused`` steps, their compilation too), ``runs`` per bucket, ``captures`` (graphs recorded, on CUDA or
-    emulated on a CPU: a bucket run once is never recorded), ``dropped`` (buckets dropped beyond :data:`MAX_BUCKETS`), and whether the
-    buckets are CUDA graphs."""
+    emulated on a CPU: a bucket run once is never recorded), ``dropped`` (buckets dropped beyond
+    :data:`MAX_BUCKETS`), and whether the buckets are CUDA graphs."""
 
     captured: bool
     fused: bool = False
@@ -267,7 +272,7 @@ class StepGraphs:
         self.stats = CaptureStats(self.capture, self.fuse)
         self._steps: OrderedDict[Hashable, Callable[[], Any]] = OrderedDict()  # least recently run first
         self._graphs: dict[Hashable, tuple[Any, Any]] = {}  # key -> (CUDAGraph, its outputs)
-        self._rehearsed: set[Hashable] = set()  # keys whose recording was rehearsed (REHEARSE, uncaptured)
+        self._calls: dict[Hashable, int] = {}  # calls since each key's step was built
         self._emulated: dict[Hashable, RecordedStep] = {}  # keys recorded for an emulated replay (EMULATE_REPLAYS)
         self._compiled: set[Hashable] = set()  # keys whose step runs compiled (traced or fused): not recordable
         self._pool: Any = None
@@ -287,7 +292,7 @@ class StepGraphs:
 
     def run(self, key: Hashable) -> Any:
         """Run bucket ``key``'s step (built, and run eagerly, on its first call; on CUDA recorded as a graph at its
-        second and replayed from then on); returns its outputs.
+        :data:`RECORD_AT_CALL` (the second) and replayed from then on); returns its outputs.
 
         A bucket is kept per :func:`~spiffy.batch_invariance.numerics` too: a CUDA graph replays the kernels it was
         captured with, so a step captured outside the batch-invariant mode must not replay inside it (nor the
@@ -304,17 +309,20 @@ class StepGraphs:
                         else _traced(step, bucket))
                 self._compiled.add(key)
             self._steps[key] = step
+            self._calls[key] = 1
             self._drop_oldest()
             out = step()
             self._count(bucket, time.perf_counter() - t0)
             return out
         self._steps.move_to_end(key)
         self.stats.runs[bucket] = self.stats.runs.get(bucket, 0) + 1
+        calls = self._calls[key] = self._calls[key] + 1
+        if calls < RECORD_AT_CALL:  # still warming up, eagerly
+            return step()
         if not self.capture:
             if self.replays and key not in self._compiled:  # compiled code calls no ATen operation: nothing to record
                 return self._emulated_replay(key, step)
-            if REHEARSE and key not in self._rehearsed:  # the second call: where a GPU records the step
-                self._rehearsed.add(key)
+            if REHEARSE and calls == RECORD_AT_CALL:  # where a GPU records the step
                 self._rehearse(step)
             return step()
         recorded = self._graphs.get(key)
@@ -337,7 +345,7 @@ class StepGraphs:
         while len(self._steps) > self.max_buckets:
             old, _ = self._steps.popitem(last=False)
             self._graphs.pop(old, None)
-            self._rehearsed.discard(old)
+            self._calls.pop(old, None)
             self._emulated.pop(old, None)
             self._compiled.discard(old)
             self.stats.dropped += 1
@@ -354,7 +362,8 @@ class StepGraphs:
 
     def _emulated_replay(self, key: Hashable, step: Callable[[], Any]) -> Any:
         """A CPU's stand-in for a recorded graph's replay (:mod:`spiffy.capture.replay`): recorded at the bucket's
-        second call (its run's writes put back, as recording writes nothing), replayed then and at every later call."""
+        :data:`RECORD_AT_CALL` (its run's writes put back, as recording writes nothing), replayed then and at every
+        later call."""
         recorded = self._emulated.get(key)
         if recorded is None:
             restore = step.save() if isinstance(step, StatefulStep) else None
@@ -381,7 +390,7 @@ class StepGraphs:
         """Forget every bucket (their graphs and memory)."""
         self._steps.clear()
         self._graphs.clear()
-        self._rehearsed.clear()
+        self._calls.clear()
         self._emulated.clear()
         self._compiled.clear()
         self._pool = None

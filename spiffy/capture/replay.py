@@ -49,7 +49,8 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.ops.append((func, args, kwargs, out))
         read = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        self.made.update(_storage(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and _storage(t) not in read)
+        self.made.update(_storage(t) for t in tree_leaves(out)
+                         if isinstance(t, torch.Tensor) and _storage(t) not in read)
         return out
 
 
@@ -109,6 +110,6 @@ class RecordedStep:
                 # recording's went (the graph's pool), where later operations and the caller read it
                 if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and _storage(new) != _storage(old):
                     if old.shape != new.shape:
-                        raise RuntimeError(f"replay of {func}: recorded {tuple(old.shape)} now {tuple(new.shape)}; args "
-                                           f"{[tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]}")
+                        raise RuntimeError(f"replay of {func}: recorded {tuple(old.shape)}, now {tuple(new.shape)} "
+                                           "(a shape that depends on the data: no graph can hold it)")
                     old.copy_(new)
