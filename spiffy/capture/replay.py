@@ -15,11 +15,12 @@ else. So on a GPU, and in no eager run:
 :class:`RecordedStep` does the same with the step's ATen operations: it runs the step once under a dispatch mode
 that records each operation with the very tensors and numbers it was called with, and its outputs; a replay calls
 the recorded operations again on the recorded tensors, copying each fresh result into the tensor the recording made
-(the graph's memory), while views and in-place operations act on the recorded tensors themselves; before a replay,
-the outputs of the buckets recorded after it are overwritten with garbage (:meth:`RecordedStep.clobber`, the worst a
-shared pool may do). A step whose replay is not what an eager call computes (frozen Python, a rebound tensor, an
-output read after the next replay or after an earlier graph's) then gives other tokens than eager, which the suite's
-comparisons see (:func:`spiffy.capture.emulate_replays`).
+(the graph's memory), while views and in-place operations act on the recorded tensors themselves and memory taken
+uninitialised (``empty``) keeps what the last replay left, as a graph's does; before a replay, the outputs of the
+buckets recorded after it are overwritten with garbage (:meth:`RecordedStep.clobber`, the worst a shared pool may
+do). A step whose replay is not what an eager call computes (frozen Python, a rebound tensor, an output read after
+the next replay or after an earlier graph's) then gives other tokens than eager, which the suite's comparisons see
+(:func:`spiffy.capture.emulate_replays`).
 
 ATen-level recording sees what eager kernels do; a step compiled by TorchInductor calls its own kernels and is not
 emulated (:class:`~spiffy.capture.StepGraphs` runs it as it is).
