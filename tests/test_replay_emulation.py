@@ -75,9 +75,9 @@ def test_a_rebound_tensor_is_not_read_and_outputs_are_overwritten():
         holder["x"] = torch.full((3,), 7.0)  # rebound: the eager step would read it
         again = graphs.run("a")
         assert again is recorded and float(again[0]) == 2.0
-        holder_old = recorded.clone()
+        before = recorded.clone()
         graphs.run("a")
-        assert torch.equal(recorded, holder_old)
+        assert torch.equal(recorded, before)
 
 
 def test_views_in_place_writes_and_uninitialised_memory_replay_as_recorded():
@@ -137,7 +137,8 @@ def pair_dirs(tmp_path_factory):
 
 
 def _batches(pair_dirs, methods: list[str], accept: str, temperature: float) -> list:
-    """Two generations (two rows, then one: another bucket of the same steps) eager and under emulated replays."""
+    """Three generations (two rows, one, two again: buckets of the same steps recorded apart, then replayed in turn),
+    with the captured steps run eagerly and replayed as a GPU replays them: ``[plain, replayed]``."""
     runs = []
     for emulate in (False, True):
         target = load_target(pair_dirs[0], torch.float64, "cpu")
