@@ -59,8 +59,9 @@ def static_unsupported(target: nn.Module, capture: bool = False) -> str | None:
     attention, a sliding window, an attention implementation that takes no 4-D mask, layers spread over several
     devices; with ``capture`` on CUDA, a mixture of experts run by transformers' ``"eager"`` experts, whose loop
     over the experts chosen reads them back: a CUDA graph cannot hold it)."""
-    if capture and execution_device(target.get_input_embeddings()).type == "cuda" and _eager_experts(target):
-        return _eager_experts(target)
+    why = _eager_experts(target) if capture and execution_device(target.get_input_embeddings()).type == "cuda" else None
+    if why is not None:
+        return why
     why = slot_cache_supported(target.config)
     if why is not None:
         return why
@@ -159,26 +160,26 @@ class StaticTarget:
             return self._tree_step(key)
         return self._verify_step(*key)
 
-    def _hook_outputs(self) -> tuple[torch.Tensor, ...]:
-        """What the recording hooks saw in the step running now (layer order of :meth:`_hold_features`)."""
-        return () if self.hooks is None else tuple(self.hooks._out[i] for i in sorted(set(self.hooks.layer_ids)))
+    def _hook_outputs(self) -> dict[int, torch.Tensor]:
+        """What the recording hooks saw in the step running now, by layer."""
+        return {} if self.hooks is None else dict(self.hooks._out)
 
-    def _hold_features(self, features: tuple[torch.Tensor, ...]) -> None:
+    def _hold_features(self, features: dict[int, torch.Tensor]) -> None:
         """Point the recording hooks at the outputs of the step that just ran. A replay runs no hook: the tensors
         the hooks saw when a bucket was recorded are that bucket's (its graph writes them at each replay), while
         the hooks themselves last fired for whichever bucket was recorded last, maybe another one."""
         if self.hooks is not None:
-            self.hooks._out.update(zip(sorted(set(self.hooks.layer_ids)), features))
+            self.hooks._out.update(features)
 
     def _verify_step(self, rows: int, width: int, depth: int
-                     ) -> Callable[[], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+                     ) -> Callable[[], tuple[torch.Tensor, dict[int, torch.Tensor]]]:
         slots = self.cache.slots[:width]
         nodes = width - 1
         block = torch.zeros(rows, width, width, dtype=torch.bool, device=self.device)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         hidden_value = torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
 
-        def step() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        def step() -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
             slots.copy_(self.ctx + self.ramp[:width])
             block[:, :, 0] = True  # every row sees the root
             if nodes:
@@ -205,7 +206,7 @@ class StaticTarget:
         inputs = WalkInputs(**self._inputs[key])
         groups = bucket_groups(plan, self.device)
 
-        def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
             hidden, features = verify()
             return (*self._walk_and_commit(hidden, rows, width, depth, plan, inputs, groups), features)
 

@@ -372,8 +372,8 @@ class StepGraphs:
                 restore()
             self.stats.captures += 1
         # the buckets recorded after this one may hold outputs in memory that was this one's scratch (one pool)
-        later = list(self._emulated)[list(self._emulated).index(key) + 1:]
-        for other in later:
+        order = list(self._emulated)  # recording order
+        for other in order[order.index(key) + 1:]:
             self._emulated[other].clobber()
         return recorded.replay()
 

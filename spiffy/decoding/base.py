@@ -278,8 +278,9 @@ class BidirectionalSession(DecodeSession):
             return self._slice_full(logits, self.prompt_len, self.x.shape[1])
         start, end = window
         dev = states.device
-        query = torch.arange(start, end, device=dev)
-        if inputs.window_start is not None:  # the same rows, their place read from the tensor (the static dual cache)
+        if inputs.window_start is None:
+            query = torch.arange(start, end, device=dev)
+        else:  # the same rows, their place read from the tensor (the static dual cache)
             query = inputs.window_start + torch.arange(end - start, device=dev)
         key_cols = torch.arange(0, self.x.shape[1], device=dev)  # the dual cache inserts the block at its place
         am = self._mask_rows(inputs.attention_mask, key_cols, rows=rows)
