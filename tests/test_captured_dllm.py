@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 GEN, BLOCK = 16, 8
 #: every (family, cache mode) with a static path: LLaDA and Dream (no cache, prefix, dual), SDAR's committed cache,
 #: LLaDA2.0 (the official recompute and the committed cache), Fast-dLLM v2's committed cache (its sub-block cache,
-#: "dual", is refused: test_compile_refused_for_the_sub_block_cache)
+#: "dual", forwards one state of one prompt: tests/test_captured_sub_block.py)
 FAMILY_CACHES = [(f, c) for f in ("llada", "dream") for c in ("none", "prefix", "dual")] + [
     ("sdar", "prefix"), ("llada2", "none"), ("llada2", "prefix"), ("fast_dllm_v2", "prefix")]
 
@@ -222,16 +222,15 @@ def test_dual_cache_buckets_serve_every_block(request, family: str) -> None:
     assert len(built["prefix"]) == 1 + 4, built["prefix"]
 
 
-def test_compile_refused_for_the_sub_block_cache(fast_dllm_v2) -> None:
-    """Fast-dLLM v2's sub-block cache (cache="dual": a step forwards the block or one sub-block, chosen from the
-    state, and rewrites the block's K/V in place) has no static path: compile=True is refused naming the fix, never
-    ignored; its prefix cache runs static."""
-    with pytest.raises(ConfigError, match="cache='dual'.*fix: use cache='prefix'.*compile=False"):
-        generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, cache="dual", compile=True)
+def test_compile_setting_checked(fast_dllm_v2) -> None:
+    """A ``compile=`` value that is no setting is refused naming the accepted ones, never ignored; Fast-dLLM v2's
+    caches both run static (its sub-block cache: tests/test_captured_sub_block.py)."""
     with pytest.raises(ConfigError, match="--compile on\\|off\\|inductor\\|auto"):
         generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, compile="maybe")
-    out = generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, compile=True)
-    assert out.stats["capture"]["buckets"] >= 1
+    for cache in ("prefix", "dual"):
+        out = generate(fast_dllm_v2, torch.tensor([[5, 6, 7]]), gen_length=8, block_length=8, cache=cache,
+                       compile=True)
+        assert out.stats["capture"]["buckets"] >= 1
 
 
 @pytest.mark.parametrize("moe_family", ["llada2", "llada_moe", "sdar_moe"])

@@ -23,9 +23,10 @@ Sessions plug in with ``forward_inputs()`` (the tensors a forward reads, :class:
 ``window_logits(states, rows, inputs, window)`` (the forward on explicit tensors) and ``static_layout()``: LLaDA,
 LLaDA-MoE and Dream (:class:`~spiffy.decoding.base.BidirectionalSession`), SDAR, SDAR-MoE and LLaDA2.0
 (:class:`~spiffy.decoding.sdar.SDARSession`), Fast-dLLM v2's prefix cache
-(:class:`~spiffy.decoding.fast_dllm_v2.FastDLLMv2Session`; its sub-block cache refuses the static path). The MoE families (LLaDA-MoE, SDAR-MoE, LLaDA2.0) run their experts
-grouped in a static forward (:mod:`spiffy.models.moe_dispatch`: sorted by expert, one ``torch._grouped_mm`` per
-projection, no host read; bitwise the per-expert products); where that is impossible a CUDA capture is refused
+(:class:`~spiffy.decoding.fast_dllm_v2.FastDLLMv2Session`; its sub-block cache's two calls build their own steps
+through :meth:`StaticStates.run`). The MoE families (LLaDA-MoE, SDAR-MoE, LLaDA2.0) run their experts grouped in a
+static forward (:mod:`spiffy.models.moe_dispatch`: sorted by expert, one ``torch._grouped_mm`` per projection, no host
+read; bitwise the per-expert products); where that is impossible a CUDA capture is refused
 (:meth:`StaticStates.for_model`).
 
 The cache K/V live in one buffer per layer of ``T`` slots (grown, and the graphs dropped, only when a longer state
@@ -186,6 +187,14 @@ class StaticStates:
             static = type(inp)(static.attention_mask, static.position_ids, static.position_ids,
                                static.prompt_index, cache, window_start)
         return static
+
+    def run(self, session: Any, key: Hashable, make_step: Callable[[], Callable[[], Any]]) -> Any:
+        """A session's own static step under ``key`` (built by ``make_step()`` on the bucket's first call, reused
+        after): its outputs, a replay's when :attr:`replays` (the caller copies what it keeps). While it runs,
+        :attr:`current` is ``session``; the step reads only static buffers and Python values ``key`` fixes."""
+        if key not in self.graphs:
+            self._step = make_step()
+        return self._run(session, key)
 
     def _run(self, session: Any, key: Hashable) -> Any:
         self.current = session

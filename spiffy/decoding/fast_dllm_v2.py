@@ -30,13 +30,14 @@ the model proposes the mask id itself); random draws come from :attr:`generator`
 seeding both alike reproduces it); a batch decoded by its own session applies the rule to every row on its own.
 Ragged batches use SDAR's layout (rows right-aligned by whole blocks, padding hidden, positions the row's own).
 
-Engine speed (issue 37): with ``cache="prefix"`` :meth:`FastDLLMv2Session.forward_states` has a static path
+Engine speed (issue 37): :meth:`FastDLLMv2Session.forward_states` has a static path
 (:meth:`~FastDLLMv2Session.use_static`, ``compile=True``: :class:`~spiffy.decoding.captured.StaticStates`, a CUDA graph
-per bucket on a GPU): :meth:`~FastDLLMv2Session.window_logits` is the forward on explicit tensors (the per-row position
-offsets and the cache from :meth:`~FastDLLMv2Session.forward_inputs`; the first cached column in
-:meth:`~FastDLLMv2Session.static_layout`), and eager runs the same code, so both give the same logits bit for bit.
-The commit forward of :meth:`~FastDLLMv2Session.begin_block` stays eager. The sub-block cache's forward (its shape
-depends on the state) has none: ``compile=True`` is refused there. The rule runs as one program over rows
+per bucket on a GPU). With ``cache="prefix"`` :meth:`~FastDLLMv2Session.window_logits` is the forward on explicit
+tensors (the per-row position offsets and the cache from :meth:`~FastDLLMv2Session.forward_inputs`; the first cached
+column in :meth:`~FastDLLMv2Session.static_layout`), and eager runs the same code, so both give the same logits bit for
+bit; the sub-block cache's two calls have static buckets of their own
+(:mod:`spiffy.decoding.fast_dllm_v2_sub_block`). The commit forward of :meth:`~FastDLLMv2Session.begin_block` stays
+eager. The rule runs as one program over rows
 (:mod:`spiffy.decoding.fast_dllm_v2_rule`: no ``nonzero`` or ``bool`` per row); what the host must know (each row's
 masked count and stop hit, for the block ends and the per-row draws at ``T > 0``) travels on the reads Spiffy makes
 anyway (:meth:`~FastDLLMv2Session.count_tensor`), so a Spiffy step makes at most two host reads
@@ -53,7 +54,8 @@ from spiffy.decoding.base import ForwardInputs
 from spiffy.decoding.captured import StaticStates
 from spiffy.decoding.config import DecodeConfig
 from spiffy.decoding.fast_dllm_v2_config import FastDLLMv2DecodeConfig
-from spiffy.decoding.fast_dllm_v2_rule import first_masked, stop_hits, sub_block_step, top_p_sample
+from spiffy.decoding.fast_dllm_v2_rule import stop_hits, sub_block_step, top_p_sample
+from spiffy.decoding.fast_dllm_v2_sub_block import SubBlockCache
 from spiffy.decoding.sdar import _logits_of, _prompt_lengths
 from spiffy.decoding.session import DecodeSession, StepInfo, check_state_rows, gather_cache_rows
 from spiffy.errors import ConfigError, PromptTooLongError
@@ -149,7 +151,7 @@ class FastDLLMv2Session(DecodeSession):
         self._cache_base = 0 if self._needs_prefill else self.first_block * bs
         self._committed = self._cache_base
         self._block = -1
-        self._block_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # cache="dual": the block's K/V
+        self._sub_block = SubBlockCache(self)  # cache="dual": the block's K/V
         self.nfe = 0
         self.row_stopped = [False] * len(self.lengths)
         self.stopped = False
@@ -235,15 +237,8 @@ class FastDLLMv2Session(DecodeSession):
 
     def use_static(self, capture: bool = True, fuse: bool = False) -> None:
         """Run :meth:`forward_states` on the model's static buffers (:class:`~spiffy.decoding.captured.StaticStates`,
-        a CUDA graph per bucket on a GPU; on a CPU the static code runs eagerly). ``cache="prefix"`` only: the
-        sub-block cache's forward is refused (ConfigError)."""
-        if self.config.block_cache:
-            raise ConfigError(
-                "compile=True cannot run Fast-dLLM v2 with cache='dual' (the official sub-block cache): each step "
-                "forwards either the whole block or one sub-block, chosen from the state, and rewrites the block's "
-                "K/V in place, so its forward has no fixed shape to capture; fix: use cache='prefix' (the official "
-                "default) or pass compile=False (eager, same tokens)"
-            )
+        a CUDA graph per bucket on a GPU; on a CPU the static code runs eagerly): the prefix cache's window forward,
+        or the sub-block cache's two calls (:mod:`spiffy.decoding.fast_dllm_v2_sub_block`)."""
         self.static = StaticStates.for_model(self.model, model_device(self.model), capture, fuse)
 
     def _commit(self, end: int) -> torch.Tensor:
@@ -256,7 +251,7 @@ class FastDLLMv2Session(DecodeSession):
         """The prefill (block 0) or the commit of block ``block - 1``; returns ``[B, 1, V]`` logits of the block's
         first position (its head when it has one; a no-op step otherwise: zeros when no call is made)."""
         self._block = block
-        self._block_kv = None
+        self._sub_block.reset()
         start = self.block_bounds(block)[0]
         if self._committed < start and (block > 0 or self._needs_prefill):
             logits = self._commit(start)
@@ -275,50 +270,26 @@ class FastDLLMv2Session(DecodeSession):
 
     def begin_block_rule(self, block: int) -> None:
         self._block = block
-        self._block_kv = None
+        self._sub_block.reset()
 
     def forward_states(self, states: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``F`` of ``N`` states: the current block of each (``[N, B]`` tokens) against the committed K/V, logits
         shifted (``[N, B, V]``, index ``i`` = block position ``i``). With :meth:`use_static` the same call runs on
-        static buffers (a CUDA graph per bucket on a GPU). ``cache="dual"``: one state at a time, eager."""
+        static buffers (a CUDA graph per bucket on a GPU). ``cache="dual"``: the one state of a single prompt."""
         start, end = self.block_bounds(self._block)
         if self._committed != start:
             raise RuntimeError(f"forward_states for block {self._block} before its prefix was committed")
         if rows is not None:
             states, rows = check_state_rows(states, rows, self.x)
         if self.config.block_cache:
-            return self._block_cache_forward(states, rows, start, end)
+            if states.shape[0] != self.x.shape[0] or rows is not None or self.x.shape[0] != 1:
+                raise ConfigError(
+                    "cache='dual' (the sub-block cache) decodes one prompt alone without drafts: the logits of a "
+                    "state depend on which earlier state last refreshed the block cache, so drafts cannot be verified "
+                    "exactly; fix: use cache='prefix' (the official default) for Spiffy and batches")
+            return self._sub_block.forward(states.to(self.x.device), start, end)
         states = states.to(self.x.device)
         return self.counted_window_forward(states, rows, (start, end))
-
-    def _block_cache_forward(self, states: torch.Tensor, rows: torch.Tensor | None, start: int,
-                             end: int) -> torch.Tensor:
-        """The official sub-block cache (``use_block_cache=True``) on the one real state."""
-        if states.shape[0] != self.x.shape[0] or rows is not None or self.x.shape[0] != 1:
-            raise ConfigError(
-                "cache='dual' (the sub-block cache) decodes one prompt alone without drafts: the logits of a state "
-                "depend on which earlier state last refreshed the block cache, so drafts cannot be verified exactly; "
-                "fix: use cache='prefix' (the official default) for Spiffy and batches"
-            )
-        x = states.to(self.x.device)
-        # one read: the call's shape depends on it. The block's first masked column; its sub-block [a, c) is the
-        # one decoded, and a step refreshes the whole block iff that sub-block starts with a mask (first == a)
-        first = int(first_masked(x[:, start:end] == self.mask_id)[0])
-        a = first // self.small_block * self.small_block if first < self.block_length else 0
-        c = a + self.small_block if first < self.block_length else self.block_length
-        if self._block_kv is None or (first < self.block_length and first == a):
-            recorder = _Recorder(self.cache)
-            logits = self._call(x[:, start:end], start, False, OFFICIAL_MASK_BLOCK, cache=recorder)
-            self._block_kv = recorder.new
-            return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        recorder = _Recorder(self.cache, self._block_kv, a, c)
-        part = self._call(x[:, start + a : start + c], start + a, False, 0, cache=recorder)
-        for layer, (k, v) in enumerate(recorder.new):  # the official in-place write of the sub-block's K/V
-            self._block_kv[layer][0][..., a:c, :] = k
-            self._block_kv[layer][1][..., a:c, :] = v
-        out = torch.zeros((1, self.block_length, part.shape[-1]), dtype=part.dtype, device=part.device)
-        out[:, a:c] = torch.cat([part[:, :1], part[:, :-1]], dim=1)
-        return out
 
     # ------------------------------------------------------------------ the rule
     tracks_counts = True
@@ -416,30 +387,6 @@ class FastDLLMv2Session(DecodeSession):
     def generated(self) -> torch.Tensor:
         """``[B, T - P]`` everything after the prompt."""
         return self.x[:, self.prompt_len :]
-
-
-class _Recorder(KVCache):
-    """A read-only view of the committed cache that records each layer's new K/V (``new[layer] = (k, v)``); with
-    ``block`` (the kept block K/V) and ``(a, c)``, the keys are ``[committed ; block[:a] ; new ; block[c:]]``."""
-
-    def __init__(self, cache: KVCache, block: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 a: int = 0, c: int = 0) -> None:
-        super().__init__(cache.num_layers)
-        self.record_new: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i in range(cache.num_layers):
-            k, v = cache.layer(i)
-            if block is not None:
-                bk, bv = block[i]
-                parts_k = [t for t in (k, bk[..., :a, :], bk[..., c:, :]) if t is not None]
-                parts_v = [t for t in (v, bv[..., :a, :], bv[..., c:, :]) if t is not None]
-                k, v = torch.cat(parts_k, dim=-2), torch.cat(parts_v, dim=-2)
-            self.keys[i], self.values[i] = k, v
-        if block is not None:
-            self.insert_at = cache.get_seq_length() + a
-
-    @property
-    def new(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.record_new
 
 
 __all__ = ["FastDLLMv2DecodeConfig", "FastDLLMv2Session", "top_p_sample"]
