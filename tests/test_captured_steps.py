@@ -158,6 +158,40 @@ def test_buckets_beyond_the_bound_are_dropped_least_recent_first():
     assert graphs.stats.as_dict()["dropped"] == 2 and graphs.stats.as_dict()["graphs"] == 0  # nothing captured
 
 
+def test_only_a_pools_first_recording_empties_the_allocator_cache(monkeypatch):
+    """On CUDA a bucket's second call records it through ``torch.cuda.graph``, which empties the allocator's cache
+    before it records: the first recording of a pool lets it, later ones keep the cache (buckets recorded
+    mid-generation), and ``torch.cuda.empty_cache`` works again after each. No GPU here: the CUDA calls are stood in
+    for by ones that do what the real ones do at the point that matters (``torch.cuda.graph`` empties on entry)."""
+    emptied: list[int] = []
+
+    class Capture:  # torch.cuda.graph's entry empties the cache, then records the block's kernels
+        def __init__(self, graph: Any, pool: Any = None) -> None:
+            self.pool = pool
+
+        def __enter__(self) -> None:
+            torch.cuda.empty_cache()
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+    class Graph:
+        def replay(self) -> None:
+            return None
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    graphs = StepGraphs(lambda key: (lambda: torch.tensor([float(key)])), torch.device("cpu"))
+    graphs.capture = True  # as on CUDA
+    for key in (1, 1, 1, 2, 2, 3, 3, 3):
+        assert float(graphs.run(key)) == key
+    assert graphs.stats.captures == 3 and emptied == [1]
+    torch.cuda.empty_cache()
+    assert emptied == [1, 1]  # itself again after the recordings
+
+
 @pytest.mark.parametrize("method,accept,temperature,budget", [
     ("ddtree", "coupled", 0.0, 6), ("ddtree", "coupled", 0.0, 2), ("ddtree", "rejection", 0.8, 6),
     ("dflash", "rejection", 0.8, 6), ("specdiff", "rejection", 0.8, 6), ("ar", "coupled", 0.8, 6)])

@@ -41,7 +41,7 @@ import itertools
 import os
 import time
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
@@ -150,6 +150,17 @@ def trace_steps(on: bool = True) -> Iterator[None]:
         yield
     finally:
         TRACE_STEPS = before
+
+
+@contextmanager
+def _cache_kept() -> Iterator[None]:
+    """Within the block, ``torch.cuda.empty_cache`` does nothing (:meth:`StepGraphs._capture`)."""
+    real = torch.cuda.empty_cache
+    torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.empty_cache = real
 
 
 _STEP_NAMES = itertools.count()  # names the compiled steps' code objects
@@ -352,11 +363,15 @@ class StepGraphs:
 
     def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
         """Record ``step`` as a CUDA graph (no kernel runs; the bucket's eager first call was its warm-up; the shared
-        pool keeps buckets' memory together)."""
-        if self._pool is None:
+        pool keeps buckets' memory together). ``torch.cuda.graph`` empties the allocator's cache before it records;
+        only the first recording of a pool lets it (as vLLM's graph wrapper does for all its captures but the first):
+        buckets recorded mid-generation (a dLLM prefix cache's, per block) would otherwise hand the eager calls'
+        cached memory back to the driver each time, and the next eager call would allocate it again."""
+        first = self._pool is None
+        if first:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with nullcontext() if first else _cache_kept(), torch.cuda.graph(graph, pool=self._pool):
             outputs = step()
         return graph, outputs
 
