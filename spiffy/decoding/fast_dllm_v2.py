@@ -187,28 +187,13 @@ class FastDLLMv2Session(DecodeSession):
         first cached column (the cache holds columns ``[_cache_base, block start)``) and the mask's block."""
         return (self._cache_base, OFFICIAL_MASK_BLOCK)
 
-    def _call(self, tokens: torch.Tensor, q_start: int, store: bool, mask_block: int,
-              rows: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
-        """One model call on ``tokens`` ``[N, L]`` (columns ``[q_start, q_start + L)``) over the committed keys:
-        the official block-causal mask (blocks of ``mask_block`` over each row's own positions), padding hidden;
-        ``mask_block=0``: no mask (every key visible, the official sub-block cache forward). One NFE."""
-        if mask_block == 0:
-            positions = torch.arange(q_start, q_start + tokens.shape[1], device=tokens.device)[None, :]
-            positions = positions - self.offsets[0]
-            with torch.no_grad():
-                out = self.model(tokens, position_ids=positions, past_key_values=cache, cache_policy="read",
-                                 block_size=0)
-            self.nfe += 1
-            return _logits_of(out)
-        logits = self._masked_call(tokens, q_start, store, mask_block, rows, self.forward_inputs(), cache)
-        self.nfe += 1
-        return logits
-
-    def _masked_call(self, tokens: torch.Tensor, q_start: int, store: bool, mask_block: int,
+    def masked_call(self, tokens: torch.Tensor, q_start: int, store: bool, mask_block: int,
                      rows: torch.Tensor | None, inputs: ForwardInputs, cache: Any = None) -> torch.Tensor:
-        """:meth:`_call` with a mask on explicit ``inputs`` (offsets ``[B]``, cache; ``cache`` overrides the latter):
-        ``[N, L, V]`` raw logits. Reads no other tensor of the session and nothing back from the device (a CUDA
-        graph can hold it); no NFE counted."""
+        """One model call on ``tokens`` ``[N, L]`` (columns ``[q_start, q_start + L)``) over the committed keys of
+        explicit ``inputs`` (offsets ``[B]``, cache; ``cache`` overrides the latter), with the official block-causal
+        mask (blocks of ``mask_block`` over each row's own positions), padding hidden: ``[N, L, V]`` raw logits.
+        Reads no other tensor of the session and nothing back from the device (a CUDA graph can hold it); no NFE
+        counted."""
         n, length = int(tokens.shape[0]), int(tokens.shape[1])
         dev = tokens.device
         offsets = inputs.position_ids
@@ -232,7 +217,7 @@ class FastDLLMv2Session(DecodeSession):
         ``[N, end - start, V]`` (index ``i`` = block position ``i``: logits ``i - 1``, the first position its own).
         No NFE counted; the static path runs it on its own buffers."""
         start, end = window
-        logits = self._masked_call(states[:, start:end], start, False, OFFICIAL_MASK_BLOCK, rows, inputs)
+        logits = self.masked_call(states[:, start:end], start, False, OFFICIAL_MASK_BLOCK, rows, inputs)
         return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
 
     def use_static(self, capture: bool = True, fuse: bool = False) -> None:
@@ -243,7 +228,9 @@ class FastDLLMv2Session(DecodeSession):
 
     def _commit(self, end: int) -> torch.Tensor:
         """Append the K/V of columns ``[committed, end)``: ``[B, 1, V]`` the logits of column ``end - 1``."""
-        logits = self._call(self.x[:, self._committed : end], self._committed, True, self.block_length)
+        logits = self.masked_call(self.x[:, self._committed : end], self._committed, True, self.block_length, None,
+                                   self.forward_inputs())
+        self.nfe += 1
         self._committed = end
         return logits[:, -1:]
 

@@ -73,7 +73,7 @@ class SubBlockCache:
     def _refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         s = self.session
         recorder = _recording(s.cache)
-        logits = s._masked_call(x[:, start:end], start, False, OFFICIAL_MASK_BLOCK, None, s.forward_inputs(),
+        logits = s.masked_call(x[:, start:end], start, False, OFFICIAL_MASK_BLOCK, None, s.forward_inputs(),
                                 cache=recorder)
         self.kept = recorder.record_new
         return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
@@ -128,7 +128,7 @@ class SubBlockCache:
         def make() -> Any:
             def step() -> torch.Tensor:
                 recorder = _recording(inputs.cache)  # the static cache's views (no tensor before a prefill)
-                logits = static.current._masked_call(states[:, start:end], start, False, OFFICIAL_MASK_BLOCK, None,
+                logits = static.current.masked_call(states[:, start:end], start, False, OFFICIAL_MASK_BLOCK, None,
                                                      inputs, cache=recorder)
                 _write(kept, recorder.record_new, None)
                 return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
