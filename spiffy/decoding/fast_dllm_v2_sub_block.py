@@ -74,7 +74,7 @@ class SubBlockCache:
         s = self.session
         recorder = _recording(s.cache)
         logits = s.masked_call(x[:, start:end], start, False, OFFICIAL_MASK_BLOCK, None, s.forward_inputs(),
-                                cache=recorder)
+                               cache=recorder)
         self.kept = recorder.record_new
         return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
 
@@ -129,7 +129,7 @@ class SubBlockCache:
             def step() -> torch.Tensor:
                 recorder = _recording(inputs.cache)  # the static cache's views (no tensor before a prefill)
                 logits = static.current.masked_call(states[:, start:end], start, False, OFFICIAL_MASK_BLOCK, None,
-                                                     inputs, cache=recorder)
+                                                    inputs, cache=recorder)
                 _write(kept, recorder.record_new, None)
                 return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
             return step
@@ -144,7 +144,8 @@ class SubBlockCache:
         assert kept is not None
         place = static.buffer("sub_block_start", (), torch.long)
         place.fill_(a)  # a fill kernel with the number as its argument: no host read
-        small, length, cached = s.small_block, s.block_length, inputs.cache.get_seq_length() if inputs.cache else 0
+        cache = inputs.cache  # the committed cache's static views (a session's cache is never None)
+        small, length, cached = s.small_block, s.block_length, cache.get_seq_length()
 
         def make() -> Any:
             def step() -> torch.Tensor:
@@ -156,10 +157,10 @@ class SubBlockCache:
                 rest = rest + small * (rest >= place)  # the kept columns outside the sub-block, in order
                 keys, values = [], []
                 for i, (bk, bv) in enumerate(kept):
-                    k, v = inputs.cache.layer(i) if inputs.cache is not None else (None, None)
+                    k, v = cache.layer(i)
                     keys.append(torch.cat([t for t in (k, bk.index_select(-2, rest)) if t is not None], dim=-2))
                     values.append(torch.cat([t for t in (v, bv.index_select(-2, rest)) if t is not None], dim=-2))
-                recorder = _recording(s.cache, keys, values, place + cached)
+                recorder = _recording(cache, keys, values, place + cached)
                 with torch.no_grad():
                     out = static.current.model(tokens, position_ids=positions, past_key_values=recorder,
                                                cache_policy="read", block_size=0)
