@@ -117,7 +117,7 @@ class StaticStates:
 
     def _build(self, key: Hashable) -> Callable[[], Any]:
         step, self._step = self._step, None
-        assert step is not None, "a bucket is built only from forward()"
+        assert step is not None, "a bucket is built only from run()"
         return step
 
     # ------------------------------------------------------------------ buffers
@@ -179,7 +179,7 @@ class StaticStates:
         return view
 
     # ------------------------------------------------------------------ the forwards
-    def _inputs(self, inp: Any, cache: KVCache | None, window_start: torch.Tensor | None = None) -> Any:
+    def load_inputs(self, inp: Any, cache: KVCache | None, window_start: torch.Tensor | None = None) -> Any:
         """The session's forward inputs ``inp`` as copies in the static buffers (``cache``: already loaded)."""
         static = type(inp)(self.load("attention_mask", inp.attention_mask), self.load("positions", inp.position_ids),
                            None, self.load("prompt_index", inp.prompt_index), cache, window_start)
@@ -194,9 +194,6 @@ class StaticStates:
         :attr:`current` is ``session``; the step reads only static buffers and Python values ``key`` fixes."""
         if key not in self.graphs:
             self._step = make_step()
-        return self._run(session, key)
-
-    def _run(self, session: Any, key: Hashable) -> Any:
         self.current = session
         try:
             return self.graphs.run(key)
@@ -221,18 +218,20 @@ class StaticStates:
             start = self.buffer("window_start", (), torch.long)
             start.fill_(int(window[0]))  # a fill kernel with the number as its argument: no host read
             cache.insert_at = start
-        static = self._inputs(inp, cache, start)
+        static = self.load_inputs(inp, cache, start)
         where: tuple = ("rows", window[1] - window[0]) if placed else tuple(window)
         key = (type(session).__name__, session.static_layout(), n, t, where, rbuf is not None,
                _shape(static.attention_mask), _shape(static.position_ids), inp.full_positions is not None,
                None if cache is None else (_shape(cache.keys[0]), "data" if placed else cache.insert_at))
-        if key not in self.graphs:
-            win = tuple(int(w) for w in window)
+        win = tuple(int(w) for w in window)
+
+        def make_step() -> Callable[[], torch.Tensor]:
             def step() -> torch.Tensor:
                 with grouped_experts():  # MoE experts without host reads (a graph can hold them)
                     return self.current.window_logits(sbuf, rbuf, static, win)
-            self._step = step
-        out = self._run(session, key)
+            return step
+
+        out = self.run(session, key, make_step)
         return out.clone() if self.replays else out
 
     def refresh(self, session: Any) -> tuple[torch.Tensor, KVCache]:
@@ -243,16 +242,17 @@ class StaticStates:
         caller takes what it keeps (its window, and the K/V, which the next forward copies into the cache buffer)."""
         xbuf = self.load("refresh_states", session.x)
         inp = session.forward_inputs()
-        static = self._inputs(inp, None)
+        static = self.load_inputs(inp, None)
         key = ("refresh", type(session).__name__, session.static_layout(), tuple(xbuf.shape),
                _shape(static.attention_mask), _shape(static.position_ids), inp.full_positions is not None)
-        if key not in self.graphs:
+        def make_step() -> Callable[[], tuple[torch.Tensor, tuple, tuple]]:
             def step() -> tuple[torch.Tensor, tuple, tuple]:
                 with grouped_experts():
                     logits, kv = self.current.full_logits(xbuf, use_cache=True, inputs=static)
                 return logits, tuple(kv.keys), tuple(kv.values)
-            self._step = step
-        logits, keys, values = self._run(session, key)
+            return step
+
+        logits, keys, values = self.run(session, key, make_step)
         cache = KVCache(len(keys))
         cache.keys, cache.values = list(keys), list(values)
         return logits, cache
