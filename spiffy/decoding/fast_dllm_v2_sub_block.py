@@ -11,9 +11,10 @@ Static path (``compile=True``; issue 37): both calls run on the model's
 :class:`~spiffy.decoding.captured.StaticStates` buffers, one bucket each per block (the committed cache grows
 between blocks, so their shapes do): the refresh writes the block's K/V into static per-layer buffers; the sub-block
 call reads its tokens, positions and keys from them by ``a`` held as data in a 0-dim buffer (so one bucket serves
-every sub-block of a block) and writes its K/V back in place. The keys and values are the eager ones, copied in the
-same order, so both paths give the same logits bit for bit (tests/test_captured_dllm.py). A one-position window (the
-final head's block) runs eagerly.
+every sub-block of a block) and writes its K/V back in place. Eager and static run one computation each
+(:func:`_refresh_call`, :func:`_sub_block_call`), eagerly on the session's tensors or as a bucket's step on copies in
+the buffers, so both paths give the same logits bit for bit (tests/test_captured_sub_block.py). A window of another
+width than the block (the final head's one position) runs eagerly.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any
 
 import torch
 
-from spiffy.decoding.base import ForwardInputs
 from spiffy.decoding.fast_dllm_v2_rule import first_masked
 from spiffy.decoding.sdar import _logits_of
 from spiffy.errors import ConfigError
@@ -54,7 +54,7 @@ class SubBlockCache:
         """Shifted logits ``[1, end - start, V]`` of the block ``[start, end)`` of the one state ``x [1, T]`` (the
         sub-block call's logits in its columns, zeros elsewhere, as officially). One NFE, one host read."""
         s = self.session
-        width, small = end - start, s.small_block
+        small = s.small_block
         # one read: the call's shape depends on it. The block's first masked column; its sub-block [a, c) is the one
         # decoded, and a step refreshes the whole block iff that sub-block starts with a mask (first == a)
         first = int(first_masked(x[:, start:end] == s.mask_id)[0])
@@ -62,55 +62,56 @@ class SubBlockCache:
         c = a + small if first < s.block_length else s.block_length
         refresh = self.kept is None or (first < s.block_length and first == a)
         s.nfe += 1
-        static = s.static is not None and width == s.block_length
+        static = s.static if end - start == s.block_length else None
         if refresh:
-            return self._static_refresh(x, start, end) if static else self._refresh(x, start, end)
-        if static and c - a == small:
-            return self._static_sub_block(x, start, end, a)
-        return self._sub_block(x, start, a, c)
+            return self._refresh(x, start, end, static)
+        return self._sub_block(x, start, end, a, c - a, static)
 
-    # ------------------------------------------------------------------ eager (the official computation)
-    def _refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def _refresh(self, x: torch.Tensor, start: int, end: int, static: Any) -> torch.Tensor:
         s = self.session
-        recorder = _recording(s.cache)
-        logits = s.masked_call(x[:, start:end], start, False, OFFICIAL_MASK_BLOCK, None, s.forward_inputs(),
-                               cache=recorder)
-        self.kept = recorder.record_new
-        return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        if static is None:
+            logits, self.kept = _refresh_call(s, x, start, end, s.forward_inputs())
+            return logits
+        states, inputs, fixed = self._static_inputs(x)
+        kept = self.kept = self._kept_buffers()
 
-    def _sub_block(self, x: torch.Tensor, start: int, a: int, c: int) -> torch.Tensor:
-        s = self.session
-        assert self.kept is not None
-        keys, values = [], []
-        for i, (bk, bv) in enumerate(self.kept):
-            k, v = s.cache.layer(i)
-            keys.append(torch.cat([t for t in (k, bk[..., :a, :], bk[..., c:, :]) if t is not None], dim=-2))
-            values.append(torch.cat([t for t in (v, bv[..., :a, :], bv[..., c:, :]) if t is not None], dim=-2))
-        recorder = _recording(s.cache, keys, values, s.cache.get_seq_length() + a)
-        positions = torch.arange(start + a, start + c, device=x.device)[None, :] - s.offsets[0]
-        with torch.no_grad():
-            out = s.model(x[:, start + a : start + c], position_ids=positions, past_key_values=recorder,
-                          cache_policy="read", block_size=0)
-        part = _logits_of(out)
-        for (bk, bv), (k, v) in zip(self.kept, recorder.record_new):  # the official in-place write of the K/V
-            bk[..., a:c, :] = k
-            bv[..., a:c, :] = v
-        full = torch.zeros((1, s.block_length, part.shape[-1]), dtype=part.dtype, device=part.device)
-        full[:, a:c] = torch.cat([part[:, :1], part[:, :-1]], dim=1)
-        return full
+        def make() -> Any:
+            def step() -> torch.Tensor:
+                logits, new = _refresh_call(static.current, states, start, end, inputs)
+                _write(kept, new, None)
+                return logits
+            return step
 
-    # ------------------------------------------------------------------ static (a CUDA graph per bucket on a GPU)
-    def _static_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ForwardInputs, tuple]:
+        out = static.run(s, ("fast_dllm_v2_refresh", start, end, *fixed), make)
+        return out.clone() if static.replays else out
+
+    def _sub_block(self, x: torch.Tensor, start: int, end: int, a: int, size: int, static: Any) -> torch.Tensor:
+        s, kept, length = self.session, self.kept, self.session.block_length
+        assert kept is not None
+        if static is None:
+            place = torch.full((), a, dtype=torch.long, device=x.device)
+            return _sub_block_call(s.model, x, start, length, size, place, s.position_offsets, s.cache, kept)
+        states, inputs, fixed = self._static_inputs(x)
+        place = static.buffer("sub_block_start", (), torch.long)
+        place.fill_(a)  # a fill kernel with the number as its argument: no host read
+
+        def make() -> Any:
+            return lambda: _sub_block_call(static.current.model, states, start, length, size, place,
+                                           inputs.position_ids, inputs.cache, kept)
+
+        out = static.run(s, ("fast_dllm_v2_sub_block", start, end, size, *fixed), make)
+        return out.clone() if static.replays else out
+
+    def _static_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, Any, tuple]:
         """The state and the forward's inputs copied into the static buffers, and the key part they fix."""
         s, static = self.session, self.session.static
         states = static.load("states", x)
         inp = s.forward_inputs()
-        cache = static.load_cache(inp.cache, int(x.shape[1]))
-        inputs = ForwardInputs(None, static.load("positions", inp.position_ids), None, None, cache)
-        shape = None if cache is None or cache.keys[0] is None else tuple(cache.keys[0].shape)
+        inputs = static.load_inputs(inp, static.load_cache(inp.cache, int(x.shape[1])))
+        shape = None if inputs.cache.keys[0] is None else tuple(inputs.cache.keys[0].shape)
         return states, inputs, (s.static_layout(), tuple(states.shape), shape, s.block_length, s.small_block)
 
-    def _kept_buffers(self, cache: KVCache) -> KeptKV:
+    def _kept_buffers(self) -> KeptKV:
         """The static per-layer block K/V ``[1, H_kv, B, D]`` (shapes and dtype from the model: the buffers exist
         before any step runs, so a recording allocates none)."""
         s = self.session
@@ -118,60 +119,44 @@ class SubBlockCache:
         dtype = s.model.get_input_embeddings().weight.dtype
         shape = (1, int(attn.num_kv_heads), s.block_length, int(attn.head_dim))
         return [tuple(s.static.buffer(f"sub_block_{part}_{i}", shape, dtype) for part in ("keys", "values"))
-                for i in range(cache.num_layers)]  # type: ignore[misc]
+                for i in range(s.cache.num_layers)]  # type: ignore[misc]
 
-    def _static_refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        s, static = self.session, self.session.static
-        states, inputs, fixed = self._static_inputs(x)
-        kept = self.kept = self._kept_buffers(s.cache)
 
-        def make() -> Any:
-            def step() -> torch.Tensor:
-                recorder = _recording(inputs.cache)  # the static cache's views (no tensor before a prefill)
-                logits = static.current.masked_call(states[:, start:end], start, False, OFFICIAL_MASK_BLOCK, None,
-                                                    inputs, cache=recorder)
-                _write(kept, recorder.record_new, None)
-                return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-            return step
+def _refresh_call(session: Any, states: torch.Tensor, start: int, end: int, inputs: Any
+                  ) -> tuple[torch.Tensor, KeptKV]:
+    """The whole block ``[start, end)`` of ``states [1, T]`` against the committed cache of ``inputs`` (block-causal
+    mask): its shifted logits ``[1, end - start, V]`` and each layer's fresh K/V."""
+    recorder = _recording(inputs.cache)
+    logits = session.masked_call(states[:, start:end], start, False, OFFICIAL_MASK_BLOCK, None, inputs,
+                                 cache=recorder)
+    return torch.cat([logits[:, :1], logits[:, :-1]], dim=1), recorder.record_new
 
-        out = static.run(s, ("fast_dllm_v2_refresh", start, end, *fixed), make)
-        return out.clone() if static.replays else out
 
-    def _static_sub_block(self, x: torch.Tensor, start: int, end: int, a: int) -> torch.Tensor:
-        s, static = self.session, self.session.static
-        states, inputs, fixed = self._static_inputs(x)
-        kept = self.kept
-        assert kept is not None
-        place = static.buffer("sub_block_start", (), torch.long)
-        place.fill_(a)  # a fill kernel with the number as its argument: no host read
-        cache = inputs.cache  # the committed cache's static views (a session's cache is never None)
-        small, length, cached = s.small_block, s.block_length, cache.get_seq_length()
-
-        def make() -> Any:
-            def step() -> torch.Tensor:
-                dev = states.device
-                cols = place + torch.arange(small, device=dev)  # [S] block columns of the sub-block
-                tokens = states[:, start:end].index_select(1, cols)
-                positions = (cols + start)[None, :] - inputs.position_ids[:1, None]
-                rest = torch.arange(length - small, device=dev)
-                rest = rest + small * (rest >= place)  # the kept columns outside the sub-block, in order
-                keys, values = [], []
-                for i, (bk, bv) in enumerate(kept):
-                    k, v = cache.layer(i)
-                    keys.append(torch.cat([t for t in (k, bk.index_select(-2, rest)) if t is not None], dim=-2))
-                    values.append(torch.cat([t for t in (v, bv.index_select(-2, rest)) if t is not None], dim=-2))
-                recorder = _recording(cache, keys, values, place + cached)
-                with torch.no_grad():
-                    out = static.current.model(tokens, position_ids=positions, past_key_values=recorder,
-                                               cache_policy="read", block_size=0)
-                part = _logits_of(out)
-                _write(kept, recorder.record_new, cols)
-                full = torch.zeros((1, length, part.shape[-1]), dtype=part.dtype, device=dev)
-                return full.index_copy(1, cols, torch.cat([part[:, :1], part[:, :-1]], dim=1))
-            return step
-
-        out = static.run(s, ("fast_dllm_v2_sub_block", start, end, *fixed), make)
-        return out.clone() if static.replays else out
+def _sub_block_call(model: Any, states: torch.Tensor, start: int, length: int, size: int, place: torch.Tensor,
+                    offsets: torch.Tensor, cache: KVCache, kept: KeptKV) -> torch.Tensor:
+    """The sub-block call: the ``size`` tokens of ``states [1, T]`` from block column ``place`` (0-dim long) of the
+    block at ``start`` (``length`` columns), no mask, over ``[committed ; kept[:place] ; fresh ; kept[place + size:]]``
+    (``cache``: the committed K/V; ``offsets [B]``: the position offsets), the fresh K/V then written over
+    ``kept[place : place + size]`` in place. Returns ``[1, length, V]``: the shifted logits in the sub-block's
+    columns, zeros elsewhere. Reads nothing back (a graph can hold it: the place is data)."""
+    dev = states.device
+    cols = place + torch.arange(size, device=dev)  # [size] block columns of the sub-block
+    tokens = states[:, start : start + length].index_select(1, cols)
+    positions = (cols + start)[None, :] - offsets[:1, None]
+    rest = torch.arange(length - size, device=dev)
+    rest = rest + size * (rest >= place)  # the kept columns outside the sub-block, in order
+    keys, values = [], []
+    for i, (bk, bv) in enumerate(kept):
+        k, v = cache.layer(i)
+        keys.append(torch.cat([t for t in (k, bk.index_select(-2, rest)) if t is not None], dim=-2))
+        values.append(torch.cat([t for t in (v, bv.index_select(-2, rest)) if t is not None], dim=-2))
+    recorder = _recording(cache, keys, values, place + cache.get_seq_length())
+    with torch.no_grad():
+        out = model(tokens, position_ids=positions, past_key_values=recorder, cache_policy="read", block_size=0)
+    part = _logits_of(out)
+    _write(kept, recorder.record_new, cols)  # the official in-place write of the sub-block's K/V
+    full = torch.zeros((1, length, part.shape[-1]), dtype=part.dtype, device=dev)
+    return full.index_copy(1, cols, torch.cat([part[:, :1], part[:, :-1]], dim=1))
 
 
 def _recording(cache: KVCache, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None,
@@ -187,7 +172,7 @@ def _recording(cache: KVCache, keys: list[torch.Tensor] | None = None, values: l
 
 
 def _write(kept: KeptKV, new: KeptKV, cols: torch.Tensor | None) -> None:
-    """The recorded K/V written into the static block buffers: all ``B`` columns, or the sub-block's ``cols``."""
+    """The recorded K/V written into the kept block K/V: all ``B`` columns, or the sub-block's ``cols``."""
     if len(new) != len(kept):
         raise ConfigError(f"the model recorded K/V for {len(new)} of {len(kept)} layers; fix: pass compile=False")
     for (bk, bv), (k, v) in zip(kept, new):
