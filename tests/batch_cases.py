@@ -34,8 +34,8 @@ def left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor
 def static_forward_pairs(model, prompt: torch.Tensor, kw: dict, seed: int, blocks: int = 2):
     """``[(eager logits, static logits)]``, per block: two sessions of ``prompt [P]`` under ``kw``, one on the static
     path (``use_static``), each forwarding the same 3 states (the real one and two random ones) at each of the first
-    ``blocks`` blocks, after the block-start forward (its logits a pair too, where it returns them). The states are copies, so a static path that read the session's own tensors, or
-    padded the states, would show."""
+    ``blocks`` blocks, after the block-start forward (its logits a pair too, where it returns them). The states are
+    copies, so a static path that read the session's own tensors, or padded the states, would show."""
     eager = make_session(model, prompt[None], **kw)
     static = make_session(model, prompt[None], **kw)
     static.use_static()

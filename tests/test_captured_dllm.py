@@ -170,7 +170,8 @@ def test_fast_dllm_v2_ragged_forward_bitwise(tiny_fast_dllm_v2, dtype: torch.dty
         assert static.nfe == eager.nfe
 
 
-@pytest.mark.parametrize("family,cache", [("llada", "none"), ("llada", "prefix"), ("dream", "dual"), ("fast_dllm_v2", "prefix")])
+@pytest.mark.parametrize("family,cache", [("llada", "none"), ("llada", "prefix"), ("dream", "dual"),
+                                          ("fast_dllm_v2", "prefix")])
 def test_ragged_batch_equal_eager(request, family: str, cache: str) -> None:
     """Batched rows (left padding, a ``rows`` vector per forward) on the static path equal eager, with Spiffy
     (Fast-dLLM v2: a prompt of exactly a block, whose prompt block is skipped, and one with a prefill among them)."""
@@ -289,8 +290,9 @@ def test_cli_compile_in_dllm_mode(capsys, tiny_llada) -> None:
 @pytest.mark.parametrize("family,cache", [(f, c) for f, c in FAMILY_CACHES if f != "llada2"])  # float64 MoE: per expert
 def test_static_forward_makes_no_host_sync(request, family: str, cache: str) -> None:
     """A built bucket's forward (the inputs copied in, the model's call), and the cache's block-start refresh, ask the
-    host for nothing, left padding and batch rows or not: a CUDA graph can hold them. ``to_cpu`` is left out: on a CPU run the model's ``.to(device)`` moves are counted
-    (to the CPU), on a GPU they stay on the device and are no-ops."""
+    host for nothing, left padding and batch rows or not: a CUDA graph can hold them. ``to_cpu`` is left out: on a
+    CPU run the model's ``.to(device)`` moves are counted (to the CPU), on a GPU they stay on the device and are
+    no-ops."""
     model = request.getfixturevalue(family)
     for ids, am in ((torch.tensor([[5, 6, 7, 8]]), None), left_pad(ragged_prompts([4, 2]))):
         s = make_session(model, ids, attention_mask=am, **_kw(cache, 0.0, 0, family))

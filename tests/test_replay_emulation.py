@@ -157,7 +157,8 @@ def _batches(pair_dirs, methods: list[str], accept: str, temperature: float) -> 
 
 
 @pytest.mark.parametrize("methods,accept,temperature", [
-    (["ddtree", "dflash"], "coupled", 0.0), (["dflash", "ddtree"], "rejection", 0.9), (["ar", "ddtree"], "coupled", 0.7)])
+    (["ddtree", "dflash"], "coupled", 0.0), (["dflash", "ddtree"], "rejection", 0.9),
+    (["ar", "ddtree"], "coupled", 0.7)])
 def test_captured_ar_rows_equal_eager_under_replays(pair_dirs, methods, accept, temperature):
     """The captured AR path, its buckets replayed as a GPU replays them (rows of two batch sizes in turn: buckets of
     the same steps recorded apart), gives the tokens and acceptance lengths of its own eager-step run."""

@@ -90,8 +90,9 @@ def dllm_exactness(model: torch.nn.Module, device: torch.device, small: bool, in
 def ar_exactness(target: torch.nn.Module, drafter: torch.nn.Module, device: torch.device, small: bool,
                  invariant: bool) -> dict[str, Any]:
     """DFlash and DDTree@16 vs AR (one prompt, greedy), and DFlash batched rows vs alone; AR and DDTree@16 timed on
-    the captured path too (``compile=True``, after two calls: one builds the buckets, one records them), with whether its tokens are the
-    eager path's (``captured_equals_eager``: informative; bfloat16 kernels chosen by shape may round otherwise)."""
+    the captured path too (``compile=True``, after two calls: one builds the buckets, one records them), with whether
+    its tokens are the eager path's (``captured_equals_eager``: informative; bfloat16 kernels chosen by shape may round
+    otherwise)."""
     new = 16 if small else 32
     vocab = int(target.get_input_embeddings().weight.shape[0])
     prompts = _prompts(vocab, (5, 8) if small else (48, 64), seed=1)
